@@ -1,0 +1,28 @@
+# The two commands of the README: `make demo` (the main job) and `make test`.
+# Both create .venv on first use and install opttx into it. torch is pinned here (a CPU build
+# on our machines); pyproject.toml keeps a range for users. Override with TORCH_SPEC=...
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: demo test bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test,bench]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/python -m opttx.bench
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q
+
+bench: $(VENV)/.installed
+	$(BIN)/python benchmarks/step_time.py
+
+clean:
+	rm -rf $(VENV) report .pytest_cache .hypothesis

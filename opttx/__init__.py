@@ -1,0 +1,46 @@
+"""opttx: Optax's functional optimizer design for PyTorch.
+
+An optimizer is a `GradientTransformation` — a pair of pure functions ``init(params)`` and
+``update(updates, state, params)`` over pytrees of tensors — composed from small transforms
+with `chain`. Every transform compiles inside one ``torch.compile(fullgraph=True)`` train
+step; `Optimizer` runs any of them as a drop-in ``torch.optim.Optimizer``.
+
+Example:
+  >>> import opttx
+  >>> tx = opttx.chain(opttx.clip_by_global_norm(1.0), opttx.adamw(3e-4, weight_decay=0.1))
+  >>> state = tx.init(params)
+  >>> updates, state = tx.update(grads, state, params)
+  >>> params = opttx.apply_updates(params, updates)
+"""
+
+from . import schedules, transforms, tree
+from .aliases import adagrad, adam, adamw, lion, nadam, rmsprop, sgd
+from .base import (EmptyState, GradientTransformation, apply_updates, apply_updates_, identity,
+                   set_to_zero, stateless, stateless_with_tree_map)
+from .combine import (MaskedState, PartitionState, chain, freeze, masked, multi_transform,
+                      named_chain, partition)
+from .optim import Optimizer
+from .schedules import (constant_schedule, cosine_decay_schedule, exponential_decay,
+                        join_schedules, linear_schedule, piecewise_constant_schedule,
+                        polynomial_schedule, warmup_constant_schedule,
+                        warmup_cosine_decay_schedule, warmup_stable_decay_schedule)
+from .transforms import *  # noqa: F401,F403  (the public transforms and their states)
+from .transforms import __all__ as _transforms_all
+from .tree import MaskedNode, donating, tree_copy_
+from .wrappers import (ApplyIfFiniteState, InjectHyperparamsState, MultiSteps, MultiStepsState,
+                       apply_if_finite, inject_hyperparams, set_hyperparams_)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ApplyIfFiniteState", "EmptyState", "GradientTransformation", "InjectHyperparamsState",
+    "MaskedNode", "MaskedState", "MultiSteps", "MultiStepsState", "Optimizer",
+    "PartitionState", "adagrad", "adam", "adamw", "apply_if_finite", "apply_updates",
+    "apply_updates_", "chain", "constant_schedule", "cosine_decay_schedule", "donating",
+    "exponential_decay", "freeze", "identity", "inject_hyperparams", "join_schedules",
+    "linear_schedule", "lion", "masked", "multi_transform", "nadam", "named_chain", "partition",
+    "piecewise_constant_schedule", "polynomial_schedule", "rmsprop", "schedules",
+    "set_hyperparams_", "set_to_zero", "sgd", "stateless", "stateless_with_tree_map",
+    "transforms", "tree", "tree_copy_", "warmup_constant_schedule",
+    "warmup_cosine_decay_schedule", "warmup_stable_decay_schedule", *_transforms_all,
+]

@@ -1,0 +1,231 @@
+"""The transform contract: `GradientTransformation`, the trivial transforms, applying updates,
+and the reduction hook through which layer-wise statistics become sharding-aware."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal, NamedTuple, Protocol
+
+import torch
+
+from ._checks import check_floating
+from .tree import (MaskedNode, PyTree, assert_same_structure, tree_flatten, tree_leaves,
+                   tree_map, tree_unflatten)
+
+Params = PyTree
+Updates = PyTree
+State = PyTree
+
+__all__ = [
+    "EmptyState",
+    "GradientTransformation",
+    "Params",
+    "REDUCER_KEY",
+    "State",
+    "Updates",
+    "apply_updates",
+    "apply_updates_",
+    "identity",
+    "reduce_statistics",
+    "require_params",
+    "safe_increment",
+    "set_to_zero",
+    "stateless",
+    "stateless_with_tree_map",
+    "zero_count",
+]
+
+
+class TransformInitFn(Protocol):
+    def __call__(self, params: Params) -> State: ...
+
+
+class TransformUpdateFn(Protocol):
+    def __call__(self, updates: Updates, state: State, params: Params | None = None,
+                 **extra_args: Any) -> tuple[Updates, State]: ...
+
+
+class GradientTransformation(NamedTuple):
+    """A pair of pure functions: ``init(params) -> state`` and
+    ``update(updates, state, params=None, **extra_args) -> (updates, new_state)``.
+
+    ``update`` never mutates its inputs (see `opttx.tree.donating` for the one, opt-in,
+    exception that saves memory). ``extra_args`` are passed down a chain to every link, so a
+    transform must accept and ignore the ones it does not know.
+    """
+
+    init: TransformInitFn
+    update: TransformUpdateFn
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transform."""
+
+
+def identity() -> GradientTransformation:
+    """Leave updates unchanged.
+
+    Example:
+      >>> tx = opttx.chain(opttx.identity(), opttx.sgd(0.1))   # same as opttx.sgd(0.1)
+    """
+
+    def init(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(updates: Updates, state: EmptyState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, EmptyState]:
+        del params, extra_args
+        return updates, state
+
+    return GradientTransformation(init, update)
+
+
+def set_to_zero() -> GradientTransformation:
+    """Replace every update by zeros (the parameters do not move); used by `opttx.freeze`."""
+
+    def init(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(updates: Updates, state: EmptyState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, EmptyState]:
+        del params, extra_args
+        return tree_map(torch.zeros_like, updates), state
+
+    return GradientTransformation(init, update)
+
+
+def stateless(fn: Callable[[Updates, Params | None], Updates]) -> GradientTransformation:
+    """A transform from a function ``fn(updates, params) -> updates`` of the whole tree.
+
+    Example:
+      >>> halve = opttx.stateless(lambda u, p: opttx.tree_map(lambda g: g / 2, u))
+    """
+
+    def init(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(updates: Updates, state: EmptyState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, EmptyState]:
+        del extra_args
+        return fn(updates, params), state
+
+    return GradientTransformation(init, update)
+
+
+def stateless_with_tree_map(fn: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+                            ) -> GradientTransformation:
+    """A transform applying ``fn(update_leaf, param_leaf)`` to every leaf (``param_leaf`` is
+    None when no params are given)."""
+
+    def tree_fn(updates: Updates, params: Params | None) -> Updates:
+        if params is None:
+            return tree_map(lambda u: fn(u, None), updates)
+        return tree_map(fn, updates, params)
+
+    return stateless(tree_fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# applying updates
+# ---------------------------------------------------------------------------------------------
+
+
+def _paired_leaves(params: Params, updates: Updates) -> tuple[list, list, Any]:
+    p_leaves, spec = tree_flatten(params)
+    u_leaves = tree_leaves(updates)
+    if len(p_leaves) != len(u_leaves):
+        assert_same_structure(params, updates, "params and updates")
+    return p_leaves, u_leaves, spec
+
+
+def apply_updates(params: Params, updates: Updates) -> Params:
+    """``params + updates``, leaf by leaf, as a new tree (pure).
+
+    Updates are cast to each parameter's dtype. One grouped kernel for all leaves.
+
+    Example:
+      >>> updates, state = tx.update(grads, state, params)
+      >>> params = opttx.apply_updates(params, updates)
+    """
+    p_leaves, u_leaves, spec = _paired_leaves(params, updates)
+    u_leaves = [u.to(p.dtype) for p, u in zip(p_leaves, u_leaves)]
+    return tree_unflatten(list(torch._foreach_add(p_leaves, u_leaves)) if p_leaves else [],
+                          spec)
+
+
+@torch.no_grad()
+def apply_updates_(params: Params, updates: Updates) -> Params:
+    """``params += updates`` in place (also on ``nn.Parameter`` leaves); returns ``params``.
+
+    In a compiled step the write lowers to an in-place update of the graph's inputs.
+    """
+    p_leaves, u_leaves, _ = _paired_leaves(params, updates)
+    if p_leaves:
+        u_leaves = [u.to(p.dtype) for p, u in zip(p_leaves, u_leaves)]
+        torch._foreach_add_(p_leaves, u_leaves)
+    return params
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers shared by transforms
+# ---------------------------------------------------------------------------------------------
+
+
+def zero_count(params: Params) -> torch.Tensor:
+    """A 0-dim int32 step counter on the device of the first parameter."""
+    leaves = [x for x in tree_leaves(params) if isinstance(x, torch.Tensor)]
+    device = leaves[0].device if leaves else torch.device("cpu")
+    return torch.zeros((), dtype=torch.int32, device=device)
+
+
+def safe_increment(count: torch.Tensor) -> torch.Tensor:
+    """``count + 1``, saturating at the largest value of its dtype instead of wrapping."""
+    limit = torch.iinfo(count.dtype).max
+    return torch.where(count < limit, count + 1, count)
+
+
+def require_params(params: Params | None, name: str) -> Params:
+    """Raise a clear error when a transform that reads the parameters got none."""
+    if params is None:
+        raise ValueError(f"{name} needs the current parameters: call "
+                         f"tx.update(updates, state, params) with params.")
+    return params
+
+
+def check_init_params(params: Params) -> None:
+    """Common checks of the tree given to ``init``: floating-point tensor leaves only."""
+    check_floating(params)
+
+
+# ---------------------------------------------------------------------------------------------
+# the reduction hook (DESIGN.md rule 6)
+# ---------------------------------------------------------------------------------------------
+
+REDUCER_KEY = "opttx_reducer"
+"""The key of ``extra_args`` under which `opttx.distributed` passes its reducer."""
+
+ReduceOp = Literal["sum", "max"]
+
+
+def reduce_statistics(partials: PyTree, extra_args: dict[str, Any], op: ReduceOp = "sum",
+                      dims: PyTree | None = None) -> PyTree:
+    """Step (b) of every layer-wise reduction: combine local partial statistics over shards.
+
+    ``partials`` is a tree with the structure of the updates (`MaskedNode` where a leaf is
+    absent) whose leaves are the *local* partial statistics of each leaf (a sum of squares, a
+    row sum, ...). ``dims`` gives, per leaf, the tuple of the leaf's dims that the statistic
+    was reduced over (None: all of them). On unsharded leaves this is the identity; under
+    `opttx.distributed.sharded` the reducer passed in ``extra_args[REDUCER_KEY]`` turns it into
+    collectives over the process groups that shard those dims, batched over all leaves.
+    """
+    reducer = extra_args.get(REDUCER_KEY)
+    if reducer is None:
+        return partials
+    return reducer(partials, op=op, dims=dims)
+
+
+def is_masked(x: Any) -> bool:
+    """Whether ``x`` is a `MaskedNode` placeholder."""
+    return isinstance(x, MaskedNode)

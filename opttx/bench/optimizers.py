@@ -1,0 +1,47 @@
+"""Which optimizers the benchmark runs, and with which hyper-parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import opttx
+
+DEFAULT_OPTIMIZERS = ("adamw", "adafactor", "came", "lamb", "galore_adamw", "adamw_8bit", "shampoo", "adalomo")
+
+# Keyword arguments per optimizer alias, chosen (not tuned) for the tiny byte-level
+# GPT with its default size.  Only ``learning_rate`` is passed where the alias's
+# other defaults are sensible.  Relative-step methods (Adafactor, AdaLomo, LAMB)
+# scale updates by parameter norms and therefore take larger rates.
+HYPERPARAMS: dict[str, dict[str, Any]] = {
+    "sgd": {"learning_rate": 0.1, "momentum": 0.9},
+    "adam": {"learning_rate": 3e-3},
+    "adamw": {"learning_rate": 3e-3},
+    "nadam": {"learning_rate": 3e-3},
+    "adagrad": {"learning_rate": 3e-2},
+    "rmsprop": {"learning_rate": 1e-3},
+    "lion": {"learning_rate": 3e-4},
+    "adafactor": {"learning_rate": 1e-2},
+    "came": {"learning_rate": 2e-3},
+    "lamb": {"learning_rate": 1e-2},
+    "galore_adamw": {"learning_rate": 3e-3},
+    "adamw_8bit": {"learning_rate": 3e-3},
+    "shampoo": {"learning_rate": 1e-3},
+    "adalomo": {"learning_rate": 1e-2},
+}
+FALLBACK_HYPERPARAMS: dict[str, Any] = {"learning_rate": 1e-3}
+
+
+def split_available(names: list[str]) -> tuple[list[str], list[str]]:
+    """Partition ``names`` into those that ``opttx`` provides and those it lacks."""
+    present = [n for n in names if hasattr(opttx, n)]
+    return present, [n for n in names if n not in present]
+
+
+def hyperparams(name: str) -> dict[str, Any]:
+    """Keyword arguments used to build optimizer ``name``."""
+    return dict(HYPERPARAMS.get(name, FALLBACK_HYPERPARAMS))
+
+
+def build(name: str) -> Any:
+    """Build the ``opttx`` gradient transformation named ``name``."""
+    return getattr(opttx, name)(**hyperparams(name))

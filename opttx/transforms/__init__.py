@@ -1,0 +1,19 @@
+"""Pure gradient transformations, one file per family."""
+
+from .clipping import (ZeroNansState, clip, clip_by_block_rms, clip_by_global_norm,
+                       global_norm, zero_nans)
+from .moments import (EmaState, ScaleByAdamState, ScaleByLionState, ScaleByNadamState,
+                      ScaleByRmsState, ScaleByRssState, ScaleByStddevState, TraceState, ema,
+                      scale_by_adam, scale_by_lion, scale_by_nadam, scale_by_rms, scale_by_rss,
+                      scale_by_stddev, trace)
+from .scaling import (ScaleByScheduleState, add_decayed_weights, scale, scale_by_learning_rate,
+                      scale_by_schedule, scale_by_sign)
+
+__all__ = [
+    "EmaState", "ScaleByAdamState", "ScaleByLionState", "ScaleByNadamState", "ScaleByRmsState",
+    "ScaleByRssState", "ScaleByScheduleState", "ScaleByStddevState", "TraceState",
+    "ZeroNansState", "add_decayed_weights", "clip", "clip_by_block_rms", "clip_by_global_norm",
+    "ema", "global_norm", "scale", "scale_by_adam", "scale_by_learning_rate", "scale_by_lion",
+    "scale_by_nadam", "scale_by_rms", "scale_by_rss", "scale_by_schedule", "scale_by_sign",
+    "scale_by_stddev", "trace", "zero_nans",
+]

@@ -1,0 +1,157 @@
+"""Clipping transforms: elementwise, by global norm, by block RMS, and NaN zeroing.
+
+The norm-based ones are layer-wise reductions written in the three steps of DESIGN.md rule 6:
+(a) local partial statistics of every leaf, (b) one call to `opttx.base.reduce_statistics`
+(a no-op unless the chain runs under `opttx.distributed.sharded`), (c) finish.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from .._checks import check_nonnegative, check_positive
+from ..base import (EmptyState, GradientTransformation, Params, Updates, check_init_params,
+                    reduce_statistics)
+from ..tree import PyTree, flatten_matching, tree_map, tree_unflatten
+
+__all__ = [
+    "ZeroNansState",
+    "clip",
+    "clip_by_block_rms",
+    "clip_by_global_norm",
+    "global_norm",
+    "zero_nans",
+]
+
+
+def _stateless(fn: Any) -> GradientTransformation:
+    def init(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(updates: Updates, state: EmptyState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, EmptyState]:
+        del params
+        return fn(updates, extra_args), state
+
+    return GradientTransformation(init, update)
+
+
+def clip(max_delta: float) -> GradientTransformation:
+    r"""Clamp every element of the updates to :math:`[-\delta, \delta]`."""
+    check_nonnegative("max_delta", max_delta)
+
+    def clip_fn(updates: Updates, extra_args: dict) -> Updates:
+        del extra_args
+        spec, g = flatten_matching(updates)
+        if not g:
+            return updates
+        out = torch._foreach_maximum(g, -max_delta)
+        torch._foreach_minimum_(out, max_delta)
+        return tree_unflatten(list(out), spec)
+
+    return _stateless(clip_fn)
+
+
+def _sum_of_squares(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-leaf local sum of squares in fp32 (fp64 for fp64 leaves)."""
+    if not leaves:
+        return []
+    dtype = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
+    norms = torch._foreach_norm(leaves, 2, dtype=dtype)
+    return list(torch._foreach_mul(norms, norms))
+
+
+def global_norm(updates: PyTree, extra_args: dict[str, Any] | None = None) -> torch.Tensor:
+    r"""The L2 norm of all leaves together, :math:`\sqrt{\sum_\ell \lVert g_\ell \rVert^2}`,
+    reduced over shards when run under `opttx.distributed.sharded`."""
+    spec, g = flatten_matching(updates)
+    partials = _sum_of_squares(g)                                            # (a)
+    partials = reduce_statistics(tree_unflatten(partials, spec), extra_args or {})  # (b)
+    flat = flatten_matching(partials)[1]
+    if not flat:
+        return torch.zeros(())
+    return torch.sqrt(torch.stack(flat).sum())                               # (c)
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    r"""Scale all updates down together when their global norm exceeds ``max_norm``.
+
+    .. math::
+        u_t = g_t \cdot \min\!\left(1, \frac{c}{\lVert g_t \rVert_2}\right)
+
+    with the norm over all leaves (as ``optax.clip_by_global_norm``; torch's
+    ``clip_grad_norm_`` adds 1e-6 to the norm).
+
+    References:
+      Pascanu, Mikolov and Bengio, ICML 2013.
+    """
+    check_positive("max_norm", max_norm)
+
+    def clip_fn(updates: Updates, extra_args: dict) -> Updates:
+        spec, g = flatten_matching(updates)
+        if not g:
+            return updates
+        norm = global_norm(updates, extra_args)
+        factor = torch.where(norm < max_norm, torch.ones_like(norm), max_norm / norm)
+        return tree_unflatten(list(torch._foreach_mul(g, factor)), spec)
+
+    return _stateless(clip_fn)
+
+
+def clip_by_block_rms(threshold: float) -> GradientTransformation:
+    r"""Clip every leaf (block) to a root mean square of at most ``threshold``.
+
+    .. math::
+        u = g / \max\!\left(1, \mathrm{RMS}(g) / d\right)
+
+    This is Adafactor's update clipping (``clip_by_block_rms`` in optax).
+
+    References:
+      Shazeer and Stern, Adafactor (arXiv 1804.04235).
+    """
+    check_positive("threshold", threshold)
+
+    def clip_fn(updates: Updates, extra_args: dict) -> Updates:
+        spec, g = flatten_matching(updates)
+        if not g:
+            return updates
+        # (a) local sum of squares and element count of each leaf, one 2-vector per leaf
+        sums = _sum_of_squares(g)
+        partials = [torch.stack([s, torch.full_like(s, x.numel())]) for s, x in zip(sums, g)]
+        # (b) combine over shards
+        partials = flatten_matching(reduce_statistics(tree_unflatten(partials, spec),
+                                                      extra_args))[1]
+        # (c) finish
+        rms = [torch.sqrt(p[0] / p[1]) for p in partials]
+        denom = [torch.clamp(r / threshold, min=1.0) for r in rms]
+        return tree_unflatten(list(torch._foreach_div(g, denom)), spec)
+
+    return _stateless(clip_fn)
+
+
+class ZeroNansState(NamedTuple):
+    """State of `zero_nans`."""
+    found_nan: PyTree  # like params, 0-dim bool: whether the leaf's last update had a NaN
+
+
+def zero_nans() -> GradientTransformation:
+    """Replace NaNs in the updates by zeros, recording per leaf whether any were found."""
+
+    def init(params: Params) -> ZeroNansState:
+        check_init_params(params)
+        return ZeroNansState(found_nan=tree_map(
+            lambda p: torch.zeros((), dtype=torch.bool, device=p.device), params))
+
+    def update(updates: Updates, state: ZeroNansState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, ZeroNansState]:
+        del params, extra_args
+        spec, g, _ = flatten_matching(updates, state.found_nan)
+        nans = [torch.isnan(x) for x in g]
+        out = [torch.where(n, torch.zeros_like(x), x) for n, x in zip(nans, g)]
+        found = [n.any() for n in nans]
+        return tree_unflatten(out, spec), ZeroNansState(found_nan=tree_unflatten(found, spec))
+
+    return GradientTransformation(init, update)

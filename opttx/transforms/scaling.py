@@ -1,0 +1,160 @@
+"""Scaling transforms: constant factors, learning rates and schedules, weight decay, sign."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from .._checks import check_learning_rate, check_nonnegative, check_number
+from ..base import (EmptyState, GradientTransformation, Params, Updates, check_init_params,
+                    require_params, safe_increment, zero_count)
+from ..schedules import Schedule
+from ..tree import (PyTree, Scalar, cast_like, flatten_matching, foreach_axpy, mask_leaves,
+                    tree_unflatten)
+
+__all__ = [
+    "ScaleByScheduleState",
+    "add_decayed_weights",
+    "scale",
+    "scale_by_learning_rate",
+    "scale_by_schedule",
+    "scale_by_sign",
+]
+
+
+def _scaled(updates: Updates, factor: Scalar) -> Updates:
+    spec, g = flatten_matching(updates)
+    return tree_unflatten(list(torch._foreach_mul(g, factor)) if g else [], spec)
+
+
+def scale(step_size: float) -> GradientTransformation:
+    r"""Multiply updates by a constant: :math:`u_t = \alpha g_t`.
+
+    Example:
+      >>> tx = opttx.chain(opttx.scale_by_adam(), opttx.scale(-1e-3))
+    """
+    check_number("step_size", step_size)
+
+    def init(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(updates: Updates, state: EmptyState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, EmptyState]:
+        del params, extra_args
+        return _scaled(updates, step_size), state
+
+    return GradientTransformation(init, update)
+
+
+class ScaleByScheduleState(NamedTuple):
+    """State of `scale_by_schedule`."""
+    count: torch.Tensor  # shape (), int32: steps taken, the schedule's argument
+
+
+def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
+    r"""Multiply updates by ``step_size_fn(t)``, with ``t`` the 0-based step (as optax).
+
+    The schedule is evaluated from a 0-dim int tensor inside the graph, so a compiled step
+    does not recompile as it advances.
+
+    Example:
+      >>> tx = opttx.scale_by_schedule(opttx.cosine_decay_schedule(-1e-2, 1000))
+    """
+    if not callable(step_size_fn):
+        raise TypeError("step_size_fn must be a schedule: a function of the step count.")
+
+    def init(params: Params) -> ScaleByScheduleState:
+        return ScaleByScheduleState(count=zero_count(params))
+
+    def update(updates: Updates, state: ScaleByScheduleState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, ScaleByScheduleState]:
+        del params, extra_args
+        step_size = step_size_fn(state.count)
+        return (_scaled(updates, step_size),
+                ScaleByScheduleState(count=safe_increment(state.count)))
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_learning_rate(learning_rate: float | Schedule,
+                           *, flip_sign: bool = True) -> GradientTransformation:
+    r"""Multiply updates by :math:`-\eta` (a descent step), :math:`\eta` a number or schedule.
+
+    Args:
+      learning_rate: a number >= 0, a 0-dim tensor, or a schedule of the step count.
+      flip_sign: multiply by :math:`-\eta` (default) rather than :math:`\eta`.
+    """
+    check_learning_rate(learning_rate)
+    sign = -1 if flip_sign else 1
+    if callable(learning_rate):
+        return scale_by_schedule(lambda count: sign * learning_rate(count))
+    return scale(sign * learning_rate)
+
+
+def add_decayed_weights(weight_decay: float = 0.0,
+                        mask: PyTree | Callable[[Params], PyTree] | None = None
+                        ) -> GradientTransformation:
+    r"""Add the parameters times ``weight_decay`` to the updates: :math:`u_t = g_t + \lambda x_t`.
+
+    Placed before `scale_by_learning_rate` (as in `opttx.adamw`) this is decoupled weight decay
+    with the same numbers as ``torch.optim.AdamW`` (torch multiplies ``p`` by
+    :math:`1 - \eta\lambda` first). Placed before the scaling transform it is L2
+    regularisation, as torch.optim's ``weight_decay`` in SGD and Adam.
+
+    Args:
+      weight_decay: :math:`\lambda` >= 0.
+      mask: a tree of booleans like the params (or a function of the params returning one);
+        ``True`` where decay applies. Biases and norm scales are commonly excluded.
+
+    Example:
+      >>> mask = lambda p: {k: v.ndim > 1 for k, v in p.items()}
+      >>> tx = opttx.chain(opttx.scale_by_adam(), opttx.add_decayed_weights(1e-2, mask),
+      ...                  opttx.scale_by_learning_rate(1e-3))
+    """
+    check_nonnegative("weight_decay", weight_decay)
+
+    def init(params: Params) -> EmptyState:
+        check_init_params(params)
+        if mask is not None:
+            mask_leaves(mask, params)  # fail early on a malformed mask
+        return EmptyState()
+
+    def update(updates: Updates, state: EmptyState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, EmptyState]:
+        del extra_args
+        params = require_params(params, "add_decayed_weights")
+        spec, g, p = flatten_matching(updates, params, what="updates and params")
+        selected = mask_leaves(mask, params) if mask is not None else [True] * len(g)
+        idx = [i for i, keep in enumerate(selected) if keep]
+        if not idx:
+            return updates, state
+        decayed = foreach_axpy(weight_decay, cast_like([p[i] for i in idx], [g[i] for i in idx]),
+                               [g[i] for i in idx])
+        out = list(g)
+        for i, d in zip(idx, decayed):
+            out[i] = d
+        return tree_unflatten(out, spec), state
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_sign() -> GradientTransformation:
+    r"""Replace updates by their sign: :math:`u_t = \mathrm{sign}(g_t)` (signSGD).
+
+    References:
+      Bernstein et al., signSGD (arXiv 1802.04434).
+    """
+
+    def init(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(updates: Updates, state: EmptyState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, EmptyState]:
+        del params, extra_args
+        spec, g = flatten_matching(updates)
+        return tree_unflatten(list(torch._foreach_sign(g)) if g else [], spec), state
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,376 @@
+"""Pytree helpers shared by every transform.
+
+opttx uses torch's own pytree library (``torch.utils._pytree``) everywhere: it needs no extra
+dependency and Dynamo traces it under ``torch.compile(fullgraph=True)``. Lists, tuples, dicts,
+``OrderedDict`` and NamedTuples are containers; tensors are leaves.
+
+Two conventions differ from JAX and are worth knowing:
+
+* ``None`` is a *leaf* in torch's pytree. opttx never uses ``None`` to mark an absent leaf;
+  it uses `MaskedNode`, an empty container, so masked trees keep their structure.
+* The elementwise hot paths work on *lists of leaves* with ``torch._foreach_*`` kernels (one
+  call for a whole group of tensors), not on ``tree_map`` of per-leaf ops (DESIGN.md rule 4).
+
+The ``foreach_*`` helpers below take scalars that may be Python numbers or 0-dim tensors (a
+hyperparameter injected with `opttx.inject_hyperparams`, a bias correction computed from the
+step count), and honour *donation*: inside `donating` the helpers that update optimizer state
+write into the old state buffers instead of allocating new ones. Purity is the semantics;
+donation is how `opttx.Optimizer` and `apply_updates_` avoid doubling memory in eager mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
+
+import torch
+import torch.utils._pytree as _pytree
+
+PyTree = Any
+Scalar = float | int | torch.Tensor
+
+__all__ = [
+    "MaskedNode",
+    "PyTree",
+    "assert_same_structure",
+    "donating",
+    "is_donating",
+    "tree_cast",
+    "tree_cond",
+    "tree_copy_",
+    "tree_flatten",
+    "tree_flatten_with_path",
+    "tree_full_like",
+    "tree_leaves",
+    "tree_map",
+    "tree_paths",
+    "tree_structure",
+    "tree_unflatten",
+    "tree_zeros_like",
+]
+
+tree_map = _pytree.tree_map
+tree_leaves = _pytree.tree_leaves
+tree_flatten = _pytree.tree_flatten
+tree_unflatten = _pytree.tree_unflatten
+tree_structure = _pytree.tree_structure
+tree_flatten_with_path = _pytree.tree_flatten_with_path
+keystr = _pytree.keystr
+
+
+class MaskedNode(NamedTuple):
+    """An empty container standing where a leaf is masked out (see `opttx.masked`).
+
+    It has no children, so flattening a masked tree skips it and a transform never sees it,
+    while the tree keeps the structure of the full parameter tree.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# structure
+# ---------------------------------------------------------------------------------------------
+
+
+def tree_paths(tree: PyTree) -> list[str]:
+    """The path of every leaf of ``tree`` as a string such as ``['layers'][0].weight``."""
+    return [keystr(path) or "<root>" for path, _ in tree_flatten_with_path(tree)[0]]
+
+
+def _first_difference(a: PyTree, b: PyTree, path: str = "") -> str:
+    """Path and description of the first place where ``a`` and ``b`` differ in structure."""
+    a_leaf, b_leaf = _pytree._is_leaf(a), _pytree._is_leaf(b)
+    if a_leaf and b_leaf:
+        return ""
+    if a_leaf != b_leaf:
+        kinds = ("a leaf", "a container")
+        return f"{path or '<root>'}: {kinds[not a_leaf]} vs {kinds[not b_leaf]}"
+    a_children, a_ctx = _node_children(a)
+    b_children, b_ctx = _node_children(b)
+    if type(a) is not type(b) or a_ctx != b_ctx or len(a_children) != len(b_children):
+        return (f"{path or '<root>'}: {type(a).__name__} with keys {a_ctx!r} vs "
+                f"{type(b).__name__} with keys {b_ctx!r}")
+    for key, ca, cb in zip(_node_keys(a), a_children, b_children):
+        found = _first_difference(ca, cb, path + key)
+        if found:
+            return found
+    return ""
+
+
+def _node_children(node: Any) -> tuple[list, Any]:
+    handler = _pytree.SUPPORTED_NODES[_pytree._get_node_type(node)]
+    children, context = handler.flatten_fn(node)
+    return list(children), context
+
+
+def _node_keys(node: Any) -> list[str]:
+    handler = _pytree.SUPPORTED_NODES[_pytree._get_node_type(node)]
+    if handler.flatten_with_keys_fn is None:
+        return [f"[{i}]" for i in range(len(_node_children(node)[0]))]
+    entries, _ = handler.flatten_with_keys_fn(node)
+    return [keystr((k,)) for k, _ in entries]
+
+
+def assert_same_structure(a: PyTree, b: PyTree, what: str = "trees") -> None:
+    """Raise ``ValueError`` naming the first differing path if ``a`` and ``b`` differ."""
+    if tree_structure(a) == tree_structure(b):
+        return
+    where = _first_difference(a, b) or "<root>"
+    raise ValueError(f"The {what} have different structures; first difference at {where}. "
+                     "Pass updates, state and params built from the same parameter tree.")
+
+
+# ---------------------------------------------------------------------------------------------
+# building trees
+# ---------------------------------------------------------------------------------------------
+
+
+def tree_zeros_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
+    """A tree of zeros like ``tree`` (in ``dtype`` when given)."""
+    return tree_map(lambda x: torch.zeros_like(x, dtype=dtype), tree)
+
+
+def tree_full_like(tree: PyTree, value: float, dtype: torch.dtype | None = None) -> PyTree:
+    """A tree of constants like ``tree`` (in ``dtype`` when given)."""
+    return tree_map(lambda x: torch.full_like(x, value, dtype=dtype), tree)
+
+
+def tree_cast(tree: PyTree, dtype: torch.dtype | None) -> PyTree:
+    """Cast every floating leaf of ``tree`` to ``dtype`` (no-op when ``dtype`` is None)."""
+    if dtype is None:
+        return tree
+    return tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, tree)
+
+
+def state_dtype(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype of optimizer statistics for a leaf: ``dtype`` if given, else fp32 for
+    16-bit floats (DESIGN.md rule 3), else the leaf's own dtype."""
+    if dtype is not None:
+        return dtype
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return x.dtype
+
+
+def stats_like(tree: PyTree, dtype: torch.dtype | None = None, value: float = 0.0) -> PyTree:
+    """Statistics buffers like ``tree``: fp32 for 16-bit leaves unless ``dtype`` says otherwise."""
+    return tree_map(lambda x: torch.full_like(x, value, dtype=state_dtype(x, dtype)), tree)
+
+
+def tree_copy_(dst: PyTree, src: PyTree) -> PyTree:
+    """Copy every leaf of ``src`` into the matching leaf of ``dst`` in place; return ``dst``.
+
+    In a compiled step this is how new optimizer state lands in the old buffers: ``copy_`` into
+    graph inputs lowers to in-place writes, so the step does not hold two states.
+    """
+    dst_leaves, spec = tree_flatten(dst)
+    src_leaves = tree_leaves(src)
+    if len(dst_leaves) != len(src_leaves):
+        assert_same_structure(dst, src, "destination and source trees")
+    pairs = [(d, s) for d, s in zip(dst_leaves, src_leaves)
+             if isinstance(d, torch.Tensor) and d is not s]
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+    return dst
+
+
+# ---------------------------------------------------------------------------------------------
+# donation: in-place state updates when the caller gives up the old state
+# ---------------------------------------------------------------------------------------------
+
+_DONATE = [False]
+
+
+def is_donating() -> bool:
+    """Whether the caller has donated the old state buffers (see `donating`)."""
+    return _DONATE[0]
+
+
+@contextlib.contextmanager
+def donating(enabled: bool = True) -> Iterator[None]:
+    """Let transforms write their new state into the old state buffers.
+
+    Inside this context the caller promises not to use the state it passes to ``update``
+    again (it is replaced by the returned state, which then aliases the same storage). The
+    numbers are unchanged; only allocations are saved. ``donating(False)`` switches it off for
+    a block, as wrappers do that must keep the old state (`apply_if_finite`, `MultiSteps`).
+    """
+    previous = _DONATE[0]
+    _DONATE[0] = enabled
+    try:
+        yield
+    finally:
+        _DONATE[0] = previous
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped elementwise kernels
+# ---------------------------------------------------------------------------------------------
+
+Tensors = Sequence[torch.Tensor]
+
+
+def foreach_ema(old: Tensors, new: Tensors, decay: Scalar) -> list[torch.Tensor]:
+    """``decay * old + (1 - decay) * new`` for every pair; in place on ``old`` when donating.
+
+    Written as a ``lerp`` (one pass) when ``old`` and ``new`` share a dtype.
+    """
+    if not old:
+        return []
+    new = _match_dtypes(new, old)
+    weight = 1 - decay
+    if is_donating():
+        torch._foreach_lerp_(old, new, weight)
+        return list(old)
+    return list(torch._foreach_lerp(old, new, weight))
+
+
+def foreach_ema_sq(old: Tensors, new: Tensors, decay: Scalar) -> list[torch.Tensor]:
+    """``decay * old + (1 - decay) * new²`` for every pair; in place on ``old`` when donating."""
+    if not old:
+        return []
+    new = _match_dtypes(new, old)
+    out = _maybe_inplace(torch._foreach_mul, old, decay)
+    if isinstance(decay, torch.Tensor):
+        torch._foreach_add_(out, torch._foreach_mul(torch._foreach_mul(new, new), 1 - decay))
+    else:
+        torch._foreach_addcmul_(out, new, new, 1 - decay)
+    return out
+
+
+def foreach_accumulate_sq(old: Tensors, new: Tensors) -> list[torch.Tensor]:
+    """``old + new²`` for every pair; in place on ``old`` when donating."""
+    if not old:
+        return []
+    new = _match_dtypes(new, old)
+    if is_donating():
+        torch._foreach_addcmul_(old, new, new)
+        return list(old)
+    return list(torch._foreach_addcmul(old, new, new))
+
+
+def foreach_axpy(a: Scalar, x: Tensors, y: Tensors) -> list[torch.Tensor]:
+    """``a * x + y`` for every pair, as new tensors (``x`` and ``y`` are left untouched)."""
+    if not x:
+        return []
+    if isinstance(a, torch.Tensor):
+        return list(torch._foreach_add(y, torch._foreach_mul(x, a)))
+    return list(torch._foreach_add(y, x, alpha=a))
+
+
+def foreach_scale(x: Tensors, factor: Scalar) -> list[torch.Tensor]:
+    """``factor * x`` for every leaf, as new tensors."""
+    if not x:
+        return []
+    return list(torch._foreach_mul(x, factor))
+
+
+def _maybe_inplace(op: Callable, tensors: Tensors, *args: Any) -> list[torch.Tensor]:
+    if is_donating():
+        getattr(torch, op.__name__ + "_")(tensors, *args)
+        return list(tensors)
+    return list(op(tensors, *args))
+
+
+def _match_dtypes(tensors: Tensors, like: Tensors) -> list[torch.Tensor]:
+    return [t if t.dtype == l.dtype else t.to(l.dtype) for t, l in zip(tensors, like)]
+
+
+def cast_like(tensors: Tensors, like: Tensors) -> list[torch.Tensor]:
+    """``tensors`` each cast to the dtype of the matching tensor of ``like``."""
+    return _match_dtypes(tensors, like)
+
+
+def new_buffers(tensors: Tensors, fresh: Tensors) -> list[torch.Tensor]:
+    """Return ``fresh``, written into the buffers ``tensors`` when donating (state replaced by
+    values computed out of place, for example a running maximum or a where-select)."""
+    if is_donating() and tensors:
+        torch._foreach_copy_(list(tensors), list(fresh))
+        return list(tensors)
+    return list(fresh)
+
+
+# ---------------------------------------------------------------------------------------------
+# control flow that compiles
+# ---------------------------------------------------------------------------------------------
+
+
+def tree_cond(pred: torch.Tensor, true_fn: Callable, false_fn: Callable,
+              operands: tuple) -> Any:
+    """``true_fn(*operands)`` if ``pred`` else ``false_fn(*operands)``, graph-safe.
+
+    Under ``torch.compile`` this is ``torch.cond`` (one graph holds both branches, no
+    recompile when ``pred`` flips); outputs that are operands are cloned, as ``torch.cond``
+    forbids aliasing. In eager mode it is a Python branch on the value of ``pred``, so only one
+    branch runs. Both branches must return trees of the same structure, shapes and dtypes.
+    """
+    if not torch.compiler.is_compiling():
+        return true_fn(*operands) if bool(pred) else false_fn(*operands)
+
+    def no_alias(fn: Callable) -> Callable:
+        def branch(*args: Any) -> Any:
+            inputs = tree_leaves(args)
+            out = fn(*args)
+            return tree_map(lambda t: t.clone() if any(t is i for i in inputs) else t, out)
+        return branch
+
+    return torch.cond(pred, no_alias(true_fn), no_alias(false_fn), operands)
+
+
+def flatten_matching(updates: PyTree, *trees: PyTree, what: str = "updates and state"
+                     ) -> tuple[Any, list[torch.Tensor], ...]:
+    """Flatten ``updates`` and ``trees`` that must share its structure.
+
+    Returns ``(treespec, update_leaves, *leaves_of_each_tree)``; raises ``ValueError`` naming
+    the first differing path when a tree's structure differs.
+    """
+    leaves, spec = tree_flatten(updates)
+    out: list[Any] = [spec, leaves]
+    for tree in trees:
+        other, other_spec = tree_flatten(tree)
+        if other_spec != spec:
+            assert_same_structure(updates, tree, what)
+        out.append(other)
+    return tuple(out)
+
+
+def foreach_scale_add(old: Tensors, decay: Scalar, new: Tensors) -> list[torch.Tensor]:
+    """``decay * old + new`` for every pair; in place on ``old`` when donating."""
+    if not old:
+        return []
+    new = _match_dtypes(new, old)
+    out = _maybe_inplace(torch._foreach_mul, old, decay)
+    torch._foreach_add_(out, new)
+    return out
+
+
+def leaf_labels(labels: PyTree | Callable[[PyTree], PyTree], tree: PyTree,
+                what: str = "labels") -> list[Any]:
+    """Resolve per-leaf values given as a tree like ``tree`` (or a prefix of it, or a function
+    of ``tree`` returning one) to one value per leaf of ``tree``."""
+    if callable(labels):
+        labels = labels(tree)
+    spec = tree_structure(tree)
+    try:
+        flat = _pytree._broadcast_to_and_flatten(labels, spec)
+    except Exception:
+        flat = None
+    if flat is None:
+        where = _first_difference(labels, tree) or "the structures differ"
+        raise ValueError(f"The {what} do not match the parameter tree: {where}. Give one "
+                         f"value per parameter leaf, in a tree of the same structure.")
+    return list(flat)
+
+
+def mask_leaves(mask: PyTree | Callable[[PyTree], PyTree], params: PyTree) -> list[bool]:
+    """Resolve a mask (a tree of Python booleans like ``params``, a prefix of it, or a function
+    of ``params`` returning one) to one boolean per leaf of ``params``.
+
+    Masks are static: they decide which leaves a transform touches, so they must be Python
+    booleans (from names and shapes), never tensors.
+    """
+    flat = leaf_labels(mask, params, "mask values")
+    for path, value in zip(tree_paths(params), flat):
+        if not isinstance(value, bool):
+            raise TypeError(f"mask{path} is {type(value).__name__}; masks hold Python booleans "
+                            "(decided from names and shapes), not tensors.")
+    return flat

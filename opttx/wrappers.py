@@ -1,0 +1,317 @@
+"""Wrappers: `inject_hyperparams`, `apply_if_finite`, `MultiSteps`."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from ._checks import check_positive_int
+from .base import (GradientTransformation, Params, State, Updates, safe_increment, zero_count)
+from .tree import (PyTree, flatten_matching, foreach_axpy, stats_like, tree_cond, tree_leaves,
+                   tree_map, tree_unflatten)
+
+__all__ = [
+    "ApplyIfFiniteState",
+    "InjectHyperparamsState",
+    "MultiSteps",
+    "MultiStepsState",
+    "apply_if_finite",
+    "inject_hyperparams",
+    "set_hyperparams_",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# inject_hyperparams
+# ---------------------------------------------------------------------------------------------
+
+
+class InjectHyperparamsState(NamedTuple):
+    """State of a transform built with `inject_hyperparams`."""
+    count: torch.Tensor                 # shape (), int32: steps taken (the schedules' argument)
+    hyperparams: dict[str, torch.Tensor]  # name -> 0-dim tensor: current value of each
+    inner_state: State                  # the wrapped transform's state
+
+
+def _is_numeric(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0
+    return isinstance(value, (int, float))
+
+
+def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
+                       static_args: str | tuple[str, ...] = (),
+                       hyperparam_dtype: torch.dtype | None = None
+                       ) -> Callable[..., GradientTransformation]:
+    """Make the numeric hyperparameters of a transform part of its state.
+
+    ``inject_hyperparams(opttx.adamw)(learning_rate=1e-3, weight_decay=0.1)`` builds a
+    transform with the same numbers as ``opttx.adamw(1e-3, weight_decay=0.1)`` whose
+    learning rate, betas, eps and weight decay live in ``state.hyperparams`` as 0-dim tensors.
+    Changing them between steps (`set_hyperparams_`, or a torch LR scheduler driving
+    `opttx.Optimizer`) does not rebuild anything from Python floats and does not recompile a
+    compiled step. Hyperparameters given as schedules are evaluated at every step from the
+    count and their current value is stored in the state too (handy for logging).
+
+    Args:
+      inner_factory: a function returning a `GradientTransformation` (an alias or transform).
+      static_args: names of arguments to keep as Python values (booleans, ints that decide
+        shapes or control flow, dtypes and masks are kept anyway).
+      hyperparam_dtype: dtype of floating hyperparameters (default float32; ints stay int64).
+
+    Example:
+      >>> tx = opttx.inject_hyperparams(opttx.adamw)(learning_rate=1e-3)
+      >>> state = tx.init(params)
+      >>> opttx.set_hyperparams_(state, learning_rate=3e-4)   # in place; no recompile
+    """
+    static = (static_args,) if isinstance(static_args, str) else tuple(static_args)
+    signature = inspect.signature(inner_factory)
+
+    def wrapped(*args: Any, **kwargs: Any) -> GradientTransformation:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        schedules, numeric, other = {}, {}, {}
+        for name, value in bound.arguments.items():
+            if name in static or isinstance(value, bool):
+                other[name] = value
+            elif callable(value) and not isinstance(value, GradientTransformation):
+                schedules[name] = value
+            elif _is_numeric(value):
+                numeric[name] = value
+            else:
+                other[name] = value
+        inner_factory(**bound.arguments)  # validate the values once, at construction
+
+        def as_tensor(value: Any, device: torch.device) -> torch.Tensor:
+            if isinstance(value, torch.Tensor):
+                return value.detach().clone().to(device)
+            if isinstance(value, int):
+                dtype = hyperparam_dtype or torch.int64
+            else:
+                dtype = hyperparam_dtype or torch.float32
+            return torch.tensor(value, dtype=dtype, device=device)
+
+        def evaluate_schedules(count: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {name: torch.as_tensor(fn(count)).to(hyperparam_dtype or torch.float32)
+                    for name, fn in schedules.items()}
+
+        def init(params: Params) -> InjectHyperparamsState:
+            count = zero_count(params)
+            hyperparams = {name: as_tensor(v, count.device) for name, v in numeric.items()}
+            hyperparams.update(evaluate_schedules(count))
+            inner = inner_factory(**other, **hyperparams)
+            return InjectHyperparamsState(count=count, hyperparams=hyperparams,
+                                          inner_state=inner.init(params))
+
+        def update(updates: Updates, state: InjectHyperparamsState,
+                   params: Params | None = None, **extra_args: Any
+                   ) -> tuple[Updates, InjectHyperparamsState]:
+            hyperparams = dict(state.hyperparams)
+            hyperparams.update(evaluate_schedules(state.count))
+            inner = inner_factory(**other, **hyperparams)
+            updates, inner_state = inner.update(updates, state.inner_state, params,
+                                                **extra_args)
+            return updates, InjectHyperparamsState(count=safe_increment(state.count),
+                                                   hyperparams=hyperparams,
+                                                   inner_state=inner_state)
+
+        return GradientTransformation(init, update)
+
+    wrapped.__doc__ = f"`{getattr(inner_factory, '__name__', 'transform')}` with its numeric " \
+                      "hyperparameters injected into the state (see opttx.inject_hyperparams)."
+    return wrapped
+
+
+def find_injected_states(state: PyTree) -> list[InjectHyperparamsState]:
+    """Every `InjectHyperparamsState` in ``state`` (outermost first)."""
+    found: list[InjectHyperparamsState] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, InjectHyperparamsState):
+            found.append(node)
+            walk(node.inner_state)
+        elif isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, (tuple, list)):
+            for v in node:
+                walk(v)
+
+    walk(state)
+    return found
+
+
+@torch.no_grad()
+def set_hyperparams_(state: PyTree, **values: float) -> None:
+    """Set injected hyperparameters in place (``fill_``), wherever in ``state`` they live.
+
+    Raises ``KeyError`` for a name no injected state holds. In place, so a compiled step that
+    takes ``state`` as input sees the new value without recompiling.
+    """
+    states = find_injected_states(state)
+    for name, value in values.items():
+        targets = [s.hyperparams[name] for s in states if name in s.hyperparams]
+        if not targets:
+            known = sorted({k for s in states for k in s.hyperparams})
+            raise KeyError(f"No injected hyperparameter {name!r}; the state holds {known}.")
+        for t in targets:
+            t.fill_(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# apply_if_finite
+# ---------------------------------------------------------------------------------------------
+
+
+class ApplyIfFiniteState(NamedTuple):
+    """State of `apply_if_finite`."""
+    notfinite_count: torch.Tensor  # shape (), int32: consecutive non-finite steps so far
+    last_finite: torch.Tensor      # shape (), bool: whether the last step's updates were finite
+    total_notfinite: torch.Tensor  # shape (), int32: non-finite steps skipped in total
+    inner_state: State             # the wrapped transform's state
+
+
+def all_finite(tree: PyTree) -> torch.Tensor:
+    """A 0-dim bool tensor: every element of every leaf is finite."""
+    leaves = tree_leaves(tree)
+    if not leaves:
+        return torch.ones((), dtype=torch.bool)
+    return torch.stack([torch.isfinite(x).all() for x in leaves]).all()
+
+
+def apply_if_finite(inner: GradientTransformation,
+                    max_consecutive_errors: int) -> GradientTransformation:
+    """Skip steps whose incoming updates hold an inf or NaN: zero updates, state kept.
+
+    After more than ``max_consecutive_errors`` consecutive bad steps the update is applied
+    anyway (so a run that has truly diverged is not silently frozen). Counts of skipped steps
+    are in the state. Under ``torch.compile`` the skip is a ``torch.cond`` in one graph.
+
+    Example:
+      >>> tx = opttx.apply_if_finite(opttx.adam(1e-3), max_consecutive_errors=5)
+    """
+    if not isinstance(max_consecutive_errors, int) or max_consecutive_errors < 0:
+        raise ValueError("max_consecutive_errors must be an integer >= 0, got "
+                         f"{max_consecutive_errors!r}.")
+
+    def init(params: Params) -> ApplyIfFiniteState:
+        zero = zero_count(params)
+        return ApplyIfFiniteState(notfinite_count=zero, last_finite=torch.ones_like(zero,
+                                  dtype=torch.bool), total_notfinite=zero.clone(),
+                                  inner_state=inner.init(params))
+
+    def update(updates: Updates, state: ApplyIfFiniteState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, ApplyIfFiniteState]:
+        finite = all_finite(updates).to(state.last_finite.device)
+        notfinite_count = torch.where(finite, torch.zeros_like(state.notfinite_count),
+                                      safe_increment(state.notfinite_count))
+        apply = finite | (notfinite_count > max_consecutive_errors)
+
+        def do_update(u: Updates, s: State) -> tuple[Updates, State]:
+            return inner.update(u, s, params, **extra_args)
+
+        def skip(u: Updates, s: State) -> tuple[Updates, State]:
+            return tree_map(torch.zeros_like, u), s
+
+        updates, inner_state = tree_cond(apply, do_update, skip, (updates, state.inner_state))
+        total = state.total_notfinite + (~finite).to(state.total_notfinite.dtype)
+        return updates, ApplyIfFiniteState(notfinite_count=notfinite_count, last_finite=finite,
+                                           total_notfinite=total, inner_state=inner_state)
+
+    return GradientTransformation(init, update)
+
+
+# ---------------------------------------------------------------------------------------------
+# MultiSteps
+# ---------------------------------------------------------------------------------------------
+
+
+class MultiStepsState(NamedTuple):
+    """State of `MultiSteps`."""
+    mini_step: torch.Tensor      # shape (), int32: mini-steps accumulated since the last update
+    gradient_step: torch.Tensor  # shape (), int32: inner updates made so far
+    inner_opt_state: State       # the wrapped transform's state
+    acc_grads: Updates           # like params (fp32 for 16-bit leaves): accumulated gradients
+
+
+class MultiSteps:
+    """Gradient accumulation: call the inner transform once every ``every_k_schedule`` calls.
+
+    Each call adds the gradient into one accumulator (a running mean with
+    ``use_grad_mean=True``, else a sum) and returns zero updates; the k-th call runs the inner
+    transform on the accumulated gradient and resets it. So ``MultiSteps(tx, k)`` over k
+    mini-batches equals one step of ``tx`` on the mean of their gradients, with the memory of
+    one accumulator. Under ``torch.compile`` the branch is a ``torch.cond`` (one graph).
+
+    Args:
+      opt: the inner transform.
+      every_k_schedule: k, an int >= 1, or a function of the number of inner updates so far
+        returning k as a 0-dim tensor.
+      use_grad_mean: average (default) rather than sum the mini-batch gradients.
+
+    Example:
+      >>> tx = opttx.MultiSteps(opttx.adamw(1e-3), every_k_schedule=4)
+      >>> state = tx.init(params)   # then call tx.update once per micro-batch
+    """
+
+    def __init__(self, opt: GradientTransformation, every_k_schedule: int | Callable,
+                 use_grad_mean: bool = True) -> None:
+        if not callable(every_k_schedule):
+            check_positive_int("every_k_schedule", every_k_schedule)
+        self.inner = opt
+        self.every_k_schedule = every_k_schedule
+        self.use_grad_mean = use_grad_mean
+
+    def _k(self, gradient_step: torch.Tensor) -> torch.Tensor | int:
+        if callable(self.every_k_schedule):
+            return self.every_k_schedule(gradient_step)
+        return self.every_k_schedule
+
+    def init(self, params: Params) -> MultiStepsState:
+        zero = zero_count(params)
+        return MultiStepsState(mini_step=zero, gradient_step=zero.clone(),
+                               inner_opt_state=self.inner.init(params),
+                               acc_grads=stats_like(params))
+
+    def update(self, updates: Updates, state: MultiStepsState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, MultiStepsState]:
+        spec, g, acc = flatten_matching(updates, state.acc_grads)
+        if self.use_grad_mean:
+            # acc + (g - acc) / (n + 1): a running mean in one buffer
+            weight = 1.0 / (state.mini_step + 1).to(torch.float64)
+            acc = list(torch._foreach_lerp(acc, [x.to(a.dtype) for x, a in zip(g, acc)],
+                                           weight.to(acc[0].dtype))) if acc else []
+        else:
+            acc = foreach_axpy(1.0, [x.to(a.dtype) for x, a in zip(g, acc)], acc)
+        emit = state.mini_step + 1 >= self._k(state.gradient_step)
+
+        def final(acc_tree: Updates, inner_state: State) -> tuple:
+            grads = tree_unflatten([a.to(x.dtype) for a, x in zip(tree_leaves(acc_tree), g)],
+                                   spec)
+            out, inner_state = self.inner.update(grads, inner_state, params, **extra_args)
+            return out, inner_state, tree_map(torch.zeros_like, acc_tree)
+
+        def accumulate(acc_tree: Updates, inner_state: State) -> tuple:
+            return tree_unflatten([torch.zeros_like(x) for x in g], spec), inner_state, acc_tree
+
+        out, inner_state, acc_tree = tree_cond(emit, final, accumulate,
+                                               (tree_unflatten(acc, spec),
+                                                state.inner_opt_state))
+        zero = torch.zeros_like(state.mini_step)
+        return out, MultiStepsState(
+            mini_step=torch.where(emit, zero, state.mini_step + 1),
+            gradient_step=torch.where(emit, safe_increment(state.gradient_step),
+                                      state.gradient_step),
+            inner_opt_state=inner_state, acc_grads=acc_tree)
+
+    def has_updated(self, state: MultiStepsState) -> torch.Tensor:
+        """Whether the last call ran the inner transform (0-dim bool)."""
+        return (state.mini_step == 0) & (state.gradient_step > 0)
+
+    def gradient_transformation(self) -> GradientTransformation:
+        """This accumulator as a plain `GradientTransformation`, for `chain` and friends."""
+        return GradientTransformation(self.init, self.update)
