@@ -181,8 +181,12 @@ _DONATE = [False]
 
 
 def is_donating() -> bool:
-    """Whether the caller has donated the old state buffers (see `donating`)."""
-    return _DONATE[0]
+    """Whether the caller has donated the old state buffers (see `donating`).
+
+    Always False while ``torch.compile`` traces: a compiled step is functional and its final
+    ``copy_`` into the inputs (`tree_copy_`) is what lowers to in-place writes.
+    """
+    return _DONATE[0] and not torch.compiler.is_compiling()
 
 
 @contextlib.contextmanager
@@ -209,6 +213,19 @@ def donating(enabled: bool = True) -> Iterator[None]:
 Tensors = Sequence[torch.Tensor]
 
 
+def foreach_op_(op: str, tensors: list[torch.Tensor], *args: Any) -> list[torch.Tensor]:
+    """``torch._foreach_<op>(tensors, *args)`` on *temporaries* the caller owns.
+
+    In eager mode it runs in place (no new allocation); under ``torch.compile`` out of place
+    (Inductor fuses it anyway, and in-place foreach ops are refused inside ``torch.cond``
+    branches). Returns the result list.
+    """
+    if torch.compiler.is_compiling():
+        return list(getattr(torch, f"_foreach_{op}")(tensors, *args))
+    getattr(torch, f"_foreach_{op}_")(tensors, *args)
+    return tensors
+
+
 def foreach_ema(old: Tensors, new: Tensors, decay: Scalar) -> list[torch.Tensor]:
     """``decay * old + (1 - decay) * new`` for every pair; in place on ``old`` when donating.
 
@@ -231,10 +248,8 @@ def foreach_ema_sq(old: Tensors, new: Tensors, decay: Scalar) -> list[torch.Tens
     new = _match_dtypes(new, old)
     out = _maybe_inplace(torch._foreach_mul, old, decay)
     if isinstance(decay, torch.Tensor):
-        torch._foreach_add_(out, torch._foreach_mul(torch._foreach_mul(new, new), 1 - decay))
-    else:
-        torch._foreach_addcmul_(out, new, new, 1 - decay)
-    return out
+        return foreach_op_("add", out, torch._foreach_mul(torch._foreach_mul(new, new), 1 - decay))
+    return foreach_op_("addcmul", out, new, new, 1 - decay)
 
 
 def foreach_accumulate_sq(old: Tensors, new: Tensors) -> list[torch.Tensor]:
@@ -298,22 +313,24 @@ def tree_cond(pred: torch.Tensor, true_fn: Callable, false_fn: Callable,
               operands: tuple) -> Any:
     """``true_fn(*operands)`` if ``pred`` else ``false_fn(*operands)``, graph-safe.
 
-    Under ``torch.compile`` this is ``torch.cond`` (one graph holds both branches, no
-    recompile when ``pred`` flips); outputs that are operands are cloned, as ``torch.cond``
-    forbids aliasing. In eager mode it is a Python branch on the value of ``pred``, so only one
-    branch runs. Both branches must return trees of the same structure, shapes and dtypes.
+    Both branches must return a tree with the structure of ``operands`` (same shapes and
+    dtypes in both branches). Under ``torch.compile`` this is ``torch.cond`` over the flat
+    leaves (one graph holds both branches and nothing recompiles when ``pred`` flips);
+    outputs that are operands are cloned, as ``torch.cond`` forbids aliasing. In eager mode it
+    is a Python branch on the value of ``pred``, so only one branch runs.
     """
     if not torch.compiler.is_compiling():
         return true_fn(*operands) if bool(pred) else false_fn(*operands)
+    leaves, spec = tree_flatten(operands)
 
-    def no_alias(fn: Callable) -> Callable:
-        def branch(*args: Any) -> Any:
-            inputs = tree_leaves(args)
-            out = fn(*args)
-            return tree_map(lambda t: t.clone() if any(t is i for i in inputs) else t, out)
+    def flat_branch(fn: Callable) -> Callable:
+        def branch(*flat: torch.Tensor) -> tuple:
+            out = tree_flatten(fn(*tree_unflatten(list(flat), spec)))[0]
+            return tuple(t.clone() if any(t is i for i in flat) else t for t in out)
         return branch
 
-    return torch.cond(pred, no_alias(true_fn), no_alias(false_fn), operands)
+    out = torch.cond(pred, flat_branch(true_fn), flat_branch(false_fn), tuple(leaves))
+    return tree_unflatten(list(out), spec)
 
 
 def flatten_matching(updates: PyTree, *trees: PyTree, what: str = "updates and state"
@@ -339,8 +356,7 @@ def foreach_scale_add(old: Tensors, decay: Scalar, new: Tensors) -> list[torch.T
         return []
     new = _match_dtypes(new, old)
     out = _maybe_inplace(torch._foreach_mul, old, decay)
-    torch._foreach_add_(out, new)
-    return out
+    return foreach_op_("add", out, new)
 
 
 def leaf_labels(labels: PyTree | Callable[[PyTree], PyTree], tree: PyTree,

@@ -289,18 +289,19 @@ class MultiSteps:
             acc = foreach_axpy(1.0, [x.to(a.dtype) for x, a in zip(g, acc)], acc)
         emit = state.mini_step + 1 >= self._k(state.gradient_step)
 
-        def final(acc_tree: Updates, inner_state: State) -> tuple:
+        zeros = tree_unflatten([torch.zeros_like(x) for x in g], spec)
+
+        def final(out: Updates, acc_tree: Updates, inner_state: State) -> tuple:
             grads = tree_unflatten([a.to(x.dtype) for a, x in zip(tree_leaves(acc_tree), g)],
                                    spec)
             out, inner_state = self.inner.update(grads, inner_state, params, **extra_args)
-            return out, inner_state, tree_map(torch.zeros_like, acc_tree)
+            return out, tree_map(torch.zeros_like, acc_tree), inner_state
 
-        def accumulate(acc_tree: Updates, inner_state: State) -> tuple:
-            return tree_unflatten([torch.zeros_like(x) for x in g], spec), inner_state, acc_tree
+        def accumulate(out: Updates, acc_tree: Updates, inner_state: State) -> tuple:
+            return out, acc_tree, inner_state
 
-        out, inner_state, acc_tree = tree_cond(emit, final, accumulate,
-                                               (tree_unflatten(acc, spec),
-                                                state.inner_opt_state))
+        out, acc_tree, inner_state = tree_cond(
+            emit, final, accumulate, (zeros, tree_unflatten(acc, spec), state.inner_opt_state))
         zero = torch.zeros_like(state.mini_step)
         return out, MultiStepsState(
             mini_step=torch.where(emit, zero, state.mini_step + 1),

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from .train import FINAL_LOSS_WINDOW, WARMUP_STEPS
+
 MB = 1024 * 1024
 
 Results = dict[str, dict[str, Any]]
@@ -86,8 +88,10 @@ def write_report(results: Results, out_dir: Path, settings: dict[str, Any]) -> l
         "Byte-level GPT trained on the Python standard library's source.",
         "## Results",
         markdown_table(results),
-        "Final train loss averages the last steps; held-out loss is measured on the held-out tail "
-        "of the corpus; step time excludes warm-up (and compilation) steps.",
+        f"Final train loss is the mean of the last {FINAL_LOSS_WINDOW} steps; held-out loss is the "
+        "mean over fixed windows of the corpus's held-out tail; step time and tokens/s exclude "
+        f"the first {WARMUP_STEPS} (warm-up and compilation) steps; optimizer state counts every "
+        "distinct tensor in the opttx state.",
         "## Settings",
         "\n".join(setting_lines),
         "## Hyper-parameters",

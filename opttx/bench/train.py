@@ -53,7 +53,7 @@ def eager_step(model: GPT, tx: Any) -> tuple[StepFn, Callable[[], Any]]:
         opt.zero_grad()
         return loss.detach()
 
-    return step, opt.state_dict
+    return step, lambda: opt.tx_states
 
 
 def compiled_step(model: GPT, tx: Any) -> tuple[StepFn, Callable[[], Any]]:
@@ -78,6 +78,7 @@ def compiled_step(model: GPT, tx: Any) -> tuple[StepFn, Callable[[], Any]]:
         opttx.tree_copy_(state, new_state)
         return loss
 
+    torch.compiler.reset()  # each optimizer compiles afresh, never against the recompile limit
     compiled = torch.compile(step, fullgraph=True)
     return (lambda x, y: compiled(params, state, x, y)), (lambda: state)
 

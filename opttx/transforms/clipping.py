@@ -14,7 +14,7 @@ import torch
 from .._checks import check_nonnegative, check_positive
 from ..base import (EmptyState, GradientTransformation, Params, Updates, check_init_params,
                     reduce_statistics)
-from ..tree import PyTree, flatten_matching, tree_map, tree_unflatten
+from ..tree import PyTree, flatten_matching, foreach_op_, tree_map, tree_unflatten
 
 __all__ = [
     "ZeroNansState",
@@ -48,9 +48,8 @@ def clip(max_delta: float) -> GradientTransformation:
         spec, g = flatten_matching(updates)
         if not g:
             return updates
-        out = torch._foreach_maximum(g, -max_delta)
-        torch._foreach_minimum_(out, max_delta)
-        return tree_unflatten(list(out), spec)
+        out = foreach_op_("minimum", list(torch._foreach_maximum(g, -max_delta)), max_delta)
+        return tree_unflatten(out, spec)
 
     return _stateless(clip_fn)
 

@@ -9,6 +9,7 @@ recompiles as the step advances and float64 training matches torch.optim to 1e-1
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -17,7 +18,7 @@ from .._checks import check_nonnegative, check_unit_interval
 from ..base import (GradientTransformation, Params, Updates, check_init_params,
                     safe_increment, zero_count)
 from ..tree import (Scalar, cast_like, flatten_matching, foreach_accumulate_sq, foreach_ema,
-                    foreach_ema_sq, foreach_scale_add, stats_like, tree_unflatten)
+                    foreach_ema_sq, foreach_op_, foreach_scale_add, stats_like, tree_unflatten)
 
 __all__ = [
     "EmaState",
@@ -37,6 +38,9 @@ __all__ = [
     "scale_by_stddev",
     "trace",
 ]
+
+
+_LOG_096 = math.log(0.96)
 
 
 def _float64(count: torch.Tensor) -> torch.Tensor:
@@ -214,8 +218,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
         if fast_path:
             # m̂ / (sqrt(v̂) + eps) == m / (sqrt(v) · bc1/sqrt(bc2) + eps · bc1): four passes.
             denom = list(torch._foreach_sqrt(nu))
-            torch._foreach_mul_(denom, bc1 / torch.sqrt(bc2))
-            torch._foreach_add_(denom, eps * bc1)
+            denom = foreach_op_("mul", denom, bc1 / torch.sqrt(bc2))
+            denom = foreach_op_("add", denom, eps * bc1)
             out = list(torch._foreach_div(cast_like(mu, nu), denom))
         else:
             if nesterov:
@@ -224,10 +228,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
                     torch._foreach_mul(cast_like(g, mu), (1 - b1) / bc1)))
             else:
                 mu_hat = _div_by(mu, bc1)
-            denom = _div_by(nu, bc2)
-            torch._foreach_add_(denom, eps_root)
-            torch._foreach_sqrt_(denom)
-            torch._foreach_add_(denom, eps)
+            denom = foreach_op_("add", _div_by(nu, bc2), eps_root)
+            denom = foreach_op_("add", foreach_op_("sqrt", denom), eps)
             out = list(torch._foreach_div(cast_like(mu_hat, nu), denom))
         return (tree_unflatten(cast_like(out, g), spec),
                 ScaleByAdamState(count=count, mu=tree_unflatten(mu, spec),
@@ -286,14 +288,14 @@ def scale_by_nadam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         count = safe_increment(state.count)
         t = _float64(count)
         b1_64 = b1.to(torch.float64) if isinstance(b1, torch.Tensor) else b1
-        mu_t = b1_64 * (1 - 0.5 * torch.pow(0.96, t * momentum_decay))
-        mu_next = b1_64 * (1 - 0.5 * torch.pow(0.96, (t + 1) * momentum_decay))
+        # 0.96^(t·ψ) written as exp(t·ψ·ln 0.96): a tensor expression with no Python-float base
+        mu_t = b1_64 * (1 - 0.5 * torch.exp(t * (momentum_decay * _LOG_096)))
+        mu_next = b1_64 * (1 - 0.5 * torch.exp((t + 1) * (momentum_decay * _LOG_096)))
         mu_product = state.mu_product * mu_t
         mu = foreach_ema(mu, g, b1)
         nu = foreach_ema_sq(nu, g, b2)
-        denom = _div_by(nu, debias_factor(b2, count))
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, eps)
+        denom = foreach_op_("sqrt", _div_by(nu, debias_factor(b2, count)))
+        denom = foreach_op_("add", denom, eps)
         grad_part = torch._foreach_mul(cast_like(g, nu), (1 - mu_t) / (1 - mu_product))
         mom_part = torch._foreach_mul(cast_like(mu, nu), mu_next / (1 - mu_product * mu_next))
         out = list(torch._foreach_div(torch._foreach_add(grad_part, mom_part), denom))
@@ -313,11 +315,9 @@ def _divide_by_root(g: list[torch.Tensor], stat: list[torch.Tensor], eps: Scalar
                     eps_in_sqrt: bool) -> list[torch.Tensor]:
     """``g / sqrt(stat + eps)`` or ``g / (sqrt(stat) + eps)``, in the dtype of ``stat``."""
     if eps_in_sqrt:
-        denom = list(torch._foreach_add(stat, eps))
-        torch._foreach_sqrt_(denom)
+        denom = foreach_op_("sqrt", list(torch._foreach_add(stat, eps)))
     else:
-        denom = list(torch._foreach_sqrt(stat))
-        torch._foreach_add_(denom, eps)
+        denom = foreach_op_("add", list(torch._foreach_sqrt(stat)), eps)
     return list(torch._foreach_div(cast_like(g, stat), denom))
 
 
@@ -505,8 +505,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99,
         del params, extra_args
         spec, g, mu = flatten_matching(updates, state.mu)
         g_mu = cast_like(g, mu)
-        direction = list(torch._foreach_lerp(mu, g_mu, 1 - b1))
-        torch._foreach_sign_(direction)
+        direction = foreach_op_("sign", list(torch._foreach_lerp(mu, g_mu, 1 - b1)))
         mu = foreach_ema(mu, g_mu, b2)
         return (tree_unflatten(cast_like(direction, g), spec),
                 ScaleByLionState(count=safe_increment(state.count),

@@ -1,0 +1,150 @@
+"""A whole train step — torch.func.grad_and_value over functional_call, tx.update,
+apply_updates — compiles with fullgraph=True to one graph and does not recompile over 10
+steps, for every alias with a warmup-cosine learning rate, and for the wrappers whose
+control flow depends on tensor values (torch.cond inside the graph)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch.func import functional_call, grad_and_value
+
+import opttx
+from opttx.testing import assert_trees_close
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test starts with empty compile caches (they are keyed by code object)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+SCHEDULE = opttx.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=3, decay_steps=10)
+
+ALIASES = {
+    "sgd": lambda lr: opttx.sgd(lr),
+    "sgd_nesterov": lambda lr: opttx.sgd(lr, momentum=0.9, nesterov=True),
+    "adam": lambda lr: opttx.adam(lr),
+    "adamw": lambda lr: opttx.adamw(lr, weight_decay=0.1,
+                                    mask=lambda p: {k: v.ndim > 1 for k, v in p.items()}),
+    "nadam": lambda lr: opttx.nadam(lr),
+    "nadam_torch": lambda lr: opttx.nadam(lr, momentum_decay=4e-3),
+    "adagrad": lambda lr: opttx.adagrad(lr),
+    "rmsprop": lambda lr: opttx.rmsprop(lr, centered=True, momentum=0.9),
+    "lion": lambda lr: opttx.lion(lr),
+    "clip_chain": lambda lr: opttx.chain(opttx.clip_by_global_norm(1.0),
+                                         opttx.clip_by_block_rms(1.0), opttx.adam(lr)),
+    "apply_if_finite": lambda lr: opttx.apply_if_finite(opttx.adam(lr), 3),
+    "multi_steps": lambda lr: opttx.MultiSteps(opttx.adam(lr), 2).gradient_transformation(),
+    "inject": lambda lr: opttx.inject_hyperparams(opttx.adamw)(learning_rate=lr),
+}
+
+
+def graphs_of(fn) -> int:
+    """Compiled graphs cached for ``fn``'s code: 1 means one graph and no recompile.
+
+    (A compile counter backend can be called twice for one graph when Dynamo restarts its
+    analysis to turn a Python scalar into a tensor; the cache holds what was kept.)
+    """
+    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def make_step(model: torch.nn.Module, tx: opttx.GradientTransformation):
+    def loss_fn(params, x, y):
+        return torch.nn.functional.mse_loss(functional_call(model, params, (x,)), y)
+
+    def step(params, state, x, y):
+        grads, loss = grad_and_value(loss_fn)(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return opttx.apply_updates(params, updates), state, loss
+
+    return step
+
+
+def batches(n: int):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen))
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("name", list(ALIASES))
+@torch._dynamo.config.patch(error_on_recompile=True)
+def test_train_step_is_one_graph_without_recompiles(name: str) -> None:
+    model = make_model()
+    tx = ALIASES[name](SCHEDULE)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = tx.init(params)
+    counter = CompileCounterWithBackend("aot_eager")
+    step = make_step(model, tx)
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    eager_params, eager_state = params, state
+    for x, y in batches(10):
+        params, state, _ = compiled(params, state, x, y)
+        eager_params, eager_state, _ = step(eager_params, eager_state, x, y)
+    assert counter.frame_count >= 1 and graphs_of(step) == 1, f"{name}: {graphs_of(step)} graphs"
+    assert_trees_close(params, eager_params, rtol=1e-5, what=f"{name} params")
+
+
+def test_changing_injected_hyperparameters_does_not_recompile() -> None:
+    model = make_model()
+    tx = opttx.inject_hyperparams(opttx.adamw)(learning_rate=1e-2, weight_decay=0.01)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = tx.init(params)
+    counter = CompileCounterWithBackend("aot_eager")
+    step = make_step(model, tx)
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    for i, (x, y) in enumerate(batches(6)):
+        opttx.set_hyperparams_(state, learning_rate=1e-2 / (i + 1), b1=0.9 - 0.1 * i)
+        params, state, _ = compiled(params, state, x, y)
+    assert counter.frame_count >= 1 and graphs_of(step) == 1
+    assert float(state.hyperparams["learning_rate"]) == pytest.approx(1e-2 / 6)
+
+
+def test_in_place_compiled_step_matches_eager() -> None:
+    """The in-place form (apply_updates_ and tree_copy_ on the inputs) used for real runs."""
+    model = make_model()
+    tx = opttx.adamw(SCHEDULE, weight_decay=0.1)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = tx.init(params)
+    ref_params, ref_state = dict(params), tx.init(params)
+    loss_fn = make_step(model, tx)
+
+    def step_(params, state, x, y):
+        new_params, new_state, loss = loss_fn(params, state, x, y)
+        opttx.tree_copy_(params, new_params)
+        opttx.tree_copy_(state, new_state)
+        return loss
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step_, backend=counter, fullgraph=True)
+    buffers = [t.data_ptr() for t in opttx.tree.tree_leaves((params, state))]
+    for x, y in batches(5):
+        compiled(params, state, x, y)
+        ref_params, ref_state, _ = loss_fn(ref_params, ref_state, x, y)
+    assert counter.frame_count >= 1 and graphs_of(step_) == 1
+    assert buffers == [t.data_ptr() for t in opttx.tree.tree_leaves((params, state))]
+    assert_trees_close(params, ref_params, rtol=1e-6)
+    assert_trees_close(state, ref_state, rtol=1e-6)
+
+
+def test_inductor_step_equals_eager() -> None:
+    """One small real Inductor compile: its numbers equal eager's."""
+    model = make_model()
+    tx = opttx.adamw(SCHEDULE, weight_decay=0.1)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    step = make_step(model, tx)
+    compiled = torch.compile(step, fullgraph=True)
+    p_c, s_c = params, tx.init(params)
+    p_e, s_e = params, tx.init(params)
+    for x, y in batches(3):
+        p_c, s_c, loss_c = compiled(p_c, s_c, x, y)
+        p_e, s_e, loss_e = step(p_e, s_e, x, y)
+    assert_trees_close(p_c, p_e, rtol=1e-5)
+    assert_trees_close(s_c, s_e, rtol=1e-5)
