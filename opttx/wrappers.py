@@ -61,7 +61,8 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
       inner_factory: a function returning a `GradientTransformation` (an alias or transform).
       static_args: names of arguments to keep as Python values (booleans, ints that decide
         shapes or control flow, dtypes and masks are kept anyway).
-      hyperparam_dtype: dtype of floating hyperparameters (default float32; ints stay int64).
+      hyperparam_dtype: dtype of floating hyperparameters (default float64, so that injected
+        values equal the Python floats they replace; ints stay int64).
 
     Example:
       >>> tx = opttx.inject_hyperparams(opttx.adamw)(learning_rate=1e-3)
@@ -92,11 +93,11 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
             if isinstance(value, int):
                 dtype = hyperparam_dtype or torch.int64
             else:
-                dtype = hyperparam_dtype or torch.float32
+                dtype = hyperparam_dtype or torch.float64
             return torch.tensor(value, dtype=dtype, device=device)
 
         def evaluate_schedules(count: torch.Tensor) -> dict[str, torch.Tensor]:
-            return {name: torch.as_tensor(fn(count)).to(hyperparam_dtype or torch.float32)
+            return {name: torch.as_tensor(fn(count)).to(hyperparam_dtype or torch.float64)
                     for name, fn in schedules.items()}
 
         def init(params: Params) -> InjectHyperparamsState:

@@ -1,0 +1,164 @@
+"""Laws of composition: identities that must hold for any transform and tree."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import opttx
+from opttx.testing import (assert_equivalent, assert_trees_close, gradient_stream, param_trees,
+                           run_transform)
+
+TRANSFORMS = {
+    "adamw": lambda: opttx.adamw(1e-2, weight_decay=0.1),
+    "sgd_momentum": lambda: opttx.sgd(0.1, momentum=0.9, nesterov=True),
+    "lion": lambda: opttx.lion(1e-3),
+    "rmsprop": lambda: opttx.rmsprop(1e-2, centered=True),
+    "clip_adam": lambda: opttx.chain(opttx.clip_by_global_norm(0.5), opttx.adam(1e-2)),
+}
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+@given(drawn=param_trees())
+def test_chain_with_identity_is_the_transform(name, drawn) -> None:
+    tx = TRANSFORMS[name]()
+    wrapped = opttx.chain(opttx.identity(), tx, opttx.identity())
+    grads = gradient_stream(drawn.tree, 5, seed=drawn.seed)
+    pa, sa = run_transform(wrapped, drawn.tree, grads)
+    pb, sb = run_transform(tx, drawn.tree, grads)
+    assert_trees_close(pa, pb, rtol=0.0)           # bitwise: identity adds no arithmetic
+    assert_trees_close(sa[1], sb, rtol=0.0)
+
+
+@given(drawn=param_trees(min_leaves=2), data=st.data())
+def test_masked_equals_partition_with_a_frozen_group(drawn, data) -> None:
+    keys = list(drawn.tree)
+    trained = data.draw(st.lists(st.sampled_from(keys), min_size=1, unique=True))
+    mask = {k: k in trained for k in keys}
+    inverse = {k: not v for k, v in mask.items()}
+    via_mask = opttx.chain(opttx.masked(opttx.adam(1e-2), mask), opttx.freeze(inverse))
+    via_partition = opttx.partition({True: opttx.adam(1e-2), False: opttx.set_to_zero()}, mask)
+    grads = gradient_stream(drawn.tree, 6, seed=drawn.seed)
+    pa, _ = run_transform(via_mask, drawn.tree, grads)
+    pb, _ = run_transform(via_partition, drawn.tree, grads)
+    assert_trees_close(pa, pb, rtol=0.0)
+    for k in keys:                      # the frozen leaves did not move
+        if not mask[k]:
+            assert torch.equal(pa[k], drawn.tree[k])
+
+
+def test_masked_leaves_pass_through_and_hold_no_state() -> None:
+    params = {"w": torch.ones(3, 2), "b": torch.ones(2)}
+    tx = opttx.masked(opttx.scale_by_adam(), {"w": True, "b": False})
+    state = tx.init(params)
+    assert isinstance(state.inner_state.mu["b"], opttx.MaskedNode)
+    grads = {"w": torch.full((3, 2), 2.0), "b": torch.full((2,), 3.0)}
+    updates, _ = tx.update(grads, state, params)
+    assert torch.equal(updates["b"], grads["b"])
+    assert torch.allclose(updates["w"], torch.ones(3, 2), rtol=1e-6)   # Adam's first step: ±1
+
+
+@pytest.mark.parametrize("factory,kwargs", [
+    (opttx.adamw, dict(learning_rate=1e-2, b1=0.8, weight_decay=0.05)),
+    (opttx.sgd, dict(learning_rate=0.1, momentum=0.9)),
+    (opttx.lion, dict(learning_rate=1e-3, weight_decay=0.1)),
+    (opttx.rmsprop, dict(learning_rate=1e-2, decay=0.95, momentum=0.5)),
+    (opttx.nadam, dict(learning_rate=1e-2, momentum_decay=4e-3)),
+])
+@given(drawn=param_trees(dtypes=(torch.float64,)))
+def test_inject_hyperparams_equals_the_plain_transform(factory, kwargs, drawn) -> None:
+    """Equal to float64 rounding (in float32, last-bit differences in the order of the
+    scalar arithmetic show up where a parameter crosses zero)."""
+    injected = opttx.inject_hyperparams(factory)(**kwargs)
+    assert_equivalent(injected, factory(**kwargs), drawn.tree, steps=10, rtol=1e-12,
+                      seed=drawn.seed)
+
+
+def test_inject_hyperparams_state_and_schedules() -> None:
+    params = {"w": torch.ones(2, 2)}
+    sched = opttx.linear_schedule(1.0, 0.0, 4)
+    tx = opttx.inject_hyperparams(opttx.sgd)(learning_rate=sched, momentum=0.5)
+    state = tx.init(params)
+    assert set(state.hyperparams) == {"learning_rate", "momentum"}
+    seen = []
+    for _ in range(3):
+        updates, state = tx.update({"w": torch.ones(2, 2)}, state, params)
+        seen.append(float(state.hyperparams["learning_rate"]))
+    assert seen == pytest.approx([1.0, 0.75, 0.5])
+    opttx.set_hyperparams_(state, momentum=0.0)
+    assert float(state.hyperparams["momentum"]) == 0.0
+    with pytest.raises(KeyError, match="b1"):
+        opttx.set_hyperparams_(state, b1=0.5)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@given(drawn=param_trees())
+def test_multisteps_equals_one_step_on_the_mean_gradient(k, drawn) -> None:
+    inner = opttx.adamw(1e-2, weight_decay=0.1)
+    multi = opttx.MultiSteps(inner, every_k_schedule=k)
+    micro = gradient_stream(drawn.tree, 3 * k, seed=drawn.seed)
+    params, state = drawn.tree, multi.init(drawn.tree)
+    for i, g in enumerate(micro):
+        updates, state = multi.update(g, state, params)
+        if (i + 1) % k:
+            assert all(torch.count_nonzero(u) == 0 for u in updates.values())
+            assert not bool(multi.has_updated(state))
+        else:
+            assert bool(multi.has_updated(state))
+        params = opttx.apply_updates(params, updates)
+    means = [{n: torch.stack([micro[j * k + i][n] for i in range(k)]).mean(0)
+              for n in drawn.tree} for j in range(3)]
+    expected, _ = run_transform(inner, drawn.tree, means)
+    assert_trees_close(params, expected, rtol=1e-5)
+    assert int(state.gradient_step) == 3
+
+
+def test_apply_if_finite_skips_and_keeps_state() -> None:
+    params = {"w": torch.ones(3), "b": torch.zeros(2)}
+    tx = opttx.apply_if_finite(opttx.adam(0.1), max_consecutive_errors=2)
+    good = {"w": torch.ones(3), "b": torch.ones(2)}
+    _, state = tx.update(good, tx.init(params), params)
+    before = opttx.tree.tree_map(torch.clone, state.inner_state)
+    for bad_value in (math.inf, math.nan):
+        bad = {"w": torch.tensor([1.0, bad_value, 1.0]), "b": torch.ones(2)}
+        updates, state = tx.update(bad, state, params)
+        assert all(torch.count_nonzero(u) == 0 for u in updates.values())
+        assert_trees_close(state.inner_state, before, rtol=0.0)
+        assert not bool(state.last_finite)
+    assert int(state.notfinite_count) == 2 and int(state.total_notfinite) == 2
+    # a third consecutive bad step exceeds max_consecutive_errors: it is applied
+    updates, state = tx.update({"w": torch.tensor([1.0, math.nan, 1.0]), "b": torch.ones(2)},
+                               state, params)
+    assert torch.isnan(updates["w"]).any()
+    assert int(state.total_notfinite) == 3
+    # a finite step resets the consecutive count
+    _, state = tx.update(good, state, params)
+    assert int(state.notfinite_count) == 0 and bool(state.last_finite)
+
+
+def test_apply_if_finite_equals_inner_on_finite_gradients() -> None:
+    params = {"w": torch.randn(4, 3, generator=torch.Generator().manual_seed(0))}
+    assert_equivalent(opttx.apply_if_finite(opttx.adamw(1e-2), 3), opttx.adamw(1e-2), params,
+                      steps=8, rtol=0.0)
+
+
+def test_named_chain_equals_chain() -> None:
+    params = {"w": torch.randn(4, 3, generator=torch.Generator().manual_seed(0))}
+    named = opttx.named_chain(("clip", opttx.clip_by_global_norm(1.0)),
+                              ("adam", opttx.adam(1e-2)))
+    plain = opttx.chain(opttx.clip_by_global_norm(1.0), opttx.adam(1e-2))
+    assert_equivalent(named, plain, params, steps=5, rtol=0.0)
+    assert set(named.init(params)) == {"clip", "adam"}
+
+
+def test_partition_routes_each_label() -> None:
+    params = {"w": torch.ones(3, 2), "b": torch.ones(2)}
+    labels = lambda p: {k: "matrix" if v.ndim > 1 else "vector" for k, v in p.items()}
+    tx = opttx.partition({"matrix": opttx.sgd(1.0), "vector": opttx.sgd(10.0)}, labels)
+    updates, _ = tx.update({"w": torch.ones(3, 2), "b": torch.ones(2)}, tx.init(params), params)
+    assert torch.equal(updates["w"], -torch.ones(3, 2))
+    assert torch.equal(updates["b"], -10 * torch.ones(2))
+    assert opttx.multi_transform is opttx.partition
