@@ -30,6 +30,7 @@ __all__ = [
     "safe_increment",
     "set_to_zero",
     "stateless",
+    "stateless_with_extra_args",
     "stateless_with_tree_map",
     "zero_count",
 ]
@@ -61,12 +62,10 @@ class EmptyState(NamedTuple):
     """The state of a stateless transform."""
 
 
-def identity() -> GradientTransformation:
-    """Leave updates unchanged.
-
-    Example:
-      >>> tx = opttx.chain(opttx.identity(), opttx.sgd(0.1))   # same as opttx.sgd(0.1)
-    """
+def stateless_with_extra_args(fn: Callable[[Updates, Params | None, dict[str, Any]], Updates]
+                              ) -> GradientTransformation:
+    """A transform from ``fn(updates, params, extra_args) -> updates``, for stateless
+    transforms that need the ``extra_args`` of a chain (the reduction hook of sharded runs)."""
 
     def init(params: Params) -> EmptyState:
         del params
@@ -74,23 +73,7 @@ def identity() -> GradientTransformation:
 
     def update(updates: Updates, state: EmptyState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, EmptyState]:
-        del params, extra_args
-        return updates, state
-
-    return GradientTransformation(init, update)
-
-
-def set_to_zero() -> GradientTransformation:
-    """Replace every update by zeros (the parameters do not move); used by `opttx.freeze`."""
-
-    def init(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
-    def update(updates: Updates, state: EmptyState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, EmptyState]:
-        del params, extra_args
-        return tree_map(torch.zeros_like, updates), state
+        return fn(updates, params, extra_args), state
 
     return GradientTransformation(init, update)
 
@@ -101,17 +84,7 @@ def stateless(fn: Callable[[Updates, Params | None], Updates]) -> GradientTransf
     Example:
       >>> halve = opttx.stateless(lambda u, p: opttx.tree_map(lambda g: g / 2, u))
     """
-
-    def init(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
-    def update(updates: Updates, state: EmptyState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, EmptyState]:
-        del extra_args
-        return fn(updates, params), state
-
-    return GradientTransformation(init, update)
+    return stateless_with_extra_args(lambda updates, params, extra_args: fn(updates, params))
 
 
 def stateless_with_tree_map(fn: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -125,6 +98,20 @@ def stateless_with_tree_map(fn: Callable[[torch.Tensor, torch.Tensor | None], to
         return tree_map(fn, updates, params)
 
     return stateless(tree_fn)
+
+
+def identity() -> GradientTransformation:
+    """Leave updates unchanged.
+
+    Example:
+      >>> tx = opttx.chain(opttx.identity(), opttx.sgd(0.1))   # same as opttx.sgd(0.1)
+    """
+    return stateless(lambda updates, params: updates)
+
+
+def set_to_zero() -> GradientTransformation:
+    """Replace every update by zeros (the parameters do not move); used by `opttx.freeze`."""
+    return stateless(lambda updates, params: tree_map(torch.zeros_like, updates))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ class Optimizer(torch.optim.Optimizer):
             raise TypeError(f"tx must be a GradientTransformation, got {type(tx).__name__}.")
         self.tx = tx
         self._tx_states: list[Any] = []
+        self._synced: dict[int, dict] = {}
         params = list(params)
         if _is_named(params):
             params = [{"params": [p for _, p in params],
@@ -95,16 +96,21 @@ class Optimizer(torch.optim.Optimizer):
             for name, value in injected.hyperparams.items():
                 group.setdefault("lr" if name == "learning_rate" else name, value.item())
 
-    def _sync_hyperparams(self, group: dict, state: Any) -> None:
+    def _sync_hyperparams(self, index: int, group: dict, state: Any) -> None:
+        """Write the group's hyperparameter values into the injected state where they
+        changed since the last step (an LR scheduler or the user edited the group)."""
+        synced = self._synced.setdefault(index, {})
         for injected in find_injected_states(state):
             for name, tensor in injected.hyperparams.items():
                 key = "lr" if name == "learning_rate" else name
-                if key in group:
-                    value = group[key]
-                    if isinstance(value, torch.Tensor):
-                        tensor.copy_(value)
-                    else:
-                        tensor.fill_(value)
+                if key not in group:
+                    continue
+                value = group[key]
+                if isinstance(value, torch.Tensor):
+                    tensor.copy_(value)
+                elif synced.get((id(tensor), key)) != value:
+                    tensor.fill_(value)
+                    synced[(id(tensor), key)] = value
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -121,7 +127,7 @@ class Optimizer(torch.optim.Optimizer):
             if not any(has_grad):
                 continue
             state = self._tx_states[index]
-            self._sync_hyperparams(group, state)
+            self._sync_hyperparams(index, group, state)
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             param_tree = self._tree(group, [p.detach() for p in params])
             with donating():
@@ -187,6 +193,7 @@ class Optimizer(torch.optim.Optimizer):
                     raise ValueError(f"state{key} of param group {index} has shape "
                                      f"{tuple(value.shape)}, expected {tuple(leaf.shape)}.")
                 leaf.copy_(value)
+            self._synced.pop(index, None)
             for key, value in saved.items():
                 if key != "params":
                     group[key] = value

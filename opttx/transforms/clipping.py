@@ -12,8 +12,8 @@ from typing import Any, NamedTuple
 import torch
 
 from .._checks import check_nonnegative, check_positive
-from ..base import (EmptyState, GradientTransformation, Params, Updates, check_init_params,
-                    reduce_statistics)
+from ..base import (GradientTransformation, Params, Updates, check_init_params,
+                    reduce_statistics, stateless_with_extra_args)
 from ..tree import PyTree, flatten_matching, foreach_op_, tree_map, tree_unflatten
 
 __all__ = [
@@ -26,32 +26,19 @@ __all__ = [
 ]
 
 
-def _stateless(fn: Any) -> GradientTransformation:
-    def init(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
-    def update(updates: Updates, state: EmptyState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, EmptyState]:
-        del params
-        return fn(updates, extra_args), state
-
-    return GradientTransformation(init, update)
-
-
 def clip(max_delta: float) -> GradientTransformation:
     r"""Clamp every element of the updates to :math:`[-\delta, \delta]`."""
     check_nonnegative("max_delta", max_delta)
 
-    def clip_fn(updates: Updates, extra_args: dict) -> Updates:
-        del extra_args
+    def clip_fn(updates: Updates, params: Params | None, extra_args: dict) -> Updates:
+        del params, extra_args
         spec, g = flatten_matching(updates)
         if not g:
             return updates
         out = foreach_op_("minimum", list(torch._foreach_maximum(g, -max_delta)), max_delta)
         return tree_unflatten(out, spec)
 
-    return _stateless(clip_fn)
+    return stateless_with_extra_args(clip_fn)
 
 
 def _sum_of_squares(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -89,7 +76,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """
     check_positive("max_norm", max_norm)
 
-    def clip_fn(updates: Updates, extra_args: dict) -> Updates:
+    def clip_fn(updates: Updates, params: Params | None, extra_args: dict) -> Updates:
         spec, g = flatten_matching(updates)
         if not g:
             return updates
@@ -97,7 +84,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         factor = torch.where(norm < max_norm, torch.ones_like(norm), max_norm / norm)
         return tree_unflatten(list(torch._foreach_mul(g, factor)), spec)
 
-    return _stateless(clip_fn)
+    return stateless_with_extra_args(clip_fn)
 
 
 def clip_by_block_rms(threshold: float) -> GradientTransformation:
@@ -113,7 +100,7 @@ def clip_by_block_rms(threshold: float) -> GradientTransformation:
     """
     check_positive("threshold", threshold)
 
-    def clip_fn(updates: Updates, extra_args: dict) -> Updates:
+    def clip_fn(updates: Updates, params: Params | None, extra_args: dict) -> Updates:
         spec, g = flatten_matching(updates)
         if not g:
             return updates
@@ -128,7 +115,7 @@ def clip_by_block_rms(threshold: float) -> GradientTransformation:
         denom = [torch.clamp(r / threshold, min=1.0) for r in rms]
         return tree_unflatten(list(torch._foreach_div(g, denom)), spec)
 
-    return _stateless(clip_fn)
+    return stateless_with_extra_args(clip_fn)
 
 
 class ZeroNansState(NamedTuple):

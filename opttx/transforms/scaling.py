@@ -8,7 +8,7 @@ import torch
 
 from .._checks import check_learning_rate, check_nonnegative, check_number
 from ..base import (EmptyState, GradientTransformation, Params, Updates, check_init_params,
-                    require_params, safe_increment, zero_count)
+                    require_params, safe_increment, stateless, zero_count)
 from ..schedules import Schedule
 from ..tree import (PyTree, Scalar, cast_like, flatten_matching, foreach_axpy, mask_leaves,
                     tree_unflatten)
@@ -35,17 +35,7 @@ def scale(step_size: float) -> GradientTransformation:
       >>> tx = opttx.chain(opttx.scale_by_adam(), opttx.scale(-1e-3))
     """
     check_number("step_size", step_size)
-
-    def init(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
-    def update(updates: Updates, state: EmptyState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, EmptyState]:
-        del params, extra_args
-        return _scaled(updates, step_size), state
-
-    return GradientTransformation(init, update)
+    return stateless(lambda updates, params: _scaled(updates, step_size))
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -147,14 +137,8 @@ def scale_by_sign() -> GradientTransformation:
       Bernstein et al., signSGD (arXiv 1802.04434).
     """
 
-    def init(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
-    def update(updates: Updates, state: EmptyState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, EmptyState]:
-        del params, extra_args
+    def sign(updates: Updates, params: Params | None) -> Updates:
         spec, g = flatten_matching(updates)
-        return tree_unflatten(list(torch._foreach_sign(g)) if g else [], spec), state
+        return tree_unflatten(list(torch._foreach_sign(g)) if g else [], spec)
 
-    return GradientTransformation(init, update)
+    return stateless(sign)
