@@ -56,6 +56,7 @@ tree_unflatten = _pytree.tree_unflatten
 tree_structure = _pytree.tree_structure
 tree_flatten_with_path = _pytree.tree_flatten_with_path
 keystr = _pytree.keystr
+_is_leaf = getattr(_pytree, "tree_is_leaf", None) or _pytree._is_leaf
 
 
 class MaskedNode(NamedTuple):
@@ -78,7 +79,7 @@ def tree_paths(tree: PyTree) -> list[str]:
 
 def _first_difference(a: PyTree, b: PyTree, path: str = "") -> str:
     """Path and description of the first place where ``a`` and ``b`` differ in structure."""
-    a_leaf, b_leaf = _pytree._is_leaf(a), _pytree._is_leaf(b)
+    a_leaf, b_leaf = _is_leaf(a), _is_leaf(b)
     if a_leaf and b_leaf:
         return ""
     if a_leaf != b_leaf:

@@ -24,7 +24,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m opttx.bench",
         description=(
             "Train a tiny byte-level GPT on the Python standard library's source with several "
-            "opttx optimizers (same initialisation, same batches) and compare loss, speed and memory."
+            "opttx optimizers (same initialisation, same batches) and compare loss, speed and "
+            "memory."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -39,10 +40,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--d-model", type=int, default=128, help="model width")
     p.add_argument("--n-layers", type=int, default=2, help="transformer blocks")
     p.add_argument("--n-heads", type=int, default=4, help="attention heads")
-    p.add_argument("--eval-every", type=int, default=50, help="held-out evaluation interval in steps")
+    p.add_argument("--eval-every", type=int, default=50,
+                   help="held-out evaluation interval in steps")
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
-    p.add_argument("--corpus-bytes", type=int, default=3_000_000, help="bytes of stdlib source to read")
-    p.add_argument("--heldout-fraction", type=float, default=0.05, help="tail of the corpus held out")
+    p.add_argument("--corpus-bytes", type=int, default=3_000_000,
+                   help="bytes of stdlib source to read")
+    p.add_argument("--heldout-fraction", type=float, default=0.05,
+                   help="tail of the corpus held out for evaluation")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument(
         "--compile",
@@ -90,7 +94,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     )
     print(
         f"corpus: {len(corpus.train):,} train / {len(corpus.heldout):,} held-out bytes; "
-        f"{'compiled' if args.compile else 'eager'} on {cfg.device}; optimizers: {', '.join(names)}",
+        f"{'compiled' if args.compile else 'eager'} on {cfg.device}; "
+        f"optimizers: {', '.join(names)}",
         file=sys.stderr,
     )
 
@@ -106,7 +111,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     elapsed = time.perf_counter() - start
 
     settings = {k: str(v) for k, v in vars(args).items()}
-    settings.update(train_bytes=len(corpus.train), heldout_bytes=len(corpus.heldout), wall_time_s=f"{elapsed:.1f}")
+    settings.update(train_bytes=len(corpus.train), heldout_bytes=len(corpus.heldout),
+                    wall_time_s=f"{elapsed:.1f}")
     notes = write_report(results, args.out, settings)
     print(text_table(results))
     for note in notes:

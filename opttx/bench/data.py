@@ -81,7 +81,8 @@ def heldout_batches(
     """Return a fixed list of non-overlapping windows spread evenly over ``data``."""
     num_windows = min(num_batches * batch_size, (len(data) - 1) // seq_len)
     if num_windows == 0:
-        raise ValueError(f"held-out split ({len(data)} bytes) is shorter than one window of {seq_len + 1}")
+        raise ValueError(f"held-out split ({len(data)} bytes) is shorter than one window "
+                         f"of {seq_len + 1}")
     stride = (len(data) - 1 - seq_len) // max(num_windows - 1, 1)
     starts = torch.arange(num_windows) * stride
     return [_windows(data, chunk, seq_len, device) for chunk in starts.split(batch_size)]

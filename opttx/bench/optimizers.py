@@ -6,7 +6,8 @@ from typing import Any
 
 import opttx
 
-DEFAULT_OPTIMIZERS = ("adamw", "adafactor", "came", "lamb", "galore_adamw", "adamw_8bit", "shampoo", "adalomo")
+DEFAULT_OPTIMIZERS = ("adamw", "adafactor", "came", "lamb", "galore_adamw", "adamw_8bit", "shampoo",
+                      "adalomo")
 
 # Keyword arguments per optimizer alias for the tiny byte-level GPT at its default
 # size.  The sgd, adamw and lion rates are the best of a coarse 150-step sweep
@@ -43,6 +44,6 @@ def hyperparams(name: str) -> dict[str, Any]:
     return dict(HYPERPARAMS.get(name, FALLBACK_HYPERPARAMS))
 
 
-def build(name: str) -> Any:
+def build(name: str) -> opttx.GradientTransformation:
     """Build the ``opttx`` gradient transformation named ``name``."""
     return getattr(opttx, name)(**hyperparams(name))

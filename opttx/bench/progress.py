@@ -23,7 +23,8 @@ class ProgressBar:
         self.count = 0
         self._start = time.perf_counter()
         self._last_draw = 0.0
-        self._tqdm = tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True) if tqdm else None
+        self._tqdm = (tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
+                      if tqdm else None)
 
     def advance(self, loss: float) -> None:
         """Record one finished step with training loss ``loss``."""
@@ -42,7 +43,8 @@ class ProgressBar:
         rate = self.count / elapsed if elapsed > 0 else 0.0
         bar = "#" * filled + "-" * (self._WIDTH - filled)
         sys.stderr.write(
-            f"\r{self.desc} [{bar}] {self.count}/{self.total} loss {loss:.4f} {rate:.1f} it/s {elapsed:.0f}s"
+            f"\r{self.desc} [{bar}] {self.count}/{self.total} loss {loss:.4f} "
+            f"{rate:.1f} it/s {elapsed:.0f}s"
         )
         sys.stderr.flush()
 

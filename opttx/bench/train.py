@@ -18,6 +18,7 @@ from .model import GPT, GPTConfig, lm_loss
 from .progress import ProgressBar
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+StateFn = Callable[[], Any]
 
 # Steps excluded from timing (allocator warm-up, torch.compile compilation).
 WARMUP_STEPS = 3
@@ -39,7 +40,7 @@ class RunConfig:
     compile: bool
 
 
-def eager_step(model: GPT, tx: Any) -> tuple[StepFn, Callable[[], Any]]:
+def eager_step(model: GPT, tx: opttx.GradientTransformation) -> tuple[StepFn, StateFn]:
     """Train step using ``opttx.Optimizer`` as a regular ``torch.optim.Optimizer``.
 
     Returns the step and a function giving the optimizer state to measure.
@@ -56,7 +57,7 @@ def eager_step(model: GPT, tx: Any) -> tuple[StepFn, Callable[[], Any]]:
     return step, lambda: opt.tx_states
 
 
-def compiled_step(model: GPT, tx: Any) -> tuple[StepFn, Callable[[], Any]]:
+def compiled_step(model: GPT, tx: opttx.GradientTransformation) -> tuple[StepFn, StateFn]:
     """Functional train step ``grad -> tx.update -> apply_updates_`` under ``torch.compile``.
 
     The parameter dict holds detached aliases of the model's parameters, so the
@@ -71,7 +72,8 @@ def compiled_step(model: GPT, tx: Any) -> tuple[StepFn, Callable[[], Any]]:
 
     grad_and_loss = grad_and_value(loss_fn)
 
-    def step(params: dict[str, torch.Tensor], state: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def step(params: dict[str, torch.Tensor], state: Any, x: torch.Tensor,
+             y: torch.Tensor) -> torch.Tensor:
         grads, loss = grad_and_loss(params, x, y)
         updates, new_state = tx.update(grads, state, params)
         opttx.apply_updates_(params, updates)
@@ -94,7 +96,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train(name: str, tx: Any, corpus: Corpus, cfg: RunConfig) -> dict[str, Any]:
+def train(name: str, tx: opttx.GradientTransformation, corpus: Corpus,
+          cfg: RunConfig) -> dict[str, Any]:
     """Train a freshly initialised model with ``tx`` and return its metrics.
 
     Every call uses the same seed, so all optimizers start from the same weights
@@ -105,7 +108,8 @@ def train(name: str, tx: Any, corpus: Corpus, cfg: RunConfig) -> dict[str, Any]:
     make_step = compiled_step if cfg.compile else eager_step
     step, optimizer_state = make_step(model, tx)
     batches = train_batches(corpus.train, cfg.batch_size, cfg.model.seq_len, cfg.seed, cfg.device)
-    heldout = heldout_batches(corpus.heldout, cfg.batch_size, cfg.model.seq_len, cfg.eval_batches, cfg.device)
+    heldout = heldout_batches(corpus.heldout, cfg.batch_size, cfg.model.seq_len,
+                              cfg.eval_batches, cfg.device)
 
     warmup = min(WARMUP_STEPS, cfg.steps - 1)
     loss_curve: list[list[float]] = []
@@ -113,18 +117,20 @@ def train(name: str, tx: Any, corpus: Corpus, cfg: RunConfig) -> dict[str, Any]:
     timed_s = 0.0
     reset_peak_memory(cfg.device)
     bar = ProgressBar(cfg.steps, name)
-    for i in range(1, cfg.steps + 1):
-        x, y = next(batches)
-        _sync(cfg.device)
-        start = time.perf_counter()
-        loss = step(x, y).item()
-        if i > warmup:
-            timed_s += time.perf_counter() - start
-        loss_curve.append([i, loss])
-        bar.advance(loss)
-        if i % cfg.eval_every == 0 or i == cfg.steps:
-            eval_curve.append([i, evaluate(model, heldout)])
-    bar.close()
+    try:
+        for i in range(1, cfg.steps + 1):
+            x, y = next(batches)
+            _sync(cfg.device)
+            start = time.perf_counter()
+            loss = step(x, y).item()
+            if i > warmup:
+                timed_s += time.perf_counter() - start
+            loss_curve.append([i, loss])
+            bar.advance(loss)
+            if i % cfg.eval_every == 0 or i == cfg.steps:
+                eval_curve.append([i, evaluate(model, heldout)])
+    finally:
+        bar.close()
 
     step_s = timed_s / (cfg.steps - warmup)
     last_losses = [loss for _, loss in loss_curve[-FINAL_LOSS_WINDOW:]]
