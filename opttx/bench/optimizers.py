@@ -6,8 +6,9 @@ from typing import Any
 
 import opttx
 
-DEFAULT_OPTIMIZERS = ("adamw", "adafactor", "came", "lamb", "galore_adamw", "adamw_8bit", "shampoo",
-                      "adalomo")
+# adamw, lion and sgd are the first-order baselines; the rest run as their aliases land.
+DEFAULT_OPTIMIZERS = ("adamw", "lion", "sgd", "adafactor", "came", "lamb", "galore_adamw",
+                      "adamw_8bit", "shampoo", "adalomo")
 
 # Keyword arguments per optimizer alias for the tiny byte-level GPT at its default
 # size.  The sgd, adamw and lion rates are the best of a coarse 150-step sweep
