@@ -14,7 +14,8 @@ Example:
 """
 
 from . import schedules, transforms, tree
-from .aliases import adagrad, adam, adamw, lion, nadam, rmsprop, sgd
+from .aliases import (adafactor, adagrad, adam, adamw, came, lamb, lars, lion, nadam, rmsprop,
+                      sgd)
 from .base import (EmptyState, GradientTransformation, apply_updates, apply_updates_, identity,
                    set_to_zero, stateless, stateless_with_tree_map)
 from .combine import (MaskedState, PartitionState, chain, freeze, masked, multi_transform,
@@ -35,9 +36,9 @@ __version__ = "0.1.0"
 __all__ = [
     "ApplyIfFiniteState", "EmptyState", "GradientTransformation", "InjectHyperparamsState",
     "MaskedNode", "MaskedState", "MultiSteps", "MultiStepsState", "Optimizer",
-    "PartitionState", "adagrad", "adam", "adamw", "apply_if_finite", "apply_updates",
-    "apply_updates_", "chain", "constant_schedule", "cosine_decay_schedule", "donating",
-    "exponential_decay", "freeze", "identity", "inject_hyperparams", "join_schedules",
+    "PartitionState", "adafactor", "adagrad", "adam", "adamw", "apply_if_finite", "apply_updates",
+    "apply_updates_", "came", "chain", "constant_schedule", "cosine_decay_schedule", "donating",
+    "exponential_decay", "freeze", "identity", "inject_hyperparams", "join_schedules", "lamb", "lars",
     "linear_schedule", "lion", "masked", "multi_transform", "nadam", "named_chain", "partition",
     "piecewise_constant_schedule", "polynomial_schedule", "rmsprop", "schedules",
     "set_hyperparams_", "set_to_zero", "sgd", "stateless", "stateless_with_tree_map",

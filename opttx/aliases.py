@@ -14,12 +14,16 @@ import torch
 from .base import GradientTransformation
 from .combine import chain
 from .schedules import Schedule
-from .transforms.moments import (scale_by_adam, scale_by_lion, scale_by_nadam, scale_by_rms,
-                                 scale_by_rss, scale_by_stddev, trace)
-from .transforms.scaling import add_decayed_weights, scale_by_learning_rate
+from .transforms.factored import (FactorAxes, add_step_scaled_decayed_weights, clip_by_rms,
+                                  relative_step_schedule, scale_by_came, scale_by_factored_rms,
+                                  scale_by_param_block_rms, scale_by_trust_ratio)
+from .transforms.moments import (ema, scale_by_adam, scale_by_lion, scale_by_nadam,
+                                 scale_by_rms, scale_by_rss, scale_by_stddev, trace)
+from .transforms.scaling import add_decayed_weights, scale, scale_by_learning_rate
 from .tree import PyTree
 
-__all__ = ["adagrad", "adam", "adamw", "lion", "nadam", "rmsprop", "sgd"]
+__all__ = ["adafactor", "adagrad", "adam", "adamw", "came", "lamb", "lars", "lion", "nadam",
+           "rmsprop", "sgd"]
 
 ScalarOrSchedule = float | torch.Tensor | Schedule
 Mask = PyTree | Callable[[PyTree], PyTree] | None
@@ -188,3 +192,170 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
     """
     return chain(scale_by_lion(b1, b2, mu_dtype), add_decayed_weights(weight_decay, mask),
                  scale_by_learning_rate(learning_rate))
+
+
+# ---------------------------------------------------------------------------------------------
+# factored and layer-wise
+# ---------------------------------------------------------------------------------------------
+
+
+def adafactor(learning_rate: ScalarOrSchedule | None = None, min_dim_size_to_factor: int = 128,
+              decay_rate: float = 0.8, decay_offset: int = 0,
+              multiply_by_parameter_scale: bool = True, clipping_threshold: float | None = 1.0,
+              momentum: float | None = None, dtype_momentum: torch.dtype = torch.float32,
+              weight_decay_rate: float | None = None, eps: float = 1e-30, factored: bool = True,
+              weight_decay_mask: Mask = None, *, relative_step: bool = False,
+              warmup_init: bool = False, factor_axes: FactorAxes = "largest",
+              weight_decay_scaled_by_lr: bool = False, param_scale_eps: float = 1e-3,
+              eps_clamp: float | None = None) -> GradientTransformation:
+    r"""Adafactor: factored second moments, update clipping, relative step sizes.
+
+    .. math::
+        u_t = \mathrm{clip}_d\!\left(g_t \hat v_t^{-1/2}ight) \cdot \eta_t \cdot
+        \max(\epsilon_2, \mathrm{RMS}(x_t)), \qquad
+        m_t = eta_1 m_{t-1} + (1-eta_1) u_t \ (	ext{with momentum}), \qquad
+        x_{t+1} = x_t - m_t - \lambda\, x_t
+
+    composed as ``chain(scale_by_factored_rms, clip_by_rms, scale_by_learning_rate,
+    scale_by_param_block_rms, ema, add_decayed_weights, scale(-1))``. The positional
+    signature and defaults are optax's; the keywords reproduce the other implementations:
+
+    * transformers' ``Adafactor(lr, eps=(e1, e2), clip_threshold, decay_rate=-c, beta1,
+      weight_decay, scale_parameter, relative_step, warmup_init)`` is
+      ``adafactor(lr, min_dim_size_to_factor=1, decay_rate=c, clipping_threshold=...,
+      momentum=beta1, weight_decay_rate=weight_decay, eps=e1, param_scale_eps=e2,
+      multiply_by_parameter_scale=scale_parameter, relative_step=..., warmup_init=...,
+      factor_axes="last", weight_decay_scaled_by_lr=True)``;
+    * ``torch.optim.Adafactor(lr, beta2_decay=-c, eps=(None, e2), d, weight_decay)`` is
+      ``adafactor(relative_step_schedule(lr), min_dim_size_to_factor=1, decay_rate=c,
+      clipping_threshold=d, weight_decay_rate=lr * weight_decay, eps=0.0,
+      eps_clamp=torch.finfo(dtype).eps, factor_axes="last", param_scale_eps=e2)``.
+
+    Args:
+      learning_rate: :math:`\eta_t` (a number or schedule); None with
+        ``relative_step=False`` means no learning-rate factor (optax).
+      min_dim_size_to_factor, decay_rate, decay_offset, eps, factored, factor_axes,
+        eps_clamp: see `scale_by_factored_rms`.
+      multiply_by_parameter_scale: multiply by :math:`\max(\epsilon_2, \mathrm{RMS}(x))`.
+      clipping_threshold: :math:`d` of the update clipping (None: no clipping).
+      momentum: :math:`eta_1` (None: no first moment, the memory-lean default).
+      dtype_momentum: dtype of the first moment.
+      weight_decay_rate: :math:`\lambda`; added after the step size (optax), or scaled by the
+        per-leaf step size with ``weight_decay_scaled_by_lr`` (transformers).
+      weight_decay_mask: where weight decay applies.
+      relative_step: :math:`\eta_t = \min(10^{-2}, 1/\sqrt t)` (transformers' default).
+      warmup_init: :math:`\eta_t = \min(10^{-6} t, 1/\sqrt t)` (needs ``relative_step``).
+      param_scale_eps: :math:`\epsilon_2`.
+
+    Example:
+      >>> tx = opttx.adafactor(learning_rate=1e-2)                     # optax's
+      >>> tx = opttx.adafactor(relative_step=True, factor_axes="last",
+      ...                      min_dim_size_to_factor=1)                 # transformers'
+
+    References:
+      Shazeer and Stern, Adafactor (arXiv 1804.04235).
+    """
+    if relative_step and learning_rate is not None:
+        raise ValueError("relative_step=True computes the learning rate; do not also pass "
+                         "learning_rate (as transformers' Adafactor).")
+    if warmup_init and not relative_step:
+        raise ValueError("warmup_init=True requires relative_step=True.")
+    lr = relative_step_schedule(1e-2, warmup_init) if relative_step else learning_rate
+    links: list[GradientTransformation] = [scale_by_factored_rms(
+        factored, decay_rate, decay_offset, min_dim_size_to_factor, eps,
+        factor_axes=factor_axes, eps_clamp=eps_clamp)]
+    if clipping_threshold is not None:
+        links.append(clip_by_rms(clipping_threshold))
+    if lr is not None:
+        links.append(scale_by_learning_rate(lr, flip_sign=False))
+    if multiply_by_parameter_scale:
+        links.append(scale_by_param_block_rms(param_scale_eps))
+    if momentum is not None:
+        links.append(ema(momentum, debias=False, accumulator_dtype=dtype_momentum))
+    if weight_decay_rate:
+        if weight_decay_scaled_by_lr:
+            links.append(add_step_scaled_decayed_weights(
+                weight_decay_rate, lr if lr is not None else 1.0,
+                param_scale_eps if multiply_by_parameter_scale else None, weight_decay_mask))
+        else:
+            links.append(add_decayed_weights(weight_decay_rate, weight_decay_mask))
+    links.append(scale(-1.0))
+    return chain(*links)
+
+
+def came(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
+         b3: float = 0.9999, eps1: float = 1e-30, eps2: float = 1e-16,
+         clip_threshold: float = 1.0, weight_decay: float = 0.0, mask: Mask = None, *,
+         factor_axes: FactorAxes = "last", min_dim_size_to_factor: int = 1
+         ) -> GradientTransformation:
+    r"""CAME: `scale_by_came`, decoupled weight decay, learning rate.
+
+    .. math::
+        x_{t+1} = x_t - \eta \left(m_t \hat S_t^{-1/2} + \lambda x_tight)
+
+    Defaults and numbers of ``came_pytorch.CAME(lr, betas=(b1, b2, b3), eps=(eps1, eps2),
+    clip_threshold, weight_decay)``.
+
+    Example:
+      >>> tx = opttx.came(2e-4, weight_decay=0.01)
+
+    References:
+      Luo et al., CAME (arXiv 2307.02047).
+    """
+    return chain(scale_by_came(b1, b2, b3, eps1, eps2, clip_threshold, factor_axes,
+                               min_dim_size_to_factor),
+                 add_decayed_weights(weight_decay, mask),
+                 scale_by_learning_rate(learning_rate))
+
+
+def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
+         eps_root: float = 0.0, weight_decay: float = 0.0, mask: Mask = None, *,
+         bias_correction: bool = True, trust_ratio_mask: Mask = None,
+         phi_bounds: tuple[float, float] | None = None) -> GradientTransformation:
+    r"""LAMB: Adam directions with a layer-wise trust ratio.
+
+    .. math::
+        r_t = rac{\hat m_t}{\sqrt{\hat v_t} + \epsilon} + \lambda x_t, \qquad
+        x_{t+1} = x_t - \eta\, rac{\phi(\lVert x_t Vert)}{\lVert r_t Vert}\, r_t
+
+    (ratio 1 when either norm is 0). Bias correction is on by default, as in the paper
+    (ColossalAI's single-device Lamb defaults it off: ``bias_correction=False``).
+
+    Args:
+      learning_rate, b1, b2, eps, eps_root: as in `adam` (optax's defaults, ``eps=1e-6``).
+      weight_decay: :math:`\lambda`; ``mask`` says where it applies.
+      bias_correction: debias Adam's moments.
+      trust_ratio_mask: where the trust ratio applies (elsewhere ratio 1; commonly biases and
+        norm scales are excluded).
+      phi_bounds: ``(γl, γu)`` clipping of the parameter norm.
+
+    References:
+      You et al., Large Batch Optimization for Deep Learning (arXiv 1904.00962).
+    """
+    return chain(scale_by_adam(b1, b2, eps, eps_root, bias_correction=bias_correction),
+                 add_decayed_weights(weight_decay, mask),
+                 scale_by_trust_ratio(phi_bounds=phi_bounds, mask=trust_ratio_mask),
+                 scale_by_learning_rate(learning_rate))
+
+
+def lars(learning_rate: ScalarOrSchedule, weight_decay: float = 0.0,
+         weight_decay_mask: Mask = True, trust_coefficient: float = 0.001, eps: float = 0.0,
+         trust_ratio_mask: Mask = True, momentum: float = 0.9,
+         nesterov: bool = False) -> GradientTransformation:
+    r"""LARS: SGD with momentum on trust-ratio-scaled gradients.
+
+    .. math::
+        u_t = 	au rac{\lVert x_t Vert}{\lVert g_t + \lambda x_t Vert + \epsilon}
+        (g_t + \lambda x_t), \qquad m_t = \mu m_{t-1} - \eta u_t, \qquad x_{t+1} = x_t + m_t
+
+    optax's signature and defaults.
+
+    References:
+      You, Gitman and Ginsburg, Large Batch Training of Convolutional Networks
+      (arXiv 1708.03888).
+    """
+    return chain(add_decayed_weights(weight_decay, weight_decay_mask),
+                 scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps,
+                                      mask=trust_ratio_mask),
+                 scale_by_learning_rate(learning_rate),
+                 trace(decay=momentum, nesterov=nesterov))

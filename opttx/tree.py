@@ -361,14 +361,16 @@ def foreach_scale_add(old: Tensors, decay: Scalar, new: Tensors) -> list[torch.T
 
 
 def leaf_labels(labels: PyTree | Callable[[PyTree], PyTree], tree: PyTree,
-                what: str = "labels") -> list[Any]:
+                what: str = "labels", is_leaf: Callable[[Any], bool] | None = None
+                ) -> list[Any]:
     """Resolve per-leaf values given as a tree like ``tree`` (or a prefix of it, or a function
-    of ``tree`` returning one) to one value per leaf of ``tree``."""
+    of ``tree`` returning one) to one value per leaf of ``tree``; ``is_leaf`` marks values
+    that are containers in pytree terms (a tuple of axes) as single values."""
     if callable(labels):
         labels = labels(tree)
     spec = tree_structure(tree)
     try:
-        flat = _pytree._broadcast_to_and_flatten(labels, spec)
+        flat = _pytree._broadcast_to_and_flatten(labels, spec, is_leaf=is_leaf)
     except Exception:
         flat = None
     if flat is None:

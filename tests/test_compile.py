@@ -34,6 +34,18 @@ ALIASES = {
     "adagrad": lambda lr: opttx.adagrad(lr),
     "rmsprop": lambda lr: opttx.rmsprop(lr, centered=True, momentum=0.9),
     "lion": lambda lr: opttx.lion(lr),
+    "adafactor": lambda lr: opttx.adafactor(lr, min_dim_size_to_factor=4, momentum=0.9,
+                                            weight_decay_rate=0.01),
+    "adafactor_transformers": lambda lr: opttx.adafactor(
+        relative_step=True, warmup_init=True, factor_axes="last", min_dim_size_to_factor=1,
+        momentum=0.9, weight_decay_rate=0.01, weight_decay_scaled_by_lr=True),
+    "adafactor_torch": lambda lr: opttx.adafactor(
+        opttx.relative_step_schedule(1e-2), min_dim_size_to_factor=1, eps=0.0,
+        eps_clamp=1e-7, factor_axes="last", weight_decay_rate=1e-3),
+    "came": lambda lr: opttx.came(lr, weight_decay=0.01),
+    "lamb": lambda lr: opttx.lamb(lr, weight_decay=0.01,
+                                  trust_ratio_mask=lambda p: {k: v.ndim > 1 for k, v in p.items()}),
+    "lars": lambda lr: opttx.lars(lr, weight_decay=1e-4),
     "clip_chain": lambda lr: opttx.chain(opttx.clip_by_global_norm(1.0),
                                          opttx.clip_by_block_rms(1.0), opttx.adam(lr)),
     "apply_if_finite": lambda lr: opttx.apply_if_finite(opttx.adam(lr), 3),

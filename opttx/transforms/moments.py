@@ -167,7 +167,8 @@ class ScaleByAdamState(NamedTuple):
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
                   mu_dtype: torch.dtype | None = None, *,
-                  nesterov: bool = False) -> GradientTransformation:
+                  nesterov: bool = False, bias_correction: bool = True
+                  ) -> GradientTransformation:
     r"""Rescale updates by Adam's bias-corrected moment estimates.
 
     .. math::
@@ -186,6 +187,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
       eps_root: added inside the square root (for differentiating through the update).
       mu_dtype: dtype of the first moment (default: fp32 for 16-bit leaves, else the leaf's).
       nesterov: use Nesterov momentum (NAdam).
+      bias_correction: divide the moments by :math:`1-\beta^t` (off: use them raw, as
+        ColossalAI's LAMB does by default).
 
     Returns:
       A `GradientTransformation`; same numbers as ``optax.scale_by_adam``.
@@ -214,7 +217,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
         count = safe_increment(state.count)
         mu = foreach_ema(mu, g, b1)
         nu = foreach_ema_sq(nu, g, b2)
-        bc1, bc2 = debias_factor(b1, count), debias_factor(b2, count)
+        if bias_correction:
+            bc1, bc2 = debias_factor(b1, count), debias_factor(b2, count)
+        else:
+            bc1 = bc2 = torch.ones((), dtype=torch.float64, device=count.device)
         if fast_path:
             # m̂ / (sqrt(v̂) + eps) == m / (sqrt(v) · bc1/sqrt(bc2) + eps · bc1): four passes.
             denom = list(torch._foreach_sqrt(nu))
@@ -224,7 +230,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
         else:
             if nesterov:
                 mu_hat = list(torch._foreach_add(
-                    torch._foreach_mul(mu, b1 / debias_factor(b1, safe_increment(count))),
+                    torch._foreach_mul(mu, b1 / (debias_factor(b1, safe_increment(count))
+                                                 if bias_correction else bc1)),
                     torch._foreach_mul(cast_like(g, mu), (1 - b1) / bc1)))
             else:
                 mu_hat = _div_by(mu, bc1)

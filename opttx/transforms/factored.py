@@ -1,0 +1,595 @@
+"""Factored second moments (Adafactor, CAME) and the layer-wise scalings that go with them.
+
+A factored leaf keeps, instead of a full second-moment tensor, the moving averages of its row
+and column means over two chosen axes ``(d0, d1)``: :math:`R` (mean over ``d1``) and
+:math:`C` (mean over ``d0``). The second moment is approximated by
+:math:`\\hat v = R \\otimes C / \\mathrm{mean}_{d0}(R)`, and an update is scaled by
+:math:`\\hat v^{-1/2} = (R / \\mathrm{mean}(R))^{-1/2} \\otimes C^{-1/2}`, never materialised.
+
+Every mean here is a reduction over a tensor, so it is written in the three steps of
+DESIGN.md rule 6: (a) local partial sums and element counts of every leaf, (b) one call to
+`opttx.base.reduce_statistics` for all leaves (sums over the reduced dims; the identity on one
+device), (c) finish (divide). A sharded run then gets exact row and column means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, NamedTuple, Sequence
+
+import torch
+
+from .._checks import check_nonnegative, check_positive, check_unit_interval
+from ..base import (GradientTransformation, Params, Updates, check_init_params,
+                    REDUCER_KEY, reduce_statistics, require_params, safe_increment,
+                    zero_count)
+from ..schedules import Schedule
+from ..tree import (PyTree, Scalar, cast_like, flatten_matching, foreach_ema, leaf_labels,
+                    state_dtype, tree_flatten, tree_map, tree_paths, tree_unflatten)
+from .clipping import clip_by_block_rms
+
+__all__ = [
+    "FactoredState",
+    "ScaleByCameState",
+    "add_step_scaled_decayed_weights",
+    "clip_by_rms",
+    "factored_axes",
+    "relative_step_schedule",
+    "scale_by_came",
+    "scale_by_factored_rms",
+    "scale_by_param_block_rms",
+    "scale_by_trust_ratio",
+]
+
+FactorAxes = Literal["last", "largest"] | PyTree | Callable[[Params], PyTree]
+Axes = tuple[int, int] | None
+
+
+# ---------------------------------------------------------------------------------------------
+# which axes to factor
+# ---------------------------------------------------------------------------------------------
+
+
+def _axes_for_shape(shape: Sequence[int], rule: str, min_dim_size_to_factor: int) -> Axes:
+    if len(shape) < 2:
+        return None
+    if rule == "last":
+        d0, d1 = len(shape) - 2, len(shape) - 1
+    else:  # "largest": the two largest dims, (second largest, largest), as optax
+        order = sorted(range(len(shape)), key=lambda i: shape[i])
+        d0, d1 = order[-2], order[-1]
+    if min(shape[d0], shape[d1]) < min_dim_size_to_factor:
+        return None
+    return d0, d1
+
+
+def _is_axes(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(a, int) for a in x)
+
+
+def factored_axes(params: Params, factor_axes: FactorAxes = "largest",
+                  min_dim_size_to_factor: int = 128) -> list[Axes]:
+    """The pair of axes ``(d0, d1)`` each leaf of ``params`` is factored over (None: kept
+    whole), in leaf order.
+
+    ``factor_axes`` is ``"last"`` (the last two dims: the paper, transformers and torch.optim),
+    ``"largest"`` (the two largest dims: optax), or a tree like ``params`` (or a function of it)
+    giving an explicit ``(d0, d1)`` or None per leaf. With the named rules a leaf is factored
+    when it has at least two dims and both chosen dims are >= ``min_dim_size_to_factor``.
+    """
+    leaves, _ = tree_flatten(params)
+    if isinstance(factor_axes, str):
+        if factor_axes not in ("last", "largest"):
+            raise ValueError(f"factor_axes must be 'last', 'largest' or a tree of axis pairs, "
+                             f"got {factor_axes!r}.")
+        return [_axes_for_shape(p.shape, factor_axes, min_dim_size_to_factor) for p in leaves]
+    given = leaf_labels(factor_axes, params, "factor_axes", is_leaf=_is_axes)
+    out: list[Axes] = []
+    for path, p, axes in zip(tree_paths(params), leaves, given):
+        if axes is None:
+            out.append(None)
+            continue
+        if p.dim() < 2:
+            raise ValueError(f"Cannot factor the {p.dim()}-d tensor params{path} over axes "
+                             f"{axes}: factoring needs two axes. Give None for it.")
+        d0, d1 = (a % p.dim() for a in axes)
+        if d0 == d1:
+            raise ValueError(f"factor_axes for params{path} names the same axis twice: {axes}.")
+        out.append((d0, d1))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the shared machinery: factored EMAs and the inverse square root they give
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Static per-leaf factoring decisions for one update call."""
+    axes: list[Axes]
+    skip_full: bool = False  # leave unfactored leaves alone (CAME's instability statistics)
+
+    @property
+    def factored(self) -> list[int]:
+        return [i for i, a in enumerate(self.axes) if a is not None]
+
+    @property
+    def full(self) -> list[int]:
+        if self.skip_full:
+            return []
+        return [i for i, a in enumerate(self.axes) if a is None]
+
+
+def _row_col_shapes(shape: Sequence[int], axes: tuple[int, int]) -> tuple[list, list]:
+    d0, d1 = axes
+    row = [s for i, s in enumerate(shape) if i != d1]
+    col = [s for i, s in enumerate(shape) if i != d0]
+    return row, col
+
+
+def _init_factored(params: Params, axes: list[Axes], dtype: torch.dtype | None
+                   ) -> tuple[PyTree, PyTree, PyTree]:
+    """Zero row, column and full statistics (empty tensors where a kind is not used)."""
+    leaves, spec = tree_flatten(params)
+    rows, cols, fulls = [], [], []
+    for p, a in zip(leaves, axes):
+        kw = dict(dtype=state_dtype(p, dtype), device=p.device)
+        empty = torch.zeros((0,), **kw)
+        if a is None:
+            rows.append(empty), cols.append(empty), fulls.append(torch.zeros(p.shape, **kw))
+        else:
+            row, col = _row_col_shapes(p.shape, a)
+            rows.append(torch.zeros(row, **kw)), cols.append(torch.zeros(col, **kw))
+            fulls.append(empty)
+    return (tree_unflatten(rows, spec), tree_unflatten(cols, spec), tree_unflatten(fulls, spec))
+
+
+def _reduce_sums(sums: list[torch.Tensor | None], counts: list[float], dims: list[Any],
+                 spec: Any, extra_args: dict) -> list[torch.Tensor | None]:
+    """Steps (b) and (c) of a batched mean: reduce partial sums and element counts over the
+    given dims of every leaf, then divide."""
+    present = [i for i, s in enumerate(sums) if s is not None]
+    if not present:
+        return [None] * len(sums)
+    if extra_args.get(REDUCER_KEY) is None:   # one device: nothing to combine
+        return [s / c if s is not None else None for s, c in zip(sums, counts)]
+    sum_tree = _sparse_tree([sums[i] for i in present], present, spec, len(sums))
+    count_tree = _sparse_tree([torch.tensor(counts[i], dtype=sums[i].dtype,
+                                            device=sums[i].device) for i in present],
+                              present, spec, len(sums))
+    dim_tree = _sparse_tree([dims[i] for i in present], present, spec, len(sums))
+    reduced_sums, reduced_counts = reduce_statistics((sum_tree, count_tree), extra_args,
+                                                     dims=(dim_tree, dim_tree))
+    out: list[torch.Tensor | None] = [None] * len(sums)
+    for i, s, c in zip(present, tree_flatten(reduced_sums)[0], tree_flatten(reduced_counts)[0]):
+        out[i] = s / c
+    return out
+
+
+def _sparse_tree(values: list, indices: list[int], spec: Any, n: int) -> PyTree:
+    """A tree with ``spec``'s structure holding ``values`` at ``indices`` and MaskedNode
+    elsewhere (so the reduction hook sees which parameter each statistic belongs to)."""
+    from ..tree import MaskedNode
+    full: list[Any] = [MaskedNode()] * n
+    for i, v in zip(indices, values):
+        full[i] = v
+    return tree_unflatten(full, spec)
+
+
+def _factored_ema(q: list[torch.Tensor], rows: list[torch.Tensor], cols: list[torch.Tensor],
+                  fulls: list[torch.Tensor], layout: _Layout, decay: Scalar, spec: Any,
+                  extra_args: dict) -> tuple[list, list, list]:
+    """EMAs with ``decay`` of the row and column means of ``q`` (factored leaves) and of ``q``
+    itself (the others)."""
+    n = len(q)
+    row_sums: list[Any] = [None] * n
+    col_sums: list[Any] = [None] * n
+    row_counts, col_counts = [0.0] * n, [0.0] * n
+    row_dims: list[Any] = [None] * n
+    col_dims: list[Any] = [None] * n
+    for i in layout.factored:                                            # (a) local partials
+        d0, d1 = layout.axes[i]
+        row_sums[i], row_counts[i], row_dims[i] = q[i].sum(dim=d1), q[i].shape[d1], (d1,)
+        col_sums[i], col_counts[i], col_dims[i] = q[i].sum(dim=d0), q[i].shape[d0], (d0,)
+    row_means = _reduce_sums(row_sums, row_counts, row_dims, spec, extra_args)   # (b), (c)
+    col_means = _reduce_sums(col_sums, col_counts, col_dims, spec, extra_args)
+    f, u = layout.factored, layout.full
+    new_rows, new_cols, new_fulls = list(rows), list(cols), list(fulls)
+    for idx, new in zip(f, foreach_ema([rows[i] for i in f], [row_means[i] for i in f], decay)):
+        new_rows[idx] = new
+    for idx, new in zip(f, foreach_ema([cols[i] for i in f], [col_means[i] for i in f], decay)):
+        new_cols[idx] = new
+    for idx, new in zip(u, foreach_ema([fulls[i] for i in u], [q[i] for i in u], decay)):
+        new_fulls[idx] = new
+    return new_rows, new_cols, new_fulls
+
+
+def _scale_by_inverse_root(x: list[torch.Tensor], rows: list[torch.Tensor],
+                           cols: list[torch.Tensor], fulls: list[torch.Tensor],
+                           layout: _Layout, spec: Any, extra_args: dict,
+                           eps_clamp: float | None = None) -> list[torch.Tensor]:
+    r"""``x · v̂^{-1/2}`` per leaf, with :math:`\hat v = R \otimes C / \mathrm{mean}_{d0}(R)`
+    for factored leaves and the full statistic for the others.
+
+    With ``eps_clamp`` (torch.optim.Adafactor's ``eps1``) the row mean is clamped below at
+    ``eps_clamp`` and :math:`\hat v` at ``eps_clamp²``, as torch does.
+    """
+    n = len(x)
+    sums: list[Any] = [None] * n
+    counts, dims = [0.0] * n, [None] * n
+    for i in layout.factored:                          # (a) partial sums of R over d0
+        d0, d1 = layout.axes[i]
+        r_d0 = d0 if d0 < d1 else d0 - 1               # d0's index inside R's shape
+        sums[i], counts[i], dims[i] = rows[i].sum(dim=r_d0, keepdim=True), rows[i].shape[r_d0], (d0,)
+    row_means = _reduce_sums(sums, counts, dims, spec, extra_args)       # (b), (c)
+    out: list[torch.Tensor] = list(x)
+    for i in layout.factored:
+        d0, d1 = layout.axes[i]
+        xi = x[i].to(rows[i].dtype)
+        if eps_clamp is None:
+            r_factor = torch.rsqrt(rows[i] / row_means[i]).unsqueeze(d1)
+            c_factor = torch.rsqrt(cols[i]).unsqueeze(d0)
+            out[i] = xi * r_factor * c_factor
+        else:
+            v_hat = rows[i].unsqueeze(d1) * cols[i].unsqueeze(d0)
+            v_hat = v_hat / torch.clamp(row_means[i].unsqueeze(d1), min=eps_clamp)
+            out[i] = xi * torch.rsqrt(torch.clamp(v_hat, min=eps_clamp * eps_clamp))
+    for i in layout.full:
+        xi = x[i].to(fulls[i].dtype)
+        v = fulls[i] if eps_clamp is None else torch.clamp(fulls[i], min=eps_clamp * eps_clamp)
+        out[i] = xi * torch.rsqrt(v)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# scale_by_factored_rms (Adafactor)
+# ---------------------------------------------------------------------------------------------
+
+
+class FactoredState(NamedTuple):
+    """State of `scale_by_factored_rms`."""
+    count: torch.Tensor  # shape (), int32: steps taken
+    v_row: Updates       # per leaf: EMA of the means of g² + ε over d1 (empty if unfactored)
+    v_col: Updates       # per leaf: EMA of the means of g² + ε over d0 (empty if unfactored)
+    v: Updates           # per leaf: EMA of g² + ε for unfactored leaves (empty if factored)
+
+
+def _decay_rate_pow(step: torch.Tensor, exponent: float) -> torch.Tensor:
+    """``1 − t^(−exponent)`` with ``t = step + 1`` (so 0 at the first step)."""
+    t = (step + 1).to(torch.float64)
+    return 1 - torch.pow(t, -exponent)
+
+
+def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_offset: int = 0,
+                          min_dim_size_to_factor: int = 128, epsilon: float = 1e-30,
+                          decay_rate_fn: Callable[[torch.Tensor, float], torch.Tensor] =
+                          _decay_rate_pow, *, factor_axes: FactorAxes = "largest",
+                          eps_clamp: float | None = None,
+                          stats_dtype: torch.dtype | None = None) -> GradientTransformation:
+    r"""Adafactor's factored second-moment scaling.
+
+    .. math::
+        q_t = g_t^2 + \epsilon_1, \quad \beta_t = 1 - t^{-c}, \quad
+        R_t = \beta_t R_{t-1} + (1-\beta_t)\,\mathrm{mean}_{d_1}(q_t), \quad
+        C_t = \beta_t C_{t-1} + (1-\beta_t)\,\mathrm{mean}_{d_0}(q_t),
+
+    .. math::
+        u_t = g_t \odot \left(\frac{R_t}{\mathrm{mean}_{d_0}(R_t)}\right)^{-1/2}
+              \otimes C_t^{-1/2}
+
+    for factored leaves, and :math:`u_t = g_t / \sqrt{v_t}` with
+    :math:`v_t = \beta_t v_{t-1} + (1-\beta_t) q_t` for the others (vectors, small matrices).
+    Tensors of more than two dims are factored over two axes, the others acting as batch axes.
+    With :math:`\beta_1 = 0` at the first step no bias correction is needed.
+
+    Args:
+      factored: factor the leaves that qualify (False: keep every statistic whole).
+      decay_rate: the exponent :math:`c` in (0, 1] (transformers writes ``-0.8``).
+      step_offset: subtracted from the step count before computing :math:`\beta_t`.
+      min_dim_size_to_factor: both factored dims must be at least this large.
+      epsilon: :math:`\epsilon_1`, added to :math:`g^2` before averaging.
+      decay_rate_fn: ``fn(step, decay_rate) -> beta_t`` (0-based step tensor) for a custom
+        decay.
+      factor_axes: ``"largest"`` (optax, default), ``"last"`` (paper, transformers,
+        torch.optim), or a tree of explicit ``(d0, d1)``/None per leaf.
+      eps_clamp: torch.optim.Adafactor's ``eps1`` semantics (use with ``epsilon=0``): the row
+        mean is clamped below at ``eps_clamp`` and :math:`\hat v` at ``eps_clamp²``.
+      stats_dtype: dtype of the statistics (default fp32 for 16-bit leaves).
+
+    Example:
+      >>> tx = opttx.chain(opttx.scale_by_factored_rms(), opttx.clip_by_rms(1.0),
+      ...                  opttx.scale_by_param_block_rms(), opttx.scale(-1e-2))
+
+    References:
+      Shazeer and Stern, Adafactor (arXiv 1804.04235).
+    """
+    if not 0 < decay_rate <= 1:
+        raise ValueError(f"decay_rate must be in (0, 1] (the exponent c of 1 - t^-c; "
+                         f"transformers' -0.8 is 0.8 here), got {decay_rate}.")
+    check_nonnegative("epsilon", epsilon)
+    check_nonnegative("step_offset", step_offset)
+    if eps_clamp is not None:
+        check_positive("eps_clamp", eps_clamp)
+
+    def layout_of(params: Params) -> _Layout:
+        if not factored:
+            return _Layout([None] * len(tree_flatten(params)[0]))
+        return _Layout(factored_axes(params, factor_axes, min_dim_size_to_factor))
+
+    def init(params: Params) -> FactoredState:
+        check_init_params(params)
+        rows, cols, fulls = _init_factored(params, layout_of(params).axes, stats_dtype)
+        return FactoredState(count=zero_count(params), v_row=rows, v_col=cols, v=fulls)
+
+    def update(updates: Updates, state: FactoredState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, FactoredState]:
+        spec, g, rows, cols, fulls = flatten_matching(updates, state.v_row, state.v_col,
+                                                      state.v)
+        layout = layout_of(updates)
+        beta = decay_rate_fn(state.count - step_offset, decay_rate)
+        q = [x.to(s.dtype if s.numel() else r.dtype) for x, s, r in zip(g, fulls, rows)]
+        q = list(torch._foreach_mul(q, q))
+        if epsilon:
+            q = list(torch._foreach_add(q, epsilon))
+        rows, cols, fulls = _factored_ema(q, rows, cols, fulls, layout, beta, spec, extra_args)
+        out = _scale_by_inverse_root(g, rows, cols, fulls, layout, spec, extra_args, eps_clamp)
+        return (tree_unflatten(cast_like(out, g), spec),
+                FactoredState(count=safe_increment(state.count),
+                              v_row=tree_unflatten(rows, spec), v_col=tree_unflatten(cols, spec),
+                              v=tree_unflatten(fulls, spec)))
+
+    return GradientTransformation(init, update)
+
+
+def clip_by_rms(threshold: float = 1.0) -> GradientTransformation:
+    r"""Adafactor's update clipping: :math:`u / \max(1, \mathrm{RMS}(u) / d)` per leaf.
+
+    The same transform as `clip_by_block_rms` (optax's name), with Adafactor's default
+    :math:`d = 1`.
+    """
+    return clip_by_block_rms(threshold)
+
+
+def _leaf_rms(leaves: list[torch.Tensor], spec: Any, extra_args: dict) -> list[torch.Tensor]:
+    """RMS of every leaf, in three steps: local sum of squares and count, reduce, finish."""
+    if not leaves:
+        return []
+    dtype = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
+    norms = torch._foreach_norm(leaves, 2, dtype=dtype)                          # (a)
+    sums = list(torch._foreach_mul(norms, norms))
+    means = _reduce_sums(sums, [float(x.numel()) for x in leaves], [None] * len(leaves),
+                         spec, extra_args)                                       # (b), (c)
+    return [torch.sqrt(m) for m in means]
+
+
+def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
+    r"""Scale each leaf's update by its parameter's RMS: :math:`u \cdot \max(\epsilon_2,
+    \mathrm{RMS}(x))` (Adafactor's ``scale_parameter``; optax's name and default).
+
+    References:
+      Shazeer and Stern, Adafactor (arXiv 1804.04235).
+    """
+    check_nonnegative("min_scale", min_scale)
+
+    def init(params: Params) -> tuple:
+        check_init_params(params)
+        return ()
+
+    def update(updates: Updates, state: tuple, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, tuple]:
+        params = require_params(params, "scale_by_param_block_rms")
+        spec, g, p = flatten_matching(updates, params, what="updates and params")
+        scales = [torch.clamp(r, min=min_scale) for r in _leaf_rms(p, spec, extra_args)]
+        return tree_unflatten([x * s.to(x.dtype) for x, s in zip(g, scales)], spec), state
+
+    return GradientTransformation(init, update)
+
+
+def relative_step_schedule(max_learning_rate: float = 1e-2,
+                           warmup_init: bool = False) -> Schedule:
+    r"""Adafactor's relative step size :math:`\rho_t = \min(\eta_{max}, 1/\sqrt{t})`, or
+    :math:`\min(10^{-6} t, 1/\sqrt{t})` with ``warmup_init``; ``t`` counts from 1.
+
+    transformers' ``relative_step=True`` uses :math:`\eta_{max} = 10^{-2}`; torch.optim's
+    Adafactor is this schedule with its ``lr`` as :math:`\eta_{max}`.
+    """
+    check_positive("max_learning_rate", max_learning_rate)
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        t = (count + 1).to(torch.float64)
+        cap = 1e-6 * t if warmup_init else torch.full_like(t, max_learning_rate)
+        return torch.minimum(cap, torch.rsqrt(t))
+    return schedule
+
+
+def add_step_scaled_decayed_weights(weight_decay: float, learning_rate: float | Schedule,
+                                    min_scale: float | None = 1e-3,
+                                    mask: PyTree | None = None) -> GradientTransformation:
+    r"""Add :math:`\lambda \eta_t \max(\epsilon_2, \mathrm{RMS}(x))\, x` to the updates:
+    weight decay scaled by Adafactor's per-leaf step size, as transformers' Adafactor does
+    (``p -= wd · lr_t · p``). ``min_scale=None`` drops the parameter-scale factor.
+    """
+    check_nonnegative("weight_decay", weight_decay)
+
+    def init(params: Params) -> torch.Tensor:
+        check_init_params(params)
+        return zero_count(params)
+
+    def update(updates: Updates, state: torch.Tensor, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, torch.Tensor]:
+        params = require_params(params, "add_step_scaled_decayed_weights")
+        spec, g, p = flatten_matching(updates, params, what="updates and params")
+        keep = leaf_labels(mask, params, "mask values") if mask is not None else [True] * len(g)
+        lr = learning_rate(state) if callable(learning_rate) else learning_rate
+        scales = ([torch.clamp(r, min=min_scale) for r in _leaf_rms(p, spec, extra_args)]
+                  if min_scale is not None else [1.0] * len(g))
+        out = [x + (weight_decay * lr * s * pi).to(x.dtype) if k else x
+               for x, pi, s, k in zip(g, p, scales, keep)]
+        return tree_unflatten(out, spec), safe_increment(state)
+
+    return GradientTransformation(init, update)
+
+
+# ---------------------------------------------------------------------------------------------
+# CAME
+# ---------------------------------------------------------------------------------------------
+
+
+class ScaleByCameState(NamedTuple):
+    """State of `scale_by_came`."""
+    count: torch.Tensor  # shape (), int32: steps taken
+    mu: Updates          # like params (fp32 for 16-bit leaves): EMA of the clipped update
+    v_row: Updates       # per leaf: EMA of row means of g² + ε1 (empty if unfactored)
+    v_col: Updates       # per leaf: EMA of column means of g² + ε1 (empty if unfactored)
+    v: Updates           # per leaf: EMA of g² + ε1 for unfactored leaves (empty if factored)
+    r_row: Updates       # per leaf: EMA of row means of the instability (û − m)² + ε2
+    r_col: Updates       # per leaf: EMA of column means of the instability
+
+
+def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
+                  eps1: float = 1e-30, eps2: float = 1e-16, clip_threshold: float = 1.0,
+                  factor_axes: FactorAxes = "last", min_dim_size_to_factor: int = 1,
+                  stats_dtype: torch.dtype | None = None) -> GradientTransformation:
+    r"""CAME's confidence-guided factored scaling.
+
+    .. math::
+        u_t = g_t \hat v_t^{-1/2}, \quad \hat u_t = u_t / \max(1, \mathrm{RMS}(u_t)/d), \quad
+        m_t = \beta_1 m_{t-1} + (1-\beta_1)\hat u_t,
+
+    .. math::
+        r_t = (\hat u_t - m_t)^2 + \epsilon_2, \quad
+        S_t = \text{factored EMA}_{\beta_3}(r_t), \quad \text{update} = m_t\, \hat S_t^{-1/2}
+
+    where :math:`\hat v_t` is the factored EMA (constant :math:`\beta_2`) of
+    :math:`g^2 + \epsilon_1`, exactly as `scale_by_factored_rms` builds it. Leaves that are not
+    factored (vectors) return :math:`m_t`. No bias correction. Factors the last two dims of
+    every ≥2-D leaf by default, as ``came_pytorch.CAME``; the instability statistics have their
+    own buffers (ColossalAI's DistributedCAME aliases them to the second-moment ones).
+
+    References:
+      Luo et al., CAME: Confidence-guided Adaptive Memory Efficient Optimization
+      (arXiv 2307.02047).
+    """
+    for name, value in (("b1", b1), ("b2", b2), ("b3", b3)):
+        check_unit_interval(name, value)
+    check_nonnegative("eps1", eps1)
+    check_nonnegative("eps2", eps2)
+    check_positive("clip_threshold", clip_threshold)
+
+    def layout_of(params: Params) -> _Layout:
+        return _Layout(factored_axes(params, factor_axes, min_dim_size_to_factor))
+
+    def init(params: Params) -> ScaleByCameState:
+        check_init_params(params)
+        axes = layout_of(params).axes
+        rows, cols, fulls = _init_factored(params, axes, stats_dtype)
+        r_rows, r_cols, _ = _init_factored(params, axes, stats_dtype)
+        mu = tree_map(lambda p: torch.zeros_like(p, dtype=state_dtype(p, stats_dtype)), params)
+        return ScaleByCameState(count=zero_count(params), mu=mu, v_row=rows, v_col=cols,
+                                v=fulls, r_row=r_rows, r_col=r_cols)
+
+    def update(updates: Updates, state: ScaleByCameState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, ScaleByCameState]:
+        spec, g, mu, rows, cols, fulls, r_rows, r_cols = flatten_matching(
+            updates, state.mu, state.v_row, state.v_col, state.v, state.r_row, state.r_col)
+        layout = layout_of(updates)
+        g32 = cast_like(g, mu)
+        q = list(torch._foreach_add(torch._foreach_mul(g32, g32), eps1))
+        rows, cols, fulls = _factored_ema(q, rows, cols, fulls, layout, b2, spec, extra_args)
+        u = _scale_by_inverse_root(g32, rows, cols, fulls, layout, spec, extra_args)
+        rms = _leaf_rms(u, spec, extra_args)
+        u = list(torch._foreach_div(u, [torch.clamp(r / clip_threshold, min=1.0) for r in rms]))
+        mu = foreach_ema(mu, u, b1)
+        out = list(mu)
+        f = layout.factored
+        if f:
+            res = torch._foreach_sub([u[i] for i in f], [mu[i] for i in f])
+            res = list(torch._foreach_add(torch._foreach_mul(res, res), eps2))
+            res_full = [None] * len(g)
+            for i, r in zip(f, res):
+                res_full[i] = r
+            factored_only = _Layout(layout.axes, skip_full=True)
+            r_rows, r_cols, _ = _factored_ema(res_full, r_rows, r_cols, res_full, factored_only,
+                                              b3, spec, extra_args)
+            out = _scale_by_inverse_root(out, r_rows, r_cols, res_full, factored_only, spec,
+                                         extra_args)
+        return (tree_unflatten(cast_like(out, g), spec),
+                ScaleByCameState(count=safe_increment(state.count),
+                                 mu=tree_unflatten(mu, spec), v_row=tree_unflatten(rows, spec),
+                                 v_col=tree_unflatten(cols, spec), v=tree_unflatten(fulls, spec),
+                                 r_row=tree_unflatten(r_rows, spec),
+                                 r_col=tree_unflatten(r_cols, spec)))
+
+    return GradientTransformation(init, update)
+
+
+# ---------------------------------------------------------------------------------------------
+# trust ratio (LAMB, LARS)
+# ---------------------------------------------------------------------------------------------
+
+
+def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,
+                         eps: float = 0.0, *, phi_bounds: tuple[float, float] | None = None,
+                         mask: PyTree | Callable[[Params], PyTree] | None = None
+                         ) -> GradientTransformation:
+    r"""Scale each leaf's update by its layer-wise trust ratio.
+
+    .. math::
+        u \leftarrow u \cdot \tau\, \frac{\phi(\lVert x \rVert)}{\lVert u \rVert + \epsilon},
+        \qquad \phi(z) = \mathrm{clip}(z, \gamma_l, \gamma_u)\ \text{(identity by default)}
+
+    with ratio 1 where either norm is 0. Norms are floored at ``min_norm``.
+
+    Args:
+      min_norm: floor of both norms (optax's ``min_norm``).
+      trust_coefficient: :math:`\tau` (LARS uses 0.001).
+      eps: added to the update norm.
+      phi_bounds: ``(γl, γu)`` to clip the parameter norm, as in the LAMB paper.
+      mask: tree of booleans (or a function of the params); leaves where it is False (biases,
+        norm scales) keep ratio 1.
+
+    References:
+      You et al., LAMB (arXiv 1904.00962); You, Gitman and Ginsburg, LARS (arXiv 1708.03888).
+    """
+    check_nonnegative("min_norm", min_norm)
+    check_nonnegative("trust_coefficient", trust_coefficient)
+    check_nonnegative("eps", eps)
+    if phi_bounds is not None and not 0 <= phi_bounds[0] <= phi_bounds[1]:
+        raise ValueError(f"phi_bounds must satisfy 0 <= low <= high, got {phi_bounds}.")
+
+    def init(params: Params) -> tuple:
+        check_init_params(params)
+        return ()
+
+    def update(updates: Updates, state: tuple, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, tuple]:
+        params = require_params(params, "scale_by_trust_ratio")
+        spec, g, p = flatten_matching(updates, params, what="updates and params")
+        keep = leaf_labels(mask, params, "mask values") if mask is not None else [True] * len(g)
+        if not g:
+            return updates, state
+        dtype = torch.float64 if any(x.dtype == torch.float64 for x in g) else torch.float32
+        # (a) local sums of squares of params and updates; (b) one batched reduction
+        p_sq = [n * n for n in torch._foreach_norm(p, 2, dtype=dtype)]
+        u_sq = [n * n for n in torch._foreach_norm(g, 2, dtype=dtype)]
+        n = len(g)
+        none = [None] * n
+        p_sq, u_sq = reduce_statistics((tree_unflatten(p_sq, spec), tree_unflatten(u_sq, spec)),
+                                       extra_args, dims=(tree_unflatten(none, spec),
+                                                         tree_unflatten(none, spec)))
+        # (c) finish
+        out = []
+        for x, ps, us, k in zip(g, tree_flatten(p_sq)[0], tree_flatten(u_sq)[0], keep):
+            if not k:
+                out.append(x)
+                continue
+            p_norm = torch.clamp(torch.sqrt(ps), min=min_norm)
+            u_norm = torch.clamp(torch.sqrt(us), min=min_norm)
+            phi = p_norm if phi_bounds is None else torch.clamp(p_norm, *phi_bounds)
+            ratio = trust_coefficient * phi / (u_norm + eps)
+            ratio = torch.where((p_norm == 0) | (u_norm == 0), torch.ones_like(ratio), ratio)
+            out.append(x * ratio.to(x.dtype))
+        return tree_unflatten(out, spec), state
+
+    return GradientTransformation(init, update)
