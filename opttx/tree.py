@@ -21,6 +21,7 @@ donation is how `opttx.Optimizer` and `apply_updates_` avoid doubling memory in 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
@@ -205,6 +206,46 @@ def donating(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _DONATE[0] = previous
+        if not previous:
+            _OWNED.clear()
+
+
+# Temporaries created by opttx inside `donating` (fresh update tensors no one else holds):
+# id -> tensor, weakly. A later link of the chain may overwrite them in place. Tensors are
+# registered explicitly where they are created, so buffers that alias state or ``p.grad``
+# are never in it.
+_OWNED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def mark_owned(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Record fresh temporaries (inside `donating`) so later links may reuse them; returns
+    ``tensors``."""
+    if is_donating():
+        for t in tensors:
+            _OWNED[id(t)] = t
+    return tensors
+
+
+def is_owned(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every tensor is a temporary registered with `mark_owned` (so it may be
+    overwritten in place)."""
+    return bool(tensors) and is_donating() and all(_OWNED.get(id(t)) is t for t in tensors)
+
+
+def scalar_operand(value: Scalar, like: Sequence[torch.Tensor]) -> Scalar:
+    """Prepare a 0-dim coefficient for a foreach op over ``like``.
+
+    Under ``torch.compile`` on CPU, Inductor inlines the arithmetic that produced a 0-dim
+    tensor (a bias correction's ``pow``, a schedule's ``cos``) into every element loop of the
+    kernel that consumes it. Passing it through a foreach add makes Inductor read it once as a
+    scalar argument instead (measured: compiled AdamW 4.97x -> 1.02x torch's fused kernel).
+    That scalar is a C ``float``, so float64 leaves keep the inlined (exact) form.
+    """
+    if (isinstance(value, torch.Tensor) and torch.compiler.is_compiling()
+            and value.device.type == "cpu" and like
+            and all(t.dtype != torch.float64 for t in like)):
+        return torch._foreach_add([value.new_zeros(())], value)[0]
+    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,7 +276,7 @@ def foreach_ema(old: Tensors, new: Tensors, decay: Scalar) -> list[torch.Tensor]
     if not old:
         return []
     new = _match_dtypes(new, old)
-    weight = 1 - decay
+    weight = scalar_operand(1 - decay, old)
     if is_donating():
         torch._foreach_lerp_(old, new, weight)
         return list(old)
@@ -247,9 +288,10 @@ def foreach_ema_sq(old: Tensors, new: Tensors, decay: Scalar) -> list[torch.Tens
     if not old:
         return []
     new = _match_dtypes(new, old)
-    out = _maybe_inplace(torch._foreach_mul, old, decay)
+    out = _maybe_inplace(torch._foreach_mul, old, scalar_operand(decay, old))
     if isinstance(decay, torch.Tensor):
-        return foreach_op_("add", out, torch._foreach_mul(torch._foreach_mul(new, new), 1 - decay))
+        weight = scalar_operand(1 - decay, old)
+        return foreach_op_("add", out, torch._foreach_mul(torch._foreach_mul(new, new), weight))
     return foreach_op_("addcmul", out, new, new, 1 - decay)
 
 
@@ -265,19 +307,34 @@ def foreach_accumulate_sq(old: Tensors, new: Tensors) -> list[torch.Tensor]:
 
 
 def foreach_axpy(a: Scalar, x: Tensors, y: Tensors) -> list[torch.Tensor]:
-    """``a * x + y`` for every pair, as new tensors (``x`` and ``y`` are left untouched)."""
+    """``a * x + y`` for every pair. ``x`` is left untouched; ``y`` is overwritten in place
+    only when it is a temporary of the running chain (`is_owned`), else a new list is made."""
     if not x:
         return []
+    y = list(y)
+    a = scalar_operand(a, y)
+    if is_owned(y):
+        if isinstance(a, torch.Tensor):
+            torch._foreach_add_(y, torch._foreach_mul(x, a))
+        else:
+            torch._foreach_add_(y, x, alpha=a)
+        return y
     if isinstance(a, torch.Tensor):
-        return list(torch._foreach_add(y, torch._foreach_mul(x, a)))
-    return list(torch._foreach_add(y, x, alpha=a))
+        return mark_owned(list(torch._foreach_add(y, torch._foreach_mul(x, a))))
+    return mark_owned(list(torch._foreach_add(y, x, alpha=a)))
 
 
 def foreach_scale(x: Tensors, factor: Scalar) -> list[torch.Tensor]:
-    """``factor * x`` for every leaf, as new tensors."""
+    """``factor * x`` for every leaf; in place when ``x`` is a temporary of the running chain
+    (`is_owned`), else as new tensors."""
     if not x:
         return []
-    return list(torch._foreach_mul(x, factor))
+    x = list(x)
+    factor = scalar_operand(factor, x)
+    if is_owned(x):
+        torch._foreach_mul_(x, factor)
+        return x
+    return mark_owned(list(torch._foreach_mul(x, factor)))
 
 
 def _maybe_inplace(op: Callable, tensors: Tensors, *args: Any) -> list[torch.Tensor]:
@@ -356,7 +413,7 @@ def foreach_scale_add(old: Tensors, decay: Scalar, new: Tensors) -> list[torch.T
     if not old:
         return []
     new = _match_dtypes(new, old)
-    out = _maybe_inplace(torch._foreach_mul, old, decay)
+    out = _maybe_inplace(torch._foreach_mul, old, scalar_operand(decay, old))
     return foreach_op_("add", out, new)
 
 

@@ -148,3 +148,15 @@ def test_bf16_parameters_keep_fp32_statistics() -> None:
     adam_state = opt.tx_states[0][0]
     assert adam_state.mu[0].dtype == torch.float32 and adam_state.nu[0].dtype == torch.float32
     assert p.dtype == torch.bfloat16
+
+
+def test_step_leaves_gradients_untouched() -> None:
+    for tx in (opttx.sgd(0.1), opttx.sgd(0.1, momentum=0.9), opttx.adamw(1e-2),
+               opttx.chain(opttx.clip_by_global_norm(1e-3), opttx.lion(1e-3))):
+        p = torch.nn.Parameter(torch.ones(4, 3))
+        opt = opttx.Optimizer([p], tx)
+        grad = torch.randn(4, 3)
+        p.grad = grad.clone()
+        opt.step()
+        opt.step()
+        assert torch.equal(p.grad, grad)

@@ -147,16 +147,21 @@ def test_donating_updates_state_in_place_with_the_same_numbers() -> None:
     params = {"w": torch.randn(4, 3), "b": torch.randn(3)}
     grads = gradient_stream(params, 3)
     for factory in (lambda: opttx.adamw(1e-2), lambda: opttx.sgd(0.1, 0.9, nesterov=True),
+                    lambda: opttx.sgd(0.1, 0.9),     # trace's output aliases its state
+                    lambda: opttx.chain(opttx.ema(0.9, debias=False), opttx.scale(-0.1)),
+                    lambda: opttx.chain(opttx.clip_by_global_norm(0.1), opttx.adamw(1e-2)),
                     lambda: opttx.rmsprop(1e-2, centered=True, momentum=0.9),
                     lambda: opttx.adagrad(0.1), lambda: opttx.lion(1e-3)):
         tx = factory()
         pure_state, donated_state = tx.init(params), tx.init(params)
         pointers = [t.data_ptr() for t in opttx.tree.tree_leaves(donated_state) if t.dim()]
         for g in grads:
+            g_before = {k: v.clone() for k, v in g.items()}
             pure_out, pure_state = tx.update(g, pure_state, params)
             with opttx.donating():
                 out, donated_state = tx.update(g, donated_state, params)
             assert_trees_close(out, pure_out, rtol=0.0)
+            assert_trees_close(g, g_before, rtol=0.0)        # the input is never overwritten
         assert_trees_close(donated_state, pure_state, rtol=0.0)
         assert pointers == [t.data_ptr() for t in opttx.tree.tree_leaves(donated_state)
                             if t.dim()]

@@ -14,7 +14,8 @@ import torch
 from .._checks import check_nonnegative, check_positive
 from ..base import (GradientTransformation, Params, Updates, check_init_params,
                     reduce_statistics, stateless_with_extra_args)
-from ..tree import PyTree, flatten_matching, foreach_op_, tree_map, tree_unflatten
+from ..tree import (PyTree, flatten_matching, foreach_op_, foreach_scale, tree_map,
+                    tree_unflatten)
 
 __all__ = [
     "ZeroNansState",
@@ -82,7 +83,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             return updates
         norm = global_norm(updates, extra_args)
         factor = torch.where(norm < max_norm, torch.ones_like(norm), max_norm / norm)
-        return tree_unflatten(list(torch._foreach_mul(g, factor)), spec)
+        return tree_unflatten(foreach_scale(g, factor), spec)
 
     return stateless_with_extra_args(clip_fn)
 

@@ -18,7 +18,8 @@ from .._checks import check_nonnegative, check_unit_interval
 from ..base import (GradientTransformation, Params, Updates, check_init_params,
                     safe_increment, zero_count)
 from ..tree import (Scalar, cast_like, flatten_matching, foreach_accumulate_sq, foreach_ema,
-                    foreach_ema_sq, foreach_op_, foreach_scale_add, stats_like, tree_unflatten)
+                    foreach_ema_sq, foreach_op_, foreach_scale_add, mark_owned,
+                    scalar_operand, stats_like, tree_unflatten)
 
 __all__ = [
     "EmaState",
@@ -60,7 +61,13 @@ def debias_factor(decay: Scalar, count: torch.Tensor) -> torch.Tensor:
 
 
 def _div_by(tensors: list[torch.Tensor], divisor: Scalar) -> list[torch.Tensor]:
-    return list(torch._foreach_div(tensors, divisor))
+    return list(torch._foreach_div(tensors, scalar_operand(divisor, tensors)))
+
+
+def _fresh(out: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """New update tensors, cast to the gradients' dtypes and registered as temporaries that
+    later links of the chain may overwrite (see `opttx.tree.mark_owned`)."""
+    return mark_owned(cast_like(out, like))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,10 +113,11 @@ def trace(decay: float, nesterov: bool = False,
         spec, g, buf = flatten_matching(updates, state.trace)
         buf = foreach_scale_add(buf, decay, cast_like(g, buf))
         if nesterov:
-            out = list(torch._foreach_add(cast_like(g, buf), torch._foreach_mul(buf, decay)))
+            out = _fresh(list(torch._foreach_add(
+                cast_like(g, buf), torch._foreach_mul(buf, scalar_operand(decay, buf)))), g)
         else:
-            out = list(buf)
-        return (tree_unflatten(cast_like(out, g), spec),
+            out = cast_like(list(buf), g)      # aliases the state: not a temporary
+        return (tree_unflatten(out, spec),
                 TraceState(trace=tree_unflatten(buf, spec)))
 
     return GradientTransformation(init, update)
@@ -146,8 +154,9 @@ def ema(decay: float, debias: bool = True,
         spec, g, avg = flatten_matching(updates, state.ema)
         count = safe_increment(state.count)
         avg = foreach_ema(avg, g, decay)
-        out = _div_by(avg, debias_factor(decay, count)) if debias else list(avg)
-        return (tree_unflatten(cast_like(out, g), spec),
+        out = _fresh(_div_by(avg, debias_factor(decay, count)), g) if debias else \
+            cast_like(list(avg), g)
+        return (tree_unflatten(out, spec),
                 EmaState(count=count, ema=tree_unflatten(avg, spec)))
 
     return GradientTransformation(init, update)
@@ -224,21 +233,21 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
         if fast_path:
             # m̂ / (sqrt(v̂) + eps) == m / (sqrt(v) · bc1/sqrt(bc2) + eps · bc1): four passes.
             denom = list(torch._foreach_sqrt(nu))
-            denom = foreach_op_("mul", denom, bc1 / torch.sqrt(bc2))
-            denom = foreach_op_("add", denom, eps * bc1)
+            denom = foreach_op_("mul", denom, scalar_operand(bc1 / torch.sqrt(bc2), denom))
+            denom = foreach_op_("add", denom, scalar_operand(eps * bc1, denom))
             out = list(torch._foreach_div(cast_like(mu, nu), denom))
         else:
             if nesterov:
+                c_mu = b1 / (debias_factor(b1, safe_increment(count)) if bias_correction else bc1)
                 mu_hat = list(torch._foreach_add(
-                    torch._foreach_mul(mu, b1 / (debias_factor(b1, safe_increment(count))
-                                                 if bias_correction else bc1)),
-                    torch._foreach_mul(cast_like(g, mu), (1 - b1) / bc1)))
+                    torch._foreach_mul(mu, scalar_operand(c_mu, mu)),
+                    torch._foreach_mul(cast_like(g, mu), scalar_operand((1 - b1) / bc1, mu))))
             else:
                 mu_hat = _div_by(mu, bc1)
             denom = foreach_op_("add", _div_by(nu, bc2), eps_root)
             denom = foreach_op_("add", foreach_op_("sqrt", denom), eps)
             out = list(torch._foreach_div(cast_like(mu_hat, nu), denom))
-        return (tree_unflatten(cast_like(out, g), spec),
+        return (tree_unflatten(_fresh(out, g), spec),
                 ScaleByAdamState(count=count, mu=tree_unflatten(mu, spec),
                                  nu=tree_unflatten(nu, spec)))
 
@@ -303,10 +312,12 @@ def scale_by_nadam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         nu = foreach_ema_sq(nu, g, b2)
         denom = foreach_op_("sqrt", _div_by(nu, debias_factor(b2, count)))
         denom = foreach_op_("add", denom, eps)
-        grad_part = torch._foreach_mul(cast_like(g, nu), (1 - mu_t) / (1 - mu_product))
-        mom_part = torch._foreach_mul(cast_like(mu, nu), mu_next / (1 - mu_product * mu_next))
+        grad_part = torch._foreach_mul(cast_like(g, nu),
+                                       scalar_operand((1 - mu_t) / (1 - mu_product), nu))
+        mom_part = torch._foreach_mul(cast_like(mu, nu), scalar_operand(
+            mu_next / (1 - mu_product * mu_next), nu))
         out = list(torch._foreach_div(torch._foreach_add(grad_part, mom_part), denom))
-        return (tree_unflatten(cast_like(out, g), spec),
+        return (tree_unflatten(_fresh(out, g), spec),
                 ScaleByNadamState(count=count, mu_product=mu_product,
                                   mu=tree_unflatten(mu, spec), nu=tree_unflatten(nu, spec)))
 
@@ -374,7 +385,7 @@ def scale_by_rms(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0
         nu = foreach_ema_sq(nu, g, decay)
         nu_hat = _div_by(nu, debias_factor(decay, count)) if bias_correction else nu
         out = _divide_by_root(g, nu_hat, eps, eps_in_sqrt)
-        return (tree_unflatten(cast_like(out, g), spec),
+        return (tree_unflatten(_fresh(out, g), spec),
                 ScaleByRmsState(count=count, nu=tree_unflatten(nu, spec)))
 
     return GradientTransformation(init, update)
@@ -425,7 +436,7 @@ def scale_by_stddev(decay: float = 0.9, eps: float = 1e-8, initial_scale: float 
             mu_hat, nu_hat = mu, nu
         variance = list(torch._foreach_sub(nu_hat, torch._foreach_mul(mu_hat, mu_hat)))
         out = _divide_by_root(g, variance, eps, eps_in_sqrt)
-        return (tree_unflatten(cast_like(out, g), spec),
+        return (tree_unflatten(_fresh(out, g), spec),
                 ScaleByStddevState(count=count, mu=tree_unflatten(mu, spec),
                                    nu=tree_unflatten(nu, spec)))
 
@@ -467,7 +478,7 @@ def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7,
         out = _divide_by_root(g, sos, eps, eps_in_sqrt)
         if not (isinstance(eps, (int, float)) and eps > 0):
             out = [torch.where(s > 0, u, torch.zeros_like(u)) for s, u in zip(sos, out)]
-        return (tree_unflatten(cast_like(out, g), spec),
+        return (tree_unflatten(_fresh(out, g), spec),
                 ScaleByRssState(sum_of_squares=tree_unflatten(sos, spec)))
 
     return GradientTransformation(init, update)
@@ -514,7 +525,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99,
         g_mu = cast_like(g, mu)
         direction = foreach_op_("sign", list(torch._foreach_lerp(mu, g_mu, 1 - b1)))
         mu = foreach_ema(mu, g_mu, b2)
-        return (tree_unflatten(cast_like(direction, g), spec),
+        return (tree_unflatten(_fresh(direction, g), spec),
                 ScaleByLionState(count=safe_increment(state.count),
                                  mu=tree_unflatten(mu, spec)))
 

@@ -10,8 +10,8 @@ from .._checks import check_learning_rate, check_nonnegative, check_number
 from ..base import (EmptyState, GradientTransformation, Params, Updates, check_init_params,
                     require_params, safe_increment, stateless, zero_count)
 from ..schedules import Schedule
-from ..tree import (PyTree, Scalar, cast_like, flatten_matching, foreach_axpy, mask_leaves,
-                    tree_unflatten)
+from ..tree import (PyTree, Scalar, cast_like, flatten_matching, foreach_axpy, foreach_scale,
+                    mask_leaves, tree_unflatten)
 
 __all__ = [
     "ScaleByScheduleState",
@@ -25,7 +25,7 @@ __all__ = [
 
 def _scaled(updates: Updates, factor: Scalar) -> Updates:
     spec, g = flatten_matching(updates)
-    return tree_unflatten(list(torch._foreach_mul(g, factor)) if g else [], spec)
+    return tree_unflatten(foreach_scale(g, factor), spec)
 
 
 def scale(step_size: float) -> GradientTransformation:
