@@ -123,7 +123,7 @@ def nadam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
       Dozat, Incorporating Nesterov Momentum into Adam (ICLR 2016 workshop).
     """
     if momentum_decay is not None:
-        if eps_root:
+        if isinstance(eps_root, (int, float)) and eps_root != 0:
             raise ValueError("eps_root is not supported with momentum_decay (torch's NAdam).")
         direction = scale_by_nadam(b1, b2, eps, momentum_decay, mu_dtype)
     else:
@@ -211,7 +211,8 @@ def adafactor(learning_rate: ScalarOrSchedule | None = None, min_dim_size_to_fac
     r"""Adafactor: factored second moments, update clipping, relative step sizes.
 
     .. math::
-        u_t = \mathrm{clip}_d\!\left(g_t \hat v_t^{-1/2}ight) \cdot \eta_t \cdot
+        u_t = \mathrm{clip}_d\!\left(g_t \hat v_t^{-1/2}
+ight) \cdot \eta_t \cdot
         \max(\epsilon_2, \mathrm{RMS}(x_t)), \qquad
         m_t = eta_1 m_{t-1} + (1-eta_1) u_t \ (	ext{with momentum}), \qquad
         x_{t+1} = x_t - m_t - \lambda\, x_t
@@ -272,7 +273,8 @@ def adafactor(learning_rate: ScalarOrSchedule | None = None, min_dim_size_to_fac
         links.append(scale_by_param_block_rms(param_scale_eps))
     if momentum is not None:
         links.append(ema(momentum, debias=False, accumulator_dtype=dtype_momentum))
-    if weight_decay_rate:
+    if weight_decay_rate is not None and not (isinstance(weight_decay_rate, (int, float))
+                                              and weight_decay_rate == 0):
         if weight_decay_scaled_by_lr:
             links.append(add_step_scaled_decayed_weights(
                 weight_decay_rate, lr if lr is not None else 1.0,
@@ -291,7 +293,8 @@ def came(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
     r"""CAME: `scale_by_came`, decoupled weight decay, learning rate.
 
     .. math::
-        x_{t+1} = x_t - \eta \left(m_t \hat S_t^{-1/2} + \lambda x_tight)
+        x_{t+1} = x_t - \eta \left(m_t \hat S_t^{-1/2} + \lambda x_t
+ight)
 
     Defaults and numbers of ``came_pytorch.CAME(lr, betas=(b1, b2, b3), eps=(eps1, eps2),
     clip_threshold, weight_decay)``.
@@ -316,7 +319,9 @@ def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
 
     .. math::
         r_t = rac{\hat m_t}{\sqrt{\hat v_t} + \epsilon} + \lambda x_t, \qquad
-        x_{t+1} = x_t - \eta\, rac{\phi(\lVert x_t Vert)}{\lVert r_t Vert}\, r_t
+        x_{t+1} = x_t - \eta\, rac{\phi(\lVert x_t 
+Vert)}{\lVert r_t 
+Vert}\, r_t
 
     (ratio 1 when either norm is 0). Bias correction is on by default, as in the paper
     (ColossalAI's single-device Lamb defaults it off: ``bias_correction=False``).
@@ -345,7 +350,9 @@ def lars(learning_rate: ScalarOrSchedule, weight_decay: float = 0.0,
     r"""LARS: SGD with momentum on trust-ratio-scaled gradients.
 
     .. math::
-        u_t = 	au rac{\lVert x_t Vert}{\lVert g_t + \lambda x_t Vert + \epsilon}
+        u_t = 	au rac{\lVert x_t 
+Vert}{\lVert g_t + \lambda x_t 
+Vert + \epsilon}
         (g_t + \lambda x_t), \qquad m_t = \mu m_{t-1} - \eta u_t, \qquad x_{t+1} = x_t + m_t
 
     optax's signature and defaults.

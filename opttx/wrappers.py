@@ -35,12 +35,12 @@ class InjectHyperparamsState(NamedTuple):
     inner_state: State                  # the wrapped transform's state
 
 
-def _is_numeric(value: Any) -> bool:
-    if isinstance(value, bool):
-        return False
+def _is_injectable(value: Any) -> bool:
+    """Floats and 0-dim floating tensors become state; ints stay Python values, since they
+    usually decide shapes or control flow (sizes, steps, offsets)."""
     if isinstance(value, torch.Tensor):
-        return value.dim() == 0
-    return isinstance(value, (int, float))
+        return value.dim() == 0 and value.is_floating_point()
+    return isinstance(value, float)
 
 
 def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
@@ -59,10 +59,11 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
 
     Args:
       inner_factory: a function returning a `GradientTransformation` (an alias or transform).
-      static_args: names of arguments to keep as Python values (booleans, ints that decide
-        shapes or control flow, dtypes and masks are kept anyway).
-      hyperparam_dtype: dtype of floating hyperparameters (default float64, so that injected
-        values equal the Python floats they replace; ints stay int64).
+      static_args: names of float arguments to keep as Python values. Booleans, ints (sizes,
+        step counts, offsets: unlike optax, which injects ints too), dtypes, masks and None
+        are kept as Python values anyway.
+      hyperparam_dtype: dtype of the injected values (default float64, so that they equal
+        the Python floats they replace).
 
     Example:
       >>> tx = opttx.inject_hyperparams(opttx.adamw)(learning_rate=1e-3)
@@ -81,7 +82,7 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
                 other[name] = value
             elif callable(value) and not isinstance(value, GradientTransformation):
                 schedules[name] = value
-            elif _is_numeric(value):
+            elif _is_injectable(value):
                 numeric[name] = value
             else:
                 other[name] = value
@@ -90,11 +91,7 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
         def as_tensor(value: Any, device: torch.device) -> torch.Tensor:
             if isinstance(value, torch.Tensor):
                 return value.detach().clone().to(device)
-            if isinstance(value, int):
-                dtype = hyperparam_dtype or torch.int64
-            else:
-                dtype = hyperparam_dtype or torch.float64
-            return torch.tensor(value, dtype=dtype, device=device)
+            return torch.tensor(value, dtype=hyperparam_dtype or torch.float64, device=device)
 
         def evaluate_schedules(count: torch.Tensor) -> dict[str, torch.Tensor]:
             return {name: torch.as_tensor(fn(count)).to(hyperparam_dtype or torch.float64)

@@ -51,6 +51,8 @@ ALIASES = {
     "apply_if_finite": lambda lr: opttx.apply_if_finite(opttx.adam(lr), 3),
     "multi_steps": lambda lr: opttx.MultiSteps(opttx.adam(lr), 2).gradient_transformation(),
     "inject": lambda lr: opttx.inject_hyperparams(opttx.adamw)(learning_rate=lr),
+    "inject_adafactor": lambda lr: opttx.inject_hyperparams(opttx.adafactor)(
+        learning_rate=lr, min_dim_size_to_factor=4, weight_decay_rate=1e-3),
 }
 
 

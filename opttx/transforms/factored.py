@@ -24,8 +24,9 @@ from ..base import (GradientTransformation, Params, Updates, check_init_params,
                     REDUCER_KEY, reduce_statistics, require_params, safe_increment,
                     zero_count)
 from ..schedules import Schedule
-from ..tree import (PyTree, Scalar, cast_like, flatten_matching, foreach_ema, leaf_labels,
-                    state_dtype, tree_flatten, tree_map, tree_paths, tree_unflatten)
+from ..tree import (MaskedNode, PyTree, Scalar, cast_like, flatten_matching, foreach_ema,
+                    leaf_labels, scalar_operand, state_dtype, tree_flatten, tree_map,
+                    tree_paths, tree_unflatten)
 from .clipping import clip_by_block_rms
 
 __all__ = [
@@ -170,7 +171,6 @@ def _reduce_sums(sums: list[torch.Tensor | None], counts: list[float], dims: lis
 def _sparse_tree(values: list, indices: list[int], spec: Any, n: int) -> PyTree:
     """A tree with ``spec``'s structure holding ``values`` at ``indices`` and MaskedNode
     elsewhere (so the reduction hook sees which parameter each statistic belongs to)."""
-    from ..tree import MaskedNode
     full: list[Any] = [MaskedNode()] * n
     for i, v in zip(indices, values):
         full[i] = v
@@ -304,7 +304,7 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
     References:
       Shazeer and Stern, Adafactor (arXiv 1804.04235).
     """
-    if not 0 < decay_rate <= 1:
+    if isinstance(decay_rate, (int, float)) and not 0 < decay_rate <= 1:
         raise ValueError(f"decay_rate must be in (0, 1] (the exponent c of 1 - t^-c; "
                          f"transformers' -0.8 is 0.8 here), got {decay_rate}.")
     check_nonnegative("epsilon", epsilon)
@@ -330,8 +330,8 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
         beta = decay_rate_fn(state.count - step_offset, decay_rate)
         q = [x.to(s.dtype if s.numel() else r.dtype) for x, s, r in zip(g, fulls, rows)]
         q = list(torch._foreach_mul(q, q))
-        if epsilon:
-            q = list(torch._foreach_add(q, epsilon))
+        if not (isinstance(epsilon, (int, float)) and epsilon == 0):
+            q = list(torch._foreach_add(q, scalar_operand(epsilon, q)))
         rows, cols, fulls = _factored_ema(q, rows, cols, fulls, layout, beta, spec, extra_args)
         out = _scale_by_inverse_root(g, rows, cols, fulls, layout, spec, extra_args, eps_clamp)
         return (tree_unflatten(cast_like(out, g), spec),
