@@ -15,7 +15,7 @@ Example:
 
 from . import schedules, transforms, tree
 from .aliases import (adafactor, adagrad, adam, adamw, came, lamb, lars, lion, nadam, rmsprop,
-                      sgd)
+                      sgd, shampoo)
 from .base import (EmptyState, GradientTransformation, apply_updates, apply_updates_, identity,
                    set_to_zero, stateless, stateless_with_tree_map)
 from .combine import (MaskedState, PartitionState, chain, freeze, masked, multi_transform,
@@ -41,7 +41,7 @@ __all__ = [
     "exponential_decay", "freeze", "identity", "inject_hyperparams", "join_schedules", "lamb", "lars",
     "linear_schedule", "lion", "masked", "multi_transform", "nadam", "named_chain", "partition",
     "piecewise_constant_schedule", "polynomial_schedule", "rmsprop", "schedules",
-    "set_hyperparams_", "set_to_zero", "sgd", "stateless", "stateless_with_tree_map",
+    "set_hyperparams_", "set_to_zero", "sgd", "shampoo", "stateless", "stateless_with_tree_map",
     "transforms", "tree", "tree_copy_", "warmup_constant_schedule",
     "warmup_cosine_decay_schedule", "warmup_stable_decay_schedule", *_transforms_all,
 ]

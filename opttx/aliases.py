@@ -20,10 +20,11 @@ from .transforms.factored import (FactorAxes, add_step_scaled_decayed_weights, c
 from .transforms.moments import (ema, scale_by_adam, scale_by_lion, scale_by_nadam,
                                  scale_by_rms, scale_by_rss, scale_by_stddev, trace)
 from .transforms.scaling import add_decayed_weights, scale, scale_by_learning_rate
+from .transforms.shampoo import block_by_dims, graft, precondition_shampoo
 from .tree import PyTree
 
 __all__ = ["adafactor", "adagrad", "adam", "adamw", "came", "lamb", "lars", "lion", "nadam",
-           "rmsprop", "sgd"]
+           "rmsprop", "sgd", "shampoo"]
 
 ScalarOrSchedule = float | torch.Tensor | Schedule
 Mask = PyTree | Callable[[PyTree], PyTree] | None
@@ -366,3 +367,76 @@ Vert + \epsilon}
                                       mask=trust_ratio_mask),
                  scale_by_learning_rate(learning_rate),
                  trace(decay=momentum, nesterov=nesterov))
+
+
+# ---------------------------------------------------------------------------------------------
+# matrix preconditioners
+# ---------------------------------------------------------------------------------------------
+
+
+def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] = (0.9, 1.0),
+            epsilon: float = 1e-12, momentum: float = 0.0, nesterov: bool = False,
+            weight_decay: float = 0.0, use_decoupled_weight_decay: bool = True,
+            max_preconditioner_dim: int = 1024, precondition_frequency: int = 1,
+            start_preconditioning_step: int | None = None,
+            grafting: str | None = None, grafting_beta2: float = 0.999,
+            grafting_epsilon: float = 1e-8, use_bias_correction: bool = True,
+            root_method: str = "eigh",
+            preconditioner_dtype: torch.dtype = torch.float32) -> GradientTransformation:
+    r"""Shampoo as Meta's Distributed Shampoo computes it, composed from transforms.
+
+    ``block_by_dims(chain(graft(grafted method, precondition_shampoo, beta1),
+    add_decayed_weights, trace, scale_by_learning_rate), max_preconditioner_dim)``, with
+    coupled weight decay added to the gradient first when ``use_decoupled_weight_decay`` is
+    False. Arguments and defaults are Meta's (``betas = (beta1, beta2)``: the gradient EMA
+    that is preconditioned, and the factor decay; ``start_preconditioning_step`` defaults to
+    the frequency). Meta's README examples map to:
+
+    * SGD with Nesterov momentum: ``shampoo(lr, betas=(0.0, 1.0), momentum=0.5,
+      nesterov=True, grafting="sgd", ...)``;
+    * Adam: ``shampoo(lr, betas=(0.9, 0.999), grafting="adam", grafting_beta2=0.999,
+      grafting_epsilon=1e-8, use_decoupled_weight_decay=False, weight_decay=wd)``;
+    * AdamW: the same with ``use_decoupled_weight_decay=True``;
+    * Adagrad: ``shampoo(lr, betas=(0.0, 1.0), grafting="adagrad", grafting_epsilon=1e-10)``.
+
+    With preconditioning never started these equal the torch.optim optimizer they graft.
+
+    Args:
+      grafting: ``"adam"``, ``"adagrad"``, ``"rmsprop"``, ``"sgd"`` or None (Shampoo's own
+        norm; Meta's default).
+      grafting_beta2, grafting_epsilon: the grafted method's second-moment decay and epsilon.
+      root_method, preconditioner_dtype, epsilon, precondition_frequency: see
+        `precondition_shampoo`.
+
+    References:
+      Gupta, Koren and Singer (arXiv 1802.09568); Shi et al. (arXiv 2309.06497).
+    """
+    beta1, beta2 = betas
+    start = precondition_frequency if start_preconditioning_step is None \
+        else start_preconditioning_step
+    magnitudes = {
+        "adam": lambda: scale_by_rms(grafting_beta2, grafting_epsilon, eps_in_sqrt=False,
+                                     bias_correction=True),
+        "rmsprop": lambda: scale_by_rms(grafting_beta2, grafting_epsilon, eps_in_sqrt=False),
+        "adagrad": lambda: scale_by_rss(0.0, grafting_epsilon, eps_in_sqrt=False),
+        "sgd": lambda: None,
+        None: lambda: None,
+    }
+    if grafting not in magnitudes:
+        raise ValueError(f"grafting must be 'adam', 'adagrad', 'rmsprop', 'sgd' or None, got "
+                         f"{grafting!r}.")
+    direction = precondition_shampoo(beta2, epsilon, precondition_frequency, start,
+                                     root_method, preconditioner_dtype=preconditioner_dtype,
+                                     use_bias_correction=use_bias_correction)
+    links: list[GradientTransformation] = [
+        graft(magnitudes[grafting](), direction, start, beta1, use_bias_correction,
+              rescale=grafting is not None)]
+    if weight_decay and use_decoupled_weight_decay:
+        links.append(add_decayed_weights(weight_decay))
+    if momentum:
+        links.append(trace(momentum, nesterov=nesterov))
+    links.append(scale_by_learning_rate(learning_rate))
+    body = block_by_dims(chain(*links), max_preconditioner_dim)
+    if weight_decay and not use_decoupled_weight_decay:
+        return chain(add_decayed_weights(weight_decay), body)
+    return body

@@ -213,6 +213,18 @@ def reduce_statistics(partials: PyTree, extra_args: dict[str, Any], op: ReduceOp
     return reducer(partials, op=op, dims=dims)
 
 
+PRECONDITION_INPUT = "precondition_input"
+"""The ``extra_args`` key under which `opttx.graft` passes the (filtered) gradient that a
+preconditioning transform should apply itself to, while its statistics come from ``updates``
+(the raw gradient). `scale_by_rms`, `scale_by_rss` and `precondition_shampoo` honour it."""
+
+
+def precondition_target(updates: Updates, extra_args: dict[str, Any]) -> Updates:
+    """What a preconditioning transform applies itself to: ``extra_args[PRECONDITION_INPUT]``
+    when `opttx.graft` provides one, else the updates themselves."""
+    return extra_args.get(PRECONDITION_INPUT, updates)
+
+
 def is_masked(x: Any) -> bool:
     """Whether ``x`` is a `MaskedNode` placeholder."""
     return isinstance(x, MaskedNode)

@@ -28,7 +28,8 @@ HYPERPARAMS: dict[str, dict[str, Any]] = {
     "lamb": {"learning_rate": 1e-2},
     "galore_adamw": {"learning_rate": 1e-3},
     "adamw_8bit": {"learning_rate": 1e-3},
-    "shampoo": {"learning_rate": 1e-3},
+    "shampoo": {"learning_rate": 1e-3, "betas": (0.9, 0.999), "grafting": "adam",
+                "precondition_frequency": 10, "epsilon": 1e-10},
     "adalomo": {"learning_rate": 1e-2},
 }
 FALLBACK_HYPERPARAMS: dict[str, Any] = {"learning_rate": 1e-3}

@@ -9,10 +9,14 @@ from .moments import (EmaState, ScaleByAdamState, ScaleByLionState, ScaleByNadam
                       ScaleByRmsState, ScaleByRssState, ScaleByStddevState, TraceState, ema,
                       scale_by_adam, scale_by_lion, scale_by_nadam, scale_by_rms, scale_by_rss,
                       scale_by_stddev, trace)
+from .shampoo import (GraftState, ShampooState, block_by_dims, block_shapes, graft,
+                      matrix_inverse_root, merge_small_dims, precondition_shampoo)
 from .scaling import (ScaleByScheduleState, add_decayed_weights, scale, scale_by_learning_rate,
                       scale_by_schedule, scale_by_sign)
 
 __all__ = [
+    "GraftState", "ShampooState", "block_by_dims", "block_shapes", "graft",
+    "matrix_inverse_root", "merge_small_dims", "precondition_shampoo",
     "FactoredState", "ScaleByCameState", "add_step_scaled_decayed_weights", "clip_by_rms",
     "factored_axes", "relative_step_schedule", "scale_by_came", "scale_by_factored_rms",
     "scale_by_param_block_rms", "scale_by_trust_ratio",

@@ -16,7 +16,7 @@ import torch
 
 from .._checks import check_nonnegative, check_unit_interval
 from ..base import (GradientTransformation, Params, Updates, check_init_params,
-                    safe_increment, zero_count)
+                    precondition_target, safe_increment, zero_count)
 from ..tree import (Scalar, cast_like, flatten_matching, foreach_accumulate_sq, foreach_ema,
                     foreach_ema_sq, foreach_op_, foreach_scale_add, mark_owned,
                     scalar_operand, stats_like, tree_unflatten)
@@ -366,6 +366,9 @@ def scale_by_rms(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0
       eps_in_sqrt: ``eps`` inside the root (optax's default) or outside (torch.optim's).
       bias_correction: debias :math:`\nu` as Adam does.
 
+    Inside `opttx.graft` the statistics come from the raw gradient and the division is applied
+    to the filtered gradient (``extra_args[PRECONDITION_INPUT]``).
+
     References:
       Tieleman and Hinton, Lecture 6.5 (2012).
     """
@@ -379,12 +382,13 @@ def scale_by_rms(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0
 
     def update(updates: Updates, state: ScaleByRmsState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, ScaleByRmsState]:
-        del params, extra_args
+        del params
         spec, g, nu = flatten_matching(updates, state.nu)
         count = safe_increment(state.count)
         nu = foreach_ema_sq(nu, g, decay)
         nu_hat = _div_by(nu, debias_factor(decay, count)) if bias_correction else nu
-        out = _divide_by_root(g, nu_hat, eps, eps_in_sqrt)
+        x = flatten_matching(precondition_target(updates, extra_args))[1]
+        out = _divide_by_root(x, nu_hat, eps, eps_in_sqrt)
         return (tree_unflatten(_fresh(out, g), spec),
                 ScaleByRmsState(count=count, nu=tree_unflatten(nu, spec)))
 
@@ -472,10 +476,11 @@ def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7,
 
     def update(updates: Updates, state: ScaleByRssState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, ScaleByRssState]:
-        del params, extra_args
+        del params
         spec, g, sos = flatten_matching(updates, state.sum_of_squares)
         sos = foreach_accumulate_sq(sos, g)
-        out = _divide_by_root(g, sos, eps, eps_in_sqrt)
+        x = flatten_matching(precondition_target(updates, extra_args))[1]
+        out = _divide_by_root(x, sos, eps, eps_in_sqrt)
         if not (isinstance(eps, (int, float)) and eps > 0):
             out = [torch.where(s > 0, u, torch.zeros_like(u)) for s, u in zip(sos, out)]
         return (tree_unflatten(_fresh(out, g), spec),

@@ -1,0 +1,236 @@
+"""Shampoo: Meta's blocking, grafting equivalences with torch.optim while preconditioning has
+not started, a float64 dense re-derivation of full-matrix Shampoo, roots, failures, compile."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import opttx
+from opttx.testing import assert_trees_close, gradient_stream, param_trees, run_transform
+
+NEVER = 10**6   # a start step the tests never reach
+
+
+# ---------------------------------------------------------------------------------------------
+# blocking
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape,max_dim,merged", [
+    ((10, 20), 1024, (200,)),
+    ((32, 3, 64, 64), 1024, (32, 192, 64)),
+    ((32, 3, 64, 64), 8192, (96, 4096)),
+    ((1, 5, 1), 1024, (5,)),
+    ((1, 1), 1024, (1,)),
+    ((), 1024, (1,)),
+])
+def test_merge_small_dims_as_meta(shape, max_dim, merged) -> None:
+    assert opttx.merge_small_dims(shape, max_dim) == merged
+
+
+def test_block_shapes_split_at_the_max_dim() -> None:
+    assert opttx.block_shapes((2500, 600), 1024) == [(1024, 600), (1024, 600), (452, 600)]
+    assert opttx.block_shapes((3000,), 1024) == [(1024,), (1024,), (952,)]
+    assert opttx.block_shapes((1500, 1500), 1024) == [(1024, 1024), (1024, 476), (476, 1024),
+                                                      (476, 476)]
+
+
+@given(shape=st.lists(st.integers(1, 9), min_size=0, max_size=4).map(tuple),
+       max_dim=st.integers(1, 12))
+def test_blocks_tile_the_tensor_and_round_trip(shape, max_dim) -> None:
+    from opttx.transforms.shampoo import _merge, _split
+    x = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    blocks = _split(x, max_dim)
+    assert [tuple(b.shape) for b in blocks] == opttx.block_shapes(shape, max_dim)
+    assert sum(b.numel() for b in blocks) == x.numel()
+    assert all(max(b.shape) <= max(max_dim, 1) or b.numel() == 1 for b in blocks)
+    assert torch.equal(_merge(blocks, shape, max_dim), x)
+    identity = opttx.block_by_dims(opttx.identity(), max_dim)
+    out, _ = identity.update({"x": x}, identity.init({"x": x}))
+    assert torch.equal(out["x"], x)
+
+
+# ---------------------------------------------------------------------------------------------
+# grafting equivalences (preconditioning never started)
+# ---------------------------------------------------------------------------------------------
+
+GRAFT_CASES = {
+    "adagrad": (dict(betas=(0.0, 1.0), grafting="adagrad", grafting_epsilon=1e-10),
+                lambda ps, lr: torch.optim.Adagrad(ps, lr=lr, eps=1e-10)),
+    "adam": (dict(betas=(0.9, 0.999), grafting="adam", grafting_beta2=0.999,
+                  grafting_epsilon=1e-8, weight_decay=0.01, use_decoupled_weight_decay=False),
+             lambda ps, lr: torch.optim.Adam(ps, lr=lr, weight_decay=0.01)),
+    "adamw": (dict(betas=(0.9, 0.999), grafting="adam", grafting_beta2=0.999,
+                   grafting_epsilon=1e-8, weight_decay=0.01),
+              lambda ps, lr: torch.optim.AdamW(ps, lr=lr, weight_decay=0.01)),
+    "rmsprop": (dict(betas=(0.0, 1.0), grafting="rmsprop", grafting_beta2=0.99,
+                     grafting_epsilon=1e-8),
+                lambda ps, lr: torch.optim.RMSprop(ps, lr=lr, alpha=0.99, eps=1e-8)),
+    "sgd_nesterov": (dict(betas=(0.0, 1.0), grafting="sgd", momentum=0.9, nesterov=True),
+                     lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9, nesterov=True)),
+    "sgd_momentum": (dict(betas=(0.0, 1.0), grafting="sgd", momentum=0.9),
+                     lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9)),
+}
+
+
+@pytest.mark.parametrize("name", list(GRAFT_CASES))
+@given(drawn=param_trees(shape_strategy=st.lists(st.integers(1, 6), min_size=0,
+                                                 max_size=3).map(tuple)))
+def test_grafted_method_alone_equals_torch_optim(name, drawn) -> None:
+    kwargs, make_ref = GRAFT_CASES[name]
+    lr, tree = 1e-2, drawn.tree
+    grads = gradient_stream(tree, 20, seed=drawn.seed + 1)
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in tree.items()}
+    ref = make_ref(list(params.values()), lr)
+    for g in grads:
+        for k, p in params.items():
+            p.grad = g[k].clone()
+        ref.step()
+    tx = opttx.shampoo(lr, start_preconditioning_step=NEVER, max_preconditioner_dim=4,
+                       **kwargs)
+    actual, _ = run_transform(tx, tree, grads)
+    expected = {k: p.detach() for k, p in params.items()}
+    # relative to the largest parameter: a scalar leaf that ends near zero would turn
+    # last-bit float32 differences (torch applies decay as p·(1 − lr·wd)) into large ratios
+    scale = max(float(v.abs().max()) for v in expected.values() if v.numel())
+    assert_trees_close(actual, expected, rtol=1e-6, atol=1e-6 * scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# full-matrix Shampoo against a dense float64 re-derivation
+# ---------------------------------------------------------------------------------------------
+
+
+def sym_power(a: torch.Tensor, p: float) -> torch.Tensor:
+    w, v = torch.linalg.eigh(a)
+    return v @ torch.diag(w.pow(p)) @ v.T
+
+
+def dense_shampoo(x0: torch.Tensor, grads: list[torch.Tensor], lr: float, eps: float,
+                  freq: int) -> torch.Tensor:
+    """Full-matrix Shampoo written with Kronecker products: vec(P) = (R_1 ⊗ ... ⊗ R_k) vec(G),
+    factors L_i = sum_t G_(i) G_(i)^T of the mode-i unfoldings, roots every ``freq`` steps
+    from step ``freq`` on (identity before), exponent -1/(2k)."""
+    x = x0.clone()
+    shape = tuple(d for d in x0.shape if d != 1) or (1,)
+    k = len(shape)
+    factors = [torch.zeros(d, d, dtype=torch.float64) for d in shape]
+    roots = [torch.eye(d, dtype=torch.float64) for d in shape]
+    for t, g in enumerate(grads, start=1):
+        g = g.reshape(shape)
+        for i in range(k):
+            unfold = torch.movedim(g, i, 0).reshape(shape[i], -1)
+            factors[i] = factors[i] + unfold @ unfold.T
+        if t % freq == 0:
+            roots = [sym_power(f + eps * torch.eye(f.shape[0], dtype=torch.float64), -1 / (2 * k))
+                     for f in factors]
+        kron = roots[0]
+        for r in roots[1:]:
+            kron = torch.kron(kron, r)
+        x = x - lr * (kron @ g.reshape(-1)).reshape(x0.shape)
+    return x
+
+
+@pytest.mark.parametrize("freq", [1, 3])
+@pytest.mark.parametrize("shape", [(5,), (4, 3), (3, 2, 4), (6, 1)])
+def test_full_matrix_shampoo_equals_dense_derivation(shape, freq) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(shape, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(9)]
+    lr, eps = 0.1, 1e-3
+    expected = dense_shampoo(x0, grads, lr, eps, freq)
+    # max_preconditioner_dim = the largest dim: no dims merge, so a matrix keeps two factors
+    tx = opttx.shampoo(lr, betas=(0.0, 1.0), epsilon=eps, precondition_frequency=freq,
+                       preconditioner_dtype=torch.float64, max_preconditioner_dim=max(shape))
+    actual, _ = run_transform(tx, {"x": x0}, [{"x": g} for g in grads])
+    assert_trees_close(actual, {"x": expected}, rtol=1e-5)
+
+
+def test_beta2_and_bias_correction_of_the_factors() -> None:
+    """With beta2 < 1 the factors are EMAs and the roots use L / (1 - beta2^t)."""
+    gen = torch.Generator().manual_seed(1)
+    g = [torch.randn(3, 2, generator=gen, dtype=torch.float64) for _ in range(4)]
+    tx = opttx.precondition_shampoo(beta2=0.9, epsilon=1e-6, precondition_frequency=1,
+                                    preconditioner_dtype=torch.float64)
+    state = tx.init({"w": g[0]})
+    left = torch.zeros(3, 3, dtype=torch.float64)
+    for t, gi in enumerate(g, start=1):
+        out, state = tx.update({"w": gi}, state)
+        left = 0.9 * left + 0.1 * gi @ gi.T
+    assert_trees_close(state.factors["w"][0], left, rtol=1e-12)
+    expected_root = sym_power(left / (1 - 0.9**4) + 1e-6 * torch.eye(3, dtype=torch.float64),
+                              -0.25)
+    assert_trees_close(state.roots["w"][0], expected_root, rtol=1e-8)
+
+
+# ---------------------------------------------------------------------------------------------
+# roots and failures
+# ---------------------------------------------------------------------------------------------
+
+
+def test_eigh_and_newton_roots_agree() -> None:
+    gen = torch.Generator().manual_seed(2)
+    for n, p in [(4, 4), (6, 2), (8, 6)]:
+        q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+        a = q @ torch.diag(torch.linspace(0.5, 4.0, n, dtype=torch.float64)) @ q.T
+        eigh = opttx.matrix_inverse_root(a, p, 1e-6, "eigh")
+        newton = opttx.matrix_inverse_root(a, p, 1e-6, "newton")
+        assert_trees_close(newton, eigh, rtol=1e-4)
+
+
+def test_rank_deficient_factor_keeps_the_old_root_without_nan() -> None:
+    tx = opttx.precondition_shampoo(epsilon=0.0, precondition_frequency=1)
+    params = {"w": torch.zeros(3, 3)}
+    state = tx.init(params)
+    g = torch.zeros(3, 3)
+    g[0, 0] = 1.0                                   # rank one: L and R are singular
+    out, state = tx.update({"w": g}, state)
+    assert torch.isfinite(out["w"]).all()
+    assert torch.equal(state.roots["w"][0], torch.eye(3))  # old (identity) root kept
+    assert int(state.failures) == 1
+
+
+def test_consecutive_failures_beyond_the_limit_raise() -> None:
+    tx = opttx.precondition_shampoo(epsilon=0.0, precondition_frequency=1,
+                                    max_consecutive_failures=2)
+    state = tx.init({"w": torch.zeros(2, 2)})
+    g = {"w": torch.tensor([[1.0, 0.0], [0.0, 0.0]])}
+    for _ in range(2):
+        _, state = tx.update(g, state)
+    with pytest.raises(RuntimeError, match="failed 3 times in a row"):
+        tx.update(g, state)
+
+
+# ---------------------------------------------------------------------------------------------
+# compile: the root recomputation lives inside one graph
+# ---------------------------------------------------------------------------------------------
+
+
+def test_shampoo_step_compiles_to_at_most_two_graphs_over_three_periods() -> None:
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    freq = 3
+    params = {"w": torch.randn(6, 4), "b": torch.randn(4)}
+    tx = opttx.shampoo(1e-2, grafting="adam", precondition_frequency=freq,
+                       max_preconditioner_dim=4, momentum=0.9)
+    state = tx.init(params)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return opttx.apply_updates(params, updates), state
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    eager_params, eager_state = params, state
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for g in gradient_stream(params, 3 * freq, seed=3):
+            params, state = compiled(params, state, g)
+            eager_params, eager_state = step(eager_params, eager_state, g)
+    cached = torch._dynamo.eval_frame._debug_get_cache_entry_list(step.__code__)
+    assert len(cached) == 1 and counter.frame_count <= 2
+    assert_trees_close(params, eager_params, rtol=1e-5)
+    torch._dynamo.reset()
