@@ -128,34 +128,26 @@ def block_by_dims(inner: GradientTransformation,
             extra[PRECONDITION_INPUT] = blocked(extra[PRECONDITION_INPUT])
         out, state = inner.update(blocked(updates), state,
                                   None if params is None else blocked(params), **extra)
-        block_lists = [tuple(b) for b in _per_leaf(out, len(leaves))]
+        counts = [len(block_shapes(x.shape, max_preconditioner_dim)) for x in leaves]
         merged = [_merge(bs, x.shape, max_preconditioner_dim).to(x.dtype)
-                  for bs, x in zip(block_lists, leaves)]
+                  for bs, x in zip(_chunks(tree_flatten(out)[0], counts, "block_by_dims"),
+                                   leaves)]
         return tree_unflatten(merged, spec), state
 
     return GradientTransformation(init, update)
 
 
-def _per_leaf(blocked_tree: PyTree, n: int) -> list:
-    """The per-leaf tuples of blocks of a blocked tree (the tuples are its deepest nodes)."""
-    leaves_of: list = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, tuple) and node and all(isinstance(b, torch.Tensor) for b in node) \
-                and not hasattr(node, "_fields"):
-            leaves_of.append(node)
-        elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                walk(v)
-
-    walk(blocked_tree)
-    if len(leaves_of) != n:
-        raise ValueError(f"block_by_dims: the inner transform returned {len(leaves_of)} "
-                         f"blocked leaves for {n} parameters.")
-    return leaves_of
+def _chunks(flat: list, counts: list[int], who: str) -> list[list]:
+    """Split ``flat`` into consecutive runs of the given lengths."""
+    if len(flat) != sum(counts):
+        raise ValueError(f"{who}: expected {sum(counts)} tensors for {len(counts)} leaves, "
+                         f"got {len(flat)}; were the state and updates built from the same "
+                         "parameter tree?")
+    out, i = [], 0
+    for c in counts:
+        out.append(flat[i:i + c])
+        i += c
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,8 +320,11 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
                **extra_args: Any) -> tuple[Updates, ShampooState]:
         spec, g = flatten_matching(updates)
         x = flatten_matching(precondition_target(updates, extra_args))[1]
-        factors = _per_block(state.factors, len(g))
-        roots = _per_block(state.roots, len(g))
+        orders = [max(x.dim(), 1) for x in g]
+        factors = [tuple(c) for c in _chunks(tree_flatten(state.factors)[0], orders,
+                                             "precondition_shampoo")]
+        roots = [tuple(c) for c in _chunks(tree_flatten(state.roots)[0], orders,
+                                           "precondition_shampoo")]
         count = safe_increment(state.count)
         new_factors = []
         for gi, fs in zip(g, factors):
@@ -362,30 +357,6 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
             roots=tree_unflatten([m for rs in roots for m in rs], factor_spec))
 
     return GradientTransformation(init, update)
-
-
-def _per_block(tree: PyTree, n: int) -> list[tuple]:
-    """The tuple of matrices of each block of a factors/roots tree, in block order."""
-    leaves, _ = tree_flatten(tree)
-    blocks: list[tuple] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, tuple) and not hasattr(node, "_fields") and node and \
-                all(isinstance(m, torch.Tensor) and m.dim() == 2 for m in node):
-            blocks.append(node)
-        elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                walk(v)
-
-    walk(tree)
-    if len(blocks) != n:
-        raise ValueError(f"precondition_shampoo: the state holds factors for {len(blocks)} "
-                         f"blocks, the updates have {n}; was it built by this init?")
-    del leaves
-    return blocks
 
 
 # ---------------------------------------------------------------------------------------------
