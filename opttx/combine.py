@@ -48,6 +48,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
+    update.links = transforms  # lets opttx.Optimizer fold a final constant scale into its write
     return GradientTransformation(init, update)
 
 

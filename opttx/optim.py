@@ -6,8 +6,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .base import GradientTransformation, apply_updates_
-from .tree import PyTree, donating, keystr, tree_flatten_with_path, tree_leaves, tree_map
+from .base import GradientTransformation
+from .tree import PyTree, donating, keystr, tree_flatten_with_path, tree_leaves
 from .wrappers import find_injected_states
 
 __all__ = ["Optimizer"]
@@ -131,13 +131,32 @@ class Optimizer(torch.optim.Optimizer):
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             param_tree = self._tree(group, [p.detach() for p in params])
             with donating():
-                updates, state = group["tx"].update(self._tree(group, grads), state,
-                                                    param_tree)
+                updates, state, factor = self._run(group["tx"], self._tree(group, grads),
+                                                   state, param_tree)
             self._tx_states[index] = state
             moved = [p for p, g in zip(params, has_grad) if g]
-            deltas = [u for u, g in zip(tree_leaves(updates), has_grad) if g]
-            apply_updates_(moved, deltas)
+            deltas = [u.to(p.dtype) for p, u, g in zip(params, tree_leaves(updates), has_grad)
+                      if g]
+            if moved:
+                torch._foreach_add_(moved, deltas, alpha=factor)
         return loss
+
+    @staticmethod
+    def _run(tx: GradientTransformation, grads: PyTree, state: Any,
+             params: PyTree) -> tuple[PyTree, Any, float]:
+        """``tx.update``, except that a chain ending in a constant `opttx.scale` (every alias
+        with a fixed learning rate) stops before it and returns the factor, so the write
+        ``p += factor · u`` does the scaling in the same pass (as torch's ``addcdiv_``)."""
+        links = getattr(tx.update, "links", None)
+        factor = getattr(links[-1].update, "constant_scale", None) if links else None
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool):
+            updates, state = tx.update(grads, state, params)
+            return updates, state, 1.0
+        new_state = list(state)
+        updates = grads
+        for i, link in enumerate(links[:-1]):
+            updates, new_state[i] = link.update(updates, state[i], params)
+        return updates, tuple(new_state), float(factor)
 
     # -- inspection and checkpoints --------------------------------------------------------------
 

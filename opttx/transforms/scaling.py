@@ -35,7 +35,9 @@ def scale(step_size: float) -> GradientTransformation:
       >>> tx = opttx.chain(opttx.scale_by_adam(), opttx.scale(-1e-3))
     """
     check_number("step_size", step_size)
-    return stateless(lambda updates, params: _scaled(updates, step_size))
+    tx = stateless(lambda updates, params: _scaled(updates, step_size))
+    tx.update.constant_scale = step_size  # see opttx.Optimizer: folded into the final write
+    return tx
 
 
 class ScaleByScheduleState(NamedTuple):
