@@ -64,6 +64,18 @@ def _div_by(tensors: list[torch.Tensor], divisor: Scalar) -> list[torch.Tensor]:
     return list(torch._foreach_div(tensors, scalar_operand(divisor, tensors)))
 
 
+def _divide(numerators: list[torch.Tensor], denominators: list[torch.Tensor]
+            ) -> list[torch.Tensor]:
+    """``numerators / denominators``, overwriting the denominators (temporaries the caller
+    owns). In eager mode as ``reciprocal_`` then ``mul_``: one more pass but no new
+    parameter-sized allocation, which on CPU costs more than a pass in page faults."""
+    if torch.compiler.is_compiling():
+        return list(torch._foreach_div(numerators, denominators))
+    torch._foreach_reciprocal_(denominators)
+    torch._foreach_mul_(denominators, numerators)
+    return denominators
+
+
 def _fresh(out: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
     """New update tensors, cast to the gradients' dtypes and registered as temporaries that
     later links of the chain may overwrite (see `opttx.tree.mark_owned`)."""
@@ -235,7 +247,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
             denom = list(torch._foreach_sqrt(nu))
             denom = foreach_op_("mul", denom, scalar_operand(bc1 / torch.sqrt(bc2), denom))
             denom = foreach_op_("add", denom, scalar_operand(eps * bc1, denom))
-            out = list(torch._foreach_div(cast_like(mu, nu), denom))
+            out = _divide(cast_like(mu, nu), denom)
         else:
             if nesterov:
                 c_mu = b1 / (debias_factor(b1, safe_increment(count)) if bias_correction else bc1)
@@ -246,7 +258,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
                 mu_hat = _div_by(mu, bc1)
             denom = foreach_op_("add", _div_by(nu, bc2), eps_root)
             denom = foreach_op_("add", foreach_op_("sqrt", denom), eps)
-            out = list(torch._foreach_div(cast_like(mu_hat, nu), denom))
+            out = _divide(cast_like(mu_hat, nu), denom)
         return (tree_unflatten(_fresh(out, g), spec),
                 ScaleByAdamState(count=count, mu=tree_unflatten(mu, spec),
                                  nu=tree_unflatten(nu, spec)))
@@ -336,7 +348,7 @@ def _divide_by_root(g: list[torch.Tensor], stat: list[torch.Tensor], eps: Scalar
         denom = foreach_op_("sqrt", list(torch._foreach_add(stat, eps)))
     else:
         denom = foreach_op_("add", list(torch._foreach_sqrt(stat)), eps)
-    return list(torch._foreach_div(cast_like(g, stat), denom))
+    return _divide(cast_like(g, stat), denom)
 
 
 class ScaleByRmsState(NamedTuple):
