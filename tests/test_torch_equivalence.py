@@ -1,5 +1,6 @@
 """opttx's first-order aliases give torch.optim's numbers, over 20 steps, on drawn trees and
-hyperparameters: float32 max relative error <= 1e-5 and float64 <= 1e-10 on the parameters,
+hyperparameters: float32 max relative error <= 1e-5 (relative to each leaf's magnitude over
+the run) and float64 <= 1e-10 (relative to its final value) on the parameters,
 through the functional path and through opttx.Optimizer. In float64 the displacement
 (params after − params before) must agree to 1e-9 too, which checks the update itself."""
 
@@ -124,7 +125,15 @@ def check(case: Case, hparams: dict, drawn, path: str) -> None:
     else:
         actual = run_opttx_optimizer(case, hparams, tree, grads)
     tol = TOLERANCE[dtype]
-    assert_trees_close(actual, expected, rtol=tol, what=f"{case.name} params")
+    if dtype == torch.float32:
+        # relative to the leaf's magnitude over the run (start or end): a leaf that ends near
+        # zero would turn last-bit float32 differences into large ratios
+        for k in tree:
+            scale = max(float(tree[k].abs().max()), float(expected[k].abs().max()))
+            assert_trees_close(actual[k], expected[k], rtol=tol, atol=tol * scale,
+                               what=f"{case.name} params[{k}]")
+    else:
+        assert_trees_close(actual, expected, rtol=tol, what=f"{case.name} params")
     if dtype == torch.float64:
         moved = {k: actual[k] - tree[k] for k in tree}
         moved_ref = {k: expected[k] - tree[k] for k in tree}
