@@ -194,6 +194,43 @@ def test_rank_deficient_factor_keeps_the_old_root_without_nan() -> None:
     assert int(state.failures) == 1
 
 
+def test_only_the_failing_factor_keeps_its_old_root() -> None:
+    tx = opttx.precondition_shampoo(epsilon=0.0, precondition_frequency=1)
+    state = tx.init({"w": torch.zeros(3, 2)})
+    g = torch.zeros(3, 2)
+    g[0, 0], g[0, 1] = 1.0, 2.0                     # L (3x3) singular, R (2x2) singular too
+    g2 = g.clone()
+    g2[1, 1] = 1.0                                  # now R is regular, L still singular
+    _, state = tx.update({"w": g2}, state)
+    left, right = state.roots["w"]
+    assert torch.equal(left, torch.eye(3))          # kept
+    assert not torch.equal(right, torch.eye(2)) and torch.isfinite(right).all()
+    expected = opttx.matrix_inverse_root(g2.double().T @ g2.double(), 4).float()
+    assert_trees_close(right, expected, rtol=1e-5)
+    assert int(state.failures) == 1
+
+
+def test_float32_rank_deficient_factors_get_roots() -> None:
+    # four (96, 8) gradients: L = sum G G^T (96 x 96) has rank <= 32, and rounding gives it
+    # eigenvalues just below zero (about -1e-5 even when the float32 L is read in float64),
+    # so adding epsilon without the eigenvalue shift yields NaN roots in both precisions
+    gen = torch.Generator().manual_seed(0)
+    tx = opttx.precondition_shampoo(precondition_frequency=2)
+    state = tx.init({"w": torch.zeros(96, 8)})
+    right = torch.zeros(8, 8, dtype=torch.float64)
+    for _ in range(4):
+        g = torch.randn(96, 8, generator=gen)
+        right += g.double().T @ g.double()
+        out, state = tx.update({"w": g}, state)
+        assert torch.isfinite(out["w"]).all()
+    assert torch.linalg.eigvalsh(state.factors["w"][0].double()).min() < 0
+    assert int(state.failures) == 0
+    left_root, right_root = state.roots["w"]
+    assert torch.isfinite(left_root).all() and not torch.equal(left_root, torch.eye(96))
+    expected = opttx.matrix_inverse_root(right, 4, 1e-12).float()
+    assert_trees_close(right_root, expected, rtol=1e-4)
+
+
 def test_consecutive_failures_beyond_the_limit_raise() -> None:
     tx = opttx.precondition_shampoo(epsilon=0.0, precondition_frequency=1,
                                     max_consecutive_failures=2)
@@ -233,4 +270,24 @@ def test_shampoo_step_compiles_to_at_most_two_graphs_over_three_periods() -> Non
     cached = torch._dynamo.eval_frame._debug_get_cache_entry_list(step.__code__)
     assert len(cached) == 1 and counter.frame_count <= 2
     assert_trees_close(params, eager_params, rtol=1e-5)
+    torch._dynamo.reset()
+
+
+def test_compiled_root_retry_and_keep_equal_eager() -> None:
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    tx = opttx.precondition_shampoo(epsilon=0.0, precondition_frequency=1)
+    params = {"w": torch.zeros(3, 2), "v": torch.zeros(4)}
+    grads = [{"w": torch.tensor([[1.0, 2.0], [0.0, 0.0], [0.0, 0.0]]) * (i + 1),
+              "v": torch.arange(4.0) + i} for i in range(3)]
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(tx.update, backend=counter, fullgraph=True)
+    state_c = state_e = tx.init(params)
+    for g in grads:
+        out_c, state_c = compiled(g, state_c)
+        out_e, state_e = tx.update(g, state_e)
+        assert_trees_close(out_c, out_e, rtol=1e-6)
+        assert_trees_close(state_c.roots, state_e.roots, rtol=1e-6)
+        assert int(state_c.failures) == int(state_e.failures)
+    assert int(state_e.failures) == 3 and counter.frame_count == 1
     torch._dynamo.reset()

@@ -160,17 +160,32 @@ def matrix_inverse_root(a: torch.Tensor, root: float, epsilon: float = 0.0,
                         newton_iterations: int = 40) -> torch.Tensor:
     r""":math:`(A + \epsilon I)^{-1/r}` of a symmetric positive semi-definite matrix.
 
-    ``eigh``: :math:`Q \Lambda^{-1/r} Q^\top` from a symmetric eigendecomposition.
-    ``newton``: the coupled Newton iteration (Guo and Higham), a fixed number of steps so it
-    compiles without data-dependent loops. Non-finite results are the caller's to detect.
+    ``eigh`` (Meta's default): :math:`A = Q \Lambda Q^\top`, then the eigenvalues are shifted
+    up by :math:`\max(0, -\lambda_{\min})` so that rounding (an accumulated
+    :math:`G G^\top` of a rank-deficient gradient has eigenvalues of about :math:`-10^{-7}
+    \lVert A\rVert` in float32) cannot make them negative, :math:`\epsilon` is added, and
+    :math:`Q (\Lambda + \epsilon)^{-1/r} Q^\top` is returned.
+    ``newton``: the coupled Newton iteration (Guo and Higham) on :math:`A + \epsilon I`, a
+    fixed number of steps so it compiles without data-dependent loops.
+
+    Non-finite results (for example :math:`\epsilon = 0` and a singular :math:`A`) are the
+    caller's to detect; `precondition_shampoo` keeps the previous root then.
+
+    Example:
+      >>> a = torch.tensor([[4.0, 0.0], [0.0, 16.0]])
+      >>> matrix_inverse_root(a, 2)
+      tensor([[0.5000, 0.0000],
+              [0.0000, 0.2500]])
     """
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
-    a = a + epsilon * eye
     if method == "eigh":
         eigenvalues, eigenvectors = torch.linalg.eigh(a)
+        shift = torch.clamp(eigenvalues.min(), max=0.0)
+        eigenvalues = eigenvalues - shift + epsilon
         return (eigenvectors * eigenvalues.pow(-1.0 / root).unsqueeze(-2)) @ eigenvectors.mT
     if method != "newton":
         raise ValueError(f"root method must be 'eigh' or 'newton', got {method!r}.")
+    a = a + epsilon * eye
     alpha = -1.0 / root
     z = (root + 1) / (2 * torch.linalg.matrix_norm(a))
     x = z.pow(-alpha) * eye
@@ -241,10 +256,14 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
     :math:`L^{-1/4} G R^{-1/4}`, for a vector full-matrix Adagrad :math:`L^{-1/2} g`.
     Use it on blocks from `block_by_dims` (a leaf is one block otherwise).
 
-    Roots are computed in ``preconditioner_dtype`` and retried in float64 when that gives a
-    non-finite result; if that fails too the previous root is kept and a failure counted;
-    more than ``max_consecutive_failures`` in a row raises (in eager mode). The recomputation is
-    a ``torch.cond`` inside the compiled graph.
+    Eigenvalues are shifted to be non-negative before :math:`\epsilon` is added (see
+    `matrix_inverse_root`), so float32 rounding of a rank-deficient factor does not fail the
+    root. A factor whose root is still not finite in ``preconditioner_dtype`` is retried in
+    float64 (only that factor, and only then); if that fails too it keeps its previous root,
+    and the recomputation counts as failed; more than ``max_consecutive_failures`` failed
+    recomputations in a row raise (checked in eager mode, at recomputation steps only, so
+    other steps do not synchronise with the device). The recomputation, retry included, is a
+    ``torch.cond`` inside the compiled graph.
 
     Args:
       beta2: factor decay (1.0: Adagrad-style sums, Meta's default).
@@ -290,31 +309,48 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
         return ShampooState(count=count, failures=torch.zeros_like(count),
                             factors=tree_map(factors_of, params), roots=tree_map(eyes_of, params))
 
-    def compute_roots(factors: list[tuple], count: torch.Tensor) -> tuple[list[tuple], torch.Tensor]:
-        """New roots of every factor and whether every one of them is finite."""
+    def compute_roots(factors: list[tuple], old_roots: list[tuple], count: torch.Tensor
+                      ) -> tuple[list[tuple], torch.Tensor]:
+        """New roots of every factor; a factor whose root is not finite in
+        ``preconditioner_dtype`` is retried in float64, and keeps its old root when that fails
+        too. Returns the roots and whether any factor kept its old root."""
         t = count.to(torch.float64)
-        scale = 1.0 if (beta2 == 1 or not use_bias_correction) else \
-            (1 - torch.pow(torch.tensor(beta2, dtype=torch.float64), t))
-        roots, ok = [], []
+        scale = None if (beta2 == 1 or not use_bias_correction) else \
+            (1 - torch.pow(torch.tensor(beta2, dtype=torch.float64, device=t.device), t))
+        inputs, exps, ok = [], [], []
         for block_factors in factors:
-            order = len(block_factors)
-            block_roots = []
             for f in block_factors:
-                a = f / scale.to(f.dtype) if isinstance(scale, torch.Tensor) else f
+                a = f if scale is None else f / scale.to(f.dtype)
                 finite_in = torch.isfinite(a).all()
-                a = torch.where(finite_in, a, torch.zeros_like(a))
-                r = matrix_inverse_root(a, exponent(order), epsilon, root_method)
-                good = finite_in & torch.isfinite(r).all()
-                if preconditioner_dtype != torch.float64:
-                    r64 = matrix_inverse_root(a.double(), exponent(order), epsilon, root_method)
+                inputs.append((torch.where(finite_in, a, torch.zeros_like(a)), finite_in))
+                exps.append(exponent(len(block_factors)))
+        fresh = []
+        for (a, finite_in), p in zip(inputs, exps):
+            r = matrix_inverse_root(a, p, epsilon, root_method)
+            fresh.append(r)
+            ok.append(finite_in & torch.isfinite(r).all())
+        flat_old = [r for rs in old_roots for r in rs]
+        if preconditioner_dtype != torch.float64 and fresh:
+            # float64 retry of the failed factors only: in eager mode a Python branch per
+            # factor, compiled one torch.cond that runs when any factor failed
+            def retry(roots: list[torch.Tensor], oks: list[torch.Tensor]) -> tuple:
+                out_r, out_ok = [], []
+                for (a, finite_in), p, r, good in zip(inputs, exps, roots, oks):
+                    if not torch.compiler.is_compiling() and bool(good):
+                        out_r.append(r)
+                        out_ok.append(good)
+                        continue
+                    r64 = matrix_inverse_root(a.double(), p, epsilon, root_method).to(r.dtype)
                     good64 = finite_in & torch.isfinite(r64).all()
-                    r = torch.where(good, r, r64.to(r.dtype))
-                    good = good | good64
-                block_roots.append(r)
-                ok.append(good)
-            roots.append(tuple(block_roots))
-        all_ok = torch.stack(ok).all() if ok else torch.ones((), dtype=torch.bool)
-        return roots, all_ok
+                    out_r.append(torch.where(good, r, r64))
+                    out_ok.append(good | good64)
+                return out_r, out_ok
+
+            all_ok = torch.stack(ok).all()
+            fresh, ok = tree_cond(~all_ok, retry, lambda r, o: (r, o), (fresh, ok))
+        kept = [torch.where(good, new, old) for good, new, old in zip(ok, fresh, flat_old)]
+        any_failed = ~torch.stack(ok).all() if ok else torch.zeros((), dtype=torch.bool)
+        return _chunks(kept, [len(rs) for rs in old_roots], "precondition_shampoo"), any_failed
 
     def update(updates: Updates, state: ShampooState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, ShampooState]:
@@ -334,20 +370,19 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
         due = ((count % precondition_frequency == 0) & (count > start)) | (count == start)
 
         def recompute(flat_roots: list[tuple], failures: torch.Tensor) -> tuple:
-            fresh, ok = compute_roots(new_factors, count)
-            kept = [tuple(torch.where(ok, r_new, r_old) for r_new, r_old in zip(nb, ob))
-                    for nb, ob in zip(fresh, flat_roots)]
-            return kept, torch.where(ok, torch.zeros_like(failures), failures + 1)
+            fresh, failed = compute_roots(new_factors, flat_roots, count)
+            failures = torch.where(failed, failures + 1, torch.zeros_like(failures))
+            if not torch.compiler.is_compiling() and int(failures) > max_consecutive_failures:
+                raise RuntimeError(f"precondition_shampoo: the root computation failed "
+                                   f"{int(failures)} times in a row (limit "
+                                   f"{max_consecutive_failures}); the factors are not usable. "
+                                   "Raise epsilon or use preconditioner_dtype=torch.float64.")
+            return [tuple(rs) for rs in fresh], failures
 
         def keep(flat_roots: list[tuple], failures: torch.Tensor) -> tuple:
             return flat_roots, failures
 
         roots, failures = tree_cond(due, recompute, keep, (roots, state.failures))
-        if not torch.compiler.is_compiling() and int(failures) > max_consecutive_failures:
-            raise RuntimeError(f"precondition_shampoo: the root computation failed "
-                               f"{int(failures)} times in a row (limit "
-                               f"{max_consecutive_failures}); the factors are not usable. Raise "
-                               "epsilon or use preconditioner_dtype=torch.float64.")
         out = [_apply_roots(xi.reshape(xi.shape or (1,)).to(preconditioner_dtype), rs)
                .reshape(xi.shape).to(xi.dtype) for xi, rs in zip(x, roots)]
         factor_spec = tree_structure(state.factors)
