@@ -212,10 +212,9 @@ def adafactor(learning_rate: ScalarOrSchedule | None = None, min_dim_size_to_fac
     r"""Adafactor: factored second moments, update clipping, relative step sizes.
 
     .. math::
-        u_t = \mathrm{clip}_d\!\left(g_t \hat v_t^{-1/2}
-ight) \cdot \eta_t \cdot
+        u_t = \mathrm{clip}_d\!\left(g_t \hat v_t^{-1/2}\right) \cdot \eta_t \cdot
         \max(\epsilon_2, \mathrm{RMS}(x_t)), \qquad
-        m_t = eta_1 m_{t-1} + (1-eta_1) u_t \ (	ext{with momentum}), \qquad
+        m_t = \beta_1 m_{t-1} + (1-\beta_1) u_t \ (\text{with momentum}), \qquad
         x_{t+1} = x_t - m_t - \lambda\, x_t
 
     composed as ``chain(scale_by_factored_rms, clip_by_rms, scale_by_learning_rate,
@@ -240,7 +239,7 @@ ight) \cdot \eta_t \cdot
         eps_clamp: see `scale_by_factored_rms`.
       multiply_by_parameter_scale: multiply by :math:`\max(\epsilon_2, \mathrm{RMS}(x))`.
       clipping_threshold: :math:`d` of the update clipping (None: no clipping).
-      momentum: :math:`eta_1` (None: no first moment, the memory-lean default).
+      momentum: :math:`\beta_1` (None: no first moment, the memory-lean default).
       dtype_momentum: dtype of the first moment.
       weight_decay_rate: :math:`\lambda`; added after the step size (optax), or scaled by the
         per-leaf step size with ``weight_decay_scaled_by_lr`` (transformers).
@@ -294,8 +293,7 @@ def came(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
     r"""CAME: `scale_by_came`, decoupled weight decay, learning rate.
 
     .. math::
-        x_{t+1} = x_t - \eta \left(m_t \hat S_t^{-1/2} + \lambda x_t
-ight)
+        x_{t+1} = x_t - \eta \left(m_t \hat S_t^{-1/2} + \lambda x_t\right)
 
     Defaults and numbers of ``came_pytorch.CAME(lr, betas=(b1, b2, b3), eps=(eps1, eps2),
     clip_threshold, weight_decay)``.
@@ -319,10 +317,8 @@ def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
     r"""LAMB: Adam directions with a layer-wise trust ratio.
 
     .. math::
-        r_t = rac{\hat m_t}{\sqrt{\hat v_t} + \epsilon} + \lambda x_t, \qquad
-        x_{t+1} = x_t - \eta\, rac{\phi(\lVert x_t 
-Vert)}{\lVert r_t 
-Vert}\, r_t
+        r_t = \frac{\hat m_t}{\sqrt{\hat v_t} + \epsilon} + \lambda x_t, \qquad
+        x_{t+1} = x_t - \eta\, \frac{\phi(\lVert x_t \rVert)}{\lVert r_t \rVert}\, r_t
 
     (ratio 1 when either norm is 0). Bias correction is on by default, as in the paper
     (ColossalAI's single-device Lamb defaults it off: ``bias_correction=False``).
@@ -351,9 +347,7 @@ def lars(learning_rate: ScalarOrSchedule, weight_decay: float = 0.0,
     r"""LARS: SGD with momentum on trust-ratio-scaled gradients.
 
     .. math::
-        u_t = 	au rac{\lVert x_t 
-Vert}{\lVert g_t + \lambda x_t 
-Vert + \epsilon}
+        u_t = \tau \frac{\lVert x_t \rVert}{\lVert g_t + \lambda x_t \rVert + \epsilon}
         (g_t + \lambda x_t), \qquad m_t = \mu m_{t-1} - \eta u_t, \qquad x_{t+1} = x_t + m_t
 
     optax's signature and defaults.
