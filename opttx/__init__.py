@@ -14,8 +14,9 @@ Example:
 """
 
 from . import schedules, transforms, tree
-from .aliases import (adafactor, adagrad, adam, adamw, came, lamb, lars, lion, nadam, rmsprop,
-                      sgd, shampoo)
+from .aliases import (adafactor, adagrad, adalomo, adam, adamw, came, lamb, lars, lion, nadam,
+                      rmsprop, sgd, shampoo)
+from .backward import FusedBackward
 from .base import (EmptyState, GradientTransformation, apply_updates, apply_updates_, identity,
                    set_to_zero, stateless, stateless_with_tree_map)
 from .combine import (MaskedState, PartitionState, chain, freeze, masked, multi_transform,
@@ -34,7 +35,8 @@ from .wrappers import (ApplyIfFiniteState, InjectHyperparamsState, MultiSteps, M
 __version__ = "0.1.0"
 
 __all__ = [
-    "ApplyIfFiniteState", "EmptyState", "GradientTransformation", "InjectHyperparamsState",
+    "ApplyIfFiniteState", "EmptyState", "FusedBackward", "GradientTransformation",
+    "InjectHyperparamsState", "adalomo",
     "MaskedNode", "MaskedState", "MultiSteps", "MultiStepsState", "Optimizer",
     "PartitionState", "adafactor", "adagrad", "adam", "adamw", "apply_if_finite", "apply_updates",
     "apply_updates_", "came", "chain", "constant_schedule", "cosine_decay_schedule", "donating",

@@ -23,7 +23,7 @@ from .transforms.scaling import add_decayed_weights, scale, scale_by_learning_ra
 from .transforms.shampoo import block_by_dims, graft, precondition_shampoo
 from .tree import PyTree
 
-__all__ = ["adafactor", "adagrad", "adam", "adamw", "came", "lamb", "lars", "lion", "nadam",
+__all__ = ["adafactor", "adagrad", "adalomo", "adam", "adamw", "came", "lamb", "lars", "lion", "nadam",
            "rmsprop", "sgd", "shampoo"]
 
 ScalarOrSchedule = float | torch.Tensor | Schedule
@@ -282,6 +282,50 @@ def adafactor(learning_rate: ScalarOrSchedule | None = None, min_dim_size_to_fac
         else:
             links.append(add_decayed_weights(weight_decay_rate, weight_decay_mask))
     links.append(scale(-1.0))
+    return chain(*links)
+
+
+def adalomo(learning_rate: ScalarOrSchedule = 1e-3, eps: tuple[float, float] = (1e-30, 1e-3),
+            clip_threshold: float = 1.0, decay_rate: float = 0.8, weight_decay: float = 0.0,
+            weight_decay_mask: Mask = None) -> GradientTransformation:
+    r"""AdaLomo: Adafactor's factored second moment without momentum, grouped update
+    normalisation and a parameter-scaled learning rate.
+
+    .. math::
+        \beta_t = 1 - t^{-c}, \quad u_t = \mathrm{clip}_d\!\left(g_t \hat v_t^{-1/2}\right),
+        \quad \eta_t = \eta \max(\epsilon_2, \mathrm{RMS}(x_t)), \quad
+        x_{t+1} = x_t - \eta_t (u_t + \lambda x_t)
+
+    with :math:`\hat v_t` factored over the last two dims of every tensor of two or more dims
+    (:math:`\epsilon_1` added to :math:`g^2`) and kept whole for vectors, and
+    :math:`\mathrm{clip}_d(u) = u / \max(1, \mathrm{RMS}(u)/d)` per parameter. Composed as
+    ``chain(scale_by_factored_rms, clip_by_rms, add_decayed_weights, scale_by_param_block_rms,
+    scale_by_learning_rate)``; the numbers of ``lomo_optim.AdaLomo(model, lr, eps, clip_threshold,
+    decay_rate=-c, weight_decay)`` (its loss scale and gradient-norm clipping belong to the
+    runner, `opttx.FusedBackward`, which applies this transform inside backward as AdaLomo
+    does). Every piece is per-leaf, so it also runs as an ordinary optimizer after backward.
+
+    Args:
+      learning_rate: :math:`\eta` (a number or schedule).
+      eps: :math:`(\epsilon_1, \epsilon_2)`: added to :math:`g^2`; floor of the parameter RMS.
+      clip_threshold: :math:`d` of the update normalisation.
+      decay_rate: the exponent :math:`c` (AdaLomo writes ``-0.8``).
+      weight_decay: :math:`\lambda`, decoupled and scaled by :math:`\eta_t`.
+      weight_decay_mask: where weight decay applies.
+
+    Example:
+      >>> runner = opttx.FusedBackward(model, opttx.adalomo(1e-3, weight_decay=0.01))
+      >>> runner.backward(loss)       # updates applied inside backward, grads freed at once
+
+    References:
+      Lv et al., AdaLomo: Low-memory Optimization with Adaptive Learning Rate
+      (arXiv 2310.10195).
+    """
+    links = [scale_by_factored_rms(True, decay_rate, 0, 1, eps[0], factor_axes="last"),
+             clip_by_rms(clip_threshold)]
+    if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
+        links.append(add_decayed_weights(weight_decay, weight_decay_mask))
+    links += [scale_by_param_block_rms(eps[1]), scale_by_learning_rate(learning_rate)]
     return chain(*links)
 
 
