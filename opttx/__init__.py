@@ -14,13 +14,14 @@ Example:
 """
 
 from . import schedules, transforms, tree
-from .aliases import (adafactor, adagrad, adalomo, adam, adamw, came, lamb, lars, lion, nadam,
-                      rmsprop, sgd, shampoo)
+from .aliases import (adafactor, adagrad, adalomo, adam, adamw, adamw_8bit, came, galore_adamw,
+                      galore_adamw_8bit, lamb, lars, lion, nadam, rmsprop, sgd, shampoo)
 from .backward import FusedBackward
 from .base import (EmptyState, GradientTransformation, apply_updates, apply_updates_, identity,
                    set_to_zero, stateless, stateless_with_tree_map)
 from .combine import (MaskedState, PartitionState, chain, freeze, masked, multi_transform,
                       named_chain, partition)
+from .layout import FlattenState, flatten
 from .optim import Optimizer
 from .schedules import (constant_schedule, cosine_decay_schedule, exponential_decay,
                         join_schedules, linear_schedule, piecewise_constant_schedule,
@@ -35,15 +36,15 @@ from .wrappers import (ApplyIfFiniteState, InjectHyperparamsState, MultiSteps, M
 __version__ = "0.1.0"
 
 __all__ = [
-    "ApplyIfFiniteState", "EmptyState", "FusedBackward", "GradientTransformation",
-    "InjectHyperparamsState", "adalomo",
-    "MaskedNode", "MaskedState", "MultiSteps", "MultiStepsState", "Optimizer",
-    "PartitionState", "adafactor", "adagrad", "adam", "adamw", "apply_if_finite", "apply_updates",
-    "apply_updates_", "came", "chain", "constant_schedule", "cosine_decay_schedule", "donating",
-    "exponential_decay", "freeze", "identity", "inject_hyperparams", "join_schedules", "lamb", "lars",
-    "linear_schedule", "lion", "masked", "multi_transform", "nadam", "named_chain", "partition",
-    "piecewise_constant_schedule", "polynomial_schedule", "rmsprop", "schedules",
-    "set_hyperparams_", "set_to_zero", "sgd", "shampoo", "stateless", "stateless_with_tree_map",
-    "transforms", "tree", "tree_copy_", "warmup_constant_schedule",
+    "ApplyIfFiniteState", "EmptyState", "FlattenState", "FusedBackward", "GradientTransformation",
+    "InjectHyperparamsState", "MaskedNode", "MaskedState", "MultiSteps", "MultiStepsState",
+    "Optimizer", "PartitionState", "adafactor", "adagrad", "adalomo", "adam", "adamw",
+    "adamw_8bit", "apply_if_finite", "apply_updates", "apply_updates_", "came", "chain",
+    "constant_schedule", "cosine_decay_schedule", "donating", "exponential_decay", "flatten",
+    "freeze", "galore_adamw", "galore_adamw_8bit", "identity", "inject_hyperparams",
+    "join_schedules", "lamb", "lars", "linear_schedule", "lion", "masked", "multi_transform",
+    "nadam", "named_chain", "partition", "piecewise_constant_schedule", "polynomial_schedule",
+    "rmsprop", "schedules", "set_hyperparams_", "set_to_zero", "sgd", "shampoo", "stateless",
+    "stateless_with_tree_map", "transforms", "tree", "tree_copy_", "warmup_constant_schedule",
     "warmup_cosine_decay_schedule", "warmup_stable_decay_schedule", *_transforms_all,
 ]

@@ -12,19 +12,24 @@ from typing import Any, Callable
 import torch
 
 from .base import GradientTransformation
-from .combine import chain
+from .combine import chain, masked
 from .schedules import Schedule
 from .transforms.factored import (FactorAxes, add_step_scaled_decayed_weights, clip_by_rms,
                                   relative_step_schedule, scale_by_came, scale_by_factored_rms,
                                   scale_by_param_block_rms, scale_by_trust_ratio)
-from .transforms.moments import (ema, scale_by_adam, scale_by_lion, scale_by_nadam,
-                                 scale_by_rms, scale_by_rss, scale_by_stddev, trace)
+from .transforms.lowrank import MatrixAxes, ProjType, project_lowrank
+from .transforms.moments import (debias_factor, ema, scale_by_adam, scale_by_lion,
+                                 scale_by_nadam, scale_by_rms, scale_by_rss, scale_by_stddev,
+                                 trace)
+from .transforms.quantized import quantize_state
 from .transforms.scaling import add_decayed_weights, scale, scale_by_learning_rate
+from .transforms.scaling import scale as scale_transform, scale_by_schedule
 from .transforms.shampoo import block_by_dims, graft, precondition_shampoo
 from .tree import PyTree
 
-__all__ = ["adafactor", "adagrad", "adalomo", "adam", "adamw", "came", "lamb", "lars", "lion", "nadam",
-           "rmsprop", "sgd", "shampoo"]
+__all__ = ["adafactor", "adagrad", "adalomo", "adam", "adamw", "adamw_8bit", "came",
+           "galore_adamw", "galore_adamw_8bit", "lamb", "lars", "lion", "nadam", "rmsprop",
+           "sgd", "shampoo"]
 
 ScalarOrSchedule = float | torch.Tensor | Schedule
 Mask = PyTree | Callable[[PyTree], PyTree] | None
@@ -104,6 +109,53 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
       Loshchilov and Hutter, Decoupled Weight Decay Regularization (arXiv 1711.05101).
     """
     return chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+                 add_decayed_weights(weight_decay, mask),
+                 scale_by_learning_rate(learning_rate))
+
+
+def adamw_8bit(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
+               eps: float = 1e-8, weight_decay: float = 1e-2, block_size: int = 256,
+               min_size: int = 4096, mask: Mask = None, *, eps_root: float = 0.0,
+               nesterov: bool = False) -> GradientTransformation:
+    r"""AdamW with 8-bit block-wise quantized moments, as ``bitsandbytes.optim.AdamW8bit``.
+
+    .. math::
+        x_{t+1} = x_t - \eta \left(\frac{\hat m_t}{\sqrt{\hat v_t} + \epsilon}
+        + \lambda x_t\right)
+
+    with Adam's moments stored between steps as uint8 codes into the dynamic map (signed for
+    :math:`m`, unsigned for :math:`v`) and one fp32 absmax per block of ``block_size``
+    elements: about 2.03 bytes of state per parameter instead of 8 (see `quantize_state`).
+    Leaves under ``min_size`` elements keep fp32 moments. The update of each step is Adam's
+    from the dequantized moments; the leaves are processed one at a time, so the fp32
+    moments of the whole model are never materialised.
+
+    ``chain(quantize_state(scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
+    block_size=block_size, min_size=min_size), add_decayed_weights(weight_decay, mask),
+    scale_by_learning_rate(learning_rate))``.
+
+    The weight decay default is bitsandbytes' ``AdamW8bit`` (and ``torch.optim.AdamW``'s)
+    ``1e-2``, not optax's ``1e-4`` that `adamw` keeps; it is decoupled and scaled by the
+    learning rate, as theirs.
+
+    Args:
+      learning_rate: :math:`\eta`, a number or a schedule.
+      b1, b2, eps, eps_root, nesterov: as in `scale_by_adam`.
+      weight_decay: :math:`\lambda`.
+      block_size: elements per absmax block (bitsandbytes >= 0.44: 256).
+      min_size: leaves with fewer elements keep fp32 moments (bitsandbytes'
+        ``min_8bit_size``, 4096).
+      mask: where to apply the decay (tree of booleans or a function of the params).
+
+    Example:
+      >>> tx = opttx.adamw_8bit(1e-3, weight_decay=0.1)
+
+    References:
+      Dettmers et al., 8-bit Optimizers via Block-wise Quantization (arXiv 2110.02861);
+      Loshchilov and Hutter, Decoupled Weight Decay Regularization (arXiv 1711.05101).
+    """
+    return chain(quantize_state(scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
+                                block_size=block_size, min_size=min_size),
                  add_decayed_weights(weight_decay, mask),
                  scale_by_learning_rate(learning_rate))
 
@@ -405,6 +457,160 @@ def lars(learning_rate: ScalarOrSchedule, weight_decay: float = 0.0,
                                       mask=trust_ratio_mask),
                  scale_by_learning_rate(learning_rate),
                  trace(decay=momentum, nesterov=nesterov))
+
+
+# ---------------------------------------------------------------------------------------------
+# low-rank projection
+# ---------------------------------------------------------------------------------------------
+
+
+def galore_adamw(learning_rate: ScalarOrSchedule, rank: int = 128, update_proj_gap: int = 200,
+                 scale: float = 0.25, proj_type: ProjType = "std", b1: float = 0.9,
+                 b2: float = 0.999, eps: float = 1e-6, weight_decay: float = 0.0,
+                 correct_bias: bool = True, mask: Mask = None, *,
+                 projection_mask: Mask = None, matrix_axes: MatrixAxes = (-2, -1),
+                 reproject_moments: bool = False,
+                 mu_dtype: torch.dtype | None = None) -> GradientTransformation:
+    r"""GaLore-AdamW: Adam on low-rank projections of the gradients, as
+    ``galore_torch.GaLoreAdamW``.
+
+    .. math::
+        N_t = \frac{m_t}{\sqrt{v_t} + \epsilon}, \qquad
+        y_t = x_t - \eta\, \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}\, \alpha\,
+        \mathrm{back}(N_t), \qquad x_{t+1} = y_t - \eta \lambda\, y_t
+
+    with :math:`m_t, v_t` Adam's moments of the projected gradient (see `project_lowrank`;
+    full-size moments of the leaves that are not projected, where :math:`\mathrm{back}` is the
+    identity and :math:`\alpha = 1`). This is the transformers-style AdamW that galore_torch
+    ships: :math:`\epsilon` is added to :math:`\sqrt{v_t}` before any bias correction, which
+    is folded into the step size (so it is not `adamw`'s :math:`\hat m / (\sqrt{\hat v} +
+    \epsilon)`), and the weight decay :math:`p \leftarrow p - \eta\lambda p` is applied to
+    the full parameter after the Adam step. Composed as
+
+    ``chain(project_lowrank(scale_by_adam(b1, b2, eps, bias_correction=False), rank,
+    update_proj_gap, scale, proj_type), scale_by_schedule(sqrt(1 - b2^t) / (1 - b1^t)),
+    scale(1 - lr·wd), add_decayed_weights(wd), scale_by_learning_rate(lr))``
+
+    (the last three expand :math:`x_{t+1} = x_t - \eta(c(1 - \eta\lambda)u + \lambda x_t)`).
+    Same numbers as ``GaLoreAdamW`` with the projected leaves in a group with ``rank``,
+    ``update_proj_gap``, ``scale``, ``proj_type`` and the others in a plain group (both with
+    ``lr``, ``betas=(b1, b2)``, ``eps``, ``weight_decay``, ``correct_bias``). galore_torch
+    keeps the bases of 16-bit weights in their dtype; here bases, projected gradients and
+    moments are float32.
+
+    Args:
+      learning_rate: :math:`\eta`, a number or a schedule.
+      rank, update_proj_gap, scale, proj_type, matrix_axes, reproject_moments: see
+        `project_lowrank`. The defaults are those of galore_torch's README (rank 128, gap
+        200, scale 0.25); its projector's own default scale is 1.0. For 7B models the paper
+        uses rank 1024 and gap 500.
+      b1, b2, eps: Adam's decays and :math:`\epsilon` (galore_torch's defaults).
+      weight_decay: :math:`\lambda`, applied as :math:`p \leftarrow (1 - \eta\lambda) p` after
+        the step.
+      correct_bias: fold the bias corrections into the step size (False: none, as BERT).
+      mask: where weight decay applies (optax's meaning of ``mask`` in `adamw`).
+      projection_mask: which leaves are projected (default: every 2-D leaf); the others run
+        the same Adam at full size.
+      mu_dtype: dtype of the first moment.
+
+    Example:
+      >>> tx = opttx.galore_adamw(1e-2, rank=128, update_proj_gap=200, scale=0.25,
+      ...                         projection_mask=lambda p: {k: v.ndim == 2 and "embed" not in k
+      ...                                                    for k, v in p.items()})
+
+    References:
+      Zhao et al., GaLore: Memory-Efficient LLM Training by Gradient Low-Rank Projection
+      (arXiv 2403.03507).
+    """
+    links: list[GradientTransformation] = [project_lowrank(
+        scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, bias_correction=False), rank,
+        update_proj_gap, scale, proj_type, mask=projection_mask, matrix_axes=matrix_axes,
+        reproject_moments=reproject_moments)]
+    if correct_bias:
+        links.append(scale_by_schedule(
+            lambda count: torch.sqrt(debias_factor(b2, count + 1)) / debias_factor(b1, count + 1)))
+    if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
+        if callable(learning_rate):
+            shrink = scale_by_schedule(lambda count: 1 - learning_rate(count) * weight_decay)
+        else:
+            shrink = scale_transform(1 - learning_rate * weight_decay)
+        links.append(shrink if mask is None else masked(shrink, mask))
+        links.append(add_decayed_weights(weight_decay, mask))
+    links.append(scale_by_learning_rate(learning_rate))
+    return chain(*links)
+
+
+def galore_adamw_8bit(learning_rate: ScalarOrSchedule, rank: int = 128,
+                      update_proj_gap: int = 200, scale: float = 0.25,
+                      proj_type: ProjType = "std", b1: float = 0.9, b2: float = 0.999,
+                      eps: float = 1e-8, weight_decay: float = 1e-2, correct_bias: bool = True,
+                      mask: Mask = None, *, projection_mask: Mask = None,
+                      matrix_axes: MatrixAxes = (-2, -1), reproject_moments: bool = False,
+                      mu_dtype: torch.dtype | None = None, block_size: int = 256,
+                      min_size: int = 4096) -> GradientTransformation:
+    r"""GaLore with 8-bit block-wise Adam states, as ``galore_torch.GaLoreAdamW8bit``.
+
+    .. math::
+        N_t = \frac{\hat m_t}{\sqrt{\hat v_t} + \epsilon}, \qquad
+        y_t = x_t - \eta\, \alpha\, \mathrm{back}(N_t), \qquad
+        x_{t+1} = y_t - \eta \lambda\, y_t
+
+    with :math:`\hat m_t, \hat v_t` Adam's bias-corrected moments of the projected
+    gradient (see `project_lowrank`), stored between steps as 8-bit block-wise codes (see
+    `quantize_state`) wherever the projected leaf (shape ``(k, n)`` or ``(m, k)``, not the
+    parameter's) has at least ``min_size`` elements, as bitsandbytes decides on the projected
+    gradient. Leaves that are not projected run the same 8-bit Adam at full size
+    (:math:`\mathrm{back}` the identity, :math:`\alpha = 1`). Composed as
+
+    ``chain(project_lowrank(quantize_state(scale_by_adam(b1, b2, eps), block_size=block_size,
+    min_size=min_size), rank, update_proj_gap, scale, proj_type), scale(1 - lr·wd),
+    add_decayed_weights(wd), scale_by_learning_rate(lr))``.
+
+    It differs from `galore_adamw` where galore_torch's 8-bit optimizer differs from its
+    32-bit one: the Adam step is bitsandbytes' (:math:`\epsilon` added to the bias-corrected
+    :math:`\sqrt{\hat v_t}`), and the defaults are ``GaLoreAdamW8bit``'s (``eps=1e-8``,
+    ``weight_decay=1e-2``). The decay is applied after the step, as galore_torch does on
+    projected leaves; on the others bitsandbytes decays first (:math:`(1-\eta\lambda) x_t -
+    \eta N_t`), a difference of :math:`\eta^2 \lambda N_t`.
+
+    Args:
+      learning_rate, rank, update_proj_gap, scale, proj_type, b1, b2, mask, projection_mask,
+        matrix_axes, mu_dtype: as in `galore_adamw` (``mu_dtype`` matters only for the
+        moments kept in fp32).
+      eps: :math:`\epsilon`, added to :math:`\sqrt{\hat v_t}`.
+      weight_decay: :math:`\lambda`, applied as :math:`p \leftarrow (1 - \eta\lambda) p`
+        after the step.
+      correct_bias: use the bias-corrected moments (False: the raw ones).
+      reproject_moments: not supported with quantized moments (must be False).
+      block_size, min_size: as in `quantize_state` (bitsandbytes' 256 and 4096).
+
+    Example:
+      >>> tx = opttx.galore_adamw_8bit(1e-2, rank=128, update_proj_gap=200, scale=0.25)
+
+    References:
+      Zhao et al., GaLore (arXiv 2403.03507); Dettmers et al., 8-bit Optimizers via
+      Block-wise Quantization (arXiv 2110.02861).
+    """
+    if reproject_moments:
+        raise ValueError("galore_adamw_8bit keeps the moments quantized, and project_lowrank "
+                         "cannot rotate quantized moments into a new basis: pass "
+                         "reproject_moments=False (galore_torch's behaviour), or use "
+                         "galore_adamw.")
+    adam = quantize_state(scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype,
+                                        bias_correction=correct_bias),
+                          block_size=block_size, min_size=min_size)
+    links: list[GradientTransformation] = [project_lowrank(
+        adam, rank, update_proj_gap, scale, proj_type, mask=projection_mask,
+        matrix_axes=matrix_axes)]
+    if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
+        if callable(learning_rate):
+            shrink = scale_by_schedule(lambda count: 1 - learning_rate(count) * weight_decay)
+        else:
+            shrink = scale_transform(1 - learning_rate * weight_decay)
+        links.append(shrink if mask is None else masked(shrink, mask))
+        links.append(add_decayed_weights(weight_decay, mask))
+    links.append(scale_by_learning_rate(learning_rate))
+    return chain(*links)
 
 
 # ---------------------------------------------------------------------------------------------

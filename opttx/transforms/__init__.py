@@ -9,12 +9,20 @@ from .moments import (EmaState, ScaleByAdamState, ScaleByLionState, ScaleByNadam
                       ScaleByRmsState, ScaleByRssState, ScaleByStddevState, TraceState, ema,
                       scale_by_adam, scale_by_lion, scale_by_nadam, scale_by_rms, scale_by_rss,
                       scale_by_stddev, trace)
+from .lowrank import ProjectLowrankState, project_lowrank
+from .quantized import (UNSIGNED_FIELDS, QuantizationMap, QuantizedState, QuantizedTensor,
+                        dequantize_blockwise, dynamic_map, quantization_map, quantize_blockwise,
+                        quantize_state)
 from .shampoo import (GraftState, ShampooState, block_by_dims, block_shapes, graft,
                       matrix_inverse_root, merge_small_dims, precondition_shampoo)
 from .scaling import (ScaleByScheduleState, add_decayed_weights, scale, scale_by_learning_rate,
                       scale_by_schedule, scale_by_sign)
 
 __all__ = [
+    "ProjectLowrankState", "project_lowrank",
+    "UNSIGNED_FIELDS", "QuantizationMap", "QuantizedState", "QuantizedTensor",
+    "dequantize_blockwise", "dynamic_map", "quantization_map", "quantize_blockwise",
+    "quantize_state",
     "GraftState", "ShampooState", "block_by_dims", "block_shapes", "graft",
     "matrix_inverse_root", "merge_small_dims", "precondition_shampoo",
     "FactoredState", "ScaleByCameState", "add_step_scaled_decayed_weights", "clip_by_rms",

@@ -1,0 +1,102 @@
+r"""Layouts for optimizer work: run an element-wise chain on a few flat buffers instead of one
+tensor per parameter.
+
+A compiled optimizer step over ``N`` parameter tensors lowers every element-wise operation of
+the chain to ``N`` kernels (Inductor on CPU compiles each of them separately), so compile time
+and launch count grow with the number of tensors. `flatten` packs the leaves of each
+(device, dtype) into one flat buffer, runs the inner transform on those buffers, and hands
+back updates shaped like the parameters (views of one flat update buffer per group): the
+chain's kernels no longer depend on ``N``, and its state is a handful of flat buffers.
+
+Same numbers: for an element-wise inner transform (``adam``, ``adamw``, ``lion``, ``sgd``,
+``rmsprop``, ``adagrad``, ``nadam``, momentum, decayed weights, schedules, ...) the results are
+bitwise those of the per-leaf path. A transform that reduces per leaf (``clip_by_block_rms``,
+``scale_by_trust_ratio``, Adafactor's factored statistics, Shampoo) would see one flat vector
+instead of its leaves, so `flatten` must not wrap those; `clip_by_global_norm` is unaffected
+(the norm over all buffers is the norm over all leaves). Masks inside the inner transform see
+the flat tree: give them as callables of it, or put `flatten` inside `masked`/`partition`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from .base import GradientTransformation, check_init_params
+from .tree import PyTree, tree_flatten, tree_unflatten
+
+__all__ = ["FlattenState", "flatten"]
+
+
+class FlattenState(NamedTuple):
+    """State of `flatten`."""
+    inner_state: Any   # the inner transform's state over the tuple of flat buffers
+
+
+def _groups(leaves: list[torch.Tensor]) -> list[list[int]]:
+    """Leaf indices grouped by (device, dtype), groups in order of first appearance."""
+    keys: dict[tuple, list[int]] = {}
+    for i, x in enumerate(leaves):
+        keys.setdefault((x.device, x.dtype), []).append(i)
+    return list(keys.values())
+
+
+def _pack(leaves: list[torch.Tensor], groups: list[list[int]]) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.cat([leaves[i].reshape(-1) for i in g]) if len(g) > 1
+                 else leaves[g[0]].reshape(-1) for g in groups)
+
+
+def flatten(inner: GradientTransformation) -> GradientTransformation:
+    r"""Run the element-wise transform ``inner`` on one flat buffer per (device, dtype).
+
+    .. math::
+        u = \mathrm{unpack}(\mathrm{inner}(\mathrm{pack}(g), \mathrm{pack}(x)))
+
+    where ``pack`` concatenates the flattened leaves of each (device, dtype) group and
+    ``unpack`` splits the result back into views shaped like the leaves. The state is the inner
+    state over the flat buffers (a tuple, one per group).
+
+    Args:
+      inner: an element-wise transform or chain (see the module docstring for what that
+        excludes).
+
+    Returns:
+      A `GradientTransformation` with bitwise the numbers of ``inner`` for element-wise
+      transforms, whose compiled step has a number of kernels independent of the number of
+      parameter tensors.
+
+    Example:
+      >>> tx = opttx.flatten(opttx.adamw(1e-3, weight_decay=0.1))
+      >>> state = tx.init(params)       # state.inner_state holds one m and one v buffer
+
+    References:
+      optax.flatten (the same idea for JAX pytrees).
+    """
+
+    def init(params: PyTree) -> FlattenState:
+        check_init_params(params)
+        leaves, _ = tree_flatten(params)
+        return FlattenState(inner.init(_pack(leaves, _groups(leaves))))
+
+    def update(updates: PyTree, state: FlattenState, params: PyTree | None = None,
+               **extra_args: Any) -> tuple[PyTree, FlattenState]:
+        leaves, spec = tree_flatten(updates)
+        groups = _groups(leaves)
+        flat_params = None
+        if params is not None:
+            p_leaves, p_spec = tree_flatten(params)
+            if p_spec != spec:
+                from .tree import assert_same_structure
+                assert_same_structure(updates, params, "updates and params")
+            flat_params = _pack(p_leaves, groups)
+        flat_updates, inner_state = inner.update(_pack(leaves, groups), state.inner_state,
+                                                 flat_params, **extra_args)
+        out: list[Any] = [None] * len(leaves)
+        for g, buf in zip(groups, flat_updates):
+            sizes = [leaves[i].numel() for i in g]
+            for i, piece in zip(g, torch.split(buf, sizes)):
+                out[i] = piece.view(leaves[i].shape)
+        return tree_unflatten(out, spec), FlattenState(inner_state)
+
+    return GradientTransformation(init, update)
