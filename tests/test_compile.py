@@ -53,6 +53,11 @@ ALIASES = {
     "inject": lambda lr: opttx.inject_hyperparams(opttx.adamw)(learning_rate=lr),
     "inject_adafactor": lambda lr: opttx.inject_hyperparams(opttx.adafactor)(
         learning_rate=lr, min_dim_size_to_factor=4, weight_decay_rate=1e-3),
+    "adalomo": lambda lr: opttx.adalomo(lr, weight_decay=0.01),
+    "galore_adamw": lambda lr: opttx.galore_adamw(lr, rank=2, update_proj_gap=3,
+                                                  weight_decay=0.01),
+    "adamw_8bit": lambda lr: opttx.adamw_8bit(lr, min_size=64),
+    "flatten_adamw": lambda lr: opttx.flatten(opttx.adamw(lr, weight_decay=0.1)),
 }
 
 

@@ -8,7 +8,7 @@ import opttx
 
 # adamw, lion and sgd are the first-order baselines; the rest run as their aliases land.
 DEFAULT_OPTIMIZERS = ("adamw", "lion", "sgd", "adafactor", "came", "lamb", "galore_adamw",
-                      "adamw_8bit", "shampoo", "adalomo")
+                      "adamw_8bit", "galore_adamw_8bit", "shampoo", "adalomo")
 
 # Keyword arguments per optimizer alias for the tiny byte-level GPT at its default
 # size.  The sgd, adamw and lion rates are the best of a coarse 150-step sweep
@@ -26,7 +26,10 @@ HYPERPARAMS: dict[str, dict[str, Any]] = {
     "adafactor": {"learning_rate": 1e-2},
     "came": {"learning_rate": 1e-3},
     "lamb": {"learning_rate": 1e-2},
-    "galore_adamw": {"learning_rate": 1e-3},
+    # d_model is 128: rank 32 projects every matrix to a quarter of its small side
+    "galore_adamw": {"learning_rate": 3e-3, "rank": 32, "update_proj_gap": 50, "scale": 0.25},
+    "galore_adamw_8bit": {"learning_rate": 3e-3, "rank": 32, "update_proj_gap": 50,
+                          "scale": 0.25},
     "adamw_8bit": {"learning_rate": 1e-3},
     "shampoo": {"learning_rate": 1e-3, "betas": (0.9, 0.999), "grafting": "adam",
                 "precondition_frequency": 10, "epsilon": 1e-10},
