@@ -62,7 +62,7 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: float | None = None, nesterov
 
 def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
          eps_root: float = 0.0, mu_dtype: torch.dtype | None = None, *,
-         nesterov: bool = False) -> GradientTransformation:
+         nesterov: bool = False, nu_dtype: torch.dtype | None = None) -> GradientTransformation:
     r"""Adam: `scale_by_adam` then `scale_by_learning_rate`.
 
     .. math::
@@ -77,14 +77,15 @@ def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
     References:
       Kingma and Ba, Adam (arXiv 1412.6980).
     """
-    return chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+    return chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
+                               nu_dtype=nu_dtype),
                  scale_by_learning_rate(learning_rate))
 
 
 def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: torch.dtype | None = None,
           weight_decay: float = 1e-4, mask: Mask = None, *,
-          nesterov: bool = False) -> GradientTransformation:
+          nesterov: bool = False, nu_dtype: torch.dtype | None = None) -> GradientTransformation:
     r"""Adam with decoupled weight decay.
 
     .. math::
@@ -97,7 +98,8 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
 
     Args:
       learning_rate: :math:`\eta`, a number or a schedule.
-      b1, b2, eps, eps_root, mu_dtype, nesterov: as in `scale_by_adam`.
+      b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype: as in `scale_by_adam` (bf16
+        parameters keep fp32 moments unless ``mu_dtype``/``nu_dtype`` say otherwise).
       weight_decay: :math:`\lambda`.
       mask: where to apply the decay (tree of booleans or a function of the params).
 
@@ -108,7 +110,8 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
     References:
       Loshchilov and Hutter, Decoupled Weight Decay Regularization (arXiv 1711.05101).
     """
-    return chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+    return chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
+                               nu_dtype=nu_dtype),
                  add_decayed_weights(weight_decay, mask),
                  scale_by_learning_rate(learning_rate))
 

@@ -127,31 +127,93 @@ def _paired_leaves(params: Params, updates: Updates) -> tuple[list, list, Any]:
     return p_leaves, u_leaves, spec
 
 
-def apply_updates(params: Params, updates: Updates) -> Params:
+def round_stochastic_(out: torch.Tensor, x: torch.Tensor,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+    r"""Write float32 ``x`` into the bfloat16 tensor ``out``, rounded stochastically.
+
+    A value between two neighbouring bfloat16 numbers :math:`a < x < b` becomes :math:`b`
+    with probability :math:`(x - a)/(b - a)`, so :math:`\mathbb{E}[\mathrm{round}(x)] = x`:
+    updates much smaller than the spacing of bfloat16 near the parameter still move it on
+    average, where round-to-nearest would drop them every step. Done on the bits: a uniform
+    16-bit integer is added to the float32 pattern and the low 16 bits are cut (inf and NaN
+    pass through unchanged).
+
+    References:
+      Gupta et al., Deep Learning with Limited Numerical Precision (arXiv 1502.02551);
+      Zamirai et al., Revisiting BFloat16 Training (arXiv 2010.06192).
+    """
+    x = x.to(torch.float32)
+    bits = x.view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device,
+                          generator=generator)
+    rounded = ((bits + noise) & -65536).view(torch.float32)
+    out.copy_(torch.where(torch.isfinite(x), rounded, x))
+    return out
+
+
+def _stochastic_pairs(p_leaves: list, u_leaves: list, scale: float = 1.0
+                      ) -> tuple[list, list, list, list]:
+    """Split leaves into bfloat16 parameters (written with stochastic rounding) and others."""
+    sr_p, sr_u, rest_p, rest_u = [], [], [], []
+    for p, u in zip(p_leaves, u_leaves):
+        if p.dtype == torch.bfloat16:
+            sr_p.append(p)
+            sr_u.append(u if scale == 1.0 else u * scale)
+        else:
+            rest_p.append(p)
+            rest_u.append(u.to(p.dtype))
+    return sr_p, sr_u, rest_p, rest_u
+
+
+def apply_updates(params: Params, updates: Updates, *, stochastic_rounding: bool = False,
+                  generator: torch.Generator | None = None) -> Params:
     """``params + updates``, leaf by leaf, as a new tree (pure).
 
-    Updates are cast to each parameter's dtype. One grouped kernel for all leaves.
+    Updates are cast to each parameter's dtype. One grouped kernel for all leaves. With
+    ``stochastic_rounding=True`` bfloat16 parameters are added in float32 and rounded
+    stochastically (`round_stochastic_`); other dtypes are unaffected.
 
     Example:
       >>> updates, state = tx.update(grads, state, params)
       >>> params = opttx.apply_updates(params, updates)
     """
     p_leaves, u_leaves, spec = _paired_leaves(params, updates)
+    if stochastic_rounding:
+        out = []
+        for p, u in zip(p_leaves, u_leaves):
+            if p.dtype == torch.bfloat16:
+                out.append(round_stochastic_(torch.empty_like(p), p.float() + u.float(),
+                                             generator))
+            else:
+                out.append(p + u.to(p.dtype))
+        return tree_unflatten(out, spec)
     u_leaves = [u.to(p.dtype) for p, u in zip(p_leaves, u_leaves)]
     return tree_unflatten(list(torch._foreach_add(p_leaves, u_leaves)) if p_leaves else [],
                           spec)
 
 
 @torch.no_grad()
-def apply_updates_(params: Params, updates: Updates) -> Params:
+def apply_updates_(params: Params, updates: Updates, *, stochastic_rounding: bool = False,
+                   generator: torch.Generator | None = None) -> Params:
     """``params += updates`` in place (also on ``nn.Parameter`` leaves); returns ``params``.
 
-    In a compiled step the write lowers to an in-place update of the graph's inputs.
+    In a compiled step the write lowers to an in-place update of the graph's inputs. With
+    ``stochastic_rounding=True`` bfloat16 parameters are updated in float32 and written back
+    rounded stochastically (`round_stochastic_`): the usual companion of bf16 parameters
+    with fp32 optimizer state, instead of an fp32 master copy (2 bytes per parameter saved).
     """
     p_leaves, u_leaves, _ = _paired_leaves(params, updates)
-    if p_leaves:
-        u_leaves = [u.to(p.dtype) for p, u in zip(p_leaves, u_leaves)]
-        torch._foreach_add_(p_leaves, u_leaves)
+    if not p_leaves:
+        return params
+    if stochastic_rounding:
+        sr_p, sr_u, p_leaves, u_leaves = _stochastic_pairs(p_leaves, u_leaves)
+        for p, u in zip(sr_p, sr_u):
+            round_stochastic_(p, p.float() + u.float(), generator)
+        if p_leaves:
+            torch._foreach_add_(p_leaves, u_leaves)
+        return params
+    u_leaves = [u.to(p.dtype) for p, u in zip(p_leaves, u_leaves)]
+    torch._foreach_add_(p_leaves, u_leaves)
     return params
 
 

@@ -6,7 +6,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .base import GradientTransformation
+from .base import GradientTransformation, _stochastic_pairs, round_stochastic_
 from .tree import PyTree, donating, keystr, tree_flatten_with_path, tree_leaves
 from .wrappers import find_injected_states
 
@@ -37,6 +37,12 @@ class Optimizer(torch.optim.Optimizer):
     moved, as in torch.optim; its statistics advance as with a zero gradient (torch would leave
     them untouched).
 
+    **bf16 parameters.** Statistics of 16-bit parameters are float32 (see the transforms);
+    ``stochastic_rounding=True`` adds each update to a bfloat16 parameter in float32 and writes
+    the sum back rounded stochastically (`opttx.base.round_stochastic_`, optionally from
+    ``generator``), so small updates are not lost to round-to-nearest without keeping a float32
+    master copy of the weights.
+
     Example:
       >>> tx = opttx.inject_hyperparams(opttx.adamw)(learning_rate=1e-3, weight_decay=0.01)
       >>> opt = opttx.Optimizer(model.parameters(), tx)
@@ -47,10 +53,14 @@ class Optimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict] |
-                 Iterable[tuple[str, torch.Tensor]], tx: GradientTransformation) -> None:
+                 Iterable[tuple[str, torch.Tensor]], tx: GradientTransformation, *,
+                 stochastic_rounding: bool = False,
+                 generator: torch.Generator | None = None) -> None:
         if not isinstance(tx, GradientTransformation):
             raise TypeError(f"tx must be a GradientTransformation, got {type(tx).__name__}.")
         self.tx = tx
+        self.stochastic_rounding = stochastic_rounding
+        self.generator = generator
         self._tx_states: list[Any] = []
         self._synced: dict[int, dict] = {}
         params = list(params)
@@ -135,8 +145,13 @@ class Optimizer(torch.optim.Optimizer):
                                                    state, param_tree)
             self._tx_states[index] = state
             moved = [p for p, g in zip(params, has_grad) if g]
-            deltas = [u.to(p.dtype) for p, u, g in zip(params, tree_leaves(updates), has_grad)
-                      if g]
+            deltas = [u for u, g in zip(tree_leaves(updates), has_grad) if g]
+            if self.stochastic_rounding:
+                sr_p, sr_u, moved, deltas = _stochastic_pairs(moved, deltas, factor)
+                for p, u in zip(sr_p, sr_u):
+                    round_stochastic_(p, p.float() + u.float(), self.generator)
+            else:
+                deltas = [u.to(p.dtype) for p, u in zip(moved, deltas)]
             if moved:
                 torch._foreach_add_(moved, deltas, alpha=factor)
         return loss
