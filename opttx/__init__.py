@@ -18,7 +18,7 @@ from .aliases import (adafactor, adagrad, adalomo, adam, adamw, adamw_8bit, came
                       galore_adamw_8bit, lamb, lars, lion, nadam, rmsprop, sgd, shampoo)
 from .backward import FusedBackward
 from .base import (EmptyState, GradientTransformation, apply_updates, apply_updates_, identity,
-                   set_to_zero, stateless, stateless_with_tree_map)
+                   round_stochastic_, set_to_zero, stateless, stateless_with_tree_map)
 from .combine import (MaskedState, PartitionState, chain, freeze, masked, multi_transform,
                       named_chain, partition)
 from .layout import FlattenState, flatten
@@ -44,7 +44,7 @@ __all__ = [
     "freeze", "galore_adamw", "galore_adamw_8bit", "identity", "inject_hyperparams",
     "join_schedules", "lamb", "lars", "linear_schedule", "lion", "masked", "multi_transform",
     "nadam", "named_chain", "partition", "piecewise_constant_schedule", "polynomial_schedule",
-    "rmsprop", "schedules", "set_hyperparams_", "set_to_zero", "sgd", "shampoo", "stateless",
+    "rmsprop", "round_stochastic_", "schedules", "set_hyperparams_", "set_to_zero", "sgd", "shampoo", "stateless",
     "stateless_with_tree_map", "transforms", "tree", "tree_copy_", "warmup_constant_schedule",
     "warmup_cosine_decay_schedule", "warmup_stable_decay_schedule", *_transforms_all,
 ]
