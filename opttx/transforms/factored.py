@@ -25,8 +25,8 @@ from ..base import (GradientTransformation, Params, Updates, check_init_params,
                     zero_count)
 from ..schedules import Schedule
 from ..tree import (MaskedNode, PyTree, Scalar, cast_like, flatten_matching, foreach_ema,
-                    leaf_labels, scalar_operand, state_dtype, tree_flatten, tree_map,
-                    tree_paths, tree_unflatten)
+                    foreach_op_, leaf_labels, scalar_operand, state_dtype, tree_flatten,
+                    tree_map, tree_paths, tree_unflatten)
 from .clipping import clip_by_block_rms
 
 __all__ = [
@@ -333,6 +333,7 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
         if not (isinstance(epsilon, (int, float)) and epsilon == 0):
             q = list(torch._foreach_add(q, scalar_operand(epsilon, q)))
         rows, cols, fulls = _factored_ema(q, rows, cols, fulls, layout, beta, spec, extra_args)
+        del q   # free g² + ε before the update is allocated (one full-size temporary at a time)
         out = _scale_by_inverse_root(g, rows, cols, fulls, layout, spec, extra_args, eps_clamp)
         return (tree_unflatten(cast_like(out, g), spec),
                 FactoredState(count=safe_increment(state.count),
@@ -497,15 +498,18 @@ def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
         g32 = cast_like(g, mu)
         q = list(torch._foreach_add(torch._foreach_mul(g32, g32), eps1))
         rows, cols, fulls = _factored_ema(q, rows, cols, fulls, layout, b2, spec, extra_args)
+        del q   # temporaries are dropped as soon as they are used: peak memory, not numbers
         u = _scale_by_inverse_root(g32, rows, cols, fulls, layout, spec, extra_args)
         rms = _leaf_rms(u, spec, extra_args)
-        u = list(torch._foreach_div(u, [torch.clamp(r / clip_threshold, min=1.0) for r in rms]))
+        u = foreach_op_("div", u, [torch.clamp(r / clip_threshold, min=1.0) for r in rms])
         mu = foreach_ema(mu, u, b1)
         out = list(mu)
         f = layout.factored
+        res = list(torch._foreach_sub([u[i] for i in f], [mu[i] for i in f])) if f else []
+        del u
         if f:
-            res = torch._foreach_sub([u[i] for i in f], [mu[i] for i in f])
-            res = list(torch._foreach_add(torch._foreach_mul(res, res), eps2))
+            res = foreach_op_("mul", res, res)
+            res = foreach_op_("add", res, eps2)
             res_full = [None] * len(g)
             for i, r in zip(f, res):
                 res_full[i] = r
