@@ -413,3 +413,12 @@ def test_galore_train_step_is_one_graph_over_three_refresh_periods() -> None:
     assert_trees_close(params, eager_params, rtol=1e-5)
     assert_trees_close(state, eager_state, rtol=1e-4, atol=1e-6)
     torch._dynamo.reset()
+
+
+def test_reproject_without_statistics_to_rotate_is_refused() -> None:
+    params = {"w": torch.randn(8, 6)}
+    with pytest.raises(ValueError, match="no statistic"):
+        opttx.project_lowrank(opttx.quantize_state(opttx.scale_by_adam(), min_size=1), rank=2,
+                              reproject_moments=True).init(params)
+    with pytest.raises(ValueError, match="no statistic"):
+        opttx.project_lowrank(opttx.scale_by_sign(), rank=2, reproject_moments=True).init(params)

@@ -428,9 +428,15 @@ def project_lowrank(inner: GradientTransformation, rank: int, update_proj_gap: i
             rights.append(_column_major(torch.zeros(plan.right_shape, **kw)) if plan.uses_right
                           else empty)
             low.append(torch.zeros(plan.low_shape, **kw))
+        inner_state = inner.init(tree_unflatten(low, spec))
+        if reproject_moments and any(p is not None for p in plans) and not _moment_slots(
+                inner_state, spec, plans, second_moment_names)[2]:
+            raise ValueError("project_lowrank(reproject_moments=True): the inner state holds no "
+                             "statistic shaped like the projected gradients to re-project (a "
+                             "stateless, masked or quantized inner transform?). Drop the flag, "
+                             "or give an inner transform whose moments are trees like params.")
         return ProjectLowrankState(count=zero_count(params), left=tree_unflatten(lefts, spec),
-                                   right=tree_unflatten(rights, spec),
-                                   inner_state=inner.init(tree_unflatten(low, spec)))
+                                   right=tree_unflatten(rights, spec), inner_state=inner_state)
 
     def update(updates: Updates, state: ProjectLowrankState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, ProjectLowrankState]:
