@@ -268,6 +268,26 @@ def foreach_op_(op: str, tensors: list[torch.Tensor], *args: Any) -> list[torch.
     return tensors
 
 
+def foreach_sum_of_squares(tensors: Tensors, dtype: torch.dtype | None = None
+                           ) -> list[torch.Tensor]:
+    """:math:`\sum x^2` of every tensor, as 0-dim tensors in ``dtype`` (default: float64 if
+    any tensor is float64, else float32).
+
+    Eager: one grouped ``_foreach_norm`` pass, squared. Compiled: one ``sum(x * x)`` reduction
+    per tensor, which Inductor fuses with the producer of ``x`` (it lowers ``_foreach_norm``
+    to separate, slower reductions: about 1.8x slower for clip-by-RMS + apply on CPU).
+    """
+    if not tensors:
+        return []
+    if dtype is None:
+        dtype = torch.float64 if any(x.dtype == torch.float64 for x in tensors) \
+            else torch.float32
+    if torch.compiler.is_compiling():
+        return [torch.sum(torch.square(x.to(dtype))) for x in tensors]
+    norms = torch._foreach_norm(list(tensors), 2, dtype=dtype)
+    return list(torch._foreach_mul(norms, norms))
+
+
 def foreach_ema(old: Tensors, new: Tensors, decay: Scalar) -> list[torch.Tensor]:
     """``decay * old + (1 - decay) * new`` for every pair; in place on ``old`` when donating.
 

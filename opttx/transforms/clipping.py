@@ -14,8 +14,8 @@ import torch
 from .._checks import check_nonnegative, check_positive
 from ..base import (GradientTransformation, Params, Updates, check_init_params,
                     reduce_statistics, stateless_with_extra_args)
-from ..tree import (PyTree, flatten_matching, foreach_op_, foreach_scale, tree_map,
-                    tree_unflatten)
+from ..tree import (PyTree, flatten_matching, foreach_op_, foreach_scale,
+                    foreach_sum_of_squares, tree_map, tree_unflatten)
 
 __all__ = [
     "ZeroNansState",
@@ -46,9 +46,7 @@ def _sum_of_squares(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per-leaf local sum of squares in fp32 (fp64 for fp64 leaves)."""
     if not leaves:
         return []
-    dtype = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
-    norms = torch._foreach_norm(leaves, 2, dtype=dtype)
-    return list(torch._foreach_mul(norms, norms))
+    return foreach_sum_of_squares(leaves)
 
 
 def global_norm(updates: PyTree, extra_args: dict[str, Any] | None = None) -> torch.Tensor:

@@ -25,8 +25,8 @@ from ..base import (GradientTransformation, Params, Updates, check_init_params,
                     zero_count)
 from ..schedules import Schedule
 from ..tree import (MaskedNode, PyTree, Scalar, cast_like, flatten_matching, foreach_ema,
-                    foreach_op_, leaf_labels, scalar_operand, state_dtype, tree_flatten,
-                    tree_map, tree_paths, tree_unflatten)
+                    foreach_op_, foreach_sum_of_squares, leaf_labels, scalar_operand,
+                    state_dtype, tree_flatten, tree_map, tree_paths, tree_unflatten)
 from .clipping import clip_by_block_rms
 
 __all__ = [
@@ -333,7 +333,7 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
         if not (isinstance(epsilon, (int, float)) and epsilon == 0):
             q = list(torch._foreach_add(q, scalar_operand(epsilon, q)))
         rows, cols, fulls = _factored_ema(q, rows, cols, fulls, layout, beta, spec, extra_args)
-        del q   # free g² + ε before the update is allocated (one full-size temporary at a time)
+        q = None   # free g² + ε before the update is allocated (one temporary at a time)
         out = _scale_by_inverse_root(g, rows, cols, fulls, layout, spec, extra_args, eps_clamp)
         return (tree_unflatten(cast_like(out, g), spec),
                 FactoredState(count=safe_increment(state.count),
@@ -356,9 +356,7 @@ def _leaf_rms(leaves: list[torch.Tensor], spec: Any, extra_args: dict) -> list[t
     """RMS of every leaf, in three steps: local sum of squares and count, reduce, finish."""
     if not leaves:
         return []
-    dtype = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
-    norms = torch._foreach_norm(leaves, 2, dtype=dtype)                          # (a)
-    sums = list(torch._foreach_mul(norms, norms))
+    sums = foreach_sum_of_squares(leaves)                                        # (a)
     means = _reduce_sums(sums, [float(x.numel()) for x in leaves], [None] * len(leaves),
                          spec, extra_args)                                       # (b), (c)
     return [torch.sqrt(m) for m in means]
@@ -498,7 +496,7 @@ def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
         g32 = cast_like(g, mu)
         q = list(torch._foreach_add(torch._foreach_mul(g32, g32), eps1))
         rows, cols, fulls = _factored_ema(q, rows, cols, fulls, layout, b2, spec, extra_args)
-        del q   # temporaries are dropped as soon as they are used: peak memory, not numbers
+        q = None   # temporaries are dropped as soon as they are used: peak memory, not numbers
         u = _scale_by_inverse_root(g32, rows, cols, fulls, layout, spec, extra_args)
         rms = _leaf_rms(u, spec, extra_args)
         u = foreach_op_("div", u, [torch.clamp(r / clip_threshold, min=1.0) for r in rms])
@@ -506,7 +504,7 @@ def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
         out = list(mu)
         f = layout.factored
         res = list(torch._foreach_sub([u[i] for i in f], [mu[i] for i in f])) if f else []
-        del u
+        u = None   # (an assignment: Dynamo cannot trace `del` of a closure cell)
         if f:
             res = foreach_op_("mul", res, res)
             res = foreach_op_("add", res, eps2)
@@ -575,8 +573,8 @@ def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,
             return updates, state
         dtype = torch.float64 if any(x.dtype == torch.float64 for x in g) else torch.float32
         # (a) local sums of squares of params and updates; (b) one batched reduction
-        p_sq = [n * n for n in torch._foreach_norm(p, 2, dtype=dtype)]
-        u_sq = [n * n for n in torch._foreach_norm(g, 2, dtype=dtype)]
+        p_sq = foreach_sum_of_squares(p, dtype)
+        u_sq = foreach_sum_of_squares(g, dtype)
         n = len(g)
         none = [None] * n
         p_sq, u_sq = reduce_statistics((tree_unflatten(p_sq, spec), tree_unflatten(u_sq, spec)),

@@ -30,8 +30,8 @@ from .._checks import check_nonnegative, check_positive_int, check_unit_interval
 from ..base import (PRECONDITION_INPUT, GradientTransformation, Params, Updates,
                     check_init_params, precondition_target, reduce_statistics, safe_increment,
                     zero_count)
-from ..tree import (PyTree, flatten_matching, foreach_ema, tree_cond, tree_flatten, tree_map,
-                    tree_structure, tree_unflatten)
+from ..tree import (PyTree, flatten_matching, foreach_ema, foreach_sum_of_squares, tree_cond,
+                    tree_flatten, tree_map, tree_structure, tree_unflatten)
 
 __all__ = [
     "GraftState",
@@ -467,8 +467,7 @@ def graft(magnitude: GradientTransformation | None, direction: GradientTransform
         dirn, dir_state = direction.update(updates, state.direction, params, **extra)
         mag_l, dir_l = flatten_matching(mag)[1], flatten_matching(dirn)[1]
         # (a) local sums of squares of both, (b) one batched reduction, (c) finish
-        sq = lambda xs: [n * n for n in torch._foreach_norm(xs, 2, dtype=torch.float32)] \
-            if xs[0].dtype != torch.float64 else [n * n for n in torch._foreach_norm(xs, 2)]
+        sq = foreach_sum_of_squares
         m_sq, d_sq = reduce_statistics((tree_unflatten(sq(mag_l), spec),
                                         tree_unflatten(sq(dir_l), spec)), extra_args)
         grafting = count < start_preconditioning_step
