@@ -22,6 +22,12 @@ Examples:
   python benchmarks/compile_scaling.py                       # adamw and adafactor, 30/100/300
   python benchmarks/compile_scaling.py --quick               # tiny, for a smoke test
   python benchmarks/compile_scaling.py --optimizers adamw --tensors 30,300
+  python benchmarks/compile_scaling.py --optimizers adamw,adamw_flat,adamw_flatparams
+
+Layouts: ``NAME`` is the per-leaf path; ``NAME_flat`` wraps the transform in `opttx.flatten`
+(gradients and parameters packed into flat buffers every step); ``NAME_flatparams`` keeps the
+parameters in `opttx.FlatParams` buffers, differentiates with respect to them and runs the
+transform on the buffers (element-wise transforms only, as ``_flat``).
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ def make_tx(name: str):
         return opttx.lion(1e-4)
     if name.endswith("_flat"):
         return opttx.flatten(make_tx(name[:-len("_flat")]))
+    if name.endswith("_flatparams"):
+        return make_tx(name[:-len("_flatparams")])
     raise SystemExit(f"unknown optimizer {name!r}")
 
 
@@ -98,9 +106,23 @@ def child(args: argparse.Namespace) -> None:
         opttx.apply_updates_(params, updates)
         opttx.tree_copy_(state, new_state)
 
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    if args.flat_params:
+        # the parameters live in one flat buffer: the step differentiates with respect to it
+        flat = opttx.FlatParams(params)
+        params, grads = flat.buffers, flat.flatten(grads)
+        state = tx.init(params)
+
+        def train_step(buffers, state, x, target):
+            grads, loss = grad_and_value(lambda b: loss_fn(flat.unflatten(b), x, target))(
+                buffers)
+            updates, new_state = tx.update(grads, state, buffers)
+            opttx.apply_updates_(buffers, updates)
+            opttx.tree_copy_(state, new_state)
+            return loss
+
     fn = optimizer_step if args.only_optimizer else train_step
     compiled = torch.compile(fn, fullgraph=True)
-    grads = {k: torch.randn_like(v) for k, v in params.items()}
     call = (lambda: compiled(params, state, grads)) if args.only_optimizer else \
         (lambda: compiled(params, state, x, target))
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -127,6 +149,8 @@ def run_child(opt: str, count: int, total: int, steps: int, only_optimizer: bool
     env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="opttx_compile_scaling_")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--opt", opt,
            "--count", str(count), "--total", str(total), "--steps", str(steps)]
+    if opt.endswith("_flatparams"):
+        cmd.append("--flat-params")
     if only_optimizer:
         cmd.append("--only-optimizer")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -149,6 +173,7 @@ def main() -> None:
     ap.add_argument("--opt", help=argparse.SUPPRESS)
     ap.add_argument("--count", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--only-optimizer", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--flat-params", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args)

@@ -21,7 +21,7 @@ from .base import (EmptyState, GradientTransformation, apply_updates, apply_upda
                    round_stochastic_, set_to_zero, stateless, stateless_with_tree_map)
 from .combine import (MaskedState, PartitionState, chain, freeze, masked, multi_transform,
                       named_chain, partition)
-from .layout import FlattenState, flatten
+from .layout import FlatParams, FlattenState, flatten
 from .optim import Optimizer
 from .schedules import (constant_schedule, cosine_decay_schedule, exponential_decay,
                         join_schedules, linear_schedule, piecewise_constant_schedule,
@@ -36,7 +36,7 @@ from .wrappers import (ApplyIfFiniteState, InjectHyperparamsState, MultiSteps, M
 __version__ = "0.1.0"
 
 __all__ = [
-    "ApplyIfFiniteState", "EmptyState", "FlattenState", "FusedBackward", "GradientTransformation",
+    "ApplyIfFiniteState", "EmptyState", "FlatParams", "FlattenState", "FusedBackward", "GradientTransformation",
     "InjectHyperparamsState", "MaskedNode", "MaskedState", "MultiSteps", "MultiStepsState",
     "Optimizer", "PartitionState", "adafactor", "adagrad", "adalomo", "adam", "adamw",
     "adamw_8bit", "apply_if_finite", "apply_updates", "apply_updates_", "came", "chain",

@@ -19,6 +19,7 @@ the flat tree: give them as callables of it, or put `flatten` inside `masked`/`p
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -26,7 +27,7 @@ import torch
 from .base import GradientTransformation, check_init_params
 from .tree import PyTree, tree_flatten, tree_unflatten
 
-__all__ = ["FlattenState", "flatten"]
+__all__ = ["FlatParams", "FlattenState", "flatten"]
 
 
 class FlattenState(NamedTuple):
@@ -100,3 +101,73 @@ def flatten(inner: GradientTransformation) -> GradientTransformation:
         return tree_unflatten(out, spec), FlattenState(inner_state)
 
     return GradientTransformation(init, update)
+
+
+class FlatParams:
+    r"""Parameters stored in one flat buffer per (device, dtype), each parameter a view.
+
+    `flatten` packs gradients and parameters into flat buffers at every step; when the
+    parameters *live* in flat buffers there is nothing to pack: a compiled step differentiates
+    with respect to the buffers (the backward of the views is a single concatenation, which
+    Inductor writes in place), runs an element-wise chain on them, and updates each buffer with
+    one kernel. The optimizer's share of the graph then no longer depends on the number of
+    parameter tensors.
+
+    Example:
+      >>> flat = opttx.FlatParams.of_module(model)     # model's parameters now view the buffers
+      >>> tx = opttx.adamw(1e-3)
+      >>> state = tx.init(flat.buffers)
+      >>> def loss_fn(buffers, x, y):
+      ...     return loss(functional_call(model, flat.unflatten(buffers), (x,)), y)
+      >>> @torch.compile(fullgraph=True)
+      ... def step(buffers, state, x, y):
+      ...     grads, value = grad_and_value(loss_fn)(buffers, x, y)
+      ...     updates, new_state = tx.update(grads, state, buffers)
+      ...     opttx.apply_updates_(buffers, updates)
+      ...     opttx.tree_copy_(state, new_state)
+      ...     return value
+
+    As with `flatten`, the transform must be element-wise (it sees one vector per group).
+    """
+
+    def __init__(self, params: PyTree) -> None:
+        leaves, self.spec = tree_flatten(params)
+        if not leaves:
+            raise ValueError("FlatParams needs at least one parameter tensor.")
+        self.shapes = [tuple(x.shape) for x in leaves]
+        self.groups = _groups(leaves)
+        with torch.no_grad():
+            self.buffers: tuple[torch.Tensor, ...] = tuple(
+                torch.cat([leaves[i].detach().reshape(-1) for i in g]) for g in self.groups)
+
+    @classmethod
+    def of_module(cls, module: torch.nn.Module) -> "FlatParams":
+        """Move ``module``'s parameters into flat buffers: every ``nn.Parameter`` keeps its
+        identity and now views its buffer, so eager training, ``state_dict`` and the compiled
+        functional step all see the same storage."""
+        named = dict(module.named_parameters())
+        flat = cls(named)
+        views = flat.unflatten()
+        with torch.no_grad():
+            for (name, p), view in zip(named.items(), tree_flatten(views)[0]):
+                p.data = view
+        return flat
+
+    def unflatten(self, buffers: tuple[torch.Tensor, ...] | None = None) -> PyTree:
+        """The parameter tree as views of ``buffers`` (default: the stored buffers)."""
+        buffers = self.buffers if buffers is None else buffers
+        out: list[Any] = [None] * len(self.shapes)
+        for g, buf in zip(self.groups, buffers):
+            sizes = [math.prod(self.shapes[i]) for i in g]
+            for i, piece in zip(g, torch.split(buf, sizes)):
+                out[i] = piece.view(self.shapes[i])
+        return tree_unflatten(out, self.spec)
+
+    def flatten(self, tree: PyTree) -> tuple[torch.Tensor, ...]:
+        """Pack a tree shaped like the parameters (gradients, say) into flat buffers."""
+        leaves, spec = tree_flatten(tree)
+        if spec != self.spec:
+            from .tree import assert_same_structure
+            assert_same_structure(self.unflatten(), tree, "parameters and tree")
+        return _pack(leaves, self.groups)
+

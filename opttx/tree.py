@@ -270,7 +270,7 @@ def foreach_op_(op: str, tensors: list[torch.Tensor], *args: Any) -> list[torch.
 
 def foreach_sum_of_squares(tensors: Tensors, dtype: torch.dtype | None = None
                            ) -> list[torch.Tensor]:
-    """:math:`\sum x^2` of every tensor, as 0-dim tensors in ``dtype`` (default: float64 if
+    r""":math:`\sum x^2` of every tensor, as 0-dim tensors in ``dtype`` (default: float64 if
     any tensor is float64, else float32).
 
     Eager: one grouped ``_foreach_norm`` pass, squared. Compiled: one ``sum(x * x)`` reduction

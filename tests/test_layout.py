@@ -95,3 +95,75 @@ def test_one_graph_and_no_recompiles_at_300_tensors(layout) -> None:
     assert counter.frame_count == 1
     assert_trees_close(params, eager_params, rtol=1e-6)
     torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------------
+# FlatParams: parameters that live in flat buffers
+# ---------------------------------------------------------------------------------------------
+
+
+def test_flat_params_round_trip_and_groups() -> None:
+    params = {"a": torch.randn(3, 4), "b": torch.randn(5, dtype=torch.float64),
+              "c": torch.randn(2, 2)}
+    flat = opttx.FlatParams(params)
+    assert [b.shape for b in flat.buffers] == [(16,), (5,)]
+    assert [b.dtype for b in flat.buffers] == [torch.float32, torch.float64]
+    assert_trees_close(flat.unflatten(), params, rtol=0)
+    views = flat.unflatten()
+    assert views["a"].data_ptr() == flat.buffers[0].data_ptr()       # views, not copies
+    again = flat.flatten(views)
+    assert all(torch.equal(x, y) for x, y in zip(again, flat.buffers))
+
+
+def test_of_module_keeps_parameters_and_shares_storage() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    ids = [id(p) for p in model.parameters()]
+    flat = opttx.FlatParams.of_module(model)
+    assert [id(p) for p in model.parameters()] == ids
+    assert_trees_close({k: v.detach() for k, v in model.named_parameters()}, before, rtol=0)
+    flat.buffers[0].add_(1.0)                         # the module sees the buffer
+    assert torch.equal(model[0].bias.detach(), before["0.bias"] + 1.0)
+    # eager training through opttx.Optimizer still works on the views
+    opt = opttx.Optimizer(model.parameters(), opttx.adam(1e-2))
+    model(torch.randn(3, 4)).square().mean().backward()
+    opt.step()
+    assert not torch.equal(model[0].weight.detach(), before["0.weight"] + 1.0)
+
+
+def test_compiled_step_on_flat_params_equals_the_per_leaf_step() -> None:
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch.func import functional_call, grad_and_value
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    reference = {k: v.detach().clone() for k, v in model.named_parameters()}
+    flat = opttx.FlatParams.of_module(model)
+    tx = opttx.adamw(opttx.linear_schedule(1e-2, 1e-3, 4), weight_decay=0.1)
+    state, ref_state = tx.init(flat.buffers), tx.init(reference)
+
+    def loss_fn(params, x, y):
+        return (functional_call(model, params, (x,)) - y).square().mean()
+
+    def flat_step(buffers, state, x, y):
+        grads, loss = grad_and_value(lambda b: loss_fn(flat.unflatten(b), x, y))(buffers)
+        updates, new_state = tx.update(grads, state, buffers)
+        opttx.apply_updates_(buffers, updates)
+        opttx.tree_copy_(state, new_state)
+        return loss
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(flat_step, backend=counter, fullgraph=True)
+    gen = torch.Generator().manual_seed(1)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(5):
+            x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+            compiled(flat.buffers, state, x, y)
+            grads = torch.func.grad(loss_fn)(reference, x, y)
+            updates, ref_state = tx.update(grads, ref_state, reference)
+            reference = opttx.apply_updates(reference, updates)
+    assert counter.frame_count == 1
+    assert_trees_close({k: v.detach() for k, v in model.named_parameters()}, reference,
+                       rtol=1e-6)
+    torch._dynamo.reset()
