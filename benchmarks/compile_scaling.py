@@ -56,6 +56,8 @@ def make_tx(name: str):
         return opttx.adafactor(1e-2, min_dim_size_to_factor=32)
     if name == "lion":
         return opttx.lion(1e-4)
+    if name == "sgd":
+        return opttx.sgd(1e-3)
     if name.endswith("_flat"):
         return opttx.flatten(make_tx(name[:-len("_flat")]))
     if name.endswith("_flatparams"):
