@@ -1,9 +1,39 @@
-"""Distributed opttx (sharding specs, the explicit collective transform, ZeRO, checkpoints).
+"""Distributed opttx: sharding specs, the explicit collective transform, data parallelism.
 
-Not built yet. The hook it will plug into already exists: every layer-wise reduction in opttx
-calls `opttx.base.reduce_statistics(partials, extra_args, op, dims)`, which is the identity
-unless ``extra_args[opttx.base.REDUCER_KEY]`` holds a reducer; `sharded(tx, specs)` will pass
-one that turns those calls into batched collectives over the groups that shard each leaf.
+Every layer-wise reduction in opttx calls `opttx.base.reduce_statistics(partials, extra_args,
+op, dims)`, the identity on one device. `sharded(tx, specs)` passes a reducer under
+``extra_args[opttx.base.REDUCER_KEY]`` that turns those calls into batched functional
+all-reduces over exactly the groups that shard each leaf's reduced dims, so any chain run on
+local shards gives the single-device result. `all_reduce_gradients(group)` averages gradients
+in flat buckets as the first link of a chain.
+
+Example:
+  >>> from opttx.distributed import Replicated, Shard, sharded
+  >>> tx = sharded(opttx.lamb(1e-3), {"w": Shard(0, tp_group), "b": Replicated()})
 """
 
-__all__: list[str] = []
+from .data_parallel import all_reduce_gradients, plan_buckets
+from .reducer import CollectiveStats, ShardedReducer, pack_all_reduce
+from .shapes import global_factor_axes, global_shapes, raise_on_every_rank
+from .sharded import sharded
+from .specs import (LeafSpec, Replicated, Shard, flatten_specs, local_shard, shard_groups,
+                    specs_from_dtensors)
+
+__all__ = [
+    "CollectiveStats",
+    "LeafSpec",
+    "Replicated",
+    "Shard",
+    "ShardedReducer",
+    "all_reduce_gradients",
+    "flatten_specs",
+    "global_factor_axes",
+    "global_shapes",
+    "local_shard",
+    "pack_all_reduce",
+    "plan_buckets",
+    "raise_on_every_rank",
+    "shard_groups",
+    "sharded",
+    "specs_from_dtensors",
+]
