@@ -257,3 +257,15 @@ def test_runner_rejects_bad_arguments() -> None:
     frozen = torch.nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="no parameter"):
         opttx.FusedBackward(frozen, opttx.adalomo())
+
+
+def test_per_leaf_states_share_the_8bit_maps() -> None:
+    from opttx.bench.memory import tensor_bytes
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.Linear(64, 128))
+    runner = opttx.FusedBackward(model, opttx.adamw_8bit(1e-3))
+    whole = opttx.adamw_8bit(1e-3).init({n: p.detach() for n, p in model.named_parameters()})
+    # the quantization maps (about 266 KB) are stored once, not once per parameter
+    assert tensor_bytes(runner.states) <= tensor_bytes(whole) + 64
+    runner.backward(model(torch.randn(4, 128)).square().mean())
+    assert tensor_bytes(runner.states) <= tensor_bytes(whole) + 64

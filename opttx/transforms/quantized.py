@@ -346,6 +346,7 @@ def quantize_state(inner: GradientTransformation, bits: int = 8, block_size: int
                         f"write ({unsigned_fields!r},).")
     unsigned = frozenset(unsigned_fields)
     maps = (_dynamic_quantization_map(True, bits), _dynamic_quantization_map(False, bits))
+    device_maps: dict[torch.device, tuple[QuantizationMap, QuantizationMap]] = {}  # read-only
 
     def is_large(x: torch.Tensor) -> bool:
         return x.dim() >= 1 and x.numel() >= min_size
@@ -368,8 +369,10 @@ def quantize_state(inner: GradientTransformation, bits: int = 8, block_size: int
         check_init_params(params)
         leaves = tree_flatten(params)[0]
         device = leaves[0].device if leaves else torch.device("cpu")
-        signed_map, unsigned_map = (QuantizationMap(*(t.to(device, copy=True) for t in m))
-                                    for m in maps)
+        if device not in device_maps:   # one copy per device, shared by every init of this
+            device_maps[device] = tuple(  # transform (e.g. FusedBackward's per-leaf states)
+                QuantizationMap(*(t.to(device, copy=True) for t in m)) for m in maps)
+        signed_map, unsigned_map = device_maps[device]
         small = [p for p in leaves if not is_large(p)]
         dense = init_inner(small) if small else EmptyState()
         quantized = []
