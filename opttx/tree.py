@@ -36,6 +36,7 @@ __all__ = [
     "assert_same_structure",
     "donating",
     "is_donating",
+    "mark_static_",
     "tree_cast",
     "tree_cond",
     "tree_copy_",
@@ -156,6 +157,25 @@ def state_dtype(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.dtyp
 def stats_like(tree: PyTree, dtype: torch.dtype | None = None, value: float = 0.0) -> PyTree:
     """Statistics buffers like ``tree``: fp32 for 16-bit leaves unless ``dtype`` says otherwise."""
     return tree_map(lambda x: torch.full_like(x, value, dtype=state_dtype(x, dtype)), tree)
+
+
+def mark_static_(*trees: PyTree) -> None:
+    """Mark every tensor leaf of ``trees`` (parameters, gradients, optimizer state) as a
+    static address for ``torch.compile``.
+
+    CUDA graphs (``torch.compile(mode="reduce-overhead")``) replay fixed memory addresses; a
+    step that writes its parameters and state in place (`opttx.apply_updates_`,
+    `tree_copy_`) is captured only when those inputs are marked static, as torch's own
+    compiled optimizers do. Call it once, before the first compiled call.
+
+    Example:
+      >>> opttx.tree.mark_static_(params, state)
+      >>> step = torch.compile(train_step, mode="reduce-overhead", fullgraph=True)
+    """
+    for tree in trees:
+        for leaf in tree_leaves(tree):
+            if isinstance(leaf, torch.Tensor):
+                torch._dynamo.mark_static_address(leaf)
 
 
 def tree_copy_(dst: PyTree, src: PyTree) -> PyTree:

@@ -167,3 +167,27 @@ def test_inductor_step_equals_eager() -> None:
         p_e, s_e, loss_e = step(p_e, s_e, x, y)
     assert_trees_close(p_c, p_e, rtol=1e-5)
     assert_trees_close(s_c, s_e, rtol=1e-5)
+
+
+def test_marked_static_in_place_step_compiles_once_and_matches_eager() -> None:
+    params = {"w": torch.randn(6, 4), "b": torch.zeros(4)}
+    eager = {k: v.clone() for k, v in params.items()}
+    tx = opttx.adamw(SCHEDULE, weight_decay=0.1)
+    state, eager_state = tx.init(params), tx.init(eager)
+    opttx.tree.mark_static_(params, state)
+
+    def step(params, state, grads):
+        updates, new_state = tx.update(grads, state, params)
+        opttx.apply_updates_(params, updates)
+        opttx.tree_copy_(state, new_state)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    gen = torch.Generator().manual_seed(0)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(4):
+            grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+            compiled(params, state, grads)
+            step(eager, eager_state, grads)
+    assert graphs_of(step) == 1
+    assert_trees_close(params, eager, rtol=1e-6)
