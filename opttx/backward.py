@@ -120,13 +120,15 @@ class FusedBackward:
 
     def _hook(self, name: str):
         def hook(p: torch.Tensor) -> None:
-            grad = p.grad
+            # the gradient travels in a box that _consume empties, so that no frame keeps it
+            # alive once it has been turned into the update
+            box = [p.grad]
             p.grad = None
-            if grad is None:
+            if box[0] is None:
                 return
             self._begin()
             with torch.no_grad():
-                self._consume(name, p, grad)
+                self._consume(name, p, box)
         return hook
 
     def _begin(self) -> None:
@@ -135,7 +137,8 @@ class FusedBackward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
-    def _consume(self, name: str, p: torch.Tensor, grad: torch.Tensor) -> None:
+    def _consume(self, name: str, p: torch.Tensor, box: list[torch.Tensor]) -> None:
+        grad = box.pop()
         g = grad.to(self.compute_dtype) if grad.dtype in (torch.float16, torch.bfloat16) \
             else grad
         del grad
@@ -191,6 +194,7 @@ class FusedBackward:
     def backward(self, loss: torch.Tensor) -> None:
         """One training step: backward of ``loss`` (times the loss scale) with the updates
         applied inside it; two backwards in ``clip_mode="two_pass"``."""
+        self._in_backward = False    # a previous backward that raised left it set
         scaled = loss * self.scale.to(loss.dtype) if self._scaled else loss
         if self.clip_grad_norm is not None and self.clip_mode == "two_pass":
             self._measuring = True
