@@ -1,0 +1,197 @@
+"""The reducer that `sharded` passes to every transform of a chain.
+
+Every layer-wise statistic in opttx goes through `opttx.base.reduce_statistics(partials,
+extra_args, op, dims)` (DESIGN.md rule 6). Under `opttx.distributed.sharded`, that call lands
+in `ShardedReducer.__call__`, which decides per leaf which process groups shard the dims the
+statistic was reduced over, packs all leaves bound for the same group into one flat buffer and
+issues one functional all-reduce per (group, op) per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from ..tree import MaskedNode, PyTree
+from .specs import Shard
+
+__all__ = ["CollectiveStats", "ShardedReducer", "collective_device", "pack_all_reduce"]
+
+
+@dataclass
+class CollectiveStats:
+    """Counts of the collectives issued in eager mode (under ``torch.compile`` the counts are
+    those of tracing). ``calls`` is the number of reduction-hook calls that reached a reducer,
+    ``collectives`` the number of all-reduces issued, ``bytes`` their payload."""
+
+    calls: int = 0
+    collectives: int = 0
+    bytes: int = 0
+    per_group: dict[int, int] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.calls = self.collectives = self.bytes = 0
+        self.per_group.clear()
+
+    def record(self, group: Any, buffer: torch.Tensor) -> None:
+        self.collectives += 1
+        self.bytes += buffer.numel() * buffer.element_size()
+        self.per_group[id(group)] = self.per_group.get(id(group), 0) + 1
+
+
+def collective_device(group: Any) -> torch.device:
+    """Where a small control tensor must live for ``group``'s backend (NCCL: the GPU)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def pack_all_reduce(tensors: Sequence[torch.Tensor], op: str, group: Any,
+                    stats: CollectiveStats | None = None) -> list[torch.Tensor]:
+    """All-reduce ``tensors`` over ``group`` with one collective: flatten them into one buffer
+    (in their promoted dtype), reduce, and split back into their shapes and dtypes."""
+    if not tensors:
+        return []
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    buffer = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+    if stats is not None:
+        stats.record(group, buffer)
+    reduced = funcol.all_reduce(buffer, op, group)
+    reduced = funcol.wait_tensor(reduced)
+    out, start = [], 0
+    for t in tensors:
+        n = t.numel()
+        out.append(reduced[start:start + n].view(t.shape).to(t.dtype))
+        start += n
+    return out
+
+
+class ShardedReducer:
+    """``reducer(partials, op="sum", dims=None)``: the collectives of one reduction hook call.
+
+    For leaf :math:`\\ell` with shards :math:`(d_k, G_k)_k` and a statistic reduced over the
+    dims :math:`D_\\ell` (None: all), the partial is combined over every :math:`G_k` with
+    :math:`d_k \\in D_\\ell`; the others already hold the whole statistic. Groups are visited
+    in a fixed order (first appearance in the spec tree, the same on every rank); for each, the
+    partials of all leaves (and of all trees of a tuple) bound for it are packed into one flat
+    buffer and reduced with one ``all_reduce``. A leaf sharded over two groups (a 2-D mesh) is
+    reduced over the first, then the result over the second.
+
+    Args:
+      treespec: the structure of the params (and so of the updates).
+      flat_specs: per leaf, a tuple of `Shard` with non-negative dims (empty: replicated).
+      groups: the groups in the order every rank visits them.
+      stats: a `CollectiveStats` to count into (optional).
+      ndims: the number of dims of each leaf (to resolve negative ``dims``).
+      check: before each group's reduction, all-reduce the buffer length (max of ``n`` and of
+        ``-n``, one small extra collective per group and call, issued even when this rank has
+        nothing for the group) and raise ``ValueError`` on every rank when the ranks disagree,
+        instead of a mismatched collective (a hang or a gloo abort). For debugging: a
+        disagreement means a transform made a shape-dependent decision on the local shard.
+    """
+
+    def __init__(self, treespec: Any, flat_specs: list[tuple[Shard, ...]], groups: list[Any],
+                 stats: CollectiveStats | None = None, ndims: list[int] | None = None,
+                 check: bool = False) -> None:
+        self.treespec = treespec
+        self.check = check
+        self._ndims = ndims
+        self.flat_specs = flat_specs
+        self.groups = groups
+        self.stats = stats
+
+    def _split_trees(self, partials: PyTree, dims: PyTree | None
+                     ) -> tuple[bool, list[list[Any]], list[list[Any]]]:
+        """Partials and dims, per tree, as one entry per parameter leaf."""
+        def one(tree: PyTree) -> list[Any] | None:
+            try:
+                flat = self.treespec.flatten_up_to(tree)
+            except (ValueError, TypeError):
+                return None
+            ok = all(isinstance(x, (torch.Tensor, MaskedNode)) or x is None for x in flat)
+            return flat if ok else None
+
+        single = one(partials)
+        several = ([one(t) for t in partials] if single is None and
+                   isinstance(partials, (tuple, list)) else [])
+        if single is not None:
+            trees, dim_trees, is_tuple = [single], [dims], False
+        elif several and all(t is not None for t in several):
+            trees, is_tuple = several, True
+            if dims is None:
+                dim_trees = [None] * len(partials)
+            elif isinstance(dims, (tuple, list)) and len(dims) == len(partials):
+                dim_trees = list(dims)
+            else:
+                raise ValueError("reduce_statistics: with a tuple of partial trees, dims must be "
+                                 "None or a tuple of dim trees of the same length.")
+        else:
+            raise ValueError("reduce_statistics under opttx.distributed.sharded: the partials "
+                             "must be a tree shaped like the params (MaskedNode where absent) or "
+                             "a tuple of such trees.")
+        n = len(self.flat_specs)
+        flat_dims = []
+        for d in dim_trees:
+            if d is None:
+                flat_dims.append([None] * n)
+            else:
+                flat_dims.append(self.treespec.flatten_up_to(d))
+        return is_tuple, trees, flat_dims
+
+    def _groups_of(self, leaf: int, dims: Any) -> list[Any]:
+        shards = self.flat_specs[leaf]
+        if dims is None:
+            return [s.group for s in shards]
+        dims = (dims,) if isinstance(dims, int) else tuple(dims)
+        ndim = self._ndims[leaf] if self._ndims is not None else None
+        if ndim is not None:
+            dims = tuple(d % ndim for d in dims)
+        return [s.group for s in shards if s.dim in dims]
+
+    def _check_lengths(self, group: Any, tensors: list[torch.Tensor]) -> None:
+        n = sum(t.numel() for t in tensors)
+        device = tensors[0].device if tensors else collective_device(group)
+        both = funcol.wait_tensor(funcol.all_reduce(
+            torch.tensor([n, -n], dtype=torch.int64, device=device), "max", group))
+        high, low = int(both[0]), -int(both[1])
+        if high != low:
+            raise ValueError(
+                f"opttx.distributed: the ranks of a group disagree on the size of a reduction "
+                f"({low} to {high} elements; this rank: {n}). A transform decided something "
+                "from the local shard's shape (e.g. factor_axes='largest' or "
+                "min_dim_size_to_factor on a shard): resolve it on the global shapes with "
+                "opttx.distributed.global_factor_axes.")
+
+    def __call__(self, partials: PyTree, op: str = "sum", dims: PyTree | None = None) -> PyTree:
+        if op not in ("sum", "max"):
+            raise ValueError(f"reduce_statistics: op must be 'sum' or 'max', got {op!r}.")
+        if self.stats is not None:
+            self.stats.calls += 1
+        is_tuple, trees, flat_dims = self._split_trees(partials, dims)
+        values = [list(t) for t in trees]
+        # which (tree, leaf) goes through which groups
+        todo: dict[int, list[tuple[int, int]]] = {}
+        for t, (tree, tdims) in enumerate(zip(trees, flat_dims)):
+            for i, (x, d) in enumerate(zip(tree, tdims)):
+                if not isinstance(x, torch.Tensor):
+                    continue
+                for g in self._groups_of(i, d):
+                    todo.setdefault(id(g), []).append((t, i))
+        for group in self.groups:                    # the same order on every rank
+            members = todo.get(id(group))
+            if self.check:
+                self._check_lengths(group, [values[t][i] for t, i in members or ()])
+            if not members:
+                continue
+            reduced = pack_all_reduce([values[t][i] for t, i in members], op, group, self.stats)
+            for (t, i), r in zip(members, reduced):
+                values[t][i] = r
+        outs = [self.treespec.unflatten(v) for v in values]
+        return tuple(outs) if is_tuple else outs[0]
+

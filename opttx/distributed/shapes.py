@@ -1,0 +1,95 @@
+"""Global shapes of sharded leaves, the factoring decisions that depend on them, and the
+all-ranks error agreement that keeps a bad spec from hanging a job."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..base import Params
+from ..tree import PyTree, tree_flatten, tree_paths
+from .reducer import CollectiveStats, collective_device, pack_all_reduce
+from .specs import flatten_specs, shard_groups, specs_from_dtensors
+
+__all__ = ["global_factor_axes", "global_shapes", "raise_on_every_rank"]
+
+
+def is_dtensor(x: Any) -> bool:
+    """Whether ``x`` is a `torch.distributed.tensor.DTensor`."""
+    from torch.distributed.tensor import DTensor
+    return isinstance(x, DTensor)
+
+
+def raise_on_every_rank(error: BaseException | None, group: Any = None) -> None:
+    """Raise on every rank of ``group`` (default: all) if any rank has an ``error``.
+
+    One all-reduce (max) of a flag: the rank that found the error raises it; the others raise a
+    ``ValueError`` that points to it. Call it where all ranks arrive (``init``).
+    """
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
+    flag = torch.tensor([0 if error is None else 1 + dist.get_rank()], dtype=torch.int64,
+                        device=collective_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if error is not None:
+        raise error
+    if flag.item():
+        raise ValueError(f"opttx.distributed: rank {flag.item() - 1} rejected its sharding "
+                         "specs (see its error); no rank went on.")
+
+
+def global_shapes(params: Params, specs: PyTree | None = None,
+                  stats: CollectiveStats | None = None) -> list[tuple[int, ...]]:
+    """The global shape of every leaf of ``params`` (flattening order), from the local shapes
+    and the specs: one all-reduce of the local sizes per process group.
+
+    Raises ``ValueError`` (on every rank alike) when a `Shard` that states its ``size`` does
+    not match the sum of the local sizes.
+    """
+    leaves, _ = tree_flatten(params)
+    flat = flatten_specs(params, specs if specs is not None else specs_from_dtensors(params))
+    local = [tuple(x.to_local().shape) if is_dtensor(x) else tuple(x.shape) for x in leaves]
+    shapes = [list(s) for s in local]
+    for group in shard_groups(flat):              # sequential: nested shards on one dim work
+        members = [(i, s.dim) for i, shards in enumerate(flat) for s in shards
+                   if s.group is group]
+        device = collective_device(group)
+        sizes = [torch.tensor([shapes[i][d]], dtype=torch.int64, device=device)
+                 for i, d in members]
+        for (i, d), total in zip(members, pack_all_reduce(sizes, "sum", group, stats)):
+            shapes[i][d] = int(total.item())
+    paths = tree_paths(params)
+    for i, shards in enumerate(flat):
+        for s in shards:
+            if s.size is not None and s.size != shapes[i][s.dim]:
+                raise ValueError(f"{paths[i]}: the spec says dim {s.dim} has global size "
+                                 f"{s.size}, but the local shards (local shape {local[i]}) add "
+                                 f"up to {shapes[i][s.dim]}.")
+    return [tuple(s) for s in shapes]
+
+
+def global_factor_axes(params: Params, specs: PyTree | None = None,
+                       factor_axes: str = "largest",
+                       min_dim_size_to_factor: int = 128) -> PyTree:
+    """The factoring axes of every leaf decided on its global shape, as a tree of explicit
+    ``(d0, d1)`` or None to pass as ``factor_axes`` to `opttx.adafactor`, `opttx.came` or
+    `opttx.scale_by_factored_rms` under `sharded`.
+
+    The named rules ``"largest"`` and ``min_dim_size_to_factor`` look at the leaf's shape; on a
+    local shard that shape is not the global one, so the decision (and the result) could differ
+    from the single-device run. This resolves them once on the global shapes.
+
+    Example:
+      >>> axes = global_factor_axes(local_params, specs, "largest", 128)
+      >>> tx = sharded(opttx.adafactor(1e-2, factor_axes=axes), specs)
+    """
+    from ..transforms.factored import factored_axes
+
+    treespec = tree_flatten(params)[1]
+    shapes = global_shapes(params, specs)
+    meta = treespec.unflatten([torch.empty(s, device="meta") for s in shapes])
+    return treespec.unflatten(factored_axes(meta, factor_axes, min_dim_size_to_factor))
