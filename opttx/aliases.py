@@ -15,7 +15,7 @@ from .base import GradientTransformation
 from .combine import chain, masked
 from .schedules import Schedule
 from .transforms.factored import (FactorAxes, add_step_scaled_decayed_weights, clip_by_rms,
-                                  relative_step_schedule, scale_by_came, scale_by_factored_rms,
+                                  clip_by_rms_and_scale_by_param_rms, relative_step_schedule, scale_by_came, scale_by_factored_rms,
                                   scale_by_param_block_rms, scale_by_trust_ratio)
 from .transforms.lowrank import MatrixAxes, ProjType, project_lowrank
 from .transforms.moments import (debias_factor, ema, scale_by_adam, scale_by_lion,
@@ -273,7 +273,9 @@ def adafactor(learning_rate: ScalarOrSchedule | None = None, min_dim_size_to_fac
         x_{t+1} = x_t - m_t - \lambda\, x_t
 
     composed as ``chain(scale_by_factored_rms, clip_by_rms, scale_by_learning_rate,
-    scale_by_param_block_rms, ema, add_decayed_weights, scale(-1))``. The positional
+    scale_by_param_block_rms, ema, add_decayed_weights, scale(-1))`` (with clipping and
+    parameter scaling both on, the two are one link, `clip_by_rms_and_scale_by_param_rms`,
+    placed before the learning rate: one reduction instead of two). The positional
     signature and defaults are optax's; the keywords reproduce the other implementations:
 
     * transformers' ``Adafactor(lr, eps=(e1, e2), clip_threshold, decay_rate=-c, beta1,
@@ -320,11 +322,15 @@ def adafactor(learning_rate: ScalarOrSchedule | None = None, min_dim_size_to_fac
     links: list[GradientTransformation] = [scale_by_factored_rms(
         factored, decay_rate, decay_offset, min_dim_size_to_factor, eps,
         factor_axes=factor_axes, eps_clamp=eps_clamp)]
-    if clipping_threshold is not None:
+    if clipping_threshold is not None and multiply_by_parameter_scale:
+        # both per-leaf RMS values in one reduction (one collective when sharded); the
+        # learning rate, a scalar, commutes with both
+        links.append(clip_by_rms_and_scale_by_param_rms(clipping_threshold, param_scale_eps))
+    elif clipping_threshold is not None:
         links.append(clip_by_rms(clipping_threshold))
     if lr is not None:
         links.append(scale_by_learning_rate(lr, flip_sign=False))
-    if multiply_by_parameter_scale:
+    if multiply_by_parameter_scale and clipping_threshold is None:
         links.append(scale_by_param_block_rms(param_scale_eps))
     if momentum is not None:
         links.append(ema(momentum, debias=False, accumulator_dtype=dtype_momentum))

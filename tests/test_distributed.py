@@ -372,8 +372,7 @@ def misc_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 NAMES = ["adam", "adamw", "lion", "adafactor_last", "adafactor_largest", "came", "lamb", "lars",
          "clip_adam"]
 
-# collectives per step, single group: what each transform must not exceed (issue 7), and what
-# the current call pattern of the reduction hooks gives
+# collectives per step, single group: what each transform must not exceed (issue 7)
 BOUNDS = {"adam": 0, "adamw": 0, "lion": 0, "lamb": 1, "lars": 1, "clip_adam": 1,
           "adafactor_last": 2, "adafactor_largest": 2, "came": 3}
 
@@ -405,12 +404,7 @@ def test_collectives_do_not_grow_with_leaves(tp_results: list[dict], name: str) 
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("name", [
-    *[n for n in NAMES if not n.startswith(("adafactor", "came"))],
-    *[pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=(
-        "the factored transforms call the reduction hook once per phase (row, col, row-of-R, "
-        "clip RMS, param RMS): see the report of issue 7"))) for n in
-      ("adafactor_last", "adafactor_largest", "came")]])
+@pytest.mark.parametrize("name", NAMES)
 def test_collectives_within_bounds(tp_results: list[dict], name: str) -> None:
     """Per step and per group: clip_by_global_norm 1, LAMB/LARS 1, Adafactor 2, CAME 3."""
     for dim in (0, 1):
@@ -426,6 +420,11 @@ def test_exact_collective_counts(tp_results: list[dict]) -> None:
         assert counts[f"{name}/dim0"] == counts[f"{name}/dim1"] == 0
     for name in ("lamb", "lars", "clip_adam"):
         assert counts[f"{name}/dim0"] == counts[f"{name}/dim1"] == 1
+    # Adafactor: rows, columns and the row statistic's mean in one reduction, the update's
+    # and the parameter's RMS in another; CAME: its two factored phases and the clipping RMS
+    for name in ("adafactor_last", "adafactor_largest"):
+        assert counts[f"{name}/dim0"] == counts[f"{name}/dim1"] == 2
+    assert counts["came/dim0"] == counts["came/dim1"] == 3
 
 
 @pytest.mark.timeout(240)

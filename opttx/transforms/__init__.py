@@ -3,7 +3,7 @@
 from .clipping import (ZeroNansState, clip, clip_by_block_rms, clip_by_global_norm,
                        global_norm, zero_nans)
 from .factored import (FactoredState, ScaleByCameState, add_step_scaled_decayed_weights,
-                       clip_by_rms, factored_axes, relative_step_schedule, scale_by_came,
+                       clip_by_rms, clip_by_rms_and_scale_by_param_rms, factored_axes, relative_step_schedule, scale_by_came,
                        scale_by_factored_rms, scale_by_param_block_rms, scale_by_trust_ratio)
 from .moments import (EmaState, ScaleByAdamState, ScaleByLionState, ScaleByNadamState,
                       ScaleByRmsState, ScaleByRssState, ScaleByStddevState, TraceState, ema,
@@ -26,6 +26,7 @@ __all__ = [
     "GraftState", "ShampooState", "block_by_dims", "block_shapes", "graft",
     "matrix_inverse_root", "merge_small_dims", "precondition_shampoo",
     "FactoredState", "ScaleByCameState", "add_step_scaled_decayed_weights", "clip_by_rms",
+    "clip_by_rms_and_scale_by_param_rms",
     "factored_axes", "relative_step_schedule", "scale_by_came", "scale_by_factored_rms",
     "scale_by_param_block_rms", "scale_by_trust_ratio",
     "EmaState", "ScaleByAdamState", "ScaleByLionState", "ScaleByNadamState", "ScaleByRmsState",

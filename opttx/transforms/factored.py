@@ -168,6 +168,35 @@ def _reduce_sums(sums: list[torch.Tensor | None], counts: list[float], dims: lis
     return out
 
 
+def _reduce_many_sums(requests: list[tuple[list, list, list]], spec: Any, extra_args: dict
+                      ) -> list[list[torch.Tensor | None]]:
+    """Several batched means in ONE call of the reduction hook (one collective per group when
+    sharded): each request is ``(sums, counts, dims)`` as for `_reduce_sums`."""
+    if extra_args.get(REDUCER_KEY) is None:   # one device: nothing to combine
+        return [[s / c if s is not None else None for s, c in zip(sums, counts)]
+                for sums, counts, _ in requests]
+    trees, dim_trees, presents = [], [], []
+    for sums, counts, dims in requests:
+        present = [i for i, x in enumerate(sums) if x is not None]
+        presents.append(present)
+        n = len(sums)
+        count_values = [torch.tensor(counts[i], dtype=sums[i].dtype, device=sums[i].device)
+                        for i in present]
+        dim_tree = _sparse_tree([dims[i] for i in present], present, spec, n)
+        trees += [_sparse_tree([sums[i] for i in present], present, spec, n),
+                  _sparse_tree(count_values, present, spec, n)]
+        dim_trees += [dim_tree, dim_tree]
+    reduced = reduce_statistics(tuple(trees), extra_args, dims=tuple(dim_trees))
+    out = []
+    for k, ((sums, _, _), present) in enumerate(zip(requests, presents)):
+        means: list[torch.Tensor | None] = [None] * len(sums)
+        for i, total, count in zip(present, tree_flatten(reduced[2 * k])[0],
+                                   tree_flatten(reduced[2 * k + 1])[0]):
+            means[i] = total / count
+        out.append(means)
+    return out
+
+
 def _sparse_tree(values: list, indices: list[int], spec: Any, n: int) -> PyTree:
     """A tree with ``spec``'s structure holding ``values`` at ``indices`` and MaskedNode
     elsewhere (so the reduction hook sees which parameter each statistic belongs to)."""
@@ -179,36 +208,67 @@ def _sparse_tree(values: list, indices: list[int], spec: Any, n: int) -> PyTree:
 
 def _factored_ema(q: list[torch.Tensor], rows: list[torch.Tensor], cols: list[torch.Tensor],
                   fulls: list[torch.Tensor], layout: _Layout, decay: Scalar, spec: Any,
-                  extra_args: dict) -> tuple[list, list, list]:
-    """EMAs with ``decay`` of the row and column means of ``q`` (factored leaves) and of ``q``
-    itself (the others)."""
+                  extra_args: dict) -> tuple[list, list, list, list | None]:
+    r"""EMAs with ``decay`` of the row and column means of ``q`` (factored leaves) and of ``q``
+    itself (the others).
+
+    Also returns, when sharded (a reducer in ``extra_args``), the mean over ``d0`` of the new
+    row statistic :math:`R_t`, from the same single reduction: by linearity
+    :math:`\mathrm{mean}_{d_0} R_t = \beta\, \mathrm{mean}_{d_0} R_{t-1} + (1-\beta)\,
+    \mathrm{mean}_{d_0 d_1} q_t`, whose partials are known before the call. On one device it
+    returns None and `_scale_by_inverse_root` takes the mean of :math:`R_t` directly (the
+    same value up to rounding).
+    """
     n = len(q)
     row_sums: list[Any] = [None] * n
     col_sums: list[Any] = [None] * n
     row_counts, col_counts = [0.0] * n, [0.0] * n
     row_dims: list[Any] = [None] * n
     col_dims: list[Any] = [None] * n
+    sharded = extra_args.get(REDUCER_KEY) is not None
+    prev_sums: list[Any] = [None] * n       # sum over d0 of R_{t-1} (sharded only)
+    q_sums: list[Any] = [None] * n          # sum over d0 and d1 of q (sharded only)
+    prev_counts, q_counts = [0.0] * n, [0.0] * n
+    prev_dims: list[Any] = [None] * n
+    q_dims: list[Any] = [None] * n
     for i in layout.factored:                                            # (a) local partials
         d0, d1 = layout.axes[i]
         row_sums[i], row_counts[i], row_dims[i] = q[i].sum(dim=d1), q[i].shape[d1], (d1,)
         col_sums[i], col_counts[i], col_dims[i] = q[i].sum(dim=d0), q[i].shape[d0], (d0,)
-    row_means = _reduce_sums(row_sums, row_counts, row_dims, spec, extra_args)   # (b), (c)
-    col_means = _reduce_sums(col_sums, col_counts, col_dims, spec, extra_args)
+        if sharded:
+            r_d0 = d0 if d0 < d1 else d0 - 1
+            prev_sums[i] = rows[i].sum(dim=r_d0, keepdim=True)
+            prev_counts[i], prev_dims[i] = rows[i].shape[r_d0], (d0,)
+            q_sums[i] = row_sums[i].sum(dim=r_d0, keepdim=True)
+            q_counts[i] = q[i].shape[d0] * q[i].shape[d1]
+            q_dims[i] = (d0, d1)
+    requests = [(row_sums, row_counts, row_dims), (col_sums, col_counts, col_dims)]
+    if sharded:
+        requests += [(prev_sums, prev_counts, prev_dims), (q_sums, q_counts, q_dims)]
+    means = _reduce_many_sums(requests, spec, extra_args)                 # (b), (c)
+    row_means, col_means = means[0], means[1]
     f, u = layout.factored, layout.full
     new_rows, new_cols, new_fulls = list(rows), list(cols), list(fulls)
+    r_means: list | None = None
+    if sharded:
+        r_means = [None] * n
+        old_means = [means[2][i] for i in f]
+        for idx, new in zip(f, foreach_ema(old_means, [means[3][i] for i in f], decay)):
+            r_means[idx] = new
     for idx, new in zip(f, foreach_ema([rows[i] for i in f], [row_means[i] for i in f], decay)):
         new_rows[idx] = new
     for idx, new in zip(f, foreach_ema([cols[i] for i in f], [col_means[i] for i in f], decay)):
         new_cols[idx] = new
     for idx, new in zip(u, foreach_ema([fulls[i] for i in u], [q[i] for i in u], decay)):
         new_fulls[idx] = new
-    return new_rows, new_cols, new_fulls
+    return new_rows, new_cols, new_fulls, r_means
 
 
 def _scale_by_inverse_root(x: list[torch.Tensor], rows: list[torch.Tensor],
                            cols: list[torch.Tensor], fulls: list[torch.Tensor],
                            layout: _Layout, spec: Any, extra_args: dict,
-                           eps_clamp: float | None = None) -> list[torch.Tensor]:
+                           eps_clamp: float | None = None,
+                           row_means: list | None = None) -> list[torch.Tensor]:
     r"""``x · v̂^{-1/2}`` per leaf, with :math:`\hat v = R \otimes C / \mathrm{mean}_{d0}(R)`
     for factored leaves and the full statistic for the others.
 
@@ -216,13 +276,15 @@ def _scale_by_inverse_root(x: list[torch.Tensor], rows: list[torch.Tensor],
     ``eps_clamp`` and :math:`\hat v` at ``eps_clamp²``, as torch does.
     """
     n = len(x)
-    sums: list[Any] = [None] * n
-    counts, dims = [0.0] * n, [None] * n
-    for i in layout.factored:                          # (a) partial sums of R over d0
-        d0, d1 = layout.axes[i]
-        r_d0 = d0 if d0 < d1 else d0 - 1               # d0's index inside R's shape
-        sums[i], counts[i], dims[i] = rows[i].sum(dim=r_d0, keepdim=True), rows[i].shape[r_d0], (d0,)
-    row_means = _reduce_sums(sums, counts, dims, spec, extra_args)       # (b), (c)
+    if row_means is None:      # not folded into the EMAs' reduction (one device)
+        sums: list[Any] = [None] * n
+        counts, dims = [0.0] * n, [None] * n
+        for i in layout.factored:                      # (a) partial sums of R over d0
+            d0, d1 = layout.axes[i]
+            r_d0 = d0 if d0 < d1 else d0 - 1           # d0's index inside R's shape
+            sums[i], counts[i], dims[i] = (rows[i].sum(dim=r_d0, keepdim=True),
+                                           rows[i].shape[r_d0], (d0,))
+        row_means = _reduce_sums(sums, counts, dims, spec, extra_args)   # (b), (c)
     out: list[torch.Tensor] = list(x)
     for i in layout.factored:
         d0, d1 = layout.axes[i]
@@ -332,9 +394,11 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
         q = list(torch._foreach_mul(q, q))
         if not (isinstance(epsilon, (int, float)) and epsilon == 0):
             q = list(torch._foreach_add(q, scalar_operand(epsilon, q)))
-        rows, cols, fulls = _factored_ema(q, rows, cols, fulls, layout, beta, spec, extra_args)
+        rows, cols, fulls, r_means = _factored_ema(q, rows, cols, fulls, layout, beta, spec,
+                                                   extra_args)
         q = None   # free g² + ε before the update is allocated (one temporary at a time)
-        out = _scale_by_inverse_root(g, rows, cols, fulls, layout, spec, extra_args, eps_clamp)
+        out = _scale_by_inverse_root(g, rows, cols, fulls, layout, spec, extra_args, eps_clamp,
+                                     r_means)
         return (tree_unflatten(cast_like(out, g), spec),
                 FactoredState(count=safe_increment(state.count),
                               v_row=tree_unflatten(rows, spec), v_col=tree_unflatten(cols, spec),
@@ -381,6 +445,53 @@ def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
         spec, g, p = flatten_matching(updates, params, what="updates and params")
         scales = [torch.clamp(r, min=min_scale) for r in _leaf_rms(p, spec, extra_args)]
         return tree_unflatten([x * s.to(x.dtype) for x, s in zip(g, scales)], spec), state
+
+    return GradientTransformation(init, update)
+
+
+def clip_by_rms_and_scale_by_param_rms(threshold: float = 1.0, min_scale: float = 1e-3
+                                       ) -> GradientTransformation:
+    r"""`clip_by_rms` then `scale_by_param_block_rms`, both RMS values from one reduction.
+
+    .. math::
+        u \leftarrow \frac{u}{\max(1, \mathrm{RMS}(u)/d)} \cdot \max(\epsilon_2,
+        \mathrm{RMS}(x))
+
+    per leaf. The numbers of the two transforms in a row (a scalar factor such as the learning
+    rate commutes with both), with the local sums of squares of the update and of the
+    parameter reduced together: under `opttx.distributed.sharded` one collective instead of
+    two. `opttx.adafactor` uses it when both clipping and parameter scaling are on.
+
+    Example:
+      >>> tx = opttx.chain(opttx.scale_by_factored_rms(),
+      ...                  opttx.clip_by_rms_and_scale_by_param_rms(1.0, 1e-3), opttx.scale(-1e-2))
+
+    References:
+      Shazeer and Stern, Adafactor (arXiv 1804.04235).
+    """
+    check_positive("threshold", threshold)
+    check_nonnegative("min_scale", min_scale)
+
+    def init(params: Params) -> tuple:
+        check_init_params(params)
+        return ()
+
+    def update(updates: Updates, state: tuple, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, tuple]:
+        params = require_params(params, "clip_by_rms_and_scale_by_param_rms")
+        spec, g, p = flatten_matching(updates, params, what="updates and params")
+        if not g:
+            return updates, state
+        n = len(g)
+        sq = foreach_sum_of_squares(g) + foreach_sum_of_squares(p)          # (a)
+        counts = [float(x.numel()) for x in g] * 2
+        u_means, p_means = _reduce_many_sums(                               # (b), (c)
+            [(sq[:n], counts[:n], [None] * n), (sq[n:], counts[n:], [None] * n)], spec,
+            extra_args)
+        factors = [torch.clamp(torch.sqrt(pm), min=min_scale)
+                   / torch.clamp(torch.sqrt(um) / threshold, min=1.0)
+                   for um, pm in zip(u_means, p_means)]
+        return tree_unflatten([x * f.to(x.dtype) for x, f in zip(g, factors)], spec), state
 
     return GradientTransformation(init, update)
 
@@ -495,9 +606,11 @@ def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
         layout = layout_of(updates)
         g32 = cast_like(g, mu)
         q = list(torch._foreach_add(torch._foreach_mul(g32, g32), eps1))
-        rows, cols, fulls = _factored_ema(q, rows, cols, fulls, layout, b2, spec, extra_args)
+        rows, cols, fulls, r_means = _factored_ema(q, rows, cols, fulls, layout, b2, spec,
+                                                   extra_args)
         q = None   # temporaries are dropped as soon as they are used: peak memory, not numbers
-        u = _scale_by_inverse_root(g32, rows, cols, fulls, layout, spec, extra_args)
+        u = _scale_by_inverse_root(g32, rows, cols, fulls, layout, spec, extra_args,
+                                   row_means=r_means)
         rms = _leaf_rms(u, spec, extra_args)
         u = foreach_op_("div", u, [torch.clamp(r / clip_threshold, min=1.0) for r in rms])
         mu = foreach_ema(mu, u, b1)
@@ -512,10 +625,10 @@ def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
             for i, r in zip(f, res):
                 res_full[i] = r
             factored_only = _Layout(layout.axes, skip_full=True)
-            r_rows, r_cols, _ = _factored_ema(res_full, r_rows, r_cols, res_full, factored_only,
-                                              b3, spec, extra_args)
+            r_rows, r_cols, _, rr_means = _factored_ema(res_full, r_rows, r_cols, res_full,
+                                                        factored_only, b3, spec, extra_args)
             out = _scale_by_inverse_root(out, r_rows, r_cols, res_full, factored_only, spec,
-                                         extra_args)
+                                         extra_args, row_means=rr_means)
         return (tree_unflatten(cast_like(out, g), spec),
                 ScaleByCameState(count=safe_increment(state.count),
                                  mu=tree_unflatten(mu, spec), v_row=tree_unflatten(rows, spec),
