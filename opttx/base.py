@@ -200,7 +200,8 @@ def apply_updates_(params: Params, updates: Updates, *, stochastic_rounding: boo
     In a compiled step the write lowers to an in-place update of the graph's inputs. With
     ``stochastic_rounding=True`` bfloat16 parameters are updated in float32 and written back
     rounded stochastically (`round_stochastic_`): the usual companion of bf16 parameters
-    with fp32 optimizer state, instead of an fp32 master copy (2 bytes per parameter saved).
+    with fp32 optimizer state, instead of an fp32 master copy of the weights (4 bytes per
+    parameter saved).
     """
     p_leaves, u_leaves, _ = _paired_leaves(params, updates)
     if not p_leaves:
