@@ -473,6 +473,22 @@ def lars(learning_rate: ScalarOrSchedule, weight_decay: float = 0.0,
 # ---------------------------------------------------------------------------------------------
 
 
+def _lr_then_decay(learning_rate: ScalarOrSchedule, weight_decay: float,
+                   mask: Mask) -> list[GradientTransformation]:
+    """galore_torch's tail: the step, then :math:`p \leftarrow (1 - \eta\lambda) p` on the
+    stepped parameter, written as :math:`-\eta((1 - \eta\lambda) u + \lambda p)`."""
+    links: list[GradientTransformation] = []
+    if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
+        if callable(learning_rate):
+            shrink = scale_by_schedule(lambda count: 1 - learning_rate(count) * weight_decay)
+        else:
+            shrink = scale_transform(1 - learning_rate * weight_decay)
+        links.append(shrink if mask is None else masked(shrink, mask))
+        links.append(add_decayed_weights(weight_decay, mask))
+    links.append(scale_by_learning_rate(learning_rate))
+    return links
+
+
 def galore_adamw(learning_rate: ScalarOrSchedule, rank: int = 128, update_proj_gap: int = 200,
                  scale: float = 0.25, proj_type: ProjType = "std", b1: float = 0.9,
                  b2: float = 0.999, eps: float = 1e-6, weight_decay: float = 0.0,
@@ -538,15 +554,7 @@ def galore_adamw(learning_rate: ScalarOrSchedule, rank: int = 128, update_proj_g
     if correct_bias:
         links.append(scale_by_schedule(
             lambda count: torch.sqrt(debias_factor(b2, count + 1)) / debias_factor(b1, count + 1)))
-    if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
-        if callable(learning_rate):
-            shrink = scale_by_schedule(lambda count: 1 - learning_rate(count) * weight_decay)
-        else:
-            shrink = scale_transform(1 - learning_rate * weight_decay)
-        links.append(shrink if mask is None else masked(shrink, mask))
-        links.append(add_decayed_weights(weight_decay, mask))
-    links.append(scale_by_learning_rate(learning_rate))
-    return chain(*links)
+    return chain(*links, *_lr_then_decay(learning_rate, weight_decay, mask))
 
 
 def galore_adamw_8bit(learning_rate: ScalarOrSchedule, rank: int = 128,
@@ -611,15 +619,7 @@ def galore_adamw_8bit(learning_rate: ScalarOrSchedule, rank: int = 128,
     links: list[GradientTransformation] = [project_lowrank(
         adam, rank, update_proj_gap, scale, proj_type, mask=projection_mask,
         matrix_axes=matrix_axes)]
-    if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
-        if callable(learning_rate):
-            shrink = scale_by_schedule(lambda count: 1 - learning_rate(count) * weight_decay)
-        else:
-            shrink = scale_transform(1 - learning_rate * weight_decay)
-        links.append(shrink if mask is None else masked(shrink, mask))
-        links.append(add_decayed_weights(weight_decay, mask))
-    links.append(scale_by_learning_rate(learning_rate))
-    return chain(*links)
+    return chain(*links, *_lr_then_decay(learning_rate, weight_decay, mask))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -488,10 +488,12 @@ def clip_by_rms_and_scale_by_param_rms(threshold: float = 1.0, min_scale: float 
         u_means, p_means = _reduce_many_sums(                               # (b), (c)
             [(sq[:n], counts[:n], [None] * n), (sq[n:], counts[n:], [None] * n)], spec,
             extra_args)
-        factors = [torch.clamp(torch.sqrt(pm), min=min_scale)
-                   / torch.clamp(torch.sqrt(um) / threshold, min=1.0)
-                   for um, pm in zip(u_means, p_means)]
-        return tree_unflatten([x * f.to(x.dtype) for x, f in zip(g, factors)], spec), state
+        # (c) finish: grouped passes over the 0-dim statistics, then one grouped multiply
+        p_scale = torch._foreach_clamp_min(torch._foreach_sqrt(p_means), min_scale)
+        u_clip = torch._foreach_clamp_min(
+            torch._foreach_div(torch._foreach_sqrt(u_means), threshold), 1.0)
+        factors = torch._foreach_div(p_scale, u_clip)
+        return tree_unflatten(list(torch._foreach_mul(g, cast_like(factors, g))), spec), state
 
     return GradientTransformation(init, update)
 
