@@ -475,7 +475,7 @@ def lars(learning_rate: ScalarOrSchedule, weight_decay: float = 0.0,
 
 def _lr_then_decay(learning_rate: ScalarOrSchedule, weight_decay: float,
                    mask: Mask) -> list[GradientTransformation]:
-    """galore_torch's tail: the step, then :math:`p \leftarrow (1 - \eta\lambda) p` on the
+    r"""galore_torch's tail: the step, then :math:`p \leftarrow (1 - \eta\lambda) p` on the
     stepped parameter, written as :math:`-\eta((1 - \eta\lambda) u + \lambda p)`."""
     links: list[GradientTransformation] = []
     if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
