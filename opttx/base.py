@@ -20,12 +20,15 @@ __all__ = [
     "GradientTransformation",
     "Params",
     "REDUCER_KEY",
+    "TOTALS_KEY",
     "State",
     "Updates",
     "apply_updates",
     "apply_updates_",
     "identity",
+    "reduce_across_leaves",
     "reduce_statistics",
+    "require_whole_leaves",
     "require_params",
     "safe_increment",
     "set_to_zero",
@@ -256,6 +259,11 @@ def check_init_params(params: Params) -> None:
 REDUCER_KEY = "opttx_reducer"
 """The key of ``extra_args`` under which `opttx.distributed` passes its reducer."""
 
+TOTALS_KEY = "opttx_totals"
+"""The key of ``extra_args`` under which a distributed wrapper that hands whole leaves to owner
+ranks (`opttx.distributed.sharded` with ``on_owners=True``, `opttx.distributed.zero`) passes
+the function that combines statistics taken across leaves (see `reduce_across_leaves`)."""
+
 ReduceOp = Literal["sum", "max"]
 
 
@@ -274,6 +282,34 @@ def reduce_statistics(partials: PyTree, extra_args: dict[str, Any], op: ReduceOp
     if reducer is None:
         return partials
     return reducer(partials, op=op, dims=dims)
+
+
+def require_whole_leaves(updates: PyTree, extra_args: dict[str, Any], name: str) -> None:
+    """Raise when a transform that needs whole matrices (an SVD, an eigendecomposition of a
+    factor, a blocking by shape) is handed local shards: under `opttx.distributed.sharded`
+    that would silently be an approximation on the local block. The reducer in
+    ``extra_args[REDUCER_KEY]`` knows which leaves are sharded; a trace-time check, free at
+    run time."""
+    check = getattr(extra_args.get(REDUCER_KEY), "require_whole", None)
+    if check is not None:
+        check(updates, name)
+
+
+def reduce_across_leaves(total: torch.Tensor, extra_args: dict[str, Any],
+                         op: ReduceOp = "sum") -> torch.Tensor:
+    """Step (c') of a statistic taken across leaves (a global norm): combine this rank's
+    ``total`` over the leaves it holds with the totals of the ranks holding the others.
+
+    Call it after `reduce_statistics` and the local sum over leaves, on every rank, even one
+    that holds no leaf (its total is zero): when whole leaves are spread over owner ranks
+    (``extra_args[TOTALS_KEY]``, one collective), each leaf is on exactly one rank; otherwise
+    (one device, or local shards whose per-leaf statistics `reduce_statistics` already made
+    whole) it is the identity.
+    """
+    combine = extra_args.get(TOTALS_KEY)
+    if combine is None:
+        return total
+    return combine(total, op=op)
 
 
 PRECONDITION_INPUT = "precondition_input"

@@ -13,7 +13,8 @@ import torch
 
 from .._checks import check_nonnegative, check_positive
 from ..base import (GradientTransformation, Params, Updates, check_init_params,
-                    reduce_statistics, stateless_with_extra_args)
+                    reduce_across_leaves, reduce_statistics,
+                    stateless_with_extra_args)
 from ..tree import (PyTree, flatten_matching, foreach_op_, foreach_scale,
                     foreach_sum_of_squares, tree_map, tree_unflatten)
 
@@ -56,9 +57,11 @@ def global_norm(updates: PyTree, extra_args: dict[str, Any] | None = None) -> to
     partials = _sum_of_squares(g)                                            # (a)
     partials = reduce_statistics(tree_unflatten(partials, spec), extra_args or {})  # (b)
     flat = flatten_matching(partials)[1]
-    if not flat:
-        return torch.zeros(())
-    return torch.sqrt(torch.stack(flat).sum())                               # (c)
+    total = torch.stack(flat).sum() if flat else torch.zeros(())
+    # (c') leaves held by other ranks (whole leaves on owner ranks); a rank holding no leaf
+    # still takes part
+    total = reduce_across_leaves(total, extra_args or {})
+    return torch.sqrt(total)                                                 # (c)
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -77,9 +80,9 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
     def clip_fn(updates: Updates, params: Params | None, extra_args: dict) -> Updates:
         spec, g = flatten_matching(updates)
+        norm = global_norm(updates, extra_args)     # also with no leaf: see reduce_across_leaves
         if not g:
             return updates
-        norm = global_norm(updates, extra_args)
         factor = torch.where(norm < max_norm, torch.ones_like(norm), max_norm / norm)
         return tree_unflatten(foreach_scale(g, factor), spec)
 
