@@ -1,18 +1,19 @@
-# The two commands of the README: `make demo` (the main job) and `make test`.
-# Both create .venv on first use and install opttx into it. torch is pinned here (a CPU build
-# on our machines); pyproject.toml keeps a range for users. Override with TORCH_SPEC=...
+# The two commands of the README: `make demo` (the main job) and `make test`; `make docs`
+# builds the documentation site into site/ (warnings are errors).
+# All of them create .venv on first use and install opttx into it. torch is pinned here (a CPU
+# build on our machines); pyproject.toml keeps a range for users. Override with TORCH_SPEC=...
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench docs clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[test,bench]"
+	$(BIN)/python -m pip install -q -e ".[test,bench,docs]"
 	touch $@
 
 demo: $(VENV)/.installed
@@ -24,5 +25,8 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/step_time.py
 
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict -d site
+
 clean:
-	rm -rf $(VENV) report .pytest_cache .hypothesis
+	rm -rf $(VENV) report site .pytest_cache .hypothesis

@@ -196,3 +196,4 @@ def partition(transforms: Mapping[Hashable, GradientTransformation],
 
 
 multi_transform = partition
+"""optax's older name for `partition`: the same function."""
