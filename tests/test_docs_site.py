@@ -102,3 +102,34 @@ def test_guide_examples_run(name: str, monkeypatch) -> None:
     namespace: dict = {"__name__": "__main__"}
     for i, block in enumerate(blocks):
         exec(compile(block, f"docs/{name}[block {i}]", "exec"), namespace)
+
+
+def test_docstring_extension(tmp_path, caplog) -> None:
+    """docs/_ext/rst_math.py: RST math becomes arithmatex, a grouped Args row split over two
+    lines becomes one, and an Args name that is not a parameter is reported."""
+    griffe = pytest.importorskip("griffe", reason="griffe is not installed (pip install -e '.[docs]')")
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    try:
+        import rst_math
+    finally:
+        sys.path.remove(str(ROOT / "docs" / "_ext"))
+    (tmp_path / "toy").mkdir()
+    (tmp_path / "toy" / "__init__.py").write_text(
+        'def f(a, b, c):\n'
+        '    r"""Sum, :math:`a + b`.\n\n'
+        '    .. math::\n'
+        '        s = a + b + c\n\n'
+        '    Args:\n'
+        '      a, b,\n'
+        '        c: the terms.\n'
+        '      d: not a parameter.\n'
+        '    """\n')
+    with caplog.at_level("WARNING"):
+        toy = griffe.load("toy", search_paths=[str(tmp_path)],
+                          extensions=griffe.load_extensions(rst_math.RstMath()))
+    text = toy["f"].docstring.value
+    assert r"\(a + b\)" in text and "$$\ns = a + b + c\n$$" in text
+    assert "  a, b, c: the terms." in text
+    warnings = [r.getMessage() for r in caplog.records]
+    assert any("'d' is not a parameter" in w for w in warnings), warnings
+    assert not any(f"'{n}' is not" in w for w in warnings for n in "abc"), warnings
