@@ -18,6 +18,7 @@ from .shapes import global_factor_axes, global_shapes, raise_on_every_rank
 from .sharded import sharded
 from .specs import (LeafSpec, Replicated, Shard, flatten_specs, local_shard, shard_groups,
                     specs_from_dtensors)
+from .zero import ZeroChunk, ZeroPlan, zero, zero_plan
 
 __all__ = [
     "CollectiveStats",
@@ -25,6 +26,8 @@ __all__ = [
     "Replicated",
     "Shard",
     "ShardedReducer",
+    "ZeroChunk",
+    "ZeroPlan",
     "all_reduce_gradients",
     "flatten_specs",
     "global_factor_axes",
@@ -36,4 +39,6 @@ __all__ = [
     "shard_groups",
     "sharded",
     "specs_from_dtensors",
+    "zero",
+    "zero_plan",
 ]

@@ -1,0 +1,564 @@
+"""`zero(tx, group)`: ZeRO stage 1 and 2 with chunk-based memory management.
+
+Parameters are packed, in tree-flattening order, into flat chunks of a fixed capacity; every
+whole parameter is owned by one rank (owners balanced by bytes), and a chunk is laid out as one
+equal-size segment per rank holding exactly that rank's owned parameters. Gradients are reduced
+per chunk (stage 2: ``reduce_scatter``, each rank receiving its own segment; stage 1:
+``all_reduce``), owners run any transform on their whole owned leaves, and the updates are
+all-gathered per chunk. `zero_plan` shows the layout without a process group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from .._checks import check_floating, check_nonnegative, check_positive
+from ..base import REDUCER_KEY, TOTALS_KEY, GradientTransformation, Params, State, Updates
+from ..tree import (MaskedNode, PyTree, assert_same_structure, tree_flatten, tree_leaves,
+                    tree_map, tree_paths, tree_unflatten)
+from .reducer import CollectiveStats, collective_device
+from .shapes import raise_on_every_rank
+
+__all__ = ["ZeroChunk", "ZeroPlan", "zero", "zero_plan"]
+
+_MIB = 1 << 20
+_SEARCH_STEPS = 32          # candidate capacities tried by the search, besides the lower end
+
+# the non-deprecated names where this torch has them
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ZeroChunk:
+    """One flat chunk of a `ZeroPlan`: ``world`` segments of ``segment`` elements each, in one
+    dtype on one device; segment ``r`` holds the parameters owned by rank ``r``, back to back
+    in tree order, then zero padding up to the segment's end.
+
+    ``leaves``, ``owners``, ``offsets`` (element offset in the chunk) and ``sizes`` (elements)
+    describe the packed parameters in layout order (by offset)."""
+
+    dtype: torch.dtype
+    device: torch.device
+    world: int
+    segment: int
+    capacity: int                 # the segment size the packing allowed (>= segment)
+    leaves: tuple[int, ...]
+    owners: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the whole chunk (all segments)."""
+        return self.world * self.segment
+
+    @property
+    def padding(self) -> int:
+        """Elements of the chunk holding no parameter."""
+        return self.numel - sum(self.sizes)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def members(self, rank: int) -> list[tuple[int, int, int]]:
+        """``(leaf, offset in the segment, size)`` of the parameters rank ``rank`` owns here."""
+        base = rank * self.segment
+        return [(i, o - base, n) for i, r, o, n in
+                zip(self.leaves, self.owners, self.offsets, self.sizes) if r == rank]
+
+
+@dataclass(frozen=True)
+class ZeroPlan:
+    """Where every parameter lives under `zero`: its chunk, its owner rank and its place.
+
+    Attributes:
+      world: the number of ranks planned for.
+      chunk_bytes: the chunk capacity in bytes (searched or given); a chunk that holds a
+        parameter larger than its segment share is grown to hold it, and every chunk is trimmed
+        to its fullest segment.
+      chunks: the chunks, grouped by (device, dtype) in order of first appearance, each in
+        packing order.
+      owners: the owner rank of every leaf (tree-flattening order).
+      chunk_of: the index in ``chunks`` of every leaf's chunk.
+      paths, shapes: of every leaf, for messages and checks.
+      owned_bytes: the bytes of parameters owned by each rank (optimizer state follows them).
+      padding_bytes: bytes of all chunks that hold no parameter (each costs communication).
+      searched: whether ``chunk_bytes`` came from the search, and ``candidates`` the
+        ``(chunk_bytes, padding_bytes, number of chunks)`` of every size tried.
+    """
+
+    world: int
+    chunk_bytes: int
+    chunks: tuple[ZeroChunk, ...]
+    owners: tuple[int, ...]
+    chunk_of: tuple[int, ...]
+    paths: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    owned_bytes: tuple[int, ...]
+    padding_bytes: int
+    searched: bool = False
+    candidates: tuple[tuple[int, int, int], ...] = field(default=(), repr=False)
+
+    def owned(self, rank: int) -> tuple[int, ...]:
+        """The leaves (flattening indices) that rank ``rank`` owns."""
+        return tuple(i for i, r in enumerate(self.owners) if r == rank)
+
+    def summary(self) -> str:
+        """A table of the chunks: dtype, elements, padding and the parameters of each rank."""
+        lines = [f"ZeroPlan: {len(self.chunks)} chunks of up to {self.chunk_bytes} bytes over "
+                 f"{self.world} ranks; owned bytes {list(self.owned_bytes)}; padding "
+                 f"{self.padding_bytes} bytes"]
+        for k, c in enumerate(self.chunks):
+            lines.append(f"  chunk {k}: {c.dtype}, {c.world} x {c.segment} elements, "
+                         f"padding {c.padding}")
+            for r in range(self.world):
+                names = [self.paths[i] for i, _, _ in c.members(r)]
+                lines.append(f"    rank {r}: {', '.join(names) or '-'}")
+        return "\n".join(lines)
+
+
+def _kind(x: torch.Tensor) -> tuple[torch.device, torch.dtype]:
+    return (x.device, x.dtype)
+
+
+def _pack(numels: list[int], kinds: list[tuple[torch.device, torch.dtype]], world: int,
+          chunk_bytes: int) -> tuple[list[ZeroChunk], list[int], list[int], list[int]]:
+    """Greedy packing at one capacity: leaves of each (device, dtype), in tree order, go to the
+    rank owning the fewest bytes so far (then the fewest leaves, then the lowest rank), in the
+    current chunk while that rank's segment has room, else into a new chunk; a parameter
+    larger than the segments grows the current chunk when its owner's segment there is still
+    empty. So owners differ by at most the largest parameter's bytes, and the first ``world``
+    leaves go to distinct ranks."""
+    loads, counts = [0] * world, [0] * world
+    owners = [-1] * len(numels)
+    chunk_of = [-1] * len(numels)
+    chunks: list[ZeroChunk] = []
+    order: dict[tuple, list[int]] = {}
+    for i, k in enumerate(kinds):
+        order.setdefault(k, []).append(i)
+    for (device, dtype), indices in order.items():
+        esize = torch.empty((), dtype=dtype).element_size()
+        base = max(1, chunk_bytes // (esize * world))   # a segment's share of the capacity
+        members: list[tuple[int, int, int]] = []          # (leaf, rank, offset in segment)
+        used, cap = [0] * world, 0
+
+        def close() -> None:
+            if not members:
+                return
+            seg = max(used)
+            laid = sorted(members, key=lambda m: (m[1], m[2]))
+            for leaf, _, _ in laid:
+                chunk_of[leaf] = len(chunks)
+            chunks.append(ZeroChunk(
+                dtype=dtype, device=device, world=world, segment=seg, capacity=cap,
+                leaves=tuple(m[0] for m in laid), owners=tuple(m[1] for m in laid),
+                offsets=tuple(m[1] * seg + m[2] for m in laid),
+                sizes=tuple(numels[m[0]] for m in laid)))
+
+        for i in indices:
+            n = numels[i]
+            r = min(range(world), key=lambda q: (loads[q], counts[q], q))
+            if members and used[r] == 0 and n > cap:
+                cap = n                 # grow this chunk to hold a parameter larger than it
+            elif not members or used[r] + n > cap:
+                close()
+                members, used, cap = [], [0] * world, max(base, n)
+            members.append((i, r, used[r]))
+            used[r] += n
+            loads[r] += n * esize
+            counts[r] += 1
+            owners[i] = r
+        close()
+    return chunks, owners, chunk_of, loads
+
+
+def _padding_bytes(chunks: list[ZeroChunk]) -> int:
+    return sum(c.padding * c.element_size for c in chunks)
+
+
+def zero_plan(params: Params, world: int, chunk_size_mb: float | None = None, *,
+              min_chunk_size_mb: float = 32.0, search_range_mb: float = 32.0) -> ZeroPlan:
+    r"""The chunk layout `zero` uses for ``params`` over ``world`` ranks (no process group
+    needed; only the shapes and dtypes of ``params`` are read, so meta tensors do).
+
+    Leaves of one (device, dtype) are packed in tree-flattening order. Each leaf goes to the
+    rank owning the fewest bytes so far, so the owned bytes of any two ranks differ by at most
+    the largest parameter. A chunk of capacity :math:`C` bytes gives every rank a segment of
+    :math:`\lfloor C / (e \cdot W) \rfloor` elements (:math:`e` the element size, :math:`W` the
+    world), grown to hold a parameter larger than that (in the current chunk when the owner's
+    segment there is still empty, else in a new one); a leaf starts a new chunk when its
+    owner's segment is full. Every chunk is then trimmed to its fullest segment, all segments of a
+    chunk having that size, which is what ``reduce_scatter_tensor`` and
+    ``all_gather_into_tensor`` need.
+
+    With ``chunk_size_mb=None`` the capacity is searched (as ColossalAI's Gemini does): the
+    sizes from ``min_chunk_size_mb`` to ``min_chunk_size_mb + search_range_mb`` in 32 equal
+    steps are tried and the one with the least padding kept (ties: fewer chunks, then the
+    smaller size). The lower end bounds the number of chunks, and so of collectives.
+
+    Args:
+      params: the parameter tree (tensors).
+      world: the number of ranks.
+      chunk_size_mb: the chunk capacity in MiB (all segments together), or None to search.
+      min_chunk_size_mb, search_range_mb: the searched range, in MiB.
+
+    Returns:
+      A `ZeroPlan`.
+
+    Example:
+      >>> plan = zero_plan({"w": torch.empty(1024, 1024), "b": torch.empty(1024)}, world=4,
+      ...                  chunk_size_mb=8)
+      >>> print(plan.summary()); plan.owners, plan.padding_bytes
+    """
+    check_floating(params)
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ValueError(f"world must be an integer >= 1, got {world!r}.")
+    if chunk_size_mb is not None:
+        check_positive("chunk_size_mb", chunk_size_mb)
+    check_positive("min_chunk_size_mb", min_chunk_size_mb)
+    check_nonnegative("search_range_mb", search_range_mb)
+    leaves = tree_leaves(params)
+    numels = [x.numel() for x in leaves]
+    kinds = [_kind(x) for x in leaves]
+    paths = tuple(tree_paths(params))
+
+    if chunk_size_mb is not None:
+        sizes = [max(1, int(chunk_size_mb * _MIB))]
+    else:
+        lo = max(1, int(min_chunk_size_mb * _MIB))
+        span = int(search_range_mb * _MIB)
+        sizes = sorted({lo + span * k // _SEARCH_STEPS for k in range(_SEARCH_STEPS + 1)})
+    best, tried = None, []
+    for size in sizes:
+        packed = _pack(numels, kinds, world, size)
+        key = (_padding_bytes(packed[0]), len(packed[0]), size)
+        tried.append((size, key[0], key[1]))
+        if best is None or key < best[0]:
+            best = (key, size, packed)
+    _, size, (chunks, owners, chunk_of, loads) = best
+    plan = ZeroPlan(world=world, chunk_bytes=size, chunks=tuple(chunks), owners=tuple(owners),
+                    chunk_of=tuple(chunk_of), paths=paths,
+                    shapes=tuple(tuple(x.shape) for x in leaves), owned_bytes=tuple(loads),
+                    padding_bytes=_padding_bytes(chunks), searched=chunk_size_mb is None,
+                    candidates=tuple(tried))
+    _check_cover(plan)
+    return plan
+
+
+def _check_cover(plan: ZeroPlan) -> None:
+    """Every parameter in exactly one chunk, inside its owner's segment: a parameter left out
+    would silently never be updated."""
+    seen = [0] * len(plan.owners)
+    for c in plan.chunks:
+        for i, r, o, n in zip(c.leaves, c.owners, c.offsets, c.sizes):
+            seen[i] += 1
+            if not (r * c.segment <= o and o + n <= (r + 1) * c.segment):
+                raise ValueError(f"zero plan: {plan.paths[i]} lies outside the segment of its "
+                                 f"owner rank {r}.")
+    for i, k in enumerate(seen):
+        if k != 1:
+            raise ValueError(f"zero plan: parameter {plan.paths[i]} is in {k} chunks (every "
+                             "parameter must be in exactly one).")
+
+
+# ---------------------------------------------------------------------------------------------
+# the transform
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    """The static configuration of one `zero` transform, resolved once per parameter tree."""
+    plan: ZeroPlan
+    treespec: Any
+    group: Any
+    rank: int
+    world: int
+    control_device: torch.device
+
+
+def _digest(params: Params) -> int:
+    """A hash of the tree structure, shapes and dtypes, the same on every rank alike."""
+    leaves, treespec = tree_flatten(params)
+    text = repr(treespec) + repr([(tuple(x.shape), str(x.dtype)) for x in leaves])
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+def _agree_on_tree(params: Params, group: Any, device: torch.device) -> None:
+    """Raise the same ``ValueError`` on every rank when the ranks' parameter trees differ
+    (different plans would pair mismatched collectives: a hang or an abort)."""
+    h = _digest(params)
+    both = torch.tensor([h, -h], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if int(both[0]) == -int(both[1]):
+        return
+    mine = [f"{p}: {tuple(x.shape)} {x.dtype}" for p, x in
+            zip(tree_paths(params), tree_leaves(params))]
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    detail = ""
+    for r, theirs in enumerate(every):
+        if theirs != every[0]:
+            diff = next((f"{a!r} on rank 0 vs {b!r} on rank {r}" for a, b in
+                         zip(every[0], theirs) if a != b),
+                        f"{len(every[0])} leaves on rank 0 vs {len(theirs)} on rank {r}")
+            detail = f" First difference: {diff}."
+            break
+    raise ValueError("opttx.distributed.zero: the ranks passed different parameter trees to "
+                     "init (structure, shapes or dtypes); every rank must pass the same full "
+                     f"(replicated) parameter tree.{detail}")
+
+
+def _to_host(state: State, pin: bool) -> State:
+    def move(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        x = x.to("cpu")
+        return x.pin_memory() if pin else x
+    return tree_map(move, state)
+
+
+def _to_device(state: State, device: torch.device) -> State:
+    return tree_map(lambda x: x.to(device, non_blocking=True)
+                    if isinstance(x, torch.Tensor) else x, state)
+
+
+def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
+         chunk_size_mb: float | None = None, offload: bool = False, *,
+         min_chunk_size_mb: float = 32.0, search_range_mb: float = 32.0,
+         stats: CollectiveStats | None = None) -> GradientTransformation:
+    r"""ZeRO data parallelism: each rank keeps the optimizer state of the parameters it owns.
+
+    With :math:`W` ranks in ``group``, rank :math:`r` holding its local gradients
+    :math:`g^{(r)}`, and :math:`O_r` the parameters rank :math:`r` owns (`zero_plan`: whole
+    parameters, balanced by bytes, packed in chunks):
+
+    .. math::
+        \bar g_\ell = \frac{1}{W} \sum_{r=1}^{W} g^{(r)}_\ell, \qquad
+        (u_\ell)_{\ell \in O_r},\ s_r' = \mathrm{tx.update}\big((\bar g_\ell)_{\ell \in O_r},
+        s_r, (x_\ell)_{\ell \in O_r}\big), \qquad u = \bigcup_r (u_\ell)_{\ell \in O_r}
+
+    so every rank returns the same full updates :math:`u`, equal to ``tx`` applied to the mean
+    gradient on one device, while the state :math:`s_r` covers :math:`O_r` only (about
+    :math:`1/W` of it). ``tx`` may be any chain (adamw, adafactor, came, lamb, galore_adamw,
+    shampoo, adamw_8bit, ...): every leaf it sees is a whole tensor, so layer-wise statistics
+    and matrix transforms are exact; the leaves other ranks own are `MaskedNode` placeholders
+    (as in `opttx.masked`), so ``init`` allocates only the owned state. Statistics taken
+    across leaves (`opttx.clip_by_global_norm`) are combined over the group through
+    ``extra_args[opttx.base.TOTALS_KEY]``: one all-reduce of one number, on every rank.
+
+    Per step and per chunk: stage 2 reduce-scatters the gradient chunk (sum, then divided by
+    :math:`W`; rank :math:`r` receives exactly its segment, its owned gradients); stage 1
+    all-reduces it and each rank keeps its segment. Then each rank's segment of updates is
+    all-gathered. Collectives per step: :math:`2 \times` chunks, plus one per statistic across
+    leaves; they do not depend on the number of parameters. All are functional collectives
+    (`torch.distributed._functional_collectives`), so a compiled step
+    (``torch.compile(..., fullgraph=True)``) has no graph break.
+
+    Args:
+      tx: the transform the owners run, on whole leaves.
+      group: the data-parallel process group (None: the default group).
+      stage: 2 (reduce-scatter the gradients, default) or 1 (all-reduce them). The state is
+        partitioned either way; stage 2 also receives only the owned gradients.
+      chunk_size_mb: the chunk capacity in MiB (None: searched, see `zero_plan`).
+      offload: keep the owned optimizer state on the CPU (in pinned memory when CUDA is
+        available), moved to the gradients' device for the update and back after it. On a
+        CPU-only machine the moves are no-ops. Under ``torch.compile`` the state comes back in
+        ordinary (unpinned) CPU memory.
+      min_chunk_size_mb, search_range_mb: the capacities searched when ``chunk_size_mb`` is
+        None.
+      stats: a `CollectiveStats` counting the collectives (eager; traced ones under compile).
+
+    ``update(local_grads, state, params)`` takes this rank's unreduced gradients (the full
+    tree, plain tensors) and the full replicated ``params``; gradients are cast to the
+    parameters' dtype for the reduction and the updates come back in the gradients' dtypes.
+    ``extra_args`` reach ``tx``, except a sharded reducer (``REDUCER_KEY``): leaves are whole.
+    ``init`` checks that every rank passes the same parameter tree (structure, shapes, dtypes)
+    and raises the same ``ValueError`` on every rank otherwise; ``update`` checks the
+    gradients against that tree (a trace-time check, free at run time).
+
+    Returns:
+      A `GradientTransformation` whose state is ``tx``'s state over the owned leaves (others
+      `MaskedNode`). The plan is resolved by ``init`` (or by the first ``update`` after a
+      restore, from the gradients) and kept: use one ``zero`` transform per parameter tree.
+
+    Example:
+      >>> tx = opttx.distributed.zero(opttx.chain(opttx.clip_by_global_norm(1.0),
+      ...                                         opttx.adamw(1e-3)), dp_group, stage=2)
+      >>> state = tx.init(params)                   # the same full params on every rank
+      >>> updates, state = tx.update(local_grads, state, params)
+      >>> params = opttx.apply_updates(params, updates)
+
+    References:
+      Rajbhandari et al., ZeRO: Memory Optimizations Toward Training Trillion Parameter Models
+      (arXiv 1910.02054); Fang et al., PatrickStar: Parallel Training of Pre-trained Models via
+      Chunk-based Memory Management (arXiv 2108.05818), the chunks of ColossalAI's Gemini.
+    """
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"zero needs a GradientTransformation, got a {type(tx).__name__} (did "
+                        "you forget to call the factory?).")
+    if stage not in (1, 2) or isinstance(stage, bool):
+        raise ValueError(f"zero: stage must be 1 or 2, got {stage!r}.")
+    if chunk_size_mb is not None:
+        check_positive("chunk_size_mb", chunk_size_mb)
+    check_positive("min_chunk_size_mb", min_chunk_size_mb)
+    check_nonnegative("search_range_mb", search_range_mb)
+    pin = bool(offload) and torch.cuda.is_available()
+    resolved: list[_Resolved] = []
+
+    def resolve(tree: PyTree) -> _Resolved:
+        g = group if group is not None else dist.group.WORLD
+        world, rank = dist.get_world_size(g), dist.get_rank(g)
+        if rank < 0:
+            raise ValueError("opttx.distributed.zero: this rank is not in the given group.")
+        plan = zero_plan(tree, world, chunk_size_mb, min_chunk_size_mb=min_chunk_size_mb,
+                         search_range_mb=search_range_mb)
+        if len(plan.owners) < world:
+            # the same decision on every rank: a rank owning nothing would run tx on an empty
+            # tree, which most transforms do not accept (and one rank failing mid-step would
+            # leave the others waiting in a collective)
+            raise ValueError(f"opttx.distributed.zero: {len(plan.owners)} parameters cannot "
+                             f"be owned by {world} ranks (every rank must own at least one "
+                             "whole parameter); use a smaller group.")
+        return _Resolved(plan, tree_flatten(tree)[1], g, rank, world, collective_device(g))
+
+    def mask(tree: PyTree, res: _Resolved) -> PyTree:
+        leaves = res.treespec.flatten_up_to(tree)
+        return tree_unflatten([x if r == res.rank else MaskedNode()
+                               for x, r in zip(leaves, res.plan.owners)], res.treespec)
+
+    def init(params: Params) -> State:
+        error, res = None, None
+        try:
+            res = resolve(params)
+        except (ValueError, TypeError) as e:
+            error = e
+        g = group if group is not None else dist.group.WORLD
+        try:                              # one rank's bad tree must not leave the others hanging
+            raise_on_every_rank(error, g)
+        except ValueError as e:
+            if error is not None:
+                raise
+            raise ValueError(f"opttx.distributed.zero: another rank rejected its parameter "
+                             f"tree at init ({e})") from None
+        _agree_on_tree(params, g, res.control_device)
+        resolved[:] = [res]
+        state = tx.init(mask(params, res))
+        return _to_host(state, pin) if offload else state
+
+    def check_tree(tree: PyTree, res: _Resolved, what: str) -> list[torch.Tensor]:
+        leaves, treespec = tree_flatten(tree)
+        if treespec != res.treespec:
+            template = tree_unflatten([0] * len(res.plan.owners), res.treespec)
+            assert_same_structure(tree, template, f"{what} and the params given to zero's init")
+        for i, x in enumerate(leaves):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != res.plan.shapes[i]:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"opttx.distributed.zero: {what}{res.plan.paths[i]} has shape "
+                                 f"{got}, but the parameter given to init has shape "
+                                 f"{res.plan.shapes[i]}.")
+        return leaves
+
+    def update(updates: Updates, state: State, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, State]:
+        if not resolved:
+            resolved[:] = [resolve(updates)]
+        res = resolved[0]
+        plan, g, rank, world = res.plan, res.group, res.rank, res.world
+        grads = check_tree(updates, res, "updates")
+        if params is not None:
+            check_tree(params, res, "params")
+        device = grads[0].device if grads else res.control_device
+
+        # 1. reduce the gradients per chunk; keep the owned ones (views of this rank's segment)
+        owned: list[Any] = [MaskedNode()] * len(grads)
+        for c in plan.chunks:
+            mine = c.members(rank)
+            if c.segment == 0:         # only empty parameters: nothing to communicate
+                for i, _, _ in mine:
+                    owned[i] = grads[i].to(c.dtype)
+                continue
+            pieces, pos = [], 0
+            for i, off, n in zip(c.leaves, c.offsets, c.sizes):
+                if off > pos:
+                    pieces.append(torch.zeros(off - pos, dtype=c.dtype, device=device))
+                pieces.append(grads[i].reshape(-1).to(c.dtype))
+                pos = off + n
+            if pos < c.numel:
+                pieces.append(torch.zeros(c.numel - pos, dtype=c.dtype, device=device))
+            flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+            if stats is not None:
+                stats.record(g, flat)
+            if stage == 2:
+                seg = funcol.wait_tensor(_reduce_scatter(flat, "sum", 0, g))
+            else:
+                full = funcol.wait_tensor(funcol.all_reduce(flat, "sum", g))
+                seg = full[rank * c.segment:(rank + 1) * c.segment]
+            seg = seg / world
+            for i, off, n in mine:
+                owned[i] = seg[off:off + n].view(plan.shapes[i])
+
+        # 2. the owners' update on whole leaves; statistics across leaves combined over g
+        def combine(total: torch.Tensor, op: str = "sum") -> torch.Tensor:
+            if op not in ("sum", "max"):
+                raise ValueError(f"reduce_across_leaves: op must be 'sum' or 'max', got {op!r}.")
+            buf = total.reshape(1).to(res.control_device)
+            if stats is not None:
+                stats.record(g, buf)
+            out = funcol.wait_tensor(funcol.all_reduce(buf, op, g))
+            return out.reshape(()).to(total.device)
+
+        inner_args = {k: v for k, v in extra_args.items() if k != REDUCER_KEY}
+        inner_args[TOTALS_KEY] = combine
+        masked_updates = tree_unflatten(owned, res.treespec)
+        masked_params = None if params is None else mask(params, res)
+        if offload:
+            state = _to_device(state, device)
+        new, new_state = tx.update(masked_updates, state, masked_params, **inner_args)
+        if offload:
+            new_state = _to_host(new_state, pin and not torch.compiler.is_compiling())
+        new_leaves = tree_leaves(new)
+        mine_all = plan.owned(rank)
+        if len(new_leaves) != len(mine_all):
+            raise ValueError(f"opttx.distributed.zero: the inner transform returned "
+                             f"{len(new_leaves)} updates for the {len(mine_all)} leaves this "
+                             "rank owns; it must keep the structure of its input.")
+        new_of = dict(zip(mine_all, new_leaves))
+
+        # 3. all-gather the updates per chunk
+        out: list[Any] = [None] * len(grads)
+        for c in plan.chunks:
+            if c.segment == 0:
+                for i in c.leaves:
+                    out[i] = torch.zeros_like(grads[i])
+                continue
+            pieces, pos = [], 0
+            for i, off, n in c.members(rank):
+                if off > pos:
+                    pieces.append(torch.zeros(off - pos, dtype=c.dtype, device=device))
+                pieces.append(new_of[i].reshape(-1).to(c.dtype))
+                pos = off + n
+            if pos < c.segment:
+                pieces.append(torch.zeros(c.segment - pos, dtype=c.dtype, device=device))
+            seg = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+            if stats is not None:
+                stats.record(g, seg)
+            full = funcol.wait_tensor(_all_gather(seg, 0, g))
+            for i, off, n in zip(c.leaves, c.offsets, c.sizes):
+                out[i] = full[off:off + n].view(plan.shapes[i]).to(grads[i].dtype)
+        return tree_unflatten(out, res.treespec), new_state
+
+    return GradientTransformation(init, update)
