@@ -15,15 +15,16 @@ import datetime
 import json
 import re
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 import opttx
 from opttx.distributed import CollectiveStats, ZeroPlan, zero, zero_plan
@@ -125,7 +126,7 @@ def _compare_state(name: str, s_full: Any, s_zero: Any, full: dict, plan: ZeroPl
         path = _full_path(name, keystr(k), full, plan, rank)
         assert path in ref, f"state leaf {path} is not in the single-device state"
         torch.testing.assert_close(v, ref[path], rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"state {path}: {m}")
+                                   msg=lambda m, path=path: f"state {path}: {m}")
         paths.append(path)
     return paths
 
@@ -167,7 +168,7 @@ def _run_case(name: str, full: dict, grads: list[list[dict]], rank: int, world: 
         p = opttx.apply_updates(p, u)
         for k, a, b in zip(tree_paths(full), tree_flatten(p)[0], tree_flatten(p_ref)[0]):
             torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL,
-                                       msg=lambda m: f"params {k}: {m}")
+                                       msg=lambda m, k=k: f"params {k}: {m}")
     plan = zero_plan(full, world, **kwargs)
     paths = _compare_state(name, s_ref, s, full, plan, rank)
     return {"counts": counts, "chunks": sum(c.segment > 0 for c in plan.chunks),
@@ -282,6 +283,38 @@ def _offload(rank: int, world: int, results: dict) -> None:
         results["offload"] = traceback.format_exc(limit=3)
 
 
+def _mixed_dtypes(rank: int, world: int, results: dict) -> None:
+    """float32 and bfloat16 parameters: one set of chunks per dtype, updates in each
+    gradient's dtype, the same numbers as one device (multiples of 1/8: exact bf16 means)."""
+    try:
+        dtypes = {"w": torch.float32, "h": torch.bfloat16, "b": torch.float32,
+                  "g": torch.bfloat16}
+        shapes = {"w": (5, 3), "h": (4, 4), "b": (3,), "g": (6,)}
+        gen = torch.Generator().manual_seed(4)
+        full = {k: torch.randn(shapes[k], generator=gen).to(dtypes[k]) for k in shapes}
+        grads = [[{k: ((torch.randn(shapes[k], generator=gen) * 8).round() / 8).to(dtypes[k])
+                   for k in shapes} for _ in range(world)] for _ in range(3)]
+        make = lambda: opttx.chain(opttx.clip_by_global_norm(0.5), opttx.adamw(1e-2))
+        stats = CollectiveStats()
+        tx, ref = zero(make(), chunk_size_mb=64 / MIB, stats=stats), make()
+        p, s, p_ref, s_ref = full, tx.init(full), full, ref.init(full)
+        counts = []
+        for per_rank in grads:
+            u_ref, s_ref = ref.update(_mean(per_rank), s_ref, p_ref)
+            p_ref = opttx.apply_updates(p_ref, u_ref)
+            stats.reset()
+            u, s = tx.update(per_rank[rank], s, p)
+            counts.append(stats.collectives)
+            p = opttx.apply_updates(p, u)
+            for k in shapes:
+                assert u[k].dtype == dtypes[k]
+                torch.testing.assert_close(p[k], p_ref[k], rtol=RTOL, atol=ATOL)
+        plan = zero_plan(full, world, 64 / MIB)
+        results["mixed"] = {"counts": counts, "chunks": [str(c.dtype) for c in plan.chunks]}
+    except Exception:  # noqa: BLE001
+        results["mixed"] = traceback.format_exc(limit=3)
+
+
 def _worker(rank: int, world: int, store: str, out: str, n_draws: int, extras: bool) -> None:
     _init(rank, world, store)
     results: dict[str, Any] = {}
@@ -290,6 +323,7 @@ def _worker(rank: int, world: int, store: str, out: str, n_draws: int, extras: b
         _leaf_independence(rank, world, results)
         _errors(rank, world, results)
         _offload(rank, world, results)
+        _mixed_dtypes(rank, world, results)
         _compiled(rank, world, results)
     _finish(out, rank, results)
 
@@ -403,6 +437,16 @@ def test_offload_gives_the_same_numbers(world2: list[dict]) -> None:
 
 
 @pytest.mark.timeout(300)
+def test_mixed_dtypes(world2: list[dict]) -> None:
+    for res in world2:
+        out = res["mixed"]
+        assert isinstance(out, dict), out
+        # float32: w grows the first chunk, b; bfloat16: h fills rank 1's segment, g the next
+        assert out["chunks"] == ["torch.float32", "torch.bfloat16", "torch.bfloat16"]
+        assert out["counts"] == [2 * 3 + 1] * 3
+
+
+@pytest.mark.timeout(300)
 def test_compiled_step_is_one_graph(world2: list[dict]) -> None:
     for res in world2:
         out = res["compiled"]
@@ -488,7 +532,24 @@ def test_plan_groups_dtypes_and_fills_every_rank_first() -> None:
               "b": torch.empty(0), "c": torch.empty(3), "d": torch.empty(2)}
     plan = zero_plan(params, 3, 1.0)
     assert [c.dtype for c in plan.chunks] == [torch.float32, torch.bfloat16]
-    assert len(set(plan.owners[i] for i in (0, 2, 3))) == 3   # first float leaves: 3 ranks
+    assert len({plan.owners[i] for i in (0, 2, 3)}) == 3   # first float leaves: 3 ranks
+
+
+def test_a_parameter_outside_every_chunk_is_an_error() -> None:
+    """A plan that leaves a parameter out (or packs it twice) is rejected, never skipped."""
+    import dataclasses
+
+    from opttx.distributed.zero import _check_cover
+    plan = zero_plan({"a": torch.empty(3), "b": torch.empty(4)}, 2, 1.0)
+    chunk = plan.chunks[0]
+    j = chunk.leaves.index(1)
+    keep = [k for k in range(len(chunk.leaves)) if k != j]
+    dropped = dataclasses.replace(chunk, **{f: tuple(getattr(chunk, f)[k] for k in keep)
+                                            for f in ("leaves", "owners", "offsets", "sizes")})
+    with pytest.raises(ValueError, match=r"\['b'\] is not covered by any chunk"):
+        _check_cover(dataclasses.replace(plan, chunks=(dropped,)))
+    with pytest.raises(ValueError, match="is in 2 chunks"):
+        _check_cover(dataclasses.replace(plan, chunks=(chunk, chunk)))
 
 
 def test_plan_and_zero_validate_arguments() -> None:

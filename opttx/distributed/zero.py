@@ -118,9 +118,9 @@ class ZeroPlan:
 
     def summary(self) -> str:
         """A table of the chunks: dtype, elements, padding and the parameters of each rank."""
-        lines = [f"ZeroPlan: {len(self.chunks)} chunks of up to {self.chunk_bytes} bytes over "
-                 f"{self.world} ranks; owned bytes {list(self.owned_bytes)}; padding "
-                 f"{self.padding_bytes} bytes"]
+        lines = [(f"ZeroPlan: {len(self.chunks)} chunks of up to {self.chunk_bytes} bytes "
+                  f"over {self.world} ranks; owned bytes {list(self.owned_bytes)}; padding "
+                  f"{self.padding_bytes} bytes")]
         for k, c in enumerate(self.chunks):
             lines.append(f"  chunk {k}: {c.dtype}, {c.world} x {c.segment} elements, "
                          f"padding {c.padding}")
@@ -154,35 +154,39 @@ def _pack(numels: list[int], kinds: list[tuple[torch.device, torch.dtype]], worl
         base = max(1, chunk_bytes // (esize * world))   # a segment's share of the capacity
         members: list[tuple[int, int, int]] = []          # (leaf, rank, offset in segment)
         used, cap = [0] * world, 0
-
-        def close() -> None:
-            if not members:
-                return
-            seg = max(used)
-            laid = sorted(members, key=lambda m: (m[1], m[2]))
-            for leaf, _, _ in laid:
-                chunk_of[leaf] = len(chunks)
-            chunks.append(ZeroChunk(
-                dtype=dtype, device=device, world=world, segment=seg, capacity=cap,
-                leaves=tuple(m[0] for m in laid), owners=tuple(m[1] for m in laid),
-                offsets=tuple(m[1] * seg + m[2] for m in laid),
-                sizes=tuple(numels[m[0]] for m in laid)))
-
         for i in indices:
             n = numels[i]
             r = min(range(world), key=lambda q: (loads[q], counts[q], q))
             if members and used[r] == 0 and n > cap:
                 cap = n                 # grow this chunk to hold a parameter larger than it
             elif not members or used[r] + n > cap:
-                close()
+                _close_chunk(chunks, chunk_of, members, used, cap, device, dtype, numels)
                 members, used, cap = [], [0] * world, max(base, n)
             members.append((i, r, used[r]))
             used[r] += n
             loads[r] += n * esize
             counts[r] += 1
             owners[i] = r
-        close()
+        _close_chunk(chunks, chunk_of, members, used, cap, device, dtype, numels)
     return chunks, owners, chunk_of, loads
+
+
+def _close_chunk(chunks: list[ZeroChunk], chunk_of: list[int],
+                 members: list[tuple[int, int, int]], used: list[int], cap: int,
+                 device: torch.device, dtype: torch.dtype, numels: list[int]) -> None:
+    """Append the chunk of ``members`` (leaf, rank, offset in the rank's segment), trimmed to
+    its fullest segment, to ``chunks``."""
+    if not members:
+        return
+    seg = max(used)
+    laid = sorted(members, key=lambda m: (m[1], m[2]))
+    for leaf, _, _ in laid:
+        chunk_of[leaf] = len(chunks)
+    chunks.append(ZeroChunk(
+        dtype=dtype, device=device, world=len(used), segment=seg, capacity=cap,
+        leaves=tuple(m[0] for m in laid), owners=tuple(m[1] for m in laid),
+        offsets=tuple(m[1] * seg + m[2] for m in laid),
+        sizes=tuple(numels[m[0]] for m in laid)))
 
 
 def _padding_bytes(chunks: list[ZeroChunk]) -> int:
@@ -269,7 +273,10 @@ def _check_cover(plan: ZeroPlan) -> None:
                 raise ValueError(f"zero plan: {plan.paths[i]} lies outside the segment of its "
                                  f"owner rank {r}.")
     for i, k in enumerate(seen):
-        if k != 1:
+        if k == 0:
+            raise ValueError(f"zero plan: parameter {plan.paths[i]} is not covered by any "
+                             "chunk; it would never be updated.")
+        if k > 1:
             raise ValueError(f"zero plan: parameter {plan.paths[i]} is in {k} chunks (every "
                              "parameter must be in exactly one).")
 
@@ -559,6 +566,10 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
             full = funcol.wait_tensor(_all_gather(seg, 0, g))
             for i, off, n in zip(c.leaves, c.offsets, c.sizes):
                 out[i] = full[off:off + n].view(plan.shapes[i]).to(grads[i].dtype)
+        missing = [plan.paths[i] for i, x in enumerate(out) if x is None]
+        if missing:                    # static: a plan that skipped a leaf is a bug, not a no-op
+            raise ValueError(f"opttx.distributed.zero: {missing[0]} is not covered by any "
+                             "chunk of the plan.")
         return tree_unflatten(out, res.treespec), new_state
 
     return GradientTransformation(init, update)
