@@ -136,12 +136,14 @@ def _kind(x: torch.Tensor) -> tuple[torch.device, torch.dtype]:
 
 def _pack(numels: list[int], kinds: list[tuple[torch.device, torch.dtype]], world: int,
           chunk_bytes: int) -> tuple[list[ZeroChunk], list[int], list[int], list[int]]:
-    """Greedy packing at one capacity: leaves of each (device, dtype), in tree order, go to the
-    rank owning the fewest bytes so far (then the fewest leaves, then the lowest rank), in the
-    current chunk while that rank's segment has room, else into a new chunk; a parameter
-    larger than the segments grows the current chunk when its owner's segment there is still
-    empty. So owners differ by at most the largest parameter's bytes, and the first ``world``
-    leaves go to distinct ranks."""
+    """Greedy packing at one capacity. Leaves of each (device, dtype) are taken in tree order;
+    each goes, in the current chunk, to the least loaded rank (fewest owned bytes, then fewest
+    leaves, then lowest rank) among those whose segment has room for it (the chunk grown to a
+    leaf larger than its segments) and whose owned bytes stay within the largest parameter's
+    bytes of the least loaded rank's; when there is none, the chunk is closed and the leaf
+    starts a new one on the least loaded rank. So owned bytes never differ by more than the
+    largest parameter, a chunk closes only when no rank can take the next leaf, and the first
+    ``world`` leaves go to distinct ranks."""
     loads, counts = [0] * world, [0] * world
     owners = [-1] * len(numels)
     chunk_of = [-1] * len(numels)
@@ -149,6 +151,8 @@ def _pack(numels: list[int], kinds: list[tuple[torch.device, torch.dtype]], worl
     order: dict[tuple, list[int]] = {}
     for i, k in enumerate(kinds):
         order.setdefault(k, []).append(i)
+    largest = max((n * torch.empty((), dtype=k[1]).element_size()
+                   for n, k in zip(numels, kinds)), default=0)
     for (device, dtype), indices in order.items():
         esize = torch.empty((), dtype=dtype).element_size()
         base = max(1, chunk_bytes // (esize * world))   # a segment's share of the capacity
@@ -156,12 +160,20 @@ def _pack(numels: list[int], kinds: list[tuple[torch.device, torch.dtype]], worl
         used, cap = [0] * world, 0
         for i in indices:
             n = numels[i]
-            r = min(range(world), key=lambda q: (loads[q], counts[q], q))
-            if members and used[r] == 0 and n > cap:
-                cap = n                 # grow this chunk to hold a parameter larger than it
-            elif not members or used[r] + n > cap:
+            # ranks this leaf may go to in the current chunk: room in their segment (the chunk
+            # grown to hold it if it is larger), and owned bytes staying within the largest
+            # parameter of the least loaded rank
+            grown = max(cap, n)
+            floor = min(loads)
+            fits = [q for q in range(world) if used[q] + n <= grown
+                    and loads[q] + n * esize <= floor + largest] if members else []
+            if fits:
+                cap = grown
+            else:
                 _close_chunk(chunks, chunk_of, members, used, cap, device, dtype, numels)
                 members, used, cap = [], [0] * world, max(base, n)
+                fits = list(range(world))
+            r = min(fits, key=lambda q: (loads[q], counts[q], q))
             members.append((i, r, used[r]))
             used[r] += n
             loads[r] += n * esize
@@ -198,20 +210,24 @@ def zero_plan(params: Params, world: int, chunk_size_mb: float | None = None, *,
     r"""The chunk layout `zero` uses for ``params`` over ``world`` ranks (no process group
     needed; only the shapes and dtypes of ``params`` are read, so meta tensors do).
 
-    Leaves of one (device, dtype) are packed in tree-flattening order. Each leaf goes to the
-    rank owning the fewest bytes so far, so the owned bytes of any two ranks differ by at most
-    the largest parameter. A chunk of capacity :math:`C` bytes gives every rank a segment of
-    :math:`\lfloor C / (e \cdot W) \rfloor` elements (:math:`e` the element size, :math:`W` the
-    world), grown to hold a parameter larger than that (in the current chunk when the owner's
-    segment there is still empty, else in a new one); a leaf starts a new chunk when its
-    owner's segment is full. Every chunk is then trimmed to its fullest segment, all segments of a
-    chunk having that size, which is what ``reduce_scatter_tensor`` and
-    ``all_gather_into_tensor`` need.
+    Leaves of one (device, dtype) are packed in tree-flattening order. A chunk of capacity
+    :math:`C` bytes gives every rank a segment of :math:`\lfloor C / (e \cdot W) \rfloor`
+    elements (:math:`e` the element size, :math:`W` the world), grown to hold a parameter
+    larger than that. Each leaf goes to the least loaded rank (fewest owned bytes) among those
+    whose segment in the current chunk has room for it and whose owned bytes stay within the
+    largest parameter :math:`P` of the least loaded rank's; when no rank qualifies, a new chunk
+    starts. So the owned bytes of any two ranks differ by at most :math:`P`, and every rank owns
+    a leaf when there are at least :math:`W`. Every chunk is then trimmed to its fullest
+    segment, all segments of a chunk having that size, which is what
+    ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` need; the padding is the rest.
 
-    With ``chunk_size_mb=None`` the capacity is searched (as ColossalAI's Gemini does): the
-    sizes from ``min_chunk_size_mb`` to ``min_chunk_size_mb + search_range_mb`` in 32 equal
-    steps are tried and the one with the least padding kept (ties: fewer chunks, then the
-    smaller size). The lower end bounds the number of chunks, and so of collectives.
+    With ``chunk_size_mb=None`` the capacity is searched (as ColossalAI's Gemini does): 33
+    sizes evenly spaced from ``min_chunk_size_mb`` to ``min_chunk_size_mb + search_range_mb``
+    are tried and the one with the least padding kept (ties: fewer chunks, then the smaller
+    size). The lower end bounds the number of chunks, and so of collectives; the upper end the
+    size of the flat buffers of one collective. Because a whole parameter has one owner, the
+    range is widened to at least :math:`[W P, 4 W P]` bytes: below :math:`W P` the chunks only
+    grow, and padding gets small once each segment holds a few of the largest parameters.
 
     Args:
       params: the parameter tree (tensors).
@@ -242,8 +258,11 @@ def zero_plan(params: Params, world: int, chunk_size_mb: float | None = None, *,
     if chunk_size_mb is not None:
         sizes = [max(1, int(chunk_size_mb * _MIB))]
     else:
-        lo = max(1, int(min_chunk_size_mb * _MIB))
-        span = int(search_range_mb * _MIB)
+        # a segment below the largest parameter only grows; padding gets small once segments
+        # hold a few of the largest parameters
+        largest = max((x.numel() * x.element_size() for x in leaves), default=0)
+        lo = max(1, int(min_chunk_size_mb * _MIB), world * largest)
+        span = max(int(search_range_mb * _MIB), 3 * world * largest)
         sizes = sorted({lo + span * k // _SEARCH_STEPS for k in range(_SEARCH_STEPS + 1)})
     best, tried = None, []
     for size in sizes:
