@@ -13,6 +13,7 @@ Example:
 """
 
 from .data_parallel import all_reduce_gradients, plan_buckets
+from .owners import OwnerPlan, default_cost, on_owners, plan_owners
 from .reducer import CollectiveStats, ShardedReducer, pack_all_reduce
 from .shapes import global_factor_axes, global_shapes, raise_on_every_rank
 from .sharded import sharded
@@ -23,18 +24,22 @@ from .zero import ZeroChunk, ZeroPlan, zero, zero_plan
 __all__ = [
     "CollectiveStats",
     "LeafSpec",
+    "OwnerPlan",
     "Replicated",
     "Shard",
     "ShardedReducer",
     "ZeroChunk",
     "ZeroPlan",
     "all_reduce_gradients",
+    "default_cost",
     "flatten_specs",
     "global_factor_axes",
     "global_shapes",
     "local_shard",
+    "on_owners",
     "pack_all_reduce",
     "plan_buckets",
+    "plan_owners",
     "raise_on_every_rank",
     "shard_groups",
     "sharded",

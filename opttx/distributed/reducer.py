@@ -144,6 +144,25 @@ class ShardedReducer:
                 flat_dims.append(self.treespec.flatten_up_to(d))
         return is_tuple, trees, flat_dims
 
+    def require_whole(self, tree: PyTree, name: str) -> None:
+        """Raise ``ValueError`` when a leaf of ``tree`` (a tree like the params, `MaskedNode`
+        where absent) is sharded: ``name`` needs whole matrices (see
+        `opttx.base.require_whole_leaves`). A tree of another structure (blocks of leaves) is
+        not checked here: the transform that made the blocks checked the leaves."""
+        try:
+            flat = self.treespec.flatten_up_to(tree)
+        except (ValueError, TypeError):
+            return
+        sharded = [i for i, x in enumerate(flat)
+                   if isinstance(x, torch.Tensor) and self.flat_specs[i]]
+        if sharded:
+            raise ValueError(
+                f"{name} needs whole matrices, but {len(sharded)} of its leaves are local "
+                f"shards here (leaf {sharded[0]}: {self.flat_specs[sharded[0]]}); computing "
+                "it on the local block would be another optimizer. Run it on owner ranks: "
+                "opttx.distributed.sharded(tx, specs, on_owners=True), or "
+                "sharded(chain(..., on_owners(tx)), specs).")
+
     def _groups_of(self, leaf: int, dims: Any) -> list[Any]:
         shards = self.flat_specs[leaf]
         if dims is None:

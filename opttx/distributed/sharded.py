@@ -6,6 +6,8 @@ from typing import Any
 
 from ..base import REDUCER_KEY, GradientTransformation, Params, State, Updates
 from ..tree import PyTree, tree_flatten
+from .owners import INIT_REDUCER
+from .owners import on_owners as _on_owners
 from .reducer import CollectiveStats, ShardedReducer
 from .shapes import global_shapes, is_dtensor, raise_on_every_rank
 from .specs import flatten_specs, shard_groups, specs_from_dtensors
@@ -33,7 +35,8 @@ def _like_dtensors(tree: PyTree, templates: list[Any]) -> PyTree:
 
 def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
             stats: CollectiveStats | None = None, check_sizes: bool = True,
-            check_collectives: bool = False) -> GradientTransformation:
+            check_collectives: bool = False, on_owners: bool = False,
+            owner_group: Any = None) -> GradientTransformation:
     r"""Run ``tx`` on the local shards of sharded parameters, with exact statistics.
 
     Elementwise transforms need nothing: they run on the local shard as they would on the
@@ -62,6 +65,12 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
       check_collectives: debugging aid: before every batched reduction, agree on its size
         across the group (one small extra collective) and raise a clear ``ValueError`` on every
         rank when the ranks disagree, rather than hang or abort in a mismatched collective.
+      on_owners: run the whole of ``tx`` on whole leaves at owner ranks
+        (`opttx.distributed.on_owners`): needed, and exact, for transforms that need whole
+        matrices (`opttx.shampoo`, `opttx.galore_adamw`, 8-bit states), which raise a
+        ``ValueError`` on local shards. Two ``all_to_all`` per step.
+      owner_group: with ``on_owners``, the ranks among which leaves are spread (default: the
+        one group that shards the leaves, else the default group).
 
     ``init`` checks the specs on every rank (tree structure, dims, group membership) and agrees
     on the outcome with one all-reduce over the default group, so a bad spec on one rank raises
@@ -83,6 +92,8 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
       Shoeybi et al., Megatron-LM (arXiv 1909.08053) for tensor-parallel sharding; Xu et al.,
       GSPMD (arXiv 2105.04663) for reductions over sharded dims.
     """
+    if on_owners:
+        tx = _on_owners(tx, owner_group=owner_group)
     # Resolved once (at init, or at the first update after a restore): static config, so a
     # compiled step reads it as a constant.
     resolved: list[ShardedReducer] = []
@@ -106,7 +117,11 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
                                for s in shards):
             global_shapes(params, specs)
         local, _ = _to_local(params)
-        return tx.init(local)
+        token = INIT_REDUCER.set(reducer)     # for an on_owners link: init has no extra_args
+        try:
+            return tx.init(local)
+        finally:
+            INIT_REDUCER.reset(token)
 
     def update(updates: Updates, state: State, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, State]:

@@ -21,9 +21,9 @@ import torch
 
 from .._checks import check_number, check_positive_int
 from ..base import (PRECONDITION_INPUT, GradientTransformation, Params, State, Updates,
-                    check_init_params, safe_increment, zero_count)
-from ..tree import (PyTree, flatten_matching, leaf_labels, mark_owned, mask_leaves, tree_cond,
-                    tree_flatten, tree_flatten_with_path, tree_leaves, tree_paths,
+                    check_init_params, require_whole_leaves, safe_increment, zero_count)
+from ..tree import (MaskedNode, PyTree, flatten_matching, leaf_labels, mark_owned, mask_leaves,
+                    tree_cond, tree_flatten, tree_flatten_with_path, tree_leaves, tree_paths,
                     tree_structure, tree_unflatten)
 
 __all__ = [
@@ -443,6 +443,9 @@ def project_lowrank(inner: GradientTransformation, rank: int, update_proj_gap: i
         spec, g, lefts, rights = flatten_matching(updates, state.left, state.right)
         plans = plans_of(params if params is not None else updates)
         idx = [i for i, plan in enumerate(plans) if plan is not None]
+        require_whole_leaves(tree_unflatten([x if plan is not None else MaskedNode()
+                                             for x, plan in zip(g, plans)], spec),
+                             extra_args, "project_lowrank")
         inner_state = state.inner_state
         lefts, rights = list(lefts), list(rights)
         mats = {i: _as_matrix(g[i], plans[i]) for i in idx}

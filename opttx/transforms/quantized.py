@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..base import (EmptyState, GradientTransformation, Params, State, Updates,
-                    check_init_params)
+                    check_init_params, require_whole_leaves)
 from ..tree import flatten_matching, is_donating, tree_flatten, tree_unflatten
 
 __all__ = [
@@ -411,6 +411,8 @@ def quantize_state(inner: GradientTransformation, bits: int = 8, block_size: int
 
     def update(updates: Updates, state: QuantizedState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, QuantizedState]:
+        # blocks of 256 elements and the small/large decision are taken on the whole leaf
+        require_whole_leaves(updates, extra_args, "quantize_state")
         spec, g = flatten_matching(updates)[:2]
         p = (flatten_matching(updates, params, what="updates and params")[2]
              if params is not None else [None] * len(g))

@@ -28,8 +28,8 @@ import torch
 
 from .._checks import check_nonnegative, check_positive_int, check_unit_interval
 from ..base import (PRECONDITION_INPUT, GradientTransformation, Params, Updates,
-                    check_init_params, precondition_target, reduce_statistics, safe_increment,
-                    zero_count)
+                    check_init_params, precondition_target, reduce_statistics,
+                    require_whole_leaves, safe_increment, zero_count)
 from ..tree import (PyTree, flatten_matching, foreach_ema, foreach_sum_of_squares, tree_cond,
                     tree_flatten, tree_map, tree_structure, tree_unflatten)
 
@@ -122,6 +122,7 @@ def block_by_dims(inner: GradientTransformation,
 
     def update(updates: Updates, state: Any, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, Any]:
+        require_whole_leaves(updates, extra_args, "block_by_dims")
         spec, leaves = flatten_matching(updates)
         extra = dict(extra_args)
         if PRECONDITION_INPUT in extra:
@@ -354,6 +355,7 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
 
     def update(updates: Updates, state: ShampooState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, ShampooState]:
+        require_whole_leaves(updates, extra_args, "precondition_shampoo")
         spec, g = flatten_matching(updates)
         x = flatten_matching(precondition_target(updates, extra_args))[1]
         orders = [max(x.dim(), 1) for x in g]

@@ -1,0 +1,471 @@
+r"""`on_owners(tx)`: run a transform on whole leaves, each at one owner rank, exactly.
+
+Element-wise and layer-wise transforms run on local shards (`sharded` turns their statistics
+into collectives). Matrix transforms cannot: Shampoo's factors :math:`GG^\top`, GaLore's SVD,
+the 256-element blocks of an 8-bit state all need the whole tensor, and computing them on the
+local block would be a different optimizer. `on_owners` brings every leaf whole to one owner
+rank, runs ``tx`` there and sends each rank its piece of the update back:
+
+1. a plan, made once: every rank's coordinates in the groups that shard each leaf and its local
+   shape (one ``all_gather_object`` over the owner group); each leaf gets one owner, greedily
+   by cost (largest first, to the least loaded rank), the same on every rank;
+2. per step, one ``all_to_all`` carries every rank's pieces of the gradients (and of the
+   parameters) to the owners, which reassemble them by coordinates (uneven splits, 2-D
+   meshes and nested shards of one dim included);
+3. each rank runs ``tx`` on the leaves it owns, the others masked out (`opttx.MaskedNode`),
+   so it holds optimizer state for those leaves only; statistics across leaves (a global
+   norm) are combined over the owner group by `opttx.base.reduce_across_leaves`;
+4. one ``all_to_all`` sends each rank its piece of every update.
+
+Two collectives per step (three with a global norm), whatever the number of leaves, all
+functional (``torch.compile`` traces them without a graph break).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from ..base import REDUCER_KEY, TOTALS_KEY, GradientTransformation, Params, State, Updates
+from ..tree import MaskedNode, PyTree, tree_paths
+from .reducer import CollectiveStats, ShardedReducer, pack_all_reduce
+from .specs import Shard
+
+__all__ = ["OwnerPlan", "default_cost", "on_owners", "plan_owners"]
+
+# Set by `sharded` around ``tx.init`` so that an `on_owners` inside the chain finds the specs
+# (``init`` has no extra_args); ``update`` finds them in ``extra_args[REDUCER_KEY]``.
+INIT_REDUCER: contextvars.ContextVar[ShardedReducer | None] = contextvars.ContextVar(
+    "opttx_init_reducer", default=None)
+
+Coords = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """How one leaf travels: its shards, every owner-group rank's piece, its owner."""
+    index: int                         # position among the param leaves
+    shards: tuple[Shard, ...]          # () replicated
+    pieces: tuple[tuple[Coords, tuple[int, ...]], ...]  # per owner-group rank: coords, shape
+    shape: tuple[int, ...]             # the whole leaf's shape
+    owner: int                         # owner-group rank that computes it
+
+    def piece_numel(self, rank: int) -> int:
+        n = 1
+        for s in self.pieces[rank][1]:
+            n *= s
+        return n
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def extent(self, prefix: Coords, dim: int) -> int:
+        """The size along ``dim`` of the sub-block whose coordinates start with ``prefix``."""
+        level = len(prefix)
+        if level == len(self.shards):
+            return dict(self.pieces)[prefix][dim]
+        sizes = self._group_sizes()
+        if self.shards[level].dim == dim:
+            return sum(self.extent(prefix + (c,), dim) for c in range(sizes[level]))
+        return self.extent(prefix + (0,), dim)
+
+    def _group_sizes(self) -> list[int]:
+        return [dist.get_world_size(s.group) for s in self.shards]
+
+    def assemble(self, by_rank: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The whole tensor from every rank's piece (a dict owner-group rank -> piece)."""
+        by_coords = {self.pieces[r][0]: x for r, x in by_rank.items()}
+        sizes = self._group_sizes()
+
+        def build(prefix: Coords) -> torch.Tensor:
+            level = len(prefix)
+            if level == len(self.shards):
+                return by_coords[prefix]
+            return torch.cat([build(prefix + (c,)) for c in range(sizes[level])],
+                             dim=self.shards[level].dim)
+        return build(())
+
+    def split(self, whole: torch.Tensor) -> list[torch.Tensor]:
+        """Every owner-group rank's piece of ``whole`` (the inverse of `assemble`)."""
+        sizes = self._group_sizes()
+        out: dict[Coords, torch.Tensor] = {}
+
+        def cut(x: torch.Tensor, prefix: Coords) -> None:
+            level = len(prefix)
+            if level == len(self.shards):
+                out[prefix] = x
+                return
+            d = self.shards[level].dim
+            parts = torch.split(x, [self.extent(prefix + (c,), d) for c in range(sizes[level])],
+                                dim=d)
+            for c, part in enumerate(parts):
+                cut(part, prefix + (c,))
+        cut(whole, ())
+        return [out[coords] for coords, _ in self.pieces]
+
+
+@dataclass(frozen=True)
+class OwnerPlan:
+    """Who computes which leaf, and how the pieces travel (see `on_owners`).
+
+    Attributes:
+      group: the owner group (ranks among which leaves are spread).
+      rank: this rank's index in it; world: its size.
+      leaves: per param leaf, its route, or None where the leaf is absent (masked).
+      loads: the summed cost of the leaves each rank owns.
+    """
+    group: Any
+    rank: int
+    world: int
+    leaves: tuple[_Leaf | None, ...]
+    loads: tuple[float, ...]
+
+    def owned(self) -> list[bool]:
+        """Per param leaf, whether this rank computes it."""
+        return [leaf is not None and leaf.owner == self.rank for leaf in self.leaves]
+
+    def owners(self) -> list[int | None]:
+        """Per param leaf, the owner-group rank that computes it (None: absent)."""
+        return [None if leaf is None else leaf.owner for leaf in self.leaves]
+
+
+def default_cost(shape: Sequence[int]) -> float:
+    r"""The work of one leaf for balancing owners: its element count plus, for a matrix (the
+    last two dims), the :math:`m^3 + n^3` of the eigendecompositions or SVDs a matrix
+    transform runs on it, counted per matrix of a batch."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    if len(shape) < 2 or numel == 0:
+        return float(numel)
+    m, n = shape[-2], shape[-1]
+    return float(numel + (numel // (m * n)) * (m ** 3 + n ** 3))
+
+
+def _owner_group(flat_specs: list[tuple[Shard, ...]], group: Any) -> Any:
+    if group is not None:
+        return group
+    groups = {id(s.group): s.group for shards in flat_specs for s in shards}
+    if len(groups) == 1:
+        return next(iter(groups.values()))
+    return dist.group.WORLD
+
+
+def make_plan(reducer: ShardedReducer, present: list[torch.Tensor | None], group: Any,
+              cost: Callable[[Sequence[int]], float], paths: list[str]) -> OwnerPlan:
+    """Resolve `OwnerPlan` for the leaves in ``present`` (None: absent): one
+    ``all_gather_object`` over the owner group; errors are raised on every rank alike."""
+    from .shapes import raise_on_every_rank
+    group = _owner_group(reducer.flat_specs, group)
+    error: BaseException | None = None
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        error = ValueError(f"on_owners: rank {dist.get_rank()} is not in the owner group.")
+    mine = []
+    for i, x in enumerate(present):
+        if x is None:
+            mine.append(None)
+            continue
+        coords = tuple(dist.get_rank(s.group) for s in reducer.flat_specs[i])
+        mine.append((coords, tuple(x.shape)))
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    leaves: list[_Leaf | None] = []
+    for i, x in enumerate(present):
+        if error is not None or x is None:
+            leaves.append(None)
+            continue
+        shards = reducer.flat_specs[i]
+        pieces = [e[i] for e in everyone]
+        if any(p is None for p in pieces):
+            error = ValueError(f"on_owners: {paths[i]} is masked on some ranks only.")
+            continue
+        if shards:
+            n_pieces = 1
+            for s in shards:
+                n_pieces *= dist.get_world_size(s.group)
+            coords = [c for c, _ in pieces]
+            if n_pieces != world or len(set(coords)) != world:
+                error = ValueError(
+                    f"on_owners: {paths[i]} is split into {n_pieces} pieces over its groups, "
+                    f"but the owner group has {world} ranks holding "
+                    f"{len(set(coords))} distinct pieces; every leaf must be spread over "
+                    "exactly the owner group (pass owner_group= the group that shards it, "
+                    "or one on-owners transform per group).")
+                continue
+            leaf = _Leaf(i, shards, tuple(pieces), (), -1)
+            shape = tuple(leaf.extent((), d) for d in range(x.ndim))
+        else:
+            shapes = {s for _, s in pieces}
+            if len(shapes) != 1:
+                error = ValueError(f"on_owners: {paths[i]} is replicated but its shape differs "
+                                   f"between ranks: {sorted(shapes)}.")
+                continue
+            shape = pieces[0][1]
+        leaves.append(_Leaf(i, shards, tuple(pieces), shape, -1))
+    raise_on_every_rank(error, group)
+    # greedy: largest cost first, to the least loaded rank (ties: lowest leaf index, rank)
+    loads = [0.0] * world
+    order = sorted((i for i, leaf in enumerate(leaves) if leaf is not None),
+                   key=lambda i: (-cost(leaves[i].shape), i))
+    owners: dict[int, int] = {}
+    for i in order:
+        r = min(range(world), key=lambda k: (loads[k], k))
+        owners[i] = r
+        loads[r] += cost(leaves[i].shape)
+    final = tuple(None if leaf is None else _Leaf(leaf.index, leaf.shards, leaf.pieces,
+                                                  leaf.shape, owners[i])
+                  for i, leaf in enumerate(leaves))
+    return OwnerPlan(group, rank, world, final, tuple(loads))
+
+
+def plan_owners(params: Params, specs: PyTree | None = None, owner_group: Any = None,
+                cost: Callable[[Sequence[int]], float] = default_cost) -> OwnerPlan:
+    """The `OwnerPlan` that `on_owners` makes for these local ``params`` and ``specs`` (None:
+    read from DTensor leaves): which rank computes (and holds the state of) which leaf. A
+    collective over the owner group; call it on every rank. Plans depend only on the shapes,
+    the specs and ``cost``, so this is the plan a `sharded(tx, specs, on_owners=True)` uses.
+
+    Example:
+      >>> plan = plan_owners(local_params, specs)
+      >>> mine = [path for path, owned in zip(opttx.tree.tree_paths(local_params),
+      ...                                     plan.owned()) if owned]
+    """
+    from ..tree import tree_flatten
+    from .specs import flatten_specs, shard_groups, specs_from_dtensors
+    from .shapes import is_dtensor
+    leaves, treespec = tree_flatten(params)
+    flat = flatten_specs(params, specs if specs is not None else specs_from_dtensors(params))
+    reducer = ShardedReducer(treespec, flat, shard_groups(flat), ndims=[x.ndim for x in leaves])
+    local = [x.to_local() if is_dtensor(x) else x for x in leaves]
+    return make_plan(reducer, local, owner_group, cost, tree_paths(params))
+
+
+def _all_to_all(chunks: list[list[torch.Tensor]], recv_sizes: list[int], group: Any,
+                dtype: torch.dtype, device: torch.device,
+                stats: CollectiveStats | None) -> list[torch.Tensor]:
+    """Send ``chunks[r]`` (a list of tensors) to owner-group rank ``r``; return what every rank
+    sent to this one, as one flat tensor per source rank."""
+    flat = [x.reshape(-1).to(dtype) for chunk in chunks for x in chunk]
+    send = torch.cat(flat) if flat else torch.zeros(0, dtype=dtype, device=device)
+    send_sizes = [sum(x.numel() for x in chunk) for chunk in chunks]
+    if stats is not None:
+        stats.record(group, send)
+    got = funcol.wait_tensor(funcol.all_to_all_single(send, recv_sizes, send_sizes, group))
+    return list(torch.split(got, recv_sizes))
+
+
+def _dtype_device(tensors: list[torch.Tensor]) -> tuple[torch.dtype, torch.device]:
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype, tensors[0].device
+
+
+def gather_to_owners(plan: OwnerPlan, trees: list[list[torch.Tensor | None]],
+                     stats: CollectiveStats | None = None) -> list[list[torch.Tensor | None]]:
+    """Bring the leaves of every tree in ``trees`` (per param leaf, this rank's piece, None
+    where absent) whole to their owners, in one ``all_to_all``; per tree, the whole leaves this
+    rank owns (None elsewhere)."""
+    routes = [leaf for leaf in plan.leaves if leaf is not None]
+    if not routes:
+        return [[None] * len(plan.leaves) for _ in trees]
+    dtype, device = _dtype_device([tree[leaf.index] for tree in trees for leaf in routes])
+    chunks: list[list[torch.Tensor]] = [[] for _ in range(plan.world)]
+    for leaf in routes:
+        if leaf.shards:
+            for tree in trees:
+                chunks[leaf.owner].append(tree[leaf.index])
+    recv_sizes = [sum(leaf.piece_numel(src) for leaf in routes
+                      if leaf.shards and leaf.owner == plan.rank) * len(trees)
+                  for src in range(plan.world)]
+    got = _all_to_all(chunks, recv_sizes, plan.group, dtype, device, stats)
+    out: list[list[torch.Tensor | None]] = [[None] * len(plan.leaves) for _ in trees]
+    offsets = [0] * plan.world
+    for leaf in routes:
+        if leaf.owner != plan.rank:
+            continue
+        for t, tree in enumerate(trees):
+            if not leaf.shards:
+                out[t][leaf.index] = tree[leaf.index]
+                continue
+            pieces = {}
+            for src in range(plan.world):
+                n = leaf.piece_numel(src)
+                pieces[src] = got[src][offsets[src]:offsets[src] + n].view(
+                    leaf.pieces[src][1]).to(tree[leaf.index].dtype)
+                offsets[src] += n
+            out[t][leaf.index] = leaf.assemble(pieces)
+    return out
+
+
+def scatter_from_owners(plan: OwnerPlan, whole: list[torch.Tensor | None],
+                        like: list[torch.Tensor | None],
+                        stats: CollectiveStats | None = None) -> list[torch.Tensor | None]:
+    """Send every rank its piece of the whole updates its owners computed (``whole``: per
+    param leaf, the owned update, None elsewhere), in one ``all_to_all``; per param leaf, this
+    rank's piece, in the dtype of ``like`` (this rank's gradient piece)."""
+    routes = [leaf for leaf in plan.leaves if leaf is not None]
+    if not routes:
+        return [None] * len(plan.leaves)
+    dtype, device = _dtype_device([like[leaf.index] for leaf in routes])
+    chunks: list[list[torch.Tensor]] = [[] for _ in range(plan.world)]
+    for leaf in routes:
+        if leaf.owner != plan.rank:
+            continue
+        if leaf.shards:
+            for dst, piece in enumerate(leaf.split(whole[leaf.index])):
+                chunks[dst].append(piece)
+        else:
+            for dst in range(plan.world):
+                if dst != plan.rank:
+                    chunks[dst].append(whole[leaf.index])
+    recv_sizes = [0] * plan.world
+    for leaf in routes:
+        if leaf.owner == plan.rank and not leaf.shards:
+            continue
+        recv_sizes[leaf.owner] += (leaf.piece_numel(plan.rank) if leaf.shards
+                                   else leaf.numel())
+    got = _all_to_all(chunks, recv_sizes, plan.group, dtype, device, stats)
+    out: list[torch.Tensor | None] = [None] * len(plan.leaves)
+    offsets = [0] * plan.world
+    for leaf in routes:
+        ref = like[leaf.index]
+        if leaf.owner == plan.rank and not leaf.shards:
+            out[leaf.index] = whole[leaf.index].to(ref.dtype)
+            continue
+        n = ref.numel()
+        src = leaf.owner
+        out[leaf.index] = got[src][offsets[src]:offsets[src] + n].view(ref.shape).to(ref.dtype)
+        offsets[src] += n
+    return out
+
+
+def _totals(plan: OwnerPlan, stats: CollectiveStats | None) -> Callable[..., torch.Tensor]:
+    def combine(total: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return pack_all_reduce([total], op, plan.group, stats)[0]
+    return combine
+
+
+def on_owners(tx: GradientTransformation, owner_group: Any = None,
+              cost: Callable[[Sequence[int]], float] = default_cost,
+              stats: CollectiveStats | None = None) -> GradientTransformation:
+    r"""Run ``tx`` on whole leaves, each at one owner rank; a link of a `sharded` chain.
+
+    For a leaf split over the groups :math:`G_1, \dots, G_k` into pieces :math:`x^{(r)}`,
+    the owner :math:`o(\ell)` receives every piece, reassembles :math:`x_\ell`, and computes
+
+    .. math::
+        (u_\ell, s_\ell) = \mathrm{tx}(x_\ell, s_\ell) \quad\text{on rank } o(\ell)\ \text{only,}
+
+    then every rank receives its piece :math:`u_\ell^{(r)}`. The result is the single-device
+    result exactly, for any transform (Shampoo, GaLore, 8-bit states, ...). Replicated leaves
+    are spread over the owners too (the owner's result is sent to every rank), so each leaf's
+    state lives on one rank and the work is balanced: owners are chosen greedily, most
+    expensive leaf first, to the rank with the least work so far (``cost``, default
+    `default_cost`: elements plus :math:`m^3+n^3` per matrix). The state on each rank is
+    ``tx``'s state over the leaves it owns (the others `opttx.MaskedNode`).
+
+    Collectives per step: one ``all_to_all`` bringing gradient (and parameter) pieces to the
+    owners, one sending update pieces back, plus one ``all_reduce`` of a scalar per global
+    statistic across leaves (`opttx.clip_by_global_norm` inside ``tx``), whatever the number
+    of leaves.
+
+    Args:
+      tx: any transform; it sees whole leaves and no sharded reducer.
+      owner_group: the ranks among which leaves are spread. Default: the one group that
+        shards the leaves when there is one, else the default group. Every sharded leaf must
+        be split over exactly these ranks (one piece per rank); replicated leaves are whole
+        on each of them.
+      cost: ``cost(shape) -> float``, the work of a leaf for balancing.
+      stats: a `CollectiveStats` to count into (default: that of the enclosing `sharded`).
+
+    It must run inside `opttx.distributed.sharded` (which knows the specs); ``sharded(tx,
+    specs, on_owners=True)`` is ``sharded(on_owners(tx), specs)``. Put element-wise and
+    layer-wise links outside it to keep them on the local shards (less traffic), e.g.
+    ``sharded(chain(all_reduce_gradients(dp), on_owners(shampoo(...))), specs)``.
+
+    Example:
+      >>> specs = {"w": Shard(0, tp), "b": Replicated()}
+      >>> tx = sharded(opttx.shampoo(1e-3, precondition_frequency=10), specs, on_owners=True)
+      >>> state = tx.init(local_params)      # Shampoo factors only for the leaves owned here
+      >>> updates, state = tx.update(local_grads, state, local_params)
+
+    References:
+      Shi et al., A Distributed Data-Parallel PyTorch Implementation of Distributed Shampoo
+      (arXiv 2309.06497), section 4 (blocks assigned to ranks); Rajbhandari et al., ZeRO
+      (arXiv 1910.02054) for partitioning optimizer state by owner.
+    """
+    plans: dict[tuple[bool, ...], OwnerPlan] = {}
+
+    def split_tree(reducer: ShardedReducer, tree: PyTree) -> list[torch.Tensor | None]:
+        flat = reducer.treespec.flatten_up_to(tree)
+        return [x if isinstance(x, torch.Tensor) else None for x in flat]
+
+    def plan_for(reducer: ShardedReducer, present: list[torch.Tensor | None],
+                 params_tree: PyTree) -> OwnerPlan:
+        key = tuple(x is not None for x in present)
+        if key not in plans:
+            try:
+                paths = tree_paths(params_tree)
+            except Exception:  # noqa: BLE001 - only for messages
+                paths = [f"leaf {i}" for i in range(len(present))]
+            if len(paths) != len(present):
+                paths = [f"leaf {i}" for i in range(len(present))]
+            plans[key] = make_plan(reducer, present, owner_group, cost, paths)
+        return plans[key]
+
+    def masked(reducer: ShardedReducer, leaves: list[torch.Tensor | None],
+               keep: list[bool]) -> PyTree:
+        return reducer.treespec.unflatten(
+            [x if k and x is not None else MaskedNode() for x, k in zip(leaves, keep)])
+
+    def reducer_of(where: str, extra_args: dict[str, Any] | None) -> ShardedReducer:
+        reducer = (extra_args or {}).get(REDUCER_KEY) if extra_args is not None \
+            else INIT_REDUCER.get()
+        if not isinstance(reducer, ShardedReducer):
+            raise ValueError(f"on_owners: {where} outside opttx.distributed.sharded; wrap the "
+                             "chain: sharded(on_owners(tx), specs) or sharded(tx, specs, "
+                             "on_owners=True).")
+        return reducer
+
+    def init(params: Params) -> State:
+        reducer = reducer_of("init", None)
+        local = split_tree(reducer, params)
+        plan = plan_for(reducer, local, params)
+        whole = gather_to_owners(plan, [local], stats or reducer.stats)[0]
+        return tx.init(masked(reducer, whole, plan.owned()))
+
+    def update(updates: Updates, state: State, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, State]:
+        reducer = reducer_of("update", extra_args)
+        counter = stats or reducer.stats
+        grads = split_tree(reducer, updates)
+        plan = plan_for(reducer, grads, updates)
+        trees = [grads]
+        if params is not None:
+            local_params = split_tree(reducer, params)
+            trees.append([p if g is not None else None for g, p in zip(grads, local_params)])
+        whole = gather_to_owners(plan, trees, counter)
+        keep = plan.owned()
+        inner_extra = {k: v for k, v in extra_args.items() if k != REDUCER_KEY}
+        inner_extra[TOTALS_KEY] = _totals(plan, counter)
+        out, new_state = tx.update(masked(reducer, whole[0], keep), state,
+                                   masked(reducer, whole[1], keep) if params is not None
+                                   else None, **inner_extra)
+        computed = reducer.treespec.flatten_up_to(out)
+        whole_updates = [x if k else None for x, k in zip(computed, keep)]
+        mine = scatter_from_owners(plan, whole_updates, grads, counter)
+        flat = reducer.treespec.flatten_up_to(updates)
+        return reducer.treespec.unflatten(
+            [m if m is not None else x for m, x in zip(mine, flat)]), new_state
+
+    return GradientTransformation(init, update)
