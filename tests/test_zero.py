@@ -528,6 +528,20 @@ def test_plan_example() -> None:
     assert "rank 1: ['big']" in plan.summary()
 
 
+def test_plan_search_on_a_deep_model() -> None:
+    """300 layers of 1M, 1K and 4M floats (5.9 GiB) over 8 ranks: the searched size pads under
+    2.5% with a few dozen chunks; a size too small for the largest parameter pads more than
+    the model itself (each 16 MiB parameter then takes a grown chunk of its own, nearly)."""
+    params = {f"l{i}": {"w": torch.empty(1024, 1024, device="meta"),
+                        "b": torch.empty(1024, device="meta"),
+                        "u": torch.empty(4096, 1024, device="meta")} for i in range(300)}
+    total = 300 * (1024 * 1024 + 1024 + 4096 * 1024) * 4
+    plan = zero_plan(params, 8)
+    _check_layout(plan, {p: x for p, x in zip(tree_paths(params), tree_flatten(params)[0])})
+    assert plan.searched and plan.padding_bytes < 0.025 * total and len(plan.chunks) <= 40
+    assert zero_plan(params, 8, 32).padding_bytes > total
+
+
 def test_plan_groups_dtypes_and_fills_every_rank_first() -> None:
     params = {"a": torch.empty(4), "h": torch.empty(6, dtype=torch.bfloat16),
               "b": torch.empty(0), "c": torch.empty(3), "d": torch.empty(2)}

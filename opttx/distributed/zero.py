@@ -349,11 +349,14 @@ def _agree_on_tree(params: Params, group: Any, device: torch.device) -> None:
 
 
 def _to_host(state: State, pin: bool) -> State:
+    """The state's tensors on the CPU: one blocking copy each, straight into pinned memory
+    when ``pin`` (so the next update's copy to the GPU can be asynchronous)."""
     def move(x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
-        x = x.to("cpu")
-        return x.pin_memory() if pin else x
+        if pin and not x.is_pinned():
+            return torch.empty_like(x, device="cpu", pin_memory=True).copy_(x)
+        return x.to("cpu")
     return tree_map(move, state)
 
 
