@@ -215,33 +215,61 @@ def _leaf_independence(rank: int, world: int, results: dict) -> None:
 
 
 def _compiled(rank: int, world: int, results: dict) -> None:
-    """A compiled zero step: one graph (fullgraph, aot_eager), no recompile, eager's numbers."""
+    """A compiled zero step at stage 1 and 2: one graph each (fullgraph, aot_eager), no
+    recompile over the steps, eager's numbers."""
     from torch._dynamo.testing import CompileCounterWithBackend
+    results["compiled"] = {}
+    for stage in (1, 2):
+        try:
+            # 64 bytes over 2 ranks: w and u fill the first chunk, b and c the second
+            full, grads = _problem(3, {"w": (3, 4), "u": (4, 3), "b": (7,), "c": (5,)},
+                                   world, 3)
+            make = lambda: zero(opttx.chain(opttx.clip_by_global_norm(0.5),  # noqa: E731
+                                            opttx.adamw(1e-2)),
+                                stage=stage, chunk_size_mb=64 / MIB)
+            tx_e, tx_c = make(), make()
+            s_e, s_c = tx_e.init(full), tx_c.init(full)
+            counter = CompileCounterWithBackend("aot_eager")
+            torch._dynamo.reset()
+            torch._dynamo.config.error_on_recompile = True
+            step = torch.compile(tx_c.update, backend=counter, fullgraph=True)
+            p_e = p_c = full
+            for per_rank in grads:
+                u, s_e = tx_e.update(per_rank[rank], s_e, p_e)
+                p_e = opttx.apply_updates(p_e, u)
+                u, s_c = step(per_rank[rank], s_c, p_c)
+                p_c = opttx.apply_updates(p_c, u)
+            results["compiled"][str(stage)] = {
+                "frames": counter.frame_count,
+                "same": all(torch.allclose(p_e[k], p_c[k], rtol=1e-6, atol=1e-7)
+                            for k in full),
+                "chunks": len(zero_plan(full, world, 64 / MIB).chunks)}
+        except Exception:  # noqa: BLE001
+            results["compiled"][str(stage)] = traceback.format_exc(limit=3)
+        finally:
+            torch._dynamo.config.error_on_recompile = False
+
+
+def _restored(rank: int, world: int, results: dict) -> None:
+    """A fresh zero transform given a saved state (no init: the plan is resolved from the
+    gradients at the first update) continues exactly where the first left off."""
     try:
-        # 64 bytes over 2 ranks: w and u fill the first chunk, b and c the second
-        full, grads = _problem(3, {"w": (3, 4), "u": (4, 3), "b": (7,), "c": (5,)}, world, 3)
-        make = lambda: zero(opttx.chain(opttx.clip_by_global_norm(0.5), opttx.adamw(1e-2)),
-                            stage=2, chunk_size_mb=64 / MIB)
-        tx_e, tx_c = make(), make()
-        s_e, s_c = tx_e.init(full), tx_c.init(full)
-        counter = CompileCounterWithBackend("aot_eager")
-        torch._dynamo.reset()
-        torch._dynamo.config.error_on_recompile = True
-        step = torch.compile(tx_c.update, backend=counter, fullgraph=True)
-        p_e = p_c = full
-        for per_rank in grads:
-            u, s_e = tx_e.update(per_rank[rank], s_e, p_e)
-            p_e = opttx.apply_updates(p_e, u)
-            u, s_c = step(per_rank[rank], s_c, p_c)
-            p_c = opttx.apply_updates(p_c, u)
-        results["compiled"] = {
-            "frames": counter.frame_count,
-            "same": all(torch.allclose(p_e[k], p_c[k], rtol=1e-6, atol=1e-7) for k in full),
-            "chunks": len(zero_plan(full, world, 64 / MIB).chunks)}
+        full, grads = _problem(12, {"w": (6, 5), "b": (6,), "t": (2, 3, 4)}, world, 4)
+        make = lambda: zero(opttx.lamb(1e-2), chunk_size_mb=64 / MIB)  # noqa: E731
+        tx = make()
+        p, s = full, tx.init(full)
+        for per_rank in grads[:2]:
+            u, s = tx.update(per_rank[rank], s, p)
+            p = opttx.apply_updates(p, u)
+        p2, s2, fresh = p, s, make()
+        for per_rank in grads[2:]:
+            u, s = tx.update(per_rank[rank], s, p)
+            p = opttx.apply_updates(p, u)
+            u, s2 = fresh.update(per_rank[rank], s2, p2)
+            p2 = opttx.apply_updates(p2, u)
+        results["restored"] = all(torch.equal(p[k], p2[k]) for k in full)
     except Exception:  # noqa: BLE001
-        results["compiled"] = traceback.format_exc(limit=3)
-    finally:
-        torch._dynamo.config.error_on_recompile = False
+        results["restored"] = traceback.format_exc(limit=3)
 
 
 def _errors(rank: int, world: int, results: dict) -> None:
@@ -324,6 +352,7 @@ def _worker(rank: int, world: int, store: str, out: str, n_draws: int, extras: b
         _errors(rank, world, results)
         _offload(rank, world, results)
         _mixed_dtypes(rank, world, results)
+        _restored(rank, world, results)
         _compiled(rank, world, results)
     _finish(out, rank, results)
 
@@ -448,12 +477,19 @@ def test_mixed_dtypes(world2: list[dict]) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_compiled_step_is_one_graph(world2: list[dict]) -> None:
+@pytest.mark.parametrize("stage", [1, 2])
+def test_compiled_step_is_one_graph(world2: list[dict], stage: int) -> None:
     for res in world2:
-        out = res["compiled"]
+        out = res["compiled"][str(stage)]
         assert isinstance(out, dict), out
         assert out["frames"] == 1 and out["same"], out
         assert out["chunks"] >= 2          # several chunks, still one graph
+
+
+@pytest.mark.timeout(300)
+def test_restored_state_continues(world2: list[dict]) -> None:
+    for res in world2:
+        assert res["restored"] is True, res["restored"]
 
 
 # ---------------------------------------------------------------------------------------------
