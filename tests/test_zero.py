@@ -224,9 +224,9 @@ def _compiled(rank: int, world: int, results: dict) -> None:
             # 64 bytes over 2 ranks: w and u fill the first chunk, b and c the second
             full, grads = _problem(3, {"w": (3, 4), "u": (4, 3), "b": (7,), "c": (5,)},
                                    world, 3)
-            make = lambda: zero(opttx.chain(opttx.clip_by_global_norm(0.5),  # noqa: E731
-                                            opttx.adamw(1e-2)),
-                                stage=stage, chunk_size_mb=64 / MIB)
+            make = lambda stage=stage: zero(
+                opttx.chain(opttx.clip_by_global_norm(0.5), opttx.adamw(1e-2)), stage=stage,
+                chunk_size_mb=64 / MIB)
             tx_e, tx_c = make(), make()
             s_e, s_c = tx_e.init(full), tx_c.init(full)
             counter = CompileCounterWithBackend("aot_eager")
@@ -255,7 +255,7 @@ def _restored(rank: int, world: int, results: dict) -> None:
     gradients at the first update) continues exactly where the first left off."""
     try:
         full, grads = _problem(12, {"w": (6, 5), "b": (6,), "t": (2, 3, 4)}, world, 4)
-        make = lambda: zero(opttx.lamb(1e-2), chunk_size_mb=64 / MIB)  # noqa: E731
+        make = lambda: zero(opttx.lamb(1e-2), chunk_size_mb=64 / MIB)
         tx = make()
         p, s = full, tx.init(full)
         for per_rank in grads[:2]:

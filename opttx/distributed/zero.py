@@ -416,8 +416,9 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
     parameters' dtype for the reduction and the updates come back in the gradients' dtypes.
     ``extra_args`` reach ``tx``, except a sharded reducer (``REDUCER_KEY``): leaves are whole.
     ``init`` checks that every rank passes the same parameter tree (structure, shapes, dtypes)
-    and raises the same ``ValueError`` on every rank otherwise; ``update`` checks the
-    gradients against that tree (a trace-time check, free at run time).
+    and raises the same ``ValueError`` on every rank otherwise, or when there are fewer
+    parameters than ranks (every rank must own one); ``update`` checks the gradients against
+    that tree (a trace-time check, free at run time).
 
     Returns:
       A `GradientTransformation` whose state is ``tx``'s state over the owned leaves (others
