@@ -29,6 +29,7 @@ __all__ = [
     "reduce_across_leaves",
     "reduce_statistics",
     "require_whole_leaves",
+    "round_stochastic_",
     "require_params",
     "safe_increment",
     "set_to_zero",
@@ -168,6 +169,32 @@ def _stochastic_pairs(p_leaves: list, u_leaves: list, scale: float = 1.0
     return sr_p, sr_u, rest_p, rest_u
 
 
+def _kind(x: torch.Tensor) -> Any:
+    """What a grouped (``_foreach``) kernel cannot mix: plain tensors, and DTensors per mesh
+    and placements (a tree under ``parallelize_module`` holds both)."""
+    mesh = getattr(x, "device_mesh", None)
+    if mesh is None:
+        return None
+    return (id(mesh), tuple(x.placements))
+
+
+def _foreach_add(p_leaves: list[torch.Tensor], u_leaves: list[torch.Tensor],
+                 inplace: bool) -> list[torch.Tensor]:
+    """``p + u`` (or ``p += u``) with one grouped kernel per kind of leaf (see `_kind`)."""
+    groups: dict[Any, list[int]] = {}
+    for i, p in enumerate(p_leaves):
+        groups.setdefault(_kind(p), []).append(i)
+    out: list[Any] = list(p_leaves)
+    for idx in groups.values():
+        ps, us = [p_leaves[i] for i in idx], [u_leaves[i] for i in idx]
+        if inplace:
+            torch._foreach_add_(ps, us)
+        else:
+            for i, r in zip(idx, torch._foreach_add(ps, us)):
+                out[i] = r
+    return out
+
+
 def apply_updates(params: Params, updates: Updates, *, stochastic_rounding: bool = False,
                   generator: torch.Generator | None = None) -> Params:
     """``params + updates``, leaf by leaf, as a new tree (pure).
@@ -191,8 +218,7 @@ def apply_updates(params: Params, updates: Updates, *, stochastic_rounding: bool
                 out.append(p + u.to(p.dtype))
         return tree_unflatten(out, spec)
     u_leaves = [u.to(p.dtype) for p, u in zip(p_leaves, u_leaves)]
-    return tree_unflatten(list(torch._foreach_add(p_leaves, u_leaves)) if p_leaves else [],
-                          spec)
+    return tree_unflatten(_foreach_add(p_leaves, u_leaves, inplace=False), spec)
 
 
 @torch.no_grad()
@@ -213,11 +239,10 @@ def apply_updates_(params: Params, updates: Updates, *, stochastic_rounding: boo
         sr_p, sr_u, p_leaves, u_leaves = _stochastic_pairs(p_leaves, u_leaves)
         for p, u in zip(sr_p, sr_u):
             round_stochastic_(p, p.float() + u.float(), generator)
-        if p_leaves:
-            torch._foreach_add_(p_leaves, u_leaves)
+        _foreach_add(p_leaves, u_leaves, inplace=True)
         return params
     u_leaves = [u.to(p.dtype) for p, u in zip(p_leaves, u_leaves)]
-    torch._foreach_add_(p_leaves, u_leaves)
+    _foreach_add(p_leaves, u_leaves, inplace=True)
     return params
 
 

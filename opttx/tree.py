@@ -264,7 +264,9 @@ def scalar_operand(value: Scalar, like: Sequence[torch.Tensor]) -> Scalar:
     if (isinstance(value, torch.Tensor) and torch.compiler.is_compiling()
             and value.device.type == "cpu" and like
             and all(t.dtype != torch.float64 for t in like)):
-        return torch._foreach_add([value.new_zeros(())], value)[0]
+        # ``value * 1``: an intermediate, not the graph input itself, or Dynamo specializes
+        # on the input's value (a recompile whenever an injected weight decay changes)
+        return torch._foreach_add([value.new_zeros(())], value * 1)[0]
     return value
 
 

@@ -120,7 +120,8 @@ def test_changing_injected_hyperparameters_does_not_recompile() -> None:
     step = make_step(model, tx)
     compiled = torch.compile(step, backend=counter, fullgraph=True)
     for i, (x, y) in enumerate(batches(6)):
-        opttx.set_hyperparams_(state, learning_rate=1e-2 / (i + 1), b1=0.9 - 0.1 * i)
+        opttx.set_hyperparams_(state, learning_rate=1e-2 / (i + 1), b1=0.9 - 0.1 * i,
+                               weight_decay=0.01 * (i + 1))
         params, state, _ = compiled(params, state, x, y)
     assert counter.frame_count >= 1 and graphs_of(step) == 1
     assert float(state.hyperparams["learning_rate"]) == pytest.approx(1e-2 / 6)

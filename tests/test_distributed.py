@@ -559,3 +559,23 @@ def test_buckets_follow_tree_order_and_capacity() -> None:
               dtype=torch.float64), torch.zeros(10)]
     # 1 KiB, 1 KiB, 4 KiB, fp64, 40 B with 2 KiB buckets
     assert plan_buckets(leaves, 2048) == [[0, 1], [2], [4], [3]]
+
+
+@pytest.mark.timeout(60)
+def test_apply_updates_mixes_dtensor_and_plain_leaves(world_of_one: None) -> None:
+    """A tree under parallelize_module holds DTensor and plain leaves; one grouped kernel
+    cannot take both, so they are added per kind."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import Shard as DShard
+    mesh = init_device_mesh("cpu", (1,))
+    params = {"w": distribute_tensor(torch.ones(4, 4), mesh, [DShard(0)]), "b": torch.ones(4)}
+    updates = {"w": distribute_tensor(torch.full((4, 4), 0.5), mesh, [DShard(0)]),
+               "b": torch.full((4,), 2.0)}
+    new = opttx.apply_updates(params, updates)
+    assert isinstance(new["w"], DTensor)
+    torch.testing.assert_close(new["w"].full_tensor(), torch.full((4, 4), 1.5))
+    torch.testing.assert_close(new["b"], torch.full((4,), 3.0))
+    opttx.apply_updates_(params, updates)
+    torch.testing.assert_close(params["w"].full_tensor(), torch.full((4, 4), 1.5))
+    torch.testing.assert_close(params["b"], torch.full((4,), 3.0))

@@ -3,8 +3,9 @@
 from .clipping import (ZeroNansState, clip, clip_by_block_rms, clip_by_global_norm,
                        global_norm, zero_nans)
 from .factored import (FactoredState, ScaleByCameState, add_step_scaled_decayed_weights,
-                       clip_by_rms, clip_by_rms_and_scale_by_param_rms, factored_axes, relative_step_schedule, scale_by_came,
-                       scale_by_factored_rms, scale_by_param_block_rms, scale_by_trust_ratio)
+                       clip_by_rms, clip_by_rms_and_scale_by_param_rms, factored_axes,
+                       relative_step_schedule, scale_by_came, scale_by_factored_rms,
+                       scale_by_param_block_rms, scale_by_trust_ratio)
 from .moments import (EmaState, ScaleByAdamState, ScaleByLionState, ScaleByNadamState,
                       ScaleByRmsState, ScaleByRssState, ScaleByStddevState, TraceState, ema,
                       scale_by_adam, scale_by_lion, scale_by_nadam, scale_by_rms, scale_by_rss,

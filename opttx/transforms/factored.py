@@ -34,6 +34,7 @@ __all__ = [
     "ScaleByCameState",
     "add_step_scaled_decayed_weights",
     "clip_by_rms",
+    "clip_by_rms_and_scale_by_param_rms",
     "factored_axes",
     "relative_step_schedule",
     "scale_by_came",
