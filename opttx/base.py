@@ -21,6 +21,7 @@ __all__ = [
     "Params",
     "REDUCER_KEY",
     "TOTALS_KEY",
+    "advance_counts",
     "State",
     "Updates",
     "apply_updates",
@@ -249,6 +250,26 @@ def apply_updates_(params: Params, updates: Updates, *, stochastic_rounding: boo
 # ---------------------------------------------------------------------------------------------
 # helpers shared by transforms
 # ---------------------------------------------------------------------------------------------
+
+
+def advance_counts(state: State) -> State:
+    """``state`` with every step counter (a ``count`` field of a NamedTuple state, at any
+    depth) advanced by one and nothing else changed: what an update on a tree without leaves
+    leaves behind (a rank that owns no leaf under `opttx.distributed.zero` or ``on_owners``,
+    a label of `opttx.partition` that matches nothing), so counters stay in step with the
+    ranks that do have leaves."""
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        fields = {name: advance_counts(getattr(state, name)) for name in state._fields}
+        count = fields.get("count")
+        if isinstance(count, torch.Tensor) and count.ndim == 0 and \
+                not count.dtype.is_floating_point:
+            fields["count"] = safe_increment(getattr(state, "count"))
+        return type(state)(**fields)
+    if isinstance(state, (tuple, list)):
+        return type(state)(advance_counts(x) for x in state)
+    if isinstance(state, dict):
+        return {k: advance_counts(v) for k, v in state.items()}
+    return state
 
 
 def zero_count(params: Params) -> torch.Tensor:

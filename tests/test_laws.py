@@ -162,3 +162,61 @@ def test_partition_routes_each_label() -> None:
     assert torch.equal(updates["w"], -torch.ones(3, 2))
     assert torch.equal(updates["b"], -10 * torch.ones(2))
     assert opttx.multi_transform is opttx.partition
+
+
+ALL_ALIASES = {
+    "sgd": lambda: opttx.sgd(0.1, momentum=0.9),
+    "adam": lambda: opttx.adam(1e-2),
+    "adamw": lambda: opttx.adamw(1e-2, weight_decay=0.1),
+    "nadam": lambda: opttx.nadam(1e-2),
+    "rmsprop": lambda: opttx.rmsprop(1e-2),
+    "adagrad": lambda: opttx.adagrad(1e-2),
+    "lion": lambda: opttx.lion(1e-3),
+    "adafactor": lambda: opttx.adafactor(1e-2, min_dim_size_to_factor=1),
+    "came": lambda: opttx.came(1e-3, min_dim_size_to_factor=1),
+    "lamb": lambda: opttx.lamb(1e-2),
+    "lars": lambda: opttx.lars(0.1),
+    "shampoo": lambda: opttx.shampoo(1e-2, max_preconditioner_dim=4),
+    "galore_adamw": lambda: opttx.galore_adamw(1e-2, rank=2, update_proj_gap=2),
+    "adamw_8bit": lambda: opttx.adamw_8bit(1e-2, min_size=16, block_size=16),
+    "adalomo": lambda: opttx.adalomo(1e-2),
+}
+
+
+@pytest.mark.parametrize("name", list(ALL_ALIASES))
+def test_a_tree_without_leaves_only_advances_the_counters(name) -> None:
+    """A rank that owns no leaf (zero, on_owners) or a label that matches nothing runs the
+    chain on a tree without leaves: nothing to compute, and every step counter moves, as on
+    the ranks that do have leaves."""
+    empty = {"w": opttx.MaskedNode()}
+    tx = opttx.chain(opttx.clip_by_global_norm(1.0), ALL_ALIASES[name]())
+    state = tx.init(empty)
+    for _ in range(3):
+        updates, state = tx.update(empty, state, empty)
+        assert updates == empty
+    full = {"w": torch.ones(5, 6)}
+    reference = tx.init(full)
+    for _ in range(3):
+        _, reference = tx.update(full, reference, full)
+    counts = [x for x in opttx.tree.tree_leaves(reference)
+              if x.ndim == 0 and not x.dtype.is_floating_point]
+    mine = [x for x in opttx.tree.tree_leaves(state)
+            if x.ndim == 0 and not x.dtype.is_floating_point]
+    if name == "adamw_8bit":      # quantize_state keeps its counters per leaf: none here
+        assert not mine
+    else:                         # every counter as far as on a tree with leaves
+        assert [int(c) for c in mine] == [int(c) for c in counts]
+        assert not counts or 3 in map(int, counts)
+
+
+@pytest.mark.parametrize("name", list(ALL_ALIASES))
+def test_an_empty_leaf_changes_nothing_else(name) -> None:
+    """A zero-size leaf (a rank's empty shard) is carried along without touching the others."""
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(5, 6, generator=gen), "b": torch.randn(6, generator=gen)}
+    grads = gradient_stream(params, 3, seed=1)
+    with_empty = [{**g, "e": torch.zeros(0, 3)} for g in grads]
+    got, _ = run_transform(ALL_ALIASES[name](), {**params, "e": torch.zeros(0, 3)}, with_empty)
+    want, _ = run_transform(ALL_ALIASES[name](), params, grads)
+    assert got["e"].shape == (0, 3)
+    assert_trees_close({k: got[k] for k in params}, want, rtol=1e-6)

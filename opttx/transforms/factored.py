@@ -20,8 +20,8 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 import torch
 
 from .._checks import check_nonnegative, check_positive, check_unit_interval
-from ..base import (GradientTransformation, Params, Updates, check_init_params,
-                    REDUCER_KEY, reduce_statistics, require_params, safe_increment,
+from ..base import (REDUCER_KEY, GradientTransformation, Params, Updates, advance_counts,
+                    check_init_params, reduce_statistics, require_params, safe_increment,
                     zero_count)
 from ..schedules import Schedule
 from ..tree import (MaskedNode, PyTree, Scalar, cast_like, flatten_matching, foreach_ema,
@@ -389,6 +389,8 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
                **extra_args: Any) -> tuple[Updates, FactoredState]:
         spec, g, rows, cols, fulls = flatten_matching(updates, state.v_row, state.v_col,
                                                       state.v)
+        if not g:             # a tree without leaves: only the step counters move
+            return updates, advance_counts(state)
         layout = layout_of(updates)
         beta = decay_rate_fn(state.count - step_offset, decay_rate)
         q = [x.to(s.dtype if s.numel() else r.dtype) for x, s, r in zip(g, fulls, rows)]
@@ -606,6 +608,8 @@ def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
                **extra_args: Any) -> tuple[Updates, ScaleByCameState]:
         spec, g, mu, rows, cols, fulls, r_rows, r_cols = flatten_matching(
             updates, state.mu, state.v_row, state.v_col, state.v, state.r_row, state.r_col)
+        if not g:             # a tree without leaves: only the step counters move
+            return updates, advance_counts(state)
         layout = layout_of(updates)
         g32 = cast_like(g, mu)
         q = list(torch._foreach_add(torch._foreach_mul(g32, g32), eps1))

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .._checks import check_nonnegative, check_unit_interval
-from ..base import (GradientTransformation, Params, Updates, check_init_params,
+from ..base import (GradientTransformation, Params, Updates, advance_counts, check_init_params,
                     precondition_target, safe_increment, zero_count)
 from ..tree import (Scalar, cast_like, flatten_matching, foreach_accumulate_sq, foreach_ema,
                     foreach_ema_sq, foreach_op_, foreach_scale_add, mark_owned,
@@ -123,6 +123,8 @@ def trace(decay: float, nesterov: bool = False,
                **extra_args: Any) -> tuple[Updates, TraceState]:
         del params, extra_args
         spec, g, buf = flatten_matching(updates, state.trace)
+        if not g:             # a tree without leaves: only the step counters move
+            return updates, advance_counts(state)
         buf = foreach_scale_add(buf, decay, cast_like(g, buf))
         if nesterov:
             out = _fresh(list(torch._foreach_add(
@@ -164,6 +166,8 @@ def ema(decay: float, debias: bool = True,
                **extra_args: Any) -> tuple[Updates, EmaState]:
         del params, extra_args
         spec, g, avg = flatten_matching(updates, state.ema)
+        if not g:             # a tree without leaves: only the step counters move
+            return updates, advance_counts(state)
         count = safe_increment(state.count)
         avg = foreach_ema(avg, g, decay)
         out = _fresh(_div_by(avg, debias_factor(decay, count)), g) if debias else \
@@ -238,6 +242,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
                **extra_args: Any) -> tuple[Updates, ScaleByAdamState]:
         del params, extra_args
         spec, g, mu, nu = flatten_matching(updates, state.mu, state.nu)
+        if not g:             # a tree without leaves: only the step counters move
+            return updates, advance_counts(state)
         count = safe_increment(state.count)
         mu = foreach_ema(mu, g, b1)
         nu = foreach_ema_sq(nu, g, b2)
@@ -316,6 +322,8 @@ def scale_by_nadam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                **extra_args: Any) -> tuple[Updates, ScaleByNadamState]:
         del params, extra_args
         spec, g, mu, nu = flatten_matching(updates, state.mu, state.nu)
+        if not g:             # a tree without leaves: only the step counters move
+            return updates, advance_counts(state)
         count = safe_increment(state.count)
         t = _float64(count)
         b1_64 = b1.to(torch.float64) if isinstance(b1, torch.Tensor) else b1
@@ -399,6 +407,8 @@ def scale_by_rms(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0
                **extra_args: Any) -> tuple[Updates, ScaleByRmsState]:
         del params
         spec, g, nu = flatten_matching(updates, state.nu)
+        if not g:             # a tree without leaves: only the step counters move
+            return updates, advance_counts(state)
         count = safe_increment(state.count)
         nu = foreach_ema_sq(nu, g, decay)
         nu_hat = _div_by(nu, debias_factor(decay, count)) if bias_correction else nu
@@ -445,6 +455,8 @@ def scale_by_stddev(decay: float = 0.9, eps: float = 1e-8, initial_scale: float 
                **extra_args: Any) -> tuple[Updates, ScaleByStddevState]:
         del params, extra_args
         spec, g, mu, nu = flatten_matching(updates, state.mu, state.nu)
+        if not g:             # a tree without leaves: only the step counters move
+            return updates, advance_counts(state)
         count = safe_increment(state.count)
         mu = foreach_ema(mu, g, decay)
         nu = foreach_ema_sq(nu, g, decay)
@@ -493,6 +505,8 @@ def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7,
                **extra_args: Any) -> tuple[Updates, ScaleByRssState]:
         del params
         spec, g, sos = flatten_matching(updates, state.sum_of_squares)
+        if not g:             # a tree without leaves: only the step counters move
+            return updates, advance_counts(state)
         sos = foreach_accumulate_sq(sos, g)
         x = flatten_matching(precondition_target(updates, extra_args))[1]
         out = _divide_by_root(x, sos, eps, eps_in_sqrt)
@@ -542,6 +556,8 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99,
                **extra_args: Any) -> tuple[Updates, ScaleByLionState]:
         del params, extra_args
         spec, g, mu = flatten_matching(updates, state.mu)
+        if not g:             # a tree without leaves: only the step counters move
+            return updates, advance_counts(state)
         g_mu = cast_like(g, mu)
         direction = foreach_op_("sign", list(torch._foreach_lerp(mu, g_mu, 1 - b1)))
         mu = foreach_ema(mu, g_mu, b2)

@@ -27,7 +27,7 @@ from typing import Any, Literal, NamedTuple, Sequence
 import torch
 
 from .._checks import check_nonnegative, check_positive_int, check_unit_interval
-from ..base import (PRECONDITION_INPUT, GradientTransformation, Params, Updates,
+from ..base import (PRECONDITION_INPUT, GradientTransformation, Params, Updates, advance_counts,
                     check_init_params, precondition_target, reduce_statistics,
                     require_whole_leaves, safe_increment, zero_count)
 from ..tree import (PyTree, flatten_matching, foreach_ema, foreach_sum_of_squares, tree_cond,
@@ -74,8 +74,9 @@ def merge_small_dims(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
 def block_shapes(shape: Sequence[int], max_dim: int) -> list[tuple[int, ...]]:
     """The shapes of the blocks of a tensor of ``shape``, in row-major block order."""
     merged = merge_small_dims(shape, max_dim)
+    # an empty dim is one empty block (as torch.split gives)
     pieces: list[list[int]] = [[max_dim] * (m // max_dim) + ([m % max_dim] if m % max_dim else [])
-                               for m in merged]
+                               if m else [0] for m in merged]
     shapes: list[tuple[int, ...]] = [()]
     for sizes in pieces:
         shapes = [s + (size,) for s in shapes for size in sizes]
@@ -91,7 +92,7 @@ def _split(x: torch.Tensor, max_dim: int) -> tuple[torch.Tensor, ...]:
 
 def _merge(blocks: Sequence[torch.Tensor], shape: Sequence[int], max_dim: int) -> torch.Tensor:
     merged = merge_small_dims(shape, max_dim)
-    counts = [math.ceil(m / max_dim) for m in merged]
+    counts = [max(1, math.ceil(m / max_dim)) for m in merged]
     parts = list(blocks)
     for dim in reversed(range(len(merged))):
         n = counts[dim]
@@ -178,6 +179,8 @@ def matrix_inverse_root(a: torch.Tensor, root: float, epsilon: float = 0.0,
       tensor([[0.5000, 0.0000],
               [0.0000, 0.2500]])
     """
+    if a.shape[-1] == 0:                 # the factor of an empty dim: nothing to invert
+        return a.clone()
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
     if method == "eigh":
         eigenvalues, eigenvectors = torch.linalg.eigh(a)
@@ -449,6 +452,8 @@ def graft(magnitude: GradientTransformation | None, direction: GradientTransform
     def update(updates: Updates, state: GraftState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, GraftState]:
         spec, g = flatten_matching(updates)
+        if not g:             # a tree without leaves: only the step counters move
+            return updates, advance_counts(state)
         count = safe_increment(state.count)
         filtered = state.filtered
         if beta1:
