@@ -416,9 +416,9 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
     parameters' dtype for the reduction and the updates come back in the gradients' dtypes.
     ``extra_args`` reach ``tx``, except a sharded reducer (``REDUCER_KEY``): leaves are whole.
     ``init`` checks that every rank passes the same parameter tree (structure, shapes, dtypes)
-    and raises the same ``ValueError`` on every rank otherwise, or when there are fewer
-    parameters than ranks (every rank must own one); ``update`` checks the gradients against
-    that tree (a trace-time check, free at run time).
+    and raises the same ``ValueError`` on every rank otherwise (a rank may own no parameter:
+    it runs ``tx`` on a tree without leaves, which only advances its counters); ``update``
+    checks the gradients against that tree (a trace-time check, free at run time).
 
     Returns:
       A `GradientTransformation` whose state is ``tx``'s state over the owned leaves (others
@@ -456,13 +456,6 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
             raise ValueError("opttx.distributed.zero: this rank is not in the given group.")
         plan = zero_plan(tree, world, chunk_size_mb, min_chunk_size_mb=min_chunk_size_mb,
                          search_range_mb=search_range_mb)
-        if len(plan.owners) < world:
-            # the same decision on every rank: a rank owning nothing would run tx on an empty
-            # tree, which most transforms do not accept (and one rank failing mid-step would
-            # leave the others waiting in a collective)
-            raise ValueError(f"opttx.distributed.zero: {len(plan.owners)} parameters cannot "
-                             f"be owned by {world} ranks (every rank must own at least one "
-                             "whole parameter); use a smaller group.")
         return _Resolved(plan, tree_flatten(tree)[1], g, rank, world, collective_device(g))
 
     def mask(tree: PyTree, res: _Resolved) -> PyTree:
