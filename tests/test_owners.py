@@ -182,6 +182,29 @@ def _tp_worker(rank: int, world: int, store: str, out: str, n_draws: int) -> Non
         except Exception:  # noqa: BLE001 - reported by the test
             results["errors"].append(f"compiled/{name}: {traceback.format_exc(limit=4)}")
     torch._dynamo.config.error_on_recompile = False
+    # DTensor leaves: specs read from the placements, updates come back as DTensors
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, distribute_tensor
+        from torch.distributed.tensor import Shard as DShard
+        mesh = init_device_mesh("cpu", (world,))
+        placements = {"w": [DShard(0)], "u": [DShard(1)], "b": [Replicate()]}
+
+        def dt(tree: dict) -> dict:
+            return {k: distribute_tensor(v, mesh, placements[k]) for k, v in tree.items()}
+        full, grads = _problem(8, {"w": (7, 5), "u": (5, 9), "b": (7,)})
+        make = _transforms()["shampoo"]
+        tx, tx_full = sharded(make(), on_owners=True), make()
+        p, pf = dt(full), full
+        s, sf = tx.init(p), tx_full.init(full)
+        for g in grads:
+            u, s = tx.update(dt(g), s, p)
+            p = opttx.apply_updates(p, u)
+            u, sf = tx_full.update(g, sf, pf)
+            pf = opttx.apply_updates(pf, u)
+        results["dtensor"] = max(float((p[k].full_tensor() - pf[k]).abs().max()) for k in pf)
+    except Exception:  # noqa: BLE001 - reported by the test
+        results["dtensor"] = traceback.format_exc(limit=4)
     # bad input: an owner group that does not match the leaves' split, on every rank alike
     singles = [dist.new_group([r]) for r in range(world)]      # every rank creates every group
     p = _shard_tree({"w": torch.ones(6, 4)}, {"w": Shard(0)})
@@ -284,6 +307,11 @@ def test_compiled_on_owners_step_is_one_graph(tp_results: list[dict]) -> None:
         assert not errors, f"rank {r}:\n" + "\n".join(errors)
         for name in ("shampoo", "clip_galore"):
             assert res["cases"][f"compiled/{name}"][0]["graphs"] == 1
+
+
+def test_dtensor_leaves_on_owners(tp_results: list[dict]) -> None:
+    for res in tp_results:
+        assert res["dtensor"] == 0.0, res["dtensor"]
 
 
 def test_mismatched_owner_group_raises_on_every_rank(tp_results: list[dict]) -> None:
