@@ -1,16 +1,18 @@
-"""Tools for property-based tests of optimizers: hypothesis strategies for pytrees of tensors
-and hyperparameters, closeness assertions on trees, and equivalence runners.
+"""Tools for property-based tests of optimizers: hypothesis strategies for pytrees of tensors,
+hyperparameters and sharding specs, closeness assertions on trees, and equivalence runners, in
+one process (`assert_equivalent`) and over several processes (`assert_shard_invariant`).
 
 opttx's own test suite uses these; they are public so that users can prove their own
-compositions equal a reference.
+compositions equal a reference, and that they give the single-device result when sharded.
 
 Example:
   >>> from hypothesis import given
-  >>> from opttx.testing import param_trees, assert_equivalent
-  >>> @given(tree=param_trees())
-  ... def test_my_adam_is_adam(tree):
-  ...     mine = opttx.chain(opttx.scale_by_adam(), opttx.scale(-1e-3))
-  ...     assert_equivalent(mine, opttx.adam(1e-3), tree, steps=10)
+  >>> from opttx.testing import param_trees, assert_equivalent, hyperparameters
+  >>> @given(tree=param_trees(), hp=hyperparameters("learning_rate", "b1", "b2"))
+  ... def test_my_adam_is_adam(tree, hp):
+  ...     mine = opttx.chain(opttx.scale_by_adam(hp["b1"], hp["b2"]),
+  ...                        opttx.scale(-hp["learning_rate"]))
+  ...     assert_equivalent(mine, opttx.adam(**hp), tree.tree, steps=10)
 """
 
 from __future__ import annotations
@@ -21,17 +23,25 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .base import GradientTransformation, apply_updates
-from .tree import PyTree, keystr, tree_flatten_with_path, tree_leaves, tree_map, tree_structure
+from .tree import (PyTree, keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_map,
+                   tree_paths, tree_structure)
 
 __all__ = [
+    "MeshDim",
     "ParamTree",
     "assert_equivalent",
+    "assert_shard_invariant",
     "assert_trees_close",
+    "bind_mesh",
     "gradient_stream",
+    "hyperparameters",
+    "log_uniform",
     "max_relative_error",
     "param_trees",
     "run_transform",
     "shapes",
+    "sharding_specs",
+    "spawn_ranks",
 ]
 
 
@@ -110,14 +120,33 @@ def run_transform(tx: GradientTransformation, params: PyTree, grads: Sequence[Py
 def assert_equivalent(tx_a: GradientTransformation, tx_b: GradientTransformation,
                       params: PyTree, steps: int = 10, grads: Sequence[PyTree] | None = None,
                       rtol: float = 1e-5, atol: float = 0.0, seed: int = 0) -> None:
-    """Assert two transforms give the same parameters after ``steps`` updates.
+    """Assert two transforms give the same parameters after every one of ``steps`` updates.
 
-    Gradients are Gaussian (`gradient_stream`) unless given.
+    Both run from ``params`` on the same gradients; after each step the parameters are compared
+    with `assert_trees_close`, so a difference is reported at the first step where it shows,
+    naming the leaf and its max relative error.
+
+    Args:
+      tx_a, tx_b: the transforms to compare (``tx_b`` is the reference).
+      params: the starting parameter tree.
+      steps: the number of updates (ignored when ``grads`` is given).
+      grads: the gradient trees, one per step; default Gaussian (`gradient_stream`).
+      rtol, atol: the tolerances of `assert_trees_close`.
+      seed: the seed of the default gradients.
+
+    Example:
+      >>> mine = opttx.chain(opttx.scale_by_adam(), opttx.scale(-1e-3))
+      >>> assert_equivalent(mine, opttx.adam(1e-3), {"w": torch.randn(4, 3)}, steps=10)
     """
     grads = list(grads) if grads is not None else gradient_stream(params, steps, seed)
-    pa, _ = run_transform(tx_a, params, grads)
-    pb, _ = run_transform(tx_b, params, grads)
-    assert_trees_close(pa, pb, rtol=rtol, atol=atol, what="params")
+    pa, pb = params, params
+    sa, sb = tx_a.init(params), tx_b.init(params)
+    for k, g in enumerate(grads, 1):
+        ua, sa = tx_a.update(g, sa, pa)
+        pa = apply_updates(pa, ua)
+        ub, sb = tx_b.update(g, sb, pb)
+        pb = apply_updates(pb, ub)
+        assert_trees_close(pa, pb, rtol=rtol, atol=atol, what=f"params after step {k}: ")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,3 +196,657 @@ def param_trees(min_leaves: int = 1, max_leaves: int = 4,
         return ParamTree(tree=tree, seed=seed)
 
     return build()
+
+
+def log_uniform(low: float, high: float):
+    """Strategy for floats spread evenly in log scale over ``[low, high]`` (both > 0).
+
+    Example:
+      >>> lrs = log_uniform(1e-5, 1e-1)       # as many draws below 1e-3 as above
+    """
+    import math
+
+    from hypothesis import strategies as st
+    if not 0 < low <= high:
+        raise ValueError(f"log_uniform needs 0 < low <= high, got ({low}, {high}).")
+    return st.floats(math.log(low), math.log(high)).map(
+        lambda x: min(max(math.exp(x), low), high))
+
+
+# name -> (scale, low, high, exclude high): the default range of each known hyperparameter
+_HYPERPARAMETER_RANGES: dict[str, tuple[str, float, float, bool]] = {
+    "learning_rate": ("log", 1e-4, 1e-1, False),
+    "lr": ("log", 1e-4, 1e-1, False),
+    "b1": ("linear", 0.0, 0.99, False),
+    "b2": ("linear", 0.5, 1.0, True),
+    "beta1": ("linear", 0.0, 0.99, False),
+    "beta2": ("linear", 0.5, 1.0, True),
+    "momentum": ("linear", 0.0, 1.0, True),
+    "decay": ("linear", 0.0, 1.0, True),
+    "eps": ("log", 1e-10, 1e-6, False),
+    "epsilon": ("log", 1e-10, 1e-6, False),
+    "weight_decay": ("linear", 0.0, 0.1, False),
+    "max_norm": ("log", 1e-2, 10.0, False),
+    "clipping_threshold": ("log", 1e-1, 10.0, False),
+    "clip_threshold": ("log", 1e-1, 10.0, False),
+    "trust_coefficient": ("log", 1e-4, 1e-1, False),
+}
+_BOOLEAN_HYPERPARAMETERS = ("nesterov",)
+
+
+def _range_strategy(name: str, value: Any):
+    from hypothesis import strategies as st
+    from hypothesis.strategies import SearchStrategy
+    if isinstance(value, SearchStrategy):
+        return value
+    if isinstance(value, list):
+        return st.sampled_from(value)
+    if isinstance(value, tuple) and len(value) == 2:
+        low, high = (float(v) for v in value)
+        if not low <= high:
+            raise ValueError(f"hyperparameters: the range of {name} must be (low, high) with "
+                             f"low <= high, got {value!r}.")
+        if _HYPERPARAMETER_RANGES.get(name, ("linear",))[0] == "log" and low > 0:
+            return log_uniform(low, high)
+        return st.floats(low, high, allow_nan=False, allow_infinity=False,
+                         allow_subnormal=False)
+    if isinstance(value, (bool, int, float)):
+        return st.just(value)
+    raise TypeError(f"hyperparameters: {name}={value!r}; give a (low, high) pair, a list of "
+                    "values, a single value or a hypothesis strategy.")
+
+
+def hyperparameters(*names: str, **ranges: Any):
+    """Strategy for a dict of hyperparameters, each drawn from a sensible range.
+
+    A name given positionally takes its default range:
+
+    ========================================  ==========================================
+    name                                      default range
+    ========================================  ==========================================
+    ``learning_rate``, ``lr``                 log-uniform in [1e-4, 1e-1]
+    ``b1``, ``beta1``                         uniform in [0, 0.99]
+    ``b2``, ``beta2``                         uniform in [0.5, 1)
+    ``momentum``, ``decay``                   uniform in [0, 1)
+    ``eps``, ``epsilon``                      log-uniform in [1e-10, 1e-6]
+    ``weight_decay``                          uniform in [0, 0.1]
+    ``max_norm``                              log-uniform in [1e-2, 10]
+    ``clipping_threshold``, ``clip_threshold``  log-uniform in [0.1, 10]
+    ``trust_coefficient``                     log-uniform in [1e-4, 1e-1]
+    ``nesterov``                              ``True`` or ``False``
+    ========================================  ==========================================
+
+    A name given as a keyword takes the range given: a ``(low, high)`` pair (log-uniform for
+    the names whose default is, when ``low > 0``; uniform otherwise), a list of values to
+    sample from, a single value, or any hypothesis strategy. Keys keep the order given, so the
+    dict can be passed as keyword arguments to an alias.
+
+    Args:
+      *names: hyperparameters with their default ranges.
+      **ranges: hyperparameters with the ranges given.
+
+    Returns:
+      A hypothesis strategy of ``dict[str, value]``.
+
+    Example:
+      >>> @given(hp=hyperparameters("learning_rate", "b1", "b2", weight_decay=(0.0, 0.5)))
+      ... def test_adamw(hp):
+      ...     tx = opttx.adamw(**hp)
+    """
+    from hypothesis import strategies as st
+    out: dict[str, Any] = {}
+    for name in names:
+        if name in _BOOLEAN_HYPERPARAMETERS:
+            out[name] = st.booleans()
+        elif name in _HYPERPARAMETER_RANGES:
+            scale, low, high, open_right = _HYPERPARAMETER_RANGES[name]
+            out[name] = (log_uniform(low, high) if scale == "log" else
+                         st.floats(low, high, exclude_max=open_right, allow_subnormal=False))
+        else:
+            known = ", ".join(sorted([*_HYPERPARAMETER_RANGES, *_BOOLEAN_HYPERPARAMETERS]))
+            raise ValueError(f"hyperparameters: no default range for {name!r}; give one as a "
+                             f"keyword ({name}=(low, high)) or use one of: {known}.")
+    for name, value in ranges.items():
+        out[name] = _range_strategy(name, value)
+    keys = list(out)
+    return st.tuples(*out.values()).map(lambda values: dict(zip(keys, values)))
+
+
+# ---------------------------------------------------------------------------------------------
+# sharding specs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MeshDim:
+    """A placeholder for the process group of mesh dim ``index``, standing as the ``group`` of
+    an `opttx.distributed.Shard` drawn where no process group exists (in the parent of the
+    ranks). `bind_mesh` puts each rank's group in its place; `assert_shard_invariant` does it
+    for you.
+
+    Example:
+      >>> Shard(1, MeshDim(0))     # dim 1 split over the first mesh dim's group
+    """
+    index: int
+
+    def __repr__(self) -> str:
+        return f"MeshDim({self.index})"
+
+
+def _is_shape(x: Any) -> bool:
+    return type(x) in (tuple, torch.Size) and all(isinstance(i, int) for i in x)
+
+
+def _shape_tree(shapes: PyTree) -> tuple[list[tuple[int, ...]], Any]:
+    """The shapes of a tree whose leaves are shape tuples (or tensors), and its treespec."""
+    leaves, treespec = tree_flatten(
+        shapes, is_leaf=lambda x: _is_shape(x) or isinstance(x, torch.Tensor))
+    out = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            out.append(tuple(x.shape))
+        elif _is_shape(x):
+            out.append(tuple(x))
+        else:
+            raise TypeError(f"Expected a tree of shapes (tuples of ints) or of tensors, found a "
+                            f"leaf {x!r}.")
+    return out, treespec
+
+
+def _draw_leaf_spec(shape: tuple[int, ...], mesh: Sequence[int], groups: Sequence[Any],
+                    replicated: bool, uneven: bool, pick: Callable[[list], Any]) -> Any:
+    """One leaf's spec, every choice made by ``pick(options)`` (the simplest option first, so
+    hypothesis shrinks towards replicated leaves and non-negative dims)."""
+    from .distributed.specs import Replicated, Shard
+    ndim = len(shape)
+    if ndim == 0:
+        return Replicated()
+    split = [1] * ndim
+    shards = []
+    for axis, size in enumerate(mesh):
+        dims = [d for d in range(ndim) if uneven or shape[d] % (split[d] * size) == 0]
+        must = not replicated and not shards and axis == len(mesh) - 1 and dims
+        dim = pick(dims if must else [None, *dims])
+        if dim is None:
+            continue
+        negative = pick([False, True])
+        split[dim] *= size
+        shards.append(Shard(dim - ndim if negative else dim, groups[axis]))
+    if not shards:
+        return Replicated()
+    return shards[0] if len(shards) == 1 else tuple(shards)
+
+
+def _check_mesh(mesh: Sequence[int], groups: Sequence[Any] | None) -> list[Any]:
+    mesh = tuple(mesh)
+    if not 1 <= len(mesh) <= 2 or not all(isinstance(m, int) and m >= 1 for m in mesh):
+        raise ValueError(f"mesh must be one or two positive group sizes, got {mesh!r}.")
+    if groups is None:
+        return [None] if len(mesh) == 1 else [MeshDim(i) for i in range(len(mesh))]
+    groups = list(groups)
+    if len(groups) != len(mesh):
+        raise ValueError(f"sharding_specs: {len(groups)} groups for a mesh of {len(mesh)} dims.")
+    return groups
+
+
+def sharding_specs(shapes: PyTree, mesh: Sequence[int] = (2,),
+                   groups: Sequence[Any] | None = None, replicated: bool = True,
+                   uneven: bool = True):
+    """Strategy for sharding-spec trees of parameters of the given global shapes.
+
+    Every leaf of rank one or more is, independently, `Replicated` or split over some of the
+    mesh dims: for each mesh dim, not at all or along a drawn dim (a dim may be split by both
+    mesh dims, as FSDP on a tensor-parallel shard; dims are written negative half the time).
+    Dims whose size the group size does not divide are drawn too, leaving uneven pieces or,
+    for a size below the group size, empty ones. 0-dim leaves are replicated.
+
+    Draw the specs once, in the process that spawns the ranks, and ship them (deterministic and
+    simple; `assert_shard_invariant` takes them): there the groups are placeholders, None for a
+    1-D mesh (the default group) and `MeshDim` for a 2-D one, which `bind_mesh` replaces by
+    each rank's groups. Or draw inside every rank with the real ``groups``, with hypothesis
+    derandomized (``settings(derandomize=True, database=None)``) so that all ranks draw the
+    same specs.
+
+    Args:
+      shapes: a tree whose leaves are global shapes (tuples of ints) or tensors.
+      mesh: the size of each mesh dim (one or two): the number of ranks of its groups.
+      groups: the process group of each mesh dim, to put in the specs (default: placeholders).
+      replicated: whether a leaf may be drawn replicated (False: every leaf of rank one or more
+        is sharded over at least one mesh dim).
+      uneven: whether dims whose size the group does not divide may be drawn.
+
+    Returns:
+      A hypothesis strategy of spec trees shaped like the params.
+
+    Example:
+      >>> shapes = {"w": (7, 4), "b": (7,)}
+      >>> @settings(max_examples=1)
+      ... @given(cases=st.lists(sharding_specs(shapes), min_size=4, max_size=4))
+      ... def test_lamb_shards(cases):
+      ...     assert_shard_invariant(partial(opttx.lamb, 1e-2), shapes, specs=cases)
+    """
+    from hypothesis import strategies as st
+    leaves, treespec = _shape_tree(shapes)
+    mesh = tuple(mesh)
+    groups = _check_mesh(mesh, groups)
+
+    @st.composite
+    def build(draw: Callable) -> PyTree:
+        pick = lambda options: draw(st.sampled_from(options))  # noqa: E731
+        return treespec.unflatten([_draw_leaf_spec(s, mesh, groups, replicated, uneven, pick)
+                                   for s in leaves])
+    return build()
+
+
+def bind_mesh(specs: PyTree, groups: Sequence[Any]) -> PyTree:
+    """The spec tree with every `MeshDim` placeholder replaced by this rank's group of that
+    mesh dim (``groups[index]``; None stands for the default group).
+
+    Args:
+      specs: a spec tree, as drawn by `sharding_specs` in the parent process.
+      groups: this rank's process group of each mesh dim.
+
+    Returns:
+      A spec tree for `opttx.distributed.sharded`.
+
+    Example:
+      >>> specs = bind_mesh(drawn, (tp_group, dp_group))    # inside each rank
+    """
+    from .distributed.specs import Shard
+
+    def bind(s: Any) -> Any:
+        if isinstance(s, Shard) and isinstance(s.group, MeshDim):
+            return Shard(s.dim, groups[s.group.index], s.size)
+        if isinstance(s, tuple) and s and all(isinstance(x, Shard) for x in s):
+            return tuple(bind(x) for x in s)
+        return s
+    return tree_map(bind, specs, is_leaf=_is_spec)
+
+
+def _is_spec(x: Any) -> bool:
+    from .distributed.specs import Replicated, Shard
+    return (x is None or isinstance(x, (Replicated, Shard))
+            or (isinstance(x, tuple) and bool(x) and all(isinstance(s, Shard) for s in x)))
+
+
+def _spec_str(spec: Any) -> str:
+    from .distributed.specs import Shard
+    if isinstance(spec, Shard):
+        g = spec.group
+        where = "" if g is None else f", {g!r}" if isinstance(g, MeshDim) else ", group"
+        return f"Shard({spec.dim}{where})"
+    if isinstance(spec, tuple):
+        return "(" + ", ".join(_spec_str(s) for s in spec) + ")"
+    return "Replicated()" if spec is not None else "None"
+
+
+# ---------------------------------------------------------------------------------------------
+# several processes
+# ---------------------------------------------------------------------------------------------
+
+
+def _rank_main(rank: int, world: int, tmp: str, fn: Callable, args: tuple,
+               timeout: float) -> None:
+    """The body of every spawned rank: a gloo process group, ``fn``, its result or its error
+    written to ``tmp`` for the parent."""
+    import datetime
+    import pickle
+    import traceback
+    from pathlib import Path
+
+    import torch.distributed as dist
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout))
+        result = fn(rank, world, *args)
+        Path(f"{tmp}/result.{rank}").write_bytes(pickle.dumps(result))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as e:
+        text = traceback.format_exc()
+        try:
+            blob = pickle.dumps(e)
+        except Exception:  # noqa: BLE001 - an unpicklable exception travels as text
+            blob = None
+        Path(f"{tmp}/error.{rank}").write_bytes(pickle.dumps((blob, text)))
+        raise
+
+
+def _raise_rank_error(tmp: str, world: int, cause: BaseException) -> None:
+    import pickle
+    from pathlib import Path
+    errors = {}
+    for r in range(world):
+        f = Path(f"{tmp}/error.{r}")
+        if f.exists():
+            errors[r] = pickle.loads(f.read_bytes())
+    if not errors:
+        raise RuntimeError(f"a rank died without raising a Python exception ({cause}): it was "
+                           "killed, or failed before running (a spawned process imports the "
+                           "parent's __main__ module: guard scripts with "
+                           "`if __name__ == '__main__':`).") from None
+    rank = min(errors)
+    blob, text = errors[rank]
+    others = "".join(f"\nrank {r} also raised: {t.strip().splitlines()[-1]}"
+                     for r, (_, t) in sorted(errors.items()) if r != rank)
+    note = f"raised on rank {rank} of {world}; its traceback:\n{text}{others}"
+    exc = None
+    if blob is not None:
+        try:
+            exc = pickle.loads(blob)
+        except Exception:  # noqa: BLE001
+            exc = None
+    if isinstance(exc, BaseException):
+        exc.add_note(note)
+        raise exc
+    raise RuntimeError(note)
+
+
+def spawn_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (),
+                timeout: float = 120.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in a gloo
+    process group (CPU); return what each rank returned, in rank order.
+
+    Every rank starts with ``torch.distributed`` initialised (``file://`` rendezvous in a
+    temporary directory, collectives timing out after ``timeout`` seconds) and one intra-op
+    thread. An exception in a rank is raised again here, with the rank's traceback attached as
+    a note; the other ranks are stopped. If the ranks have not all finished after ``timeout``
+    seconds (a rank waiting in a collective that another never issues), all are stopped and a
+    ``TimeoutError`` names the ranks still running.
+
+    ``fn``, ``args`` and the return values travel by pickle: ``fn`` must be importable by a
+    fresh process (a function defined at the top level of a module, or a ``functools.partial``
+    of one; not a lambda, and not a function defined in ``__main__`` or in a notebook).
+
+    Args:
+      fn: ``fn(rank, world_size, *args)``, run on every rank.
+      world_size: the number of processes.
+      args: further arguments of ``fn``.
+      timeout: seconds for the whole run.
+
+    Returns:
+      The list of the ranks' return values.
+
+    Example:
+      >>> def total(rank, world):          # in an importable module
+      ...     x = torch.tensor([rank + 1.0]); dist.all_reduce(x); return float(x)
+      >>> spawn_ranks(total, world_size=2)
+      [3.0, 3.0]
+    """
+    import pickle
+    import tempfile
+    import time
+
+    import torch.multiprocessing as mp
+    try:
+        pickle.dumps((fn, args))
+    except Exception as e:  # noqa: BLE001
+        raise TypeError(f"spawn_ranks: the function and its arguments must be picklable to "
+                        f"reach the spawned processes (a function defined at the top level of "
+                        f"an importable module, or a functools.partial of one): {e}") from None
+    with tempfile.TemporaryDirectory(prefix="opttx-ranks-") as tmp:
+        ctx = mp.start_processes(_rank_main, args=(world_size, tmp, fn, tuple(args), timeout),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=0.2):
+                if time.monotonic() > deadline:
+                    running = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+                    _stop(ctx.processes)
+                    raise TimeoutError(
+                        f"spawn_ranks: ranks {running} of {world_size} still running after "
+                        f"{timeout:g} s, stopped (a rank waiting in a collective that another "
+                        "rank never issued, or a slow run: raise timeout=).")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            _stop(ctx.processes)
+            _raise_rank_error(tmp, world_size, e)
+        except BaseException:
+            _stop(ctx.processes)
+            raise
+        from pathlib import Path
+        return [pickle.loads(Path(f"{tmp}/result.{r}").read_bytes())
+                for r in range(world_size)]
+
+
+def _stop(processes: list) -> None:
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def _mesh_groups(mesh: tuple[int, ...], rank: int) -> list[Any]:
+    """This rank's group of each mesh dim (ranks laid out row-major over ``mesh``); every rank
+    creates every group, in the same order."""
+    import torch.distributed as dist
+    if len(mesh) == 1:
+        return [None]
+    a, b = mesh
+    mine = [None, None]
+    for j in range(b):                      # mesh dim 0: the ranks of one column
+        g = dist.new_group([i * b + j for i in range(a)])
+        if rank % b == j:
+            mine[0] = g
+    for i in range(a):                      # mesh dim 1: the ranks of one row
+        g = dist.new_group([i * b + j for j in range(b)])
+        if rank // b == i:
+            mine[1] = g
+    return mine
+
+
+def _leaf_mismatch(actual: torch.Tensor, expected: torch.Tensor, rtol: float,
+                   atol: float) -> tuple[float, str] | None:
+    """None when ``actual`` is close to ``expected``; else its max relative error and a
+    description."""
+    if actual.shape != expected.shape:
+        return float("inf"), f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if actual.dtype != expected.dtype:
+        return float("inf"), f"dtype {actual.dtype} != {expected.dtype}"
+    if not actual.is_floating_point():
+        return None if torch.equal(actual, expected) else (float("inf"), "values differ")
+    if not torch.equal(torch.isfinite(actual), torch.isfinite(expected)):
+        return float("inf"), "non-finite values differ"
+    a, e = torch.nan_to_num(actual.double()), torch.nan_to_num(expected.double())
+    err = (a - e).abs().max().item() if a.numel() else 0.0
+    scale = e.abs().max().item() if a.numel() else 0.0
+    if err <= atol + rtol * scale:
+        return None
+    rel = max_relative_error(a, e)
+    return rel, f"max relative error {rel:.3e} (max abs error {err:.3e}; rtol {rtol:g}, " \
+                f"atol {atol:g})"
+
+
+def _shard_case(make_tx: Callable[[], GradientTransformation], params: PyTree,
+                grads: Sequence[PyTree], specs: PyTree, on_owners: bool, rtol: float,
+                atol: float, check_state: bool) -> dict[str, Any]:
+    """On one rank: the single-device run and the sharded run step by step; every mismatch of
+    this rank's parameters (and comparable state leaves) with its slice of the single-device
+    ones."""
+    from .distributed import local_shard, sharded
+    leaves, treespec = tree_flatten(params)
+    flat_specs = treespec.flatten_up_to(specs)
+    paths = tree_paths(params)
+
+    def shard(tree: PyTree) -> PyTree:
+        return treespec.unflatten([local_shard(x, s) for x, s in
+                                   zip(treespec.flatten_up_to(tree), flat_specs)])
+
+    tx_full, tx = make_tx(), sharded(make_tx(), specs, on_owners=on_owners)
+    p_full, p_loc = params, shard(params)
+    s_full, s_loc = tx_full.init(p_full), tx.init(p_loc)
+    failures: list[dict[str, Any]] = []
+    checked, skipped = 0, set()
+    for step, g in enumerate(grads, 1):
+        u, s_full = tx_full.update(g, s_full, p_full)
+        p_full = apply_updates(p_full, u)
+        u, s_loc = tx.update(shard(g), s_loc, p_loc)
+        p_loc = apply_updates(p_loc, u)
+        pairs = [("params", path, x, local_shard(e, s)) for path, x, e, s in
+                 zip(paths, tree_leaves(p_loc), tree_leaves(p_full), flat_specs)]
+        if check_state:
+            full_state = {keystr(k): v for k, v in tree_flatten_with_path(s_full)[0]}
+            for k, y in tree_flatten_with_path(s_loc)[0]:
+                path = keystr(k) or "<root>"
+                x = full_state.get(keystr(k))
+                if not isinstance(y, torch.Tensor) or not isinstance(x, torch.Tensor):
+                    continue
+                if x.shape == y.shape:
+                    pairs.append(("state", path, y, x))
+                    continue
+                # a leaf like its parameter: compare with the parameter's slice
+                owner = max((i for i, p in enumerate(paths) if p in path
+                             and tuple(leaves[i].shape) == tuple(x.shape)),
+                            key=lambda i: len(paths[i]), default=None)
+                if owner is None:
+                    skipped.add(path)
+                    continue
+                pairs.append(("state", path, y, local_shard(x, flat_specs[owner])))
+        for what, path, actual, expected in pairs:
+            checked += 1
+            bad = _leaf_mismatch(actual, expected, rtol, atol)
+            if bad is not None:
+                failures.append({"step": step, "what": what, "path": path, "rel": bad[0],
+                                 "detail": bad[1]})
+    return {"failures": failures, "checked": checked, "skipped": sorted(skipped)}
+
+
+def _shard_worker(rank: int, world: int, make_tx: Callable[[], GradientTransformation],
+                  params: PyTree, grads: list[PyTree], cases: list[PyTree],
+                  mesh: tuple[int, ...], on_owners: bool, rtol: float, atol: float,
+                  check_state: bool) -> list[dict[str, Any]]:
+    groups = _mesh_groups(mesh, rank)
+    return [_shard_case(make_tx, params, grads, bind_mesh(specs, groups), on_owners, rtol,
+                        atol, check_state) for specs in cases]
+
+
+_DEFAULT_SHAPES = {"w": (9, 6), "u": (6, 5), "t": (3, 5, 4), "b": (5,)}
+
+
+def assert_shard_invariant(make_tx: Callable[[], GradientTransformation],
+                           params: PyTree | None = None, specs: PyTree | None = None, *,
+                           world_size: int = 2, mesh: Sequence[int] | None = None,
+                           steps: int = 5, on_owners: bool = False, rtol: float = 1e-5,
+                           atol: float = 1e-6, seed: int = 0, n_specs: int = 4,
+                           check_state: bool = True, timeout: float = 180.0) -> dict[str, Any]:
+    """Assert that ``make_tx()`` run sharded over several processes gives the single-device
+    result, on every rank, at every step.
+
+    Spawns ``world_size`` processes in a gloo process group (CPU; `spawn_ranks`). For every
+    spec tree, each rank runs ``sharded(make_tx(), specs, on_owners=on_owners)`` on its pieces
+    (`opttx.distributed.local_shard`) of the same seeded parameters and gradients, and
+    ``make_tx()`` on the whole tensors, and after each step compares its parameters with its
+    slice of the single-device ones; with ``check_state``, also every state tensor that can be
+    matched to the single-device state by its path: tensors of the same shape (statistics that
+    every rank holds whole, and the whole leaves an owner holds under ``on_owners``) and
+    tensors shaped like their parameter (compared on the parameter's slice). Others (factored
+    row and column statistics of a sharded leaf) are left out.
+
+    ``make_tx`` crosses to the spawned processes by pickle: it must be a function defined at
+    the top level of an importable module, or a ``functools.partial`` of one (of an alias:
+    ``partial(opttx.adamw, 1e-3, weight_decay=0.1)``); not a lambda, nor a function defined in
+    a notebook or in ``__main__``. Transforms whose decisions read a leaf's shape need them
+    fixed to the global shapes (``factor_axes`` as explicit pairs; see
+    `opttx.distributed.global_factor_axes`).
+
+    Args:
+      make_tx: builds the transform (called once per run, single-device and sharded).
+      params: the global parameters: a tree of tensors, or of shapes (tuples of ints) for
+        Gaussian ones seeded by ``seed``. Default: four leaves of odd sizes, of 1 to 3 dims.
+      specs: a spec tree like the params (leaves `opttx.distributed.Replicated`,
+        ``Shard(dim)``: the default group; ``Shard(dim, MeshDim(i))`` on a 2-D mesh), or a list
+        of them (all run in one spawn), or None for ``n_specs`` trees drawn from
+        `sharding_specs` (deterministically, from ``seed``).
+      world_size: the number of processes (1-D mesh).
+      mesh: two group sizes for a 2-D mesh (ranks row-major; ``world_size`` is their product).
+      steps: updates per spec tree, on Gaussian gradients (`gradient_stream`).
+      on_owners: run the transform on whole leaves at owner ranks
+        (`opttx.distributed.on_owners`), as matrix transforms need.
+      rtol, atol: a leaf passes when ``max|a − e| <= atol + rtol · max|e|``.
+      seed: seeds the parameters (given shapes), the gradients and the drawn specs.
+      n_specs: the number of spec trees drawn when ``specs`` is None.
+      check_state: compare the optimizer state too.
+      timeout: seconds for the whole run (a hang is stopped and reported).
+
+    Returns:
+      What was checked: ``{"cases": spec trees run, "compared": leaf comparisons made (all
+      ranks, steps and spec trees), "state_left_out": paths of the state tensors that could
+      not be matched to a slice of the single-device state}``.
+
+    Raises:
+      AssertionError: a difference, naming the spec tree, the step, the rank, the leaf and its
+        max relative error (the first one found; the number of others).
+      TimeoutError: the ranks did not finish within ``timeout``.
+      Exception: an exception raised on a rank, raised again with that rank's traceback.
+
+    Example:
+      >>> from functools import partial
+      >>> assert_shard_invariant(partial(opttx.lamb, 1e-2, weight_decay=0.01))
+      >>> specs = {"w": Shard(1), "b": Replicated()}
+      >>> assert_shard_invariant(partial(opttx.shampoo, 1e-3), {"w": (8, 5), "b": (5,)},
+      ...                        specs, on_owners=True)
+    """
+    import random
+
+    from .distributed.specs import Replicated
+    mesh = (world_size,) if mesh is None else tuple(mesh)
+    _check_mesh(mesh, None)
+    world = 1
+    for m in mesh:
+        world *= m
+    if params is None:
+        params = _DEFAULT_SHAPES
+    leaves, treespec = tree_flatten(
+        params, is_leaf=lambda x: _is_shape(x) or isinstance(x, torch.Tensor))
+    if not all(isinstance(x, torch.Tensor) for x in leaves):
+        shapes, treespec = _shape_tree(params)
+        gen = torch.Generator().manual_seed(seed)
+        params = treespec.unflatten([torch.randn(s, generator=gen) for s in shapes])
+    else:
+        shapes = [tuple(x.shape) for x in leaves]
+        params = treespec.unflatten([x.detach().clone() for x in leaves])
+    if specs is None:
+        rng = random.Random(seed)
+        groups = _check_mesh(mesh, None)
+        cases = [treespec.unflatten([_draw_leaf_spec(s, mesh, groups, True, True, rng.choice)
+                                     for s in shapes]) for _ in range(n_specs)]
+    else:
+        try:
+            treespec.flatten_up_to(specs)
+            cases = [specs]
+        except (ValueError, TypeError):
+            if not isinstance(specs, (list, tuple)):
+                raise ValueError("assert_shard_invariant: specs must be a spec tree shaped like "
+                                 "the params, or a list of them.") from None
+            cases = list(specs)
+            for c in cases:
+                treespec.flatten_up_to(c)
+    cases = [tree_map(lambda s: Replicated() if s is None else s, c, is_leaf=_is_spec)
+             for c in cases]
+    grads = gradient_stream(params, steps, seed + 1)
+    results = spawn_ranks(_shard_worker, world,
+                          (make_tx, params, grads, cases, mesh, on_owners, rtol, atol,
+                           check_state), timeout=timeout)
+    found = []
+    for rank, per_case in enumerate(results):
+        for c, res in enumerate(per_case):
+            found += [(f["step"], c, rank, f) for f in res["failures"]]
+    if not found:
+        return {"cases": len(cases),
+                "compared": sum(res["checked"] for per_case in results for res in per_case),
+                "state_left_out": sorted({p for per_case in results for res in per_case
+                                          for p in res["skipped"]})}
+    found.sort(key=lambda t: (t[1], t[0], t[2]))
+    step, c, rank, f = found[0]
+    specs_text = ", ".join(f"{p}: {_spec_str(s)}" for p, s in
+                           zip(tree_paths(params), treespec.flatten_up_to(cases[c])))
+    raise AssertionError(
+        f"sharded != single device: {f['what']}{f['path']} on rank {rank} of {world} after "
+        f"step {step}: {f['detail']}.\n  specs (case {c + 1} of {len(cases)}): {{{specs_text}}}"
+        f"{' on owners' if on_owners else ''}; mesh {mesh}; seed {seed}."
+        + (f"\n  {len(found) - 1} more mismatches (other leaves, steps or ranks)."
+           if len(found) > 1 else ""))

@@ -1,0 +1,223 @@
+"""opttx.testing: its strategies draw what they promise, and its equivalence assertions pass
+known-equal pairs and catch a planted difference of 1e-3 in one leaf after 3 steps, in one
+process (`assert_equivalent`) and sharded over two gloo processes (`assert_shard_invariant`).
+
+Each `assert_shard_invariant` or `spawn_ranks` call spawns fresh processes (several seconds on
+a small CPU), so the multi-process tests are few and each runs several spec trees in one spawn.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import find, given, settings
+from hypothesis import strategies as st
+
+import opttx
+from opttx.base import REDUCER_KEY, TOTALS_KEY
+from opttx.distributed import Replicated, Shard
+from opttx.testing import (MeshDim, assert_equivalent, assert_shard_invariant, bind_mesh,
+                           hyperparameters, log_uniform, param_trees, sharding_specs,
+                           spawn_ranks)
+
+SHAPES = {"w": (9, 6), "u": (6, 5), "t": (3, 5, 4), "b": (5,), "s": ()}
+
+# ---------------------------------------------------------------------------------------------
+# transforms with a planted difference (top level: the spawned ranks import them)
+# ---------------------------------------------------------------------------------------------
+
+
+def plant(leaf: str = "w", at_step: int = 3, amount: float = 1e-3,
+          rank: int | None = None) -> opttx.GradientTransformation:
+    """Adds ``amount`` to the update of ``leaf`` at step ``at_step``: always (``rank`` None),
+    or only when run sharded and on rank ``rank``."""
+    def init(params):
+        return torch.zeros((), dtype=torch.int32)
+
+    def update(updates, state, params=None, **extra_args):
+        sharded_run = REDUCER_KEY in extra_args or TOTALS_KEY in extra_args
+        here = rank is None or (sharded_run and dist.get_rank() == rank)
+        if int(state) + 1 == at_step and here:
+            updates = {**updates, leaf: updates[leaf] + amount}
+        return updates, state + 1
+    return opttx.GradientTransformation(init, update)
+
+
+def planted_lamb(rank: int | None = None) -> opttx.GradientTransformation:
+    return opttx.chain(opttx.lamb(1e-2, weight_decay=0.01), plant(rank=rank))
+
+
+def conditioned_shampoo() -> opttx.GradientTransformation:
+    # eps 1e-3: the factors of a few steps are rank-deficient, and a tiny eps would amplify
+    # float32 rounding (a sum in another order) far beyond rtol
+    return opttx.shampoo(1e-2, max_preconditioner_dim=4, precondition_frequency=2,
+                         start_preconditioning_step=2, epsilon=1e-3)
+
+
+def _sleep_on_rank_one(rank: int, world: int) -> int:
+    if rank == 1:
+        time.sleep(600)
+    return rank
+
+
+# ---------------------------------------------------------------------------------------------
+# strategies (one process)
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=50, deadline=None)
+@given(hp=hyperparameters("learning_rate", "b1", "b2", "eps", "nesterov",
+                          weight_decay=(0.0, 0.5), momentum=[0.0, 0.9]))
+def test_hyperparameters_in_range(hp: dict) -> None:
+    assert list(hp) == ["learning_rate", "b1", "b2", "eps", "nesterov", "weight_decay",
+                        "momentum"]
+    assert 1e-4 <= hp["learning_rate"] <= 1e-1
+    assert 0.0 <= hp["b1"] <= 0.99 and 0.5 <= hp["b2"] < 1.0
+    assert 1e-10 <= hp["eps"] <= 1e-6
+    assert isinstance(hp["nesterov"], bool)
+    assert 0.0 <= hp["weight_decay"] <= 0.5 and hp["momentum"] in (0.0, 0.9)
+    opttx.adamw(hp["learning_rate"], hp["b1"], hp["b2"], hp["eps"], nesterov=hp["nesterov"],
+                weight_decay=hp["weight_decay"])          # valid arguments of the alias
+
+
+def test_learning_rates_are_log_uniform() -> None:
+    # a learning rate below 1e-3 exists (log-uniform over [1e-4, 1e-1]: a third of the mass)
+    assert find(hyperparameters("learning_rate"), lambda hp: hp["learning_rate"] < 1e-3)
+    assert find(log_uniform(1e-6, 1.0), lambda x: x < 1e-5) >= 1e-6
+    with pytest.raises(ValueError, match="no default range for 'gamma'"):
+        hyperparameters("gamma")
+    with pytest.raises(ValueError, match="0 < low <= high"):
+        log_uniform(0.0, 1.0)
+
+
+def _shards(spec) -> tuple:
+    return () if isinstance(spec, Replicated) else (spec,) if isinstance(spec, Shard) else spec
+
+
+@settings(max_examples=60, deadline=None)
+@given(specs=sharding_specs(SHAPES), even=sharding_specs(SHAPES, uneven=False,
+                                                         replicated=False),
+       mesh=sharding_specs(SHAPES, mesh=(2, 3)))
+def test_sharding_specs_are_valid(specs: dict, even: dict, mesh: dict) -> None:
+    for tree in (specs, even, mesh):
+        assert set(tree) == set(SHAPES)
+        assert isinstance(tree["s"], Replicated)               # 0-dim: replicated
+        for name, spec in tree.items():
+            for s in _shards(spec):
+                assert -len(SHAPES[name]) <= s.dim < len(SHAPES[name])
+    for spec in specs.values():
+        assert all(s.group is None for s in _shards(spec))     # 1-D: the default group
+    for name, spec in even.items():
+        if any(d % 2 == 0 for d in SHAPES[name]):
+            assert _shards(spec), name                         # replicated=False
+        for s in _shards(spec):
+            assert SHAPES[name][s.dim] % 2 == 0                # uneven=False
+    for spec in mesh.values():
+        groups = [s.group for s in _shards(spec)]
+        assert all(isinstance(g, MeshDim) for g in groups)
+        assert len({g.index for g in groups}) == len(groups)   # a group per mesh dim
+
+
+def test_sharding_specs_draw_uneven_and_empty_pieces_and_bind() -> None:
+    def has(pred):
+        return lambda tree: any(pred(name, s) for name, spec in tree.items()
+                                for s in _shards(spec))
+    # an odd dim over 2 ranks, a dim of size 1 (an empty piece), one dim split twice
+    find(sharding_specs(SHAPES), has(lambda n, s: SHAPES[n][s.dim] % 2 == 1))
+    find(sharding_specs({"x": (1, 4)}), has(lambda n, s: s.dim % 2 == 0))
+    nested = find(sharding_specs({"x": (8, 3)}, mesh=(2, 2)),
+                  lambda t: isinstance(t["x"], tuple) and t["x"][0].dim % 2 == t["x"][1].dim % 2)
+    bound = bind_mesh(nested, ["tp", "dp"])
+    assert [s.group for s in bound["x"]] == ["tp", "dp"]
+    assert all(isinstance(s.group, MeshDim) for s in nested["x"])   # the input is unchanged
+
+
+# ---------------------------------------------------------------------------------------------
+# assert_equivalent (one process)
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=10, deadline=None)
+@given(tree=param_trees(min_leaves=2), hp=hyperparameters("learning_rate", "b1", "b2"))
+def test_assert_equivalent_passes_equal_pairs(tree, hp: dict) -> None:
+    mine = opttx.chain(opttx.scale_by_adam(hp["b1"], hp["b2"]),
+                       opttx.scale(-hp["learning_rate"]))
+    assert_equivalent(mine, opttx.adam(**hp), tree.tree, steps=5)
+
+
+def test_assert_equivalent_catches_a_planted_difference() -> None:
+    gen = torch.Generator().manual_seed(0)
+    params = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    assert_equivalent(planted_lamb(), planted_lamb(), params, steps=3)
+    with pytest.raises(AssertionError, match=r"after step 3: \['w'\]: .*relative error") as e:
+        assert_equivalent(planted_lamb(), opttx.lamb(1e-2, weight_decay=0.01), params, steps=3)
+    rel = float(str(e.value).split("relative error ")[1].split()[0])
+    assert 1e-4 < rel < 1e-3       # 1e-3 against params of size ~2
+    # two steps only: the difference is not there yet
+    assert_equivalent(planted_lamb(), opttx.lamb(1e-2, weight_decay=0.01), params, steps=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# assert_shard_invariant and spawn_ranks (two processes each)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_shard_invariant_passes_and_compares_state() -> None:
+    """LAMB (one collective per step) on four drawn spec trees, plus a given one."""
+    given_specs = {"w": Shard(1), "u": Shard(-2), "t": Shard(2), "b": Replicated(),
+                   "s": Replicated()}
+    drawn = find(st.lists(sharding_specs(SHAPES), min_size=3, max_size=3),
+                 lambda cases: sum(not isinstance(c["w"], Replicated) for c in cases) >= 2)
+    report = assert_shard_invariant(partial(opttx.lamb, 1e-2, weight_decay=0.01), SHAPES,
+                                    [given_specs, *drawn], steps=3)
+    assert report["cases"] == 4
+    # per rank, step and case: 5 params and LAMB's mu and nu of each, and the count
+    assert report["compared"] >= 2 * 3 * 4 * 5 * 3
+    assert report["state_left_out"] == []
+
+
+@pytest.mark.timeout(240)
+def test_shard_invariant_catches_a_planted_difference_on_one_rank() -> None:
+    specs = {"w": Shard(0), "u": Shard(1), "t": Replicated(), "b": Shard(0), "s": Replicated()}
+    with pytest.raises(AssertionError) as e:
+        assert_shard_invariant(partial(planted_lamb, rank=1), SHAPES, specs, steps=3)
+    message = str(e.value)
+    assert "params['w'] on rank 1 of 2 after step 3" in message, message
+    assert "['w']: Shard(0)" in message, message
+    rel = float(message.split("max relative error ")[1].split()[0])
+    assert 1e-4 < rel < 1e-2, message
+
+
+@pytest.mark.timeout(240)
+def test_shard_invariant_on_owners() -> None:
+    """Shampoo on whole leaves at owner ranks: parameters and the owned leaves' state."""
+    report = assert_shard_invariant(conditioned_shampoo, {"w": (7, 5), "u": (4, 6), "b": (5,)},
+                                    on_owners=True, n_specs=3, steps=4, seed=1)
+    assert report["cases"] == 3 and report["compared"] > 2 * 3 * 4 * 3
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_exception_is_raised_in_the_parent() -> None:
+    """Shampoo without on_owners refuses local shards on every rank: the parent gets the
+    ValueError itself, with the rank's traceback."""
+    with pytest.raises(ValueError, match="on_owners") as e:
+        assert_shard_invariant(partial(opttx.shampoo, 1e-2), {"w": (6, 4)}, {"w": Shard(0)})
+    notes = "\n".join(getattr(e.value, "__notes__", []))
+    assert "raised on rank 0 of 2" in notes and "Traceback" in notes, notes
+
+
+@pytest.mark.timeout(240)
+def test_spawn_ranks_returns_results_and_stops_hangs() -> None:
+    with pytest.raises(TypeError, match="picklable"):
+        spawn_ranks(lambda rank, world: rank)
+    with pytest.raises(TypeError, match="picklable"):
+        assert_shard_invariant(lambda: opttx.sgd(1.0))
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[.*1\] of 2 still running"):
+        spawn_ranks(_sleep_on_rank_one, 2, timeout=10)
+    assert time.monotonic() - start < 60
