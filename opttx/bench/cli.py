@@ -14,6 +14,7 @@ import torch
 from .data import VOCAB_SIZE, Corpus
 from .model import GPTConfig
 from .optimizers import DEFAULT_OPTIMIZERS, build, hyperparams, split_available
+from .parallel import MODES, setup
 from .report import text_table, write_report
 from .train import RunConfig, train
 
@@ -55,6 +56,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "instead of the eager opttx.Optimizer loop",
     )
     p.add_argument("--seed", type=int, default=0, help="seed for initialisation and batch sampling")
+    p.add_argument(
+        "--parallel",
+        choices=MODES,
+        default="auto",
+        help="under torchrun: 'zero' (opttx.distributed.zero, optimizer state divided among "
+        "the ranks) or 'dp' (all_reduce_gradients, state replicated); 'auto' is zero under "
+        "torchrun and a single process otherwise",
+    )
     p.add_argument("--out", type=Path, default=Path("report"), help="report folder")
     args = p.parse_args(argv)
     for flag in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "corpus_bytes"):
@@ -92,27 +101,36 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         device=torch.device(args.device),
         compile=args.compile,
     )
-    print(
-        f"corpus: {len(corpus.train):,} train / {len(corpus.heldout):,} held-out bytes; "
-        f"{'compiled' if args.compile else 'eager'} on {cfg.device}; "
-        f"optimizers: {', '.join(names)}",
-        file=sys.stderr,
-    )
+    par = setup(args.parallel, cfg.device, cfg.batch_size)
+    if par.is_main:
+        print(
+            f"corpus: {len(corpus.train):,} train / {len(corpus.heldout):,} held-out bytes; "
+            f"{'compiled' if args.compile else 'eager'} on {cfg.device}; "
+            + (f"{par.mode} over {par.world} ranks; " if par.world > 1 else "")
+            + f"optimizers: {', '.join(names)}",
+            file=sys.stderr,
+        )
 
     results: dict[str, dict[str, Any]] = {}
     start = time.perf_counter()
     for name in names:
         results[name] = {"hyperparams": hyperparams(name)}
         try:
-            results[name].update(train(name, build(name), corpus, cfg))
+            results[name].update(train(name, build(name), corpus, cfg, par))
         except Exception as exc:  # report the failure and carry on with the other optimizers
             traceback.print_exc()
             results[name]["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            if par.world > 1:     # the other ranks may be waiting in a collective: stop
+                raise
     elapsed = time.perf_counter() - start
+    par.close()
+    if not par.is_main:
+        return results
 
     settings = {k: str(v) for k, v in vars(args).items()}
     settings.update(train_bytes=len(corpus.train), heldout_bytes=len(corpus.heldout),
-                    wall_time_s=f"{elapsed:.1f}")
+                    wall_time_s=f"{elapsed:.1f}", world_size=str(par.world),
+                    parallel=par.mode)
     notes = write_report(results, args.out, settings)
     print(text_table(results))
     for note in notes:

@@ -17,18 +17,21 @@ class ProgressBar:
     _WIDTH = 30
     _MIN_INTERVAL_S = 0.1
 
-    def __init__(self, total: int, desc: str) -> None:
+    def __init__(self, total: int, desc: str, enabled: bool = True) -> None:
         self.total = total
         self.desc = desc
         self.count = 0
+        self.enabled = enabled     # False: count silently (the other ranks of a torchrun job)
         self._start = time.perf_counter()
         self._last_draw = 0.0
         self._tqdm = (tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
-                      if tqdm else None)
+                      if tqdm and enabled else None)
 
     def advance(self, loss: float) -> None:
         """Record one finished step with training loss ``loss``."""
         self.count += 1
+        if not self.enabled:
+            return
         if self._tqdm is not None:
             self._tqdm.set_postfix(loss=f"{loss:.4f}", refresh=False)
             self._tqdm.update(1)
@@ -50,6 +53,8 @@ class ProgressBar:
 
     def close(self) -> None:
         """Finish the bar, leaving it on screen."""
+        if not self.enabled:
+            return
         if self._tqdm is not None:
             self._tqdm.close()
         else:

@@ -15,6 +15,7 @@ import opttx
 from .data import Batch, Corpus, heldout_batches, train_batches
 from .memory import peak_memory_bytes, peak_memory_kind, reset_peak_memory, tensor_bytes
 from .model import GPT, GPTConfig, lm_loss
+from .parallel import Parallel
 from .progress import ProgressBar
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -97,16 +98,18 @@ def _sync(device: torch.device) -> None:
 
 
 def train(name: str, tx: opttx.GradientTransformation, corpus: Corpus,
-          cfg: RunConfig) -> dict[str, Any]:
+          cfg: RunConfig, par: Parallel = Parallel("none")) -> dict[str, Any]:
     """Train a freshly initialised model with ``tx`` and return its metrics.
 
     Every call uses the same seed, so all optimizers start from the same weights
-    and see the same batches.
+    and see the same batches. Under ``torchrun`` (``par``), every rank trains on its rows
+    of each global batch with ``tx`` made data parallel (`Parallel.wrap`); losses are
+    the global batch's, state bytes this rank's (``state_bytes_per_rank`` lists all).
     """
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model).to(cfg.device)
     make_step = compiled_step if cfg.compile else eager_step
-    step, optimizer_state = make_step(model, tx)
+    step, optimizer_state = make_step(model, par.wrap(tx))
     batches = train_batches(corpus.train, cfg.batch_size, cfg.model.seq_len, cfg.seed, cfg.device)
     heldout = heldout_batches(corpus.heldout, cfg.batch_size, cfg.model.seq_len,
                               cfg.eval_batches, cfg.device)
@@ -116,13 +119,13 @@ def train(name: str, tx: opttx.GradientTransformation, corpus: Corpus,
     eval_curve: list[list[float]] = [[0, evaluate(model, heldout)]]
     timed_s = 0.0
     reset_peak_memory(cfg.device)
-    bar = ProgressBar(cfg.steps, name)
+    bar = ProgressBar(cfg.steps, name, enabled=par.is_main)
     try:
         for i in range(1, cfg.steps + 1):
-            x, y = next(batches)
+            x, y = par.local(*next(batches))
             _sync(cfg.device)
             start = time.perf_counter()
-            loss = step(x, y).item()
+            loss = par.mean(step(x, y)).item()
             if i > warmup:
                 timed_s += time.perf_counter() - start
             loss_curve.append([i, loss])
@@ -134,12 +137,14 @@ def train(name: str, tx: opttx.GradientTransformation, corpus: Corpus,
 
     step_s = timed_s / (cfg.steps - warmup)
     last_losses = [loss for _, loss in loss_curve[-FINAL_LOSS_WINDOW:]]
+    state_bytes = tensor_bytes(optimizer_state())
     return {
         "final_train_loss": sum(last_losses) / len(last_losses),
         "final_eval_loss": eval_curve[-1][1],
         "tokens_per_s": cfg.batch_size * cfg.model.seq_len / step_s,
         "step_time_ms": 1000.0 * step_s,
-        "state_bytes": tensor_bytes(optimizer_state()),
+        "state_bytes": state_bytes,
+        "state_bytes_per_rank": par.gather(state_bytes),
         "peak_memory_bytes": peak_memory_bytes(cfg.device),
         "peak_memory_kind": peak_memory_kind(cfg.device),
         "loss_curve": loss_curve,
