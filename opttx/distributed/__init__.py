@@ -12,6 +12,7 @@ Example:
   >>> tx = sharded(opttx.lamb(1e-3), {"w": Shard(0, tp_group), "b": Replicated()})
 """
 
+from .checkpoint import check_checkpoint, load_state_dict, param_paths, state_dict
 from .data_parallel import all_reduce_gradients, plan_buckets
 from .owners import OwnerPlan, default_cost, on_owners, plan_owners
 from .reducer import CollectiveStats, ShardedReducer, pack_all_reduce
@@ -31,19 +32,23 @@ __all__ = [
     "ZeroChunk",
     "ZeroPlan",
     "all_reduce_gradients",
+    "check_checkpoint",
     "default_cost",
     "flatten_specs",
     "global_factor_axes",
     "global_shapes",
+    "load_state_dict",
     "local_shard",
     "on_owners",
     "pack_all_reduce",
+    "param_paths",
     "plan_buckets",
     "plan_owners",
     "raise_on_every_rank",
     "shard_groups",
     "sharded",
     "specs_from_dtensors",
+    "state_dict",
     "zero",
     "zero_plan",
 ]

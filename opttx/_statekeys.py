@@ -1,0 +1,229 @@
+"""Checkpoint keys of opttx states: every state tensor named by parameter path and field path.
+
+The layout-independent naming used by `opttx.Optimizer.state_dict` and
+`opttx.distributed.state_dict` (see `opttx.distributed.checkpoint` for the design).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree
+
+from .base import EmptyState
+from .tree import MaskedNode, PyTree, _is_leaf, tree_flatten, tree_flatten_with_path
+
+__all__ = ["keyed_state", "param_paths"]
+
+
+# ---------------------------------------------------------------------------------------------
+# paths
+# ---------------------------------------------------------------------------------------------
+
+
+def _entry(key: Any) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _join(entries: Iterable[Any]) -> str:
+    return ".".join(_entry(k) for k in entries)
+
+
+def param_paths(params: PyTree) -> list[str]:
+    """The checkpoint name of every leaf of ``params``: dict keys, list indices and attribute
+    names joined by dots (``{"layers": [{"w": ...}]}`` -> ``"layers.0.w"``), as
+    ``nn.Module.named_parameters`` names them; a bare tensor is ``"param"``.
+
+    Raises:
+      ValueError: two leaves get the same name (a dict key containing a dot that clashes with
+        a nested path).
+    """
+    paths = [_join(path) or "param" for path, _ in tree_flatten_with_path(params)[0]]
+    if len(set(paths)) != len(paths):
+        seen, twice = set(), None
+        for p in paths:
+            if p in seen:
+                twice = p
+                break
+            seen.add(p)
+        raise ValueError(f"Two parameter leaves are both named {twice!r} in a checkpoint; "
+                         "rename the dict keys so that no key with a dot equals a nested path.")
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# the walk: which tensor belongs to which parameter
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _View:
+    """The parameter tree a part of the state was built over: its structure, the param path
+    of each of its leaves and whether the leaf was present (not masked) there."""
+    spec: Any
+    paths: tuple[str, ...]
+    present: tuple[bool, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _children(node: Any) -> list[tuple[Any, Any]] | None:
+    """(key, child) of a pytree container, or None for a leaf."""
+    if _is_leaf(node):
+        return None
+    handler = _pytree.SUPPORTED_NODES[_pytree._get_node_type(node)]
+    children, _ = handler.flatten_fn(node)
+    if handler.flatten_with_keys_fn is not None:
+        return list(handler.flatten_with_keys_fn(node)[0])
+    return [(_pytree.SequenceKey(i), c) for i, c in enumerate(children)]
+
+
+def _tensors(tree: Any) -> list[tuple[str, torch.Tensor]]:
+    return [(_join(p), x) for p, x in tree_flatten_with_path(tree)[0] if _is_tensor(x)]
+
+
+def _field(node_path: str, inner: str) -> str:
+    return ".".join(s for s in (node_path, inner) if s)
+
+
+def _walk(node: Any, path: tuple, view: _View, out_state: dict, out_shared: dict) -> None:
+    """Sort the tensors of ``node`` (at ``path`` in the state) into per-parameter entries
+    (``out_state[param path][field path]``) and shared ones (``out_shared[field path]``)."""
+    from .transforms.quantized import QuantizedState
+    if isinstance(node, (MaskedNode, EmptyState)):
+        return
+    if isinstance(node, QuantizedState):
+        _walk_quantized(node, path, view, out_state, out_shared)
+        return
+    if not view.spec.is_leaf():
+        try:
+            subs = view.spec.flatten_up_to(node)
+        except (ValueError, TypeError, RuntimeError):
+            subs = None
+        if subs is not None:
+            where = _join(path)
+            for i, sub in enumerate(subs):
+                for inner, x in _tensors(sub):
+                    _put(out_state.setdefault(view.paths[i], {}), _field(where, inner), x)
+            return
+    else:
+        # the state of one bare leaf: everything below belongs to it
+        where = _join(path)
+        for inner, x in _tensors(node):
+            _put(out_state.setdefault(view.paths[0], {}), _field(where, inner), x)
+        return
+    children = _children(node)
+    if children is None:
+        if _is_tensor(node):
+            _put(out_shared, _join(path) or "state", node)
+        return
+    for key, child in children:
+        _walk(child, path + (key,), view, out_state, out_shared)
+
+
+def _put(table: dict, key: str, x: torch.Tensor) -> None:
+    if key in table and table[key] is not x:
+        raise ValueError(f"Two tensors of the state map to the checkpoint key {key!r}; the "
+                         "state's structure is ambiguous for checkpoints (a parameter tree "
+                         "whose root container looks like a state node?).")
+    table[key] = x
+
+
+def _walk_quantized(node: Any, path: tuple, view: _View, out_state: dict,
+                    out_shared: dict) -> None:
+    """`quantize_state` keeps the state of each large leaf alone (in leaf order) and one inner
+    state over the list of the small leaves: key both by the param paths of those leaves."""
+    present = [i for i, p in enumerate(view.present) if p]
+    large = _large_leaves(present, view.shapes, len(node.quantized), path)
+    small = [i for i in present if i not in set(large)]
+    for i, leaf_state in zip(large, node.quantized):
+        where = _join(path + ("quantized",))
+        for inner, x in _tensors(leaf_state):
+            _put(out_state.setdefault(view.paths[i], {}), _field(where, inner), x)
+    if small:
+        small_view = _View(_pytree.tree_structure([0] * len(small)),
+                           tuple(view.paths[i] for i in small), (True,) * len(small),
+                           tuple(view.shapes[i] for i in small))
+        _walk(node.dense, path + ("dense",), small_view, out_state, out_shared)
+    for name in ("signed_map", "unsigned_map"):
+        for inner, x in _tensors(getattr(node, name)):
+            _put(out_shared, _field(_join(path + (name,)), inner), x)
+
+
+def _large_leaves(present: list[int], shapes: Sequence[tuple[int, ...]], n_large: int,
+                  path: tuple) -> list[int]:
+    """The present leaves `quantize_state` quantized: those with at least one dim and at least
+    ``min_size`` elements, for the ``min_size`` that makes them ``n_large`` (every such
+    threshold gives the same set)."""
+    if n_large == 0:
+        return []
+    numel = {i: _numel(shapes[i]) for i in present if len(shapes[i]) >= 1}
+    for threshold in sorted(set(numel.values()), reverse=True):
+        chosen = [i for i in present if i in numel and numel[i] >= threshold]
+        if len(chosen) == n_large:
+            return chosen
+        if len(chosen) > n_large:
+            break
+    raise ValueError(f"state{_join(path)}: quantize_state holds {n_large} quantized leaves, "
+                     f"which no size threshold picks out of the {len(present)} leaves present "
+                     "here; is this the state of these parameters (under zero or on_owners, "
+                     "pass owned=)?")
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _present_from_state(state: Any, spec: Any) -> list[bool] | None:
+    """Which parameter leaves a state built over a masked tree (zero, on_owners) covers: the
+    positions not masked in the first node of the state shaped like the parameter tree."""
+    found: list[list[bool]] = []
+
+    from .transforms.quantized import QuantizedState
+
+    def visit(node: Any) -> None:
+        if found or isinstance(node, (MaskedNode, EmptyState, QuantizedState)) \
+                or _is_tensor(node):
+            return
+        if not spec.is_leaf():
+            try:
+                subs = spec.flatten_up_to(node)
+            except (ValueError, TypeError, RuntimeError):
+                subs = None
+            if subs is not None:
+                found.append([not isinstance(s, MaskedNode) for s in subs])
+                return
+        for _, child in _children(node) or []:
+            visit(child)
+
+    visit(state)
+    return found[0] if found else None
+
+
+
+def keyed_state(state: Any, params: PyTree, mask: Sequence[bool] | None = None
+                ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """The tensors of ``state`` as ``({param path: {field path: tensor}}, {field path:
+    tensor})``: per parameter, and shared (see `opttx.distributed.checkpoint`). ``mask``:
+    which leaves of ``params`` the state covers (None: read from the state)."""
+    leaves, spec = tree_flatten(params)
+    paths = tuple(param_paths(params))
+    if mask is None:
+        mask = _present_from_state(state, spec) or [True] * len(leaves)
+    view = _View(spec, paths, tuple(mask), tuple(tuple(x.shape) for x in leaves))
+    out_state: dict[str, dict[str, torch.Tensor]] = {}
+    out_shared: dict[str, torch.Tensor] = {}
+    _walk(state, (), view, out_state, out_shared)
+    return {k: v for k, v in out_state.items() if v}, out_shared

@@ -1,0 +1,316 @@
+r"""Checkpoints of any opttx state: nested dicts of (D)Tensors keyed by parameter path.
+
+`torch.distributed.checkpoint` (DCP) saves nested dicts of tensors and pickles anything else
+whole, so a state of NamedTuples would be one opaque object that no other world size can
+read. `state_dict` turns a state into plain dicts with string keys, `load_state_dict` copies
+such a dict back into the state that ``tx.init`` built for the *current* run:
+
+.. code-block:: text
+
+    {"state":  {param path: {field path: tensor}},   # what belongs to one parameter
+     "shared": {field path: tensor}}                  # the rest: step counts, maps, ...
+
+A **param path** names a leaf of the parameter tree (``"layers.0.w"``: dict keys, list indices
+and attribute names joined by dots). A **field path** names a tensor inside that parameter's
+part of the state: the path from the root of the state to the node shaped like the parameter
+tree (``"1.mu"``: link 1 of a chain, field ``mu``), then the path below the parameter's
+position (``".0.factors.1"`` for the second Kronecker factor of the first Shampoo block).
+Neither depends on which leaves a rank holds, so the keys are the same whether the state is
+the single-device one or a rank's share under `zero` or `on_owners` (there the leaves other
+ranks own are `opttx.MaskedNode` and simply have no entry): every rank writes exactly the
+leaves it owns, and after a restart at another world size every rank reads the leaves its new
+plan gives it. A zero checkpoint even loads into the plain single-device transform.
+
+States that keep per-leaf lists whose indices depend on the leaves present (`quantize_state`:
+the large leaves' states in leaf order, the small ones' in one inner state over a list) are
+keyed through those lists by the same param paths.
+
+Shared tensors (a chain's step count) are the same on every rank and written once (DCP keeps
+one copy of a plain tensor saved by several ranks).
+
+**Local shards** (plain `sharded`, FSDP2): a state tensor shaped like the local shard of a
+sharded parameter (Adam's moments, a momentum buffer) is returned as a ``DTensor`` with the
+parameter's placements, so DCP stores the whole tensor once and any other sharding reads its
+own piece: no gather at save time, and a restart reshards. That needs the torch.chunk-like
+splits DTensor describes (every FSDP2 and even split); explicit uneven `Shard` sizes are
+refused with an error, as are sharded statistics of another shape (Adafactor's row and column
+means on local shards): run those transforms under `on_owners` (whole leaves) to checkpoint
+them, or gather the parameters first. Gathering whole tensors at save time would lift both
+limits at the cost of one whole-tensor copy per rank and a collective per leaf; DTensors keep
+the save free of communication and the memory at that of the shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._statekeys import keyed_state, param_paths
+from ..tree import PyTree, tree_flatten
+from .shapes import is_dtensor
+
+__all__ = ["check_checkpoint", "load_state_dict", "param_paths", "state_dict"]
+
+STATE, SHARED = "state", "shared"
+
+
+def _owned_mask(owned: Any, n: int) -> list[bool] | None:
+    if owned is None:
+        return None
+    if hasattr(owned, "owned") and hasattr(owned, "leaves"):       # OwnerPlan
+        mask = list(owned.owned())
+    elif hasattr(owned, "owners") and hasattr(owned, "chunks"):    # ZeroPlan
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        mask = [r == rank for r in owned.owners]
+    else:
+        mask = [bool(x) for x in owned]
+    if len(mask) != n:
+        raise ValueError(f"owned has {len(mask)} entries for {n} parameter leaves.")
+    return mask
+
+
+# ---------------------------------------------------------------------------------------------
+# local shards -> DTensors
+# ---------------------------------------------------------------------------------------------
+
+
+def _placements_of(param: Any, spec: Any) -> tuple[Any, Any, tuple[int, ...]] | None:
+    """(mesh, placements, global shape) of a sharded leaf, or None when it is whole."""
+    from torch.distributed.tensor import DeviceMesh
+    from torch.distributed.tensor import Shard as DShard
+    if is_dtensor(param):
+        if all(not p.is_shard() for p in param.placements):
+            return None
+        return param.device_mesh, tuple(param.placements), tuple(param.shape)
+    shards = tuple(s for s in (spec or ()) if s is not None) if isinstance(spec, tuple) \
+        else ((spec,) if spec is not None and hasattr(spec, "dim") else ())
+    if not shards:
+        return None
+    if len(shards) != 1:
+        raise NotImplementedError("Checkpoints of a leaf sharded over several groups need "
+                                  "DTensor parameters (a DeviceMesh); pass them as DTensors.")
+    s = shards[0]
+    group = s.group
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    local = tuple(param.shape)
+    # the global size along the dim: one small collective
+    total = torch.tensor([local[s.dim]], dtype=torch.int64, device=param.device)
+    dist.all_reduce(total, group=group)
+    n = int(total)
+    chunk = -(-n // world)
+    expected = max(0, min(chunk, n - rank * chunk))
+    if expected != local[s.dim]:
+        raise NotImplementedError(
+            f"A leaf split unevenly along dim {s.dim} ({local[s.dim]} of {n} elements on rank "
+            f"{rank} of {world}, torch.chunk would give {expected}) cannot be described as a "
+            "DTensor for checkpoints; use even (torch.chunk-like) splits or on_owners.")
+    mesh = DeviceMesh.from_group(group, device_type=param.device.type)
+    shape = list(local)
+    shape[s.dim] = n
+    return mesh, (DShard(s.dim),), tuple(shape)
+
+
+def _as_dtensors(table: dict, params: PyTree, specs: PyTree | None) -> dict:
+    """Per-parameter entries shaped like a sharded parameter's local shard as DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    from .specs import flatten_specs
+    leaves = tree_flatten(params)[0]
+    paths = param_paths(params)
+    if not any(is_dtensor(x) for x in leaves) and specs is None:
+        return table
+    flat_specs = flatten_specs(params, specs) if specs is not None else [()] * len(leaves)
+    out = dict(table)
+    for path, leaf, spec in zip(paths, leaves, flat_specs):
+        entries = table.get(path)
+        if not entries:
+            continue
+        placed = _placements_of(leaf, spec)
+        if placed is None:
+            continue
+        mesh, placements, shape = placed
+        local_shape = tuple(leaf.to_local().shape) if is_dtensor(leaf) else tuple(leaf.shape)
+        converted = {}
+        for field, x in entries.items():
+            if is_dtensor(x) or x.dim() == 0:
+                converted[field] = x
+            elif tuple(x.shape) == local_shape:
+                stride = torch.empty(shape, device="meta").stride()
+                converted[field] = DTensor.from_local(x, mesh, placements, run_check=False,
+                                                      shape=torch.Size(shape), stride=stride)
+            else:
+                raise NotImplementedError(
+                    f"state {path}/{field} has shape {tuple(x.shape)}: a statistic of the "
+                    f"local shard {local_shape} that is neither element-wise nor a scalar "
+                    "cannot be resharded; run this transform under on_owners (whole leaves) "
+                    "to checkpoint it.")
+        out[path] = converted
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the public functions
+# ---------------------------------------------------------------------------------------------
+
+
+def state_dict(state: Any, params: PyTree, *, specs: PyTree | None = None,
+               owned: Any = None) -> dict[str, dict]:
+    """The tensors of an opttx state as nested dicts with string keys, for DCP.
+
+    The tensors are the state's own (no copy): ``dcp.save`` reads them, and ``dcp.load`` into
+    a `state_dict` of a freshly initialized state writes straight into its buffers.
+
+    Args:
+      state: any opttx state (single device, a rank's share under `zero` or `on_owners`, or
+        local shards under `sharded`).
+      params: the parameter tree the state belongs to (full, or local shards / DTensors
+        under `sharded`): it names the entries.
+      specs: under plain `sharded` with plain-tensor parameters, the sharding specs (as given
+        to `sharded`) so that local-shard statistics become DTensors; DTensor parameters need
+        none.
+      owned: which parameter leaves this rank holds state for (a list of booleans, an
+        `OwnerPlan` or a `ZeroPlan`). Needed only when the state has no field shaped like the
+        parameter tree to read it from (a `quantize_state` alone under `zero`).
+
+    Returns:
+      ``{"state": {param path: {field path: tensor}}, "shared": {field path: tensor}}`` (see
+      the module docstring); a sharded parameter's element-wise statistics are DTensors.
+
+    Example:
+      >>> import torch.distributed.checkpoint as dcp
+      >>> dcp.save({"params": params, "optim": state_dict(state, params)}, checkpoint_id=d)
+      >>> state = tx.init(params)                       # at any world size
+      >>> sd = {"params": params, "optim": state_dict(state, params)}
+      >>> dcp.load(sd, checkpoint_id=d)
+      >>> state = load_state_dict(state, sd["optim"], params)
+    """
+    per_param, shared = keyed_state(state, params,
+                                    _owned_mask(owned, len(tree_flatten(params)[0])))
+    per_param = _as_dtensors(per_param, params, specs)
+    return {STATE: per_param, SHARED: shared}
+
+
+def _flat(sd: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(sd, Mapping) or set(sd) - {STATE, SHARED}:
+        raise ValueError("A state dict of opttx.distributed.state_dict has the keys 'state' and "
+                         f"'shared'; got {sorted(sd) if isinstance(sd, Mapping) else type(sd)}.")
+    out = {f"{STATE}.{p}.{f}": x for p, fields in sd.get(STATE, {}).items()
+           for f, x in fields.items()}
+    out.update({f"{SHARED}.{f}": x for f, x in sd.get(SHARED, {}).items()})
+    return out
+
+
+def _describe(keys: Iterable[str]) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(keys[:4])
+    return shown + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+
+def _raise_mismatch(missing: set[str], extra: set[str]) -> None:
+    if not missing and not extra:
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing {len(missing)} entries of this run's optimizer state "
+                     f"({_describe(missing)})")
+    if extra:
+        parts.append(f"unexpected {len(extra)} entries this run's optimizer state does not "
+                     f"have ({_describe(extra)})")
+    raise ValueError(f"The checkpoint does not match this run: {'; '.join(parts)}. Was it "
+                     "saved with the same transform and parameters?")
+
+
+@torch.no_grad()
+def load_state_dict(state: Any, state_dict: Mapping[str, Any], params: PyTree, *,
+                    specs: PyTree | None = None, owned: Any = None,
+                    strict: bool = True) -> Any:
+    """Copy a `state_dict` into ``state`` (built by ``tx.init`` for the current run); return
+    it.
+
+    ``state_dict`` holds the entries this rank needs (after ``dcp.load`` into the
+    `state_dict` of this very state it holds the state's own tensors, and the copy is
+    skipped); extra entries are ignored unless ``strict``, where every entry must belong to
+    this rank's state. Use `check_checkpoint` before ``dcp.load`` to compare the whole
+    checkpoint with the whole run.
+
+    Args:
+      state: the template: ``tx.init(params)`` at the current world size.
+      state_dict: nested dicts as `state_dict` makes them (tensors or DTensors).
+      params, specs, owned: as for `state_dict`.
+      strict: refuse entries this rank's state does not have.
+
+    Returns:
+      ``state``, its buffers overwritten in place.
+
+    Raises:
+      ValueError: an entry is missing or unexpected, or has another shape or dtype; the
+        message names it.
+    """
+    template = _flat(globals()["state_dict"](state, params, specs=specs, owned=owned))
+    given = _flat(state_dict)
+    missing = set(template) - set(given)
+    extra = set(given) - set(template)
+    _raise_mismatch(missing, extra if strict else set())
+    for key, dst in template.items():
+        src = given[key]
+        if tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
+            raise ValueError(f"Checkpoint entry {key} is "
+                             f"{tuple(src.shape)} {src.dtype}, this run's state has "
+                             f"{tuple(dst.shape)} {dst.dtype}.")
+    for key, dst in template.items():
+        src = given[key]
+        if src is dst:
+            continue
+        d = dst.to_local() if is_dtensor(dst) else dst
+        s = src.to_local() if is_dtensor(src) else src
+        if d.data_ptr() != s.data_ptr() or d.numel() == 0:
+            d.copy_(s)
+    return state
+
+
+def check_checkpoint(state_dict: Mapping[str, Any], metadata: Any, prefix: str = "",
+                     group: Any = None) -> None:
+    """Compare a whole DCP checkpoint with the whole run before ``dcp.load``: collective.
+
+    Every rank's `state_dict` (of its freshly initialized state) names the entries it will
+    read; the union over ``group`` must equal the checkpoint's entries under ``prefix``, with
+    the same global shapes. A checkpoint of another chain or parameter set then fails with the
+    first missing or unexpected entries, or a shape mismatch, named on every rank, instead of
+    DCP's error on one rank (or a silent partial load).
+
+    Args:
+      state_dict: this rank's `state_dict` of the template state.
+      metadata: the checkpoint's ``Metadata`` (``dcp.FileSystemReader(path).read_metadata()``)
+        or its ``state_dict_metadata``.
+      prefix: where the optimizer state sits in the saved dict (``"optim"`` for
+        ``{"optim": state_dict(...)}``).
+      group: the ranks taking part (None: the default group, or this process alone when no
+        process group is initialized).
+
+    Raises:
+      ValueError: on every rank, naming the mismatch.
+    """
+    table = getattr(metadata, "state_dict_metadata", metadata)
+    lead = f"{prefix}." if prefix else ""
+    mine = {}
+    for key, x in _flat(state_dict).items():
+        mine[lead + key] = tuple(x.shape)
+    everyone = [mine]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+    expected: dict[str, tuple[int, ...]] = {}
+    for table_r in everyone:
+        expected.update(table_r)
+    saved = {k: tuple(getattr(v, "size", ())) for k, v in table.items()
+             if k.startswith((lead + STATE + ".", lead + SHARED + "."))}
+    missing = set(expected) - set(saved)
+    extra = set(saved) - set(expected)
+    _raise_mismatch(missing, extra)
+    for k, shape in sorted(expected.items()):
+        if saved[k] != shape:
+            raise ValueError(f"Checkpoint entry {k} has shape {saved[k]}, this run's state "
+                             f"has {shape}.")

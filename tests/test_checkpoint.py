@@ -1,0 +1,346 @@
+"""opttx.distributed.state_dict / load_state_dict with torch.distributed.checkpoint: a state
+saved at one world size loads at another and training continues bit-identically.
+
+The problem is built so that every run is exact: every rank passes the same full gradient
+(dyadic values, a function of the parameters and the step), so the mean over 1, 2 or 4 ranks
+is the gradient itself, bit for bit, and a transform on whole leaves gives the single-device
+numbers wherever it runs. So a run checkpointed after ``K`` steps at one world size and resumed
+at another must end, after ``N`` more steps, with parameters ``torch.equal`` to the
+uninterrupted single-device run.
+
+Order of the runs (module fixtures): single device saves (``1``); world 4 loads that and goes
+on (``1 -> 4``), and saves its own; world 2 loads the world-4 checkpoint (``4 -> 2``); the
+test process loads it again on one device (``4 -> 1``). One spawn per world size.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+import opttx
+from opttx.distributed import (Shard, check_checkpoint, load_state_dict, on_owners, sharded,
+                               state_dict, zero, zero_plan)
+from opttx.tree import tree_flatten, tree_map
+
+pytestmark = pytest.mark.timeout(300)
+
+K, N = 3, 3        # steps before the checkpoint, steps after it
+CHUNK = 256 / (1 << 20)
+
+INNER: dict[str, Callable[[], opttx.GradientTransformation]] = {
+    "zero_adamw": lambda: opttx.adamw(1e-2, weight_decay=0.01),
+    "zero_adafactor": lambda: opttx.adafactor(1e-2, min_dim_size_to_factor=1, momentum=0.9),
+    "zero_adamw_8bit": lambda: opttx.adamw_8bit(1e-3, min_size=12, block_size=16),
+    "owners_shampoo": lambda: opttx.shampoo(1e-2, max_preconditioner_dim=6,
+                                            precondition_frequency=2,
+                                            start_preconditioning_step=2),
+    "owners_galore": lambda: opttx.galore_adamw(1e-2, rank=2, update_proj_gap=2),
+}
+CASES = list(INNER)
+
+
+def _params() -> dict:
+    gen = torch.Generator().manual_seed(0)
+    return {"embed": torch.randn(6, 5, generator=gen),
+            "layers": [{"w": torch.randn(5, 5, generator=gen),
+                        "n": torch.randn(5, generator=gen)} for _ in range(3)],
+            "head": torch.randn(5, 2, 4, generator=gen)}
+
+
+def _grad(params: dict, step: int) -> dict:
+    """Multiples of 1/64 from the parameters and the step: exact sums and means."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    return tree_map(lambda p: ((p * 0.5 + torch.randn(p.shape, generator=gen)) * 64).round()
+                    / 64, params)
+
+
+def _distributed(name: str) -> opttx.GradientTransformation:
+    if name.startswith("zero"):
+        return zero(INNER[name](), chunk_size_mb=CHUNK)
+    return sharded(on_owners(INNER[name]()))
+
+
+def _owned(name: str, params: dict) -> Any:
+    """`quantize_state` alone under zero has no field to read ownership from: give the plan."""
+    if name == "zero_adamw_8bit" and dist.is_initialized():
+        return zero_plan(params, dist.get_world_size(), CHUNK)
+    return None
+
+
+def _train(tx: opttx.GradientTransformation, params: dict, state: Any, start: int,
+           stop: int) -> tuple[dict, Any]:
+    for step in range(start, stop):
+        updates, state = tx.update(_grad(params, step), state, params)
+        params = opttx.apply_updates(params, updates)
+    return params, state
+
+
+def _reference(name: str) -> dict:
+    tx = INNER[name]()
+    params = _params()
+    return _train(tx, params, tx.init(params), 0, K + N)[0]
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(tree_flatten(a)[0], tree_flatten(b)[0]))
+
+
+def _save(tx: opttx.GradientTransformation, name: str, path: Path) -> None:
+    params = _params()
+    params, state = _train(tx, params, tx.init(params), 0, K)
+    dcp.save({"params": params, "optim": state_dict(state, params, owned=_owned(name, params))},
+             checkpoint_id=str(path))
+
+
+def _resume(tx: opttx.GradientTransformation, name: str, path: Path) -> dict:
+    """Load ``path`` into a fresh ``tx.init`` of this run and train to the end."""
+    params = tree_map(torch.zeros_like, _params())
+    state = tx.init(params)
+    owned = _owned(name, params)
+    sd = {"params": params, "optim": state_dict(state, params, owned=owned)}
+    check_checkpoint(sd["optim"], dcp.FileSystemReader(str(path)).read_metadata(), "optim")
+    dcp.load(sd, checkpoint_id=str(path))
+    state = load_state_dict(state, sd["optim"], params, owned=owned)
+    return _train(tx, params, state, K, K + N)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# workers
+# ---------------------------------------------------------------------------------------------
+
+
+def _attempt(results: dict, key: str, fn: Callable[[], Any]) -> None:
+    try:
+        results[key] = fn()
+    except Exception:  # noqa: BLE001 - reported to the test
+        results[key] = "error: " + traceback.format_exc(limit=4)
+
+
+def _errors(root: Path, results: dict) -> None:
+    """Loading a checkpoint into another chain or parameter set fails, naming the mismatch."""
+    path = str(root / "w4" / "zero_adamw")
+    meta = dcp.FileSystemReader(path).read_metadata()
+
+    def message(params: dict, inner: opttx.GradientTransformation) -> str:
+        tx = zero(inner, chunk_size_mb=CHUNK)
+        state = tx.init(params)
+        try:
+            check_checkpoint(state_dict(state, params), meta, "optim")
+        except ValueError as e:
+            return str(e)
+        return "no error"
+
+    results["other_chain"] = message(_params(), opttx.adafactor(1e-2, min_dim_size_to_factor=1))
+    extra = _params()
+    extra["bias"] = torch.zeros(3)
+    results["extra_param"] = message(extra, opttx.adamw(1e-2, weight_decay=0.01))
+    fewer = _params()
+    fewer["layers"].pop()
+    results["fewer_params"] = message(fewer, opttx.adamw(1e-2, weight_decay=0.01))
+    wider = _params()
+    wider["head"] = torch.zeros(5, 2, 5)
+    results["shape"] = message(wider, opttx.adamw(1e-2, weight_decay=0.01))
+
+
+def _sharded_dtensor(root: Path, rank: int, world: int, results: dict) -> None:
+    """Plain `sharded` (local shards, dim 0, even and torch.chunk-like splits): element-wise
+    statistics saved as DTensors at this world size load at the other one."""
+    full = _params()
+    specs = {"embed": Shard(0, dist.group.WORLD), "layers": [
+        {"w": Shard(1, dist.group.WORLD), "n": Shard(0, dist.group.WORLD)} for _ in range(3)],
+        "head": Shard(0, dist.group.WORLD)}
+    axes = {"embed": 0, "layers": [{"w": 1, "n": 0} for _ in range(3)], "head": 0}
+
+    def local(tree: dict) -> dict:
+        return tree_map(lambda x, d: torch.chunk(x, world, d)[rank].clone()
+                        if len(torch.chunk(x, world, d)) > rank
+                        else x.narrow(d, 0, 0).clone(), tree, axes)
+
+    tx = sharded(opttx.adamw(1e-2, weight_decay=0.01), specs)
+    ref = opttx.adamw(1e-2, weight_decay=0.01)
+    p_ref = _train(ref, full, ref.init(full), 0, K + N)[0]
+    path = root / f"sharded_w{world}"
+    params = local(full)
+    state = tx.init(params)
+    for step in range(K):
+        u, state = tx.update(local(_grad(_unshard(params, axes, world), step)), state, params)
+        params = opttx.apply_updates(params, u)
+    dcp.save({"optim": state_dict(state, params, specs=specs)}, checkpoint_id=str(path))
+    dist.barrier()
+    other = root / f"sharded_w{6 - world}"      # world 2 reads world 4's and the reverse
+    if not other.exists():
+        return
+    params = local(_train(ref, full, ref.init(full), 0, K)[0])
+    state = tx.init(params)
+    sd = {"optim": state_dict(state, params, specs=specs)}
+    check_checkpoint(sd["optim"], dcp.FileSystemReader(str(other)).read_metadata(), "optim")
+    dcp.load(sd, checkpoint_id=str(other))
+    state = load_state_dict(state, sd["optim"], params, specs=specs)
+    for step in range(K, K + N):
+        u, state = tx.update(local(_grad(_unshard(params, axes, world), step)), state, params)
+        params = opttx.apply_updates(params, u)
+    results["sharded_resumed"] = _equal(_unshard(params, axes, world), p_ref)
+
+
+def _unshard(local: dict, axes: dict, world: int) -> dict:
+    def gather(x: torch.Tensor, d: int) -> torch.Tensor:
+        pieces = [None] * world
+        dist.all_gather_object(pieces, x)
+        return torch.cat(pieces, d)
+    return tree_map(gather, local, axes)
+
+
+def _worker(rank: int, world: int, store: str, root: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    root_path = Path(root)
+    results: dict[str, Any] = {}
+    for name in CASES:
+        tx = _distributed(name)
+        reference = _reference(name)
+        source = root_path / ("w1" if world == 4 else "w4") / name
+        _attempt(results, f"resumed/{name}",
+                 lambda: _equal(_resume(tx, name, source), reference))
+        if world == 4:
+            _attempt(results, f"saved/{name}",
+                     lambda: _save(_distributed(name), name, root_path / "w4" / name) or True)
+    if world == 2:
+        _attempt(results, "errors", lambda: _errors(root_path, results) or True)
+    _attempt(results, "sharded", lambda: _sharded_dtensor(root_path, rank, world, results)
+             or True)
+    Path(f"{out}.{rank}").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _spawn(world: int, root: Path, tmp: Path) -> list[dict]:
+    out = tmp / f"out{world}"
+    mp.spawn(_worker, args=(world, str(tmp / f"store{world}"), str(root), str(out)),
+             nprocs=world, join=True)
+    return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures: single device, then world 4, then world 2
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Single-device checkpoints after K steps of the plain transforms."""
+    path = tmp_path_factory.mktemp("checkpoints")
+    for name in CASES:
+        _save(INNER[name](), name, path / "w1" / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def world4(root: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return _spawn(4, root, tmp_path_factory.mktemp("w4"))
+
+
+@pytest.fixture(scope="module")
+def world2(root: Path, world4: list[dict], tmp_path_factory: pytest.TempPathFactory
+           ) -> list[dict]:
+    return _spawn(2, root, tmp_path_factory.mktemp("w2"))
+
+
+def _check(results: list[dict], key: str) -> None:
+    for rank, r in enumerate(results):
+        assert r[key] is True, f"rank {rank}: {r[key]}"
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_single_device_checkpoint_resumes_at_world_4(world4: list[dict], name: str) -> None:
+    _check(world4, f"resumed/{name}")
+    _check(world4, f"saved/{name}")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_world_4_checkpoint_resumes_at_world_2(world2: list[dict], name: str) -> None:
+    _check(world2, f"resumed/{name}")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_world_4_checkpoint_resumes_on_one_device(root: Path, world4: list[dict],
+                                                  name: str) -> None:
+    """A zero / on_owners checkpoint loads into the plain transform: the keys are the same."""
+    resumed = _resume(INNER[name](), name, root / "w4" / name)
+    assert _equal(resumed, _reference(name))
+
+
+def test_local_shards_reshard_between_world_2_and_4(world2: list[dict]) -> None:
+    _check(world2, "sharded")
+    _check(world2, "sharded_resumed")
+
+
+def test_another_chain_or_parameter_set_is_refused(world2: list[dict]) -> None:
+    _check(world2, "errors")
+    for r in world2:
+        assert "missing" in r["other_chain"] and "v_row" in r["other_chain"], r["other_chain"]
+        assert "missing" in r["extra_param"] and "bias" in r["extra_param"], r["extra_param"]
+        assert "unexpected" in r["fewer_params"] and "layers.2" in r["fewer_params"], \
+            r["fewer_params"]
+        assert "shape" in r["shape"] and "head" in r["shape"], r["shape"]
+
+
+# ---------------------------------------------------------------------------------------------
+# single process
+# ---------------------------------------------------------------------------------------------
+
+
+def test_keys_name_parameters_and_fields() -> None:
+    params = _params()
+    tx = opttx.chain(opttx.clip_by_global_norm(1.0), opttx.adamw(1e-2))
+    sd = state_dict(tx.init(params), params)
+    assert set(sd["state"]) == {"embed", "head", "layers.0.w", "layers.0.n", "layers.1.w",
+                                "layers.1.n", "layers.2.w", "layers.2.n"}
+    assert set(sd["state"]["layers.1.w"]) == {"1.0.mu", "1.0.nu"}
+    assert set(sd["shared"]) == {"1.0.count"}
+
+
+def test_keys_do_not_depend_on_the_leaves_present() -> None:
+    """A state over some leaves (masked, as zero and on_owners build it) has the entries of
+    those leaves, under the keys of the state over all of them; 8-bit states included."""
+    params = _params()
+    for make in (lambda: opttx.shampoo(1e-2, max_preconditioner_dim=4),
+                 lambda: opttx.adamw_8bit(1e-3, min_size=12, block_size=16)):
+        full = state_dict(make().init(params), params)
+        keep = [i % 2 == 0 for i in range(len(tree_flatten(params)[0]))]
+        leaves, spec = tree_flatten(params)
+        masked = spec.unflatten([x if k else opttx.MaskedNode() for x, k in zip(leaves, keep)])
+        part = state_dict(make().init(masked), params, owned=keep)
+        assert part["state"]
+        for path, fields in part["state"].items():
+            assert set(fields) == set(full["state"][path])
+            for f, x in fields.items():
+                assert torch.equal(x, full["state"][path][f]), (path, f)
+        assert set(part["state"]) < set(full["state"])
+
+
+def test_load_state_dict_names_the_mismatch() -> None:
+    params = _params()
+    adamw, lion = opttx.adamw(1e-2), opttx.lion(1e-3)
+    saved = state_dict(adamw.init(params), params)
+    with pytest.raises(ValueError, match=r"unexpected 8 entries .*state\.embed\.0\.nu"):
+        load_state_dict(lion.init(params), saved, params)
+    with pytest.raises(ValueError, match=r"missing 8 entries .*state\.embed\.0\.trace"):
+        load_state_dict(opttx.sgd(1e-2, momentum=0.9).init(params), saved, params)
+    fewer = {k: v for k, v in params.items() if k != "head"}
+    with pytest.raises(ValueError, match=r"unexpected 2 entries .*state\.head\.0\.mu"):
+        load_state_dict(adamw.init(fewer), saved, fewer)
+    wider = dict(params, embed=torch.zeros(6, 6))
+    with pytest.raises(ValueError, match=r"state\.embed\.0\.mu is \(6, 5\).*\(6, 6\)"):
+        load_state_dict(adamw.init(wider), saved, wider)
