@@ -261,20 +261,18 @@ def hyperparameters(*names: str, **ranges: Any):
 
     A name given positionally takes its default range:
 
-    ========================================  ==========================================
-    name                                      default range
-    ========================================  ==========================================
-    ``learning_rate``, ``lr``                 log-uniform in [1e-4, 1e-1]
-    ``b1``, ``beta1``                         uniform in [0, 0.99]
-    ``b2``, ``beta2``                         uniform in [0.5, 1)
-    ``momentum``, ``decay``                   uniform in [0, 1)
-    ``eps``, ``epsilon``                      log-uniform in [1e-10, 1e-6]
-    ``weight_decay``                          uniform in [0, 0.1]
-    ``max_norm``                              log-uniform in [1e-2, 10]
-    ``clipping_threshold``, ``clip_threshold``  log-uniform in [0.1, 10]
-    ``trust_coefficient``                     log-uniform in [1e-4, 1e-1]
-    ``nesterov``                              ``True`` or ``False``
-    ========================================  ==========================================
+    | name | default range |
+    | --- | --- |
+    | ``learning_rate``, ``lr`` | log-uniform in [1e-4, 1e-1] |
+    | ``b1``, ``beta1`` | uniform in [0, 0.99] |
+    | ``b2``, ``beta2`` | uniform in [0.5, 1) |
+    | ``momentum``, ``decay`` | uniform in [0, 1) |
+    | ``eps``, ``epsilon`` | log-uniform in [1e-10, 1e-6] |
+    | ``weight_decay`` | uniform in [0, 0.1] |
+    | ``max_norm`` | log-uniform in [1e-2, 10] |
+    | ``clipping_threshold``, ``clip_threshold`` | log-uniform in [0.1, 10] |
+    | ``trust_coefficient`` | log-uniform in [1e-4, 1e-1] |
+    | ``nesterov`` | ``True`` or ``False`` |
 
     A name given as a keyword takes the range given: a ``(low, high)`` pair (log-uniform for
     the names whose default is, when ``low > 0``; uniform otherwise), a list of values to
