@@ -16,7 +16,7 @@ from torch.utils import _pytree
 from .base import EmptyState
 from .tree import MaskedNode, PyTree, _is_leaf, tree_flatten, tree_flatten_with_path
 
-__all__ = ["keyed_state", "param_paths"]
+__all__ = ["dtensor_placement", "keyed_state", "local_entries_as_dtensors", "param_paths"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,3 +227,52 @@ def keyed_state(state: Any, params: PyTree, mask: Sequence[bool] | None = None
     out_shared: dict[str, torch.Tensor] = {}
     _walk(state, (), view, out_state, out_shared)
     return {k: v for k, v in out_state.items() if v}, out_shared
+
+
+# ---------------------------------------------------------------------------------------------
+# local shards -> DTensors
+# ---------------------------------------------------------------------------------------------
+
+
+def dtensor_placement(param: Any) -> tuple[Any, tuple, tuple[int, ...]] | None:
+    """``(mesh, placements, global shape)`` of a sharded DTensor parameter, else None."""
+    placements = getattr(param, "placements", None)
+    if placements is None or all(not p.is_shard() for p in placements):
+        return None
+    return param.device_mesh, tuple(placements), tuple(param.shape)
+
+
+def local_entries_as_dtensors(table: dict[str, dict[str, torch.Tensor]], paths: Sequence[str],
+                              leaves: Sequence[Any], placed: Sequence[Any]) -> dict:
+    """Entries of sharded parameters shaped like the local shard (element-wise statistics of
+    a transform run on local shards) as DTensors with the parameter's placements, so a
+    checkpoint holds the whole tensor once and reshards. Entries of the whole leaf's shape
+    (a whole-leaf layout: `on_owners`) and scalars stay plain tensors; any other shape is a
+    statistic of the local shard that cannot be resharded, and raises."""
+    from torch.distributed.tensor import DTensor
+    out = dict(table)
+    for path, leaf, where in zip(paths, leaves, placed):
+        entries = table.get(path)
+        if not entries or where is None:
+            continue
+        mesh, placements, shape = where
+        local = leaf.to_local() if hasattr(leaf, "to_local") else leaf
+        local_shape = tuple(local.shape)
+        converted = {}
+        for field, x in entries.items():
+            if hasattr(x, "to_local") or x.dim() == 0:
+                converted[field] = x
+            elif tuple(x.shape) == local_shape:
+                stride = torch.empty(shape, device="meta").stride()
+                converted[field] = DTensor.from_local(x, mesh, placements, run_check=False,
+                                                      shape=torch.Size(shape), stride=stride)
+            elif tuple(x.shape) == tuple(shape):
+                converted[field] = x
+            else:
+                raise NotImplementedError(
+                    f"state {path} {field} has shape {tuple(x.shape)}: a statistic of the "
+                    f"local shard {local_shape} that is neither element-wise nor a scalar "
+                    "cannot be resharded; run this transform under on_owners (whole leaves) "
+                    "to checkpoint it.")
+        out[path] = converted
+    return out

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Iterable
 
 import torch
 
+from ._statekeys import (dtensor_placement, keyed_state, local_entries_as_dtensors,
+                         param_paths)
 from .base import GradientTransformation, _stochastic_pairs, round_stochastic_
-from .tree import PyTree, donating, keystr, tree_flatten_with_path, tree_leaves
+from .tree import PyTree, donating, tree_leaves
 from .wrappers import find_injected_states
 
 __all__ = ["Optimizer"]
@@ -15,6 +18,50 @@ __all__ = ["Optimizer"]
 
 def _is_named(params: list) -> bool:
     return bool(params) and isinstance(params[0], tuple)
+
+
+SHARED = "shared."   # prefix of a group's shared state entries (on its first parameter)
+
+
+class _ParamStates(Mapping):
+    """``optimizer.state`` of an `Optimizer`: parameter -> its entries of the transform state
+    (``{field path: tensor}``, see `Optimizer.state_dict`), read from the live state.
+
+    ``torch.distributed.checkpoint.state_dict`` reads it: it must not look empty (DCP would
+    "initialize" the state with a zero-gradient step, which moves an opttx state: counts,
+    moment decay, weight decay) and it names the fields of every parameter."""
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self._optimizer = optimizer
+        self._cache: dict[int, tuple[Any, list[dict]]] = {}
+
+    def _position(self, param: torch.Tensor) -> tuple[int, int] | None:
+        for index, group in enumerate(self._optimizer.param_groups):
+            for j, p in enumerate(group["params"]):
+                if p is param:
+                    return index, j
+        return None
+
+    def group_entries(self, index: int) -> list[dict]:
+        state = self._optimizer._tx_states[index]
+        cached = self._cache.get(index)
+        if cached is None or cached[0] is not state:
+            cached = (state, self._optimizer._group_entries(index))
+            self._cache[index] = cached
+        return cached[1]
+
+    def __getitem__(self, param: torch.Tensor) -> dict:
+        where = self._position(param)
+        return {} if where is None else self.group_entries(where[0])[where[1]]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (p for group in self._optimizer.param_groups for p in group["params"])
+
+    def __len__(self) -> int:
+        return sum(len(group["params"]) for group in self._optimizer.param_groups)
+
+    def __bool__(self) -> bool:
+        return True
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -70,6 +117,7 @@ class Optimizer(torch.optim.Optimizer):
         elif params and isinstance(params[0], dict):
             params = [self._name_group(g) for g in params]
         super().__init__(params, {})
+        self.state = _ParamStates(self)  # what DCP's state_dict helpers read
 
     @staticmethod
     def _name_group(group: dict) -> dict:
@@ -180,21 +228,45 @@ class Optimizer(torch.optim.Optimizer):
         """The transform state of each param group (read-only view; do not replace)."""
         return list(self._tx_states)
 
-    def state_dict(self) -> dict[str, Any]:
-        """``{"state": {group index: {state path: tensor}}, "param_groups": [...]}``.
+    def _group_entries(self, index: int) -> list[dict]:
+        """Per parameter of group ``index``, its entries of the transform state
+        (``{field path: tensor}``), the group's shared entries on its first parameter; element-wise
+        statistics of DTensor parameters as DTensors."""
+        group = self.param_groups[index]
+        params = group["params"]
+        tree = self._tree(group, list(params))
+        names = param_paths(tree)
+        per_param, shared = keyed_state(self._tx_states[index], tree)
+        placed = [dtensor_placement(p) for p in params]
+        if any(w is not None for w in placed):
+            per_param = local_entries_as_dtensors(per_param, names, params, placed)
+        entries = [dict(per_param.get(name, {})) for name in names]
+        if entries:
+            entries[0].update({SHARED + k: v for k, v in shared.items()})
+        return entries
 
-        Every tensor of every group's transform state, keyed by its path in the state tree
-        (for example ``"[0].mu[3]"``), cloned. Loading it with `load_state_dict` into an
-        optimizer built the same way resumes bit-identically.
+    def state_dict(self) -> dict[str, Any]:
+        """``{"state": {param index: {field path: tensor}}, "param_groups": [...]}``, as
+        torch.optim's, so ``torch.distributed.checkpoint.state_dict``'s
+        ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (and ``torch.save``) work.
+
+        Parameters are indexed across groups as in torch.optim. A parameter's entries are its
+        parts of the transform state, keyed by field path (``"1.mu"``: link 1 of a chain, field
+        ``mu``; see `opttx.distributed.state_dict`), so they do not depend on which other
+        parameters the group holds; the tensors the whole group shares (step counts, injected
+        hyperparameters) are on the group's first parameter, under ``"shared."`` + field path.
+        Element-wise statistics of DTensor parameters (FSDP2) are DTensors, so DCP reshards
+        them. Tensors are cloned. Loading it with `load_state_dict` into an optimizer built
+        the same way resumes bit-identically.
         """
-        state = {index: {keystr(path): leaf.detach().clone()
-                         for path, leaf in tree_flatten_with_path(s)[0]
-                         if isinstance(leaf, torch.Tensor)}
-                 for index, s in enumerate(self._tx_states)}
+        state: dict[int, dict[str, torch.Tensor]] = {}
         groups = []
         start = 0
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
+            for j, entries in enumerate(self._group_entries(index)):
+                state[start + j] = {k: v.detach().clone() for k, v in entries.items()}
             saved = {k: v for k, v in group.items() if k not in ("params", "tx")}
+            saved["tx"] = None          # not saved (DCP wants every key of the live groups)
             saved["params"] = list(range(start, start + len(group["params"])))
             start += len(group["params"])
             groups.append(saved)
@@ -202,7 +274,15 @@ class Optimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Copy a `state_dict` into this optimizer's state buffers and param groups."""
+        """Copy a `state_dict` into this optimizer's state buffers and param groups.
+
+        ``state_dict["state"]`` may be keyed by parameter index (as `state_dict` makes it) or
+        by any other key listed in the groups' ``"params"`` (DCP's fully qualified names).
+
+        Raises:
+          ValueError: another number of groups or parameters, or entries missing, unexpected
+            or of another shape (the message names them).
+        """
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"state_dict has {len(groups)} param groups, this optimizer has "
@@ -211,23 +291,38 @@ class Optimizer(torch.optim.Optimizer):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(f"param group {index} has {len(group['params'])} params, "
                                  f"the state_dict {len(saved['params'])}.")
-            saved_state = state_dict["state"][index]
-            current = {keystr(path): leaf for path, leaf
-                       in tree_flatten_with_path(self._tx_states[index])[0]
-                       if isinstance(leaf, torch.Tensor)}
-            if set(current) != set(saved_state):
-                missing = sorted(set(current) - set(saved_state))[:3]
-                extra = sorted(set(saved_state) - set(current))[:3]
+            current = self._group_entries(index)
+            given = [dict(state_dict["state"].get(key, {})) for key in saved["params"]]
+            if given and current:
+                # the shared entries may sit on any one parameter of the group
+                shared = {k: v for g in given for k, v in g.items() if k.startswith(SHARED)}
+                given = [{k: v for k, v in g.items() if not k.startswith(SHARED)}
+                         for g in given]
+                given[0].update(shared)
+            names = list(saved["params"])
+            have = {(j, k) for j, e in enumerate(current) for k in e}
+            got = {(j, k) for j, e in enumerate(given) for k in e}
+            if have != got:
+                missing = sorted(f"{names[j]}: {k}" for j, k in have - got)[:3]
+                extra = sorted(f"{names[j]}: {k}" for j, k in got - have)[:3]
                 raise ValueError(f"state_dict of param group {index} does not match this "
                                  f"optimizer's transform: missing {missing}, unexpected "
                                  f"{extra}.")
-            for key, leaf in current.items():
-                value = saved_state[key]
-                if value.shape != leaf.shape:
-                    raise ValueError(f"state{key} of param group {index} has shape "
-                                     f"{tuple(value.shape)}, expected {tuple(leaf.shape)}.")
-                leaf.copy_(value)
+            for j, (mine, theirs) in enumerate(zip(current, given)):
+                for key, leaf in mine.items():
+                    value = theirs[key]
+                    if tuple(value.shape) != tuple(leaf.shape):
+                        raise ValueError(f"state {names[j]}: {key} of param group {index} has "
+                                         f"shape {tuple(value.shape)}, expected "
+                                         f"{tuple(leaf.shape)}.")
+            for mine, theirs in zip(current, given):
+                for key, leaf in mine.items():
+                    value = theirs[key]
+                    dst = leaf.to_local() if hasattr(leaf, "to_local") else leaf
+                    src = value.to_local() if hasattr(value, "to_local") else value
+                    if src is not dst:
+                        dst.copy_(src)
             self._synced.pop(index, None)
             for key, value in saved.items():
-                if key != "params":
+                if key not in ("params", "tx"):
                     group[key] = value

@@ -212,10 +212,12 @@ def _worker(rank: int, world: int, store: str, root: str, out: str) -> None:
         reference = _reference(name)
         source = root_path / ("w1" if world == 4 else "w4") / name
         _attempt(results, f"resumed/{name}",
-                 lambda: _equal(_resume(tx, name, source), reference))
+                 lambda tx=tx, name=name, source=source, reference=reference:
+                 _equal(_resume(tx, name, source), reference))
         if world == 4:
             _attempt(results, f"saved/{name}",
-                     lambda: _save(_distributed(name), name, root_path / "w4" / name) or True)
+                     lambda name=name: _save(_distributed(name), name,
+                                             root_path / "w4" / name) or True)
     if world == 2:
         _attempt(results, "errors", lambda: _errors(root_path, results) or True)
     _attempt(results, "sharded", lambda: _sharded_dtensor(root_path, rank, world, results)
@@ -344,3 +346,107 @@ def test_load_state_dict_names_the_mismatch() -> None:
     wider = dict(params, embed=torch.zeros(6, 6))
     with pytest.raises(ValueError, match=r"state\.embed\.0\.mu is \(6, 5\).*\(6, 6\)"):
         load_state_dict(adamw.init(wider), saved, wider)
+
+
+# ---------------------------------------------------------------------------------------------
+# opttx.Optimizer with torch.distributed.checkpoint.state_dict
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def world_of_one(tmp_path: Path):
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def _fit(model: torch.nn.Module, opt: torch.optim.Optimizer, start: int, stop: int) -> None:
+    for step in range(start, stop):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 6, generator=gen), torch.randn(16, 3, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+OPTIMIZERS: dict[str, Callable[[torch.nn.Module], opttx.Optimizer]] = {
+    "adamw": lambda m: opttx.Optimizer(m.named_parameters(),
+                                       opttx.adamw(1e-2, weight_decay=0.1)),
+    "injected": lambda m: opttx.Optimizer(m.parameters(), opttx.inject_hyperparams(
+        opttx.adamw)(learning_rate=1e-2, weight_decay=0.1)),
+    "shampoo": lambda m: opttx.Optimizer(m.named_parameters(), opttx.shampoo(
+        1e-2, max_preconditioner_dim=4, precondition_frequency=2,
+        start_preconditioning_step=2)),
+    "8bit_two_groups": lambda m: opttx.Optimizer(
+        [{"params": [p for p in m.parameters() if p.dim() == 2]},
+         {"params": [p for p in m.parameters() if p.dim() == 1],
+          "tx": opttx.lion(1e-3, weight_decay=0.1)}],
+        opttx.adamw_8bit(1e-3, min_size=20, block_size=16)),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flatten", [False, True])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_optimizer_state_dict_with_dcp(world_of_one: None, tmp_path: Path, name: str,
+                                       flatten: bool) -> None:
+    """get_optimizer_state_dict / dcp.save, then dcp.load / set_optimizer_state_dict into a
+    fresh optimizer: training goes on bit-identically. DCP's helpers do not step a fresh
+    opttx optimizer (they do a zero-gradient step when ``optimizer.state`` looks empty)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    model = _model(0)
+    opt = OPTIMIZERS[name](model)
+    before = [p.detach().clone() for p in model.parameters()]
+    states = [x.clone() for x in tree_flatten(opt.tx_states)[0]]
+    get_optimizer_state_dict(model, opt, options=options)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(states, tree_flatten(opt.tx_states)[0]))
+
+    _fit(model, opt, 0, K)
+    sd = {"model": get_model_state_dict(model),
+          "optim": get_optimizer_state_dict(model, opt, options=options)}
+    if not flatten:
+        assert set(sd["optim"]["state"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "ck"))
+    _fit(model, opt, K, K + N)
+
+    resumed = _model(1)
+    opt2 = OPTIMIZERS[name](resumed)
+    sd2 = {"model": get_model_state_dict(resumed),
+           "optim": get_optimizer_state_dict(resumed, opt2, options=options)}
+    dcp.load(sd2, checkpoint_id=str(tmp_path / "ck"))
+    set_model_state_dict(resumed, sd2["model"])
+    set_optimizer_state_dict(resumed, opt2, sd2["optim"], options=options)
+    _fit(resumed, opt2, K, K + N)
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(tree_flatten(opt.tx_states)[0], tree_flatten(opt2.tx_states)[0]):
+        assert torch.equal(a, b)
+
+
+def test_optimizer_state_dict_names_fields_per_parameter() -> None:
+    model = _model(0)
+    opt = opttx.Optimizer(model.parameters(), opttx.chain(opttx.clip_by_global_norm(1.0),
+                                                          opttx.adamw(1e-2)))
+    sd = opt.state_dict()
+    assert set(sd["state"]) == {0, 1, 2, 3}
+    assert set(sd["state"][0]) == {"1.0.mu", "1.0.nu", "shared.1.0.count"}
+    assert set(sd["state"][3]) == {"1.0.mu", "1.0.nu"}
+    assert bool(opt.state) and set(opt.state[model[2].bias]) == {"1.0.mu", "1.0.nu"}
+    other = opttx.Optimizer(model.parameters(), opttx.lion(1e-3))
+    with pytest.raises(ValueError, match=r"unexpected \['0: 1.0.mu'"):
+        other.load_state_dict(sd)

@@ -48,7 +48,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._statekeys import keyed_state, param_paths
+from .._statekeys import (
+    dtensor_placement,
+    keyed_state,
+    local_entries_as_dtensors,
+    param_paths,
+)
 from ..tree import PyTree, tree_flatten
 from .shapes import is_dtensor
 
@@ -82,9 +87,7 @@ def _placements_of(param: Any, spec: Any) -> tuple[Any, Any, tuple[int, ...]] | 
     from torch.distributed.tensor import DeviceMesh
     from torch.distributed.tensor import Shard as DShard
     if is_dtensor(param):
-        if all(not p.is_shard() for p in param.placements):
-            return None
-        return param.device_mesh, tuple(param.placements), tuple(param.shape)
+        return dtensor_placement(param)
     shards = tuple(s for s in (spec or ()) if s is not None) if isinstance(spec, tuple) \
         else ((spec,) if spec is not None and hasattr(spec, "dim") else ())
     if not shards:
@@ -115,40 +118,14 @@ def _placements_of(param: Any, spec: Any) -> tuple[Any, Any, tuple[int, ...]] | 
 
 def _as_dtensors(table: dict, params: PyTree, specs: PyTree | None) -> dict:
     """Per-parameter entries shaped like a sharded parameter's local shard as DTensors."""
-    from torch.distributed.tensor import DTensor
-
     from .specs import flatten_specs
     leaves = tree_flatten(params)[0]
-    paths = param_paths(params)
     if not any(is_dtensor(x) for x in leaves) and specs is None:
         return table
     flat_specs = flatten_specs(params, specs) if specs is not None else [()] * len(leaves)
-    out = dict(table)
-    for path, leaf, spec in zip(paths, leaves, flat_specs):
-        entries = table.get(path)
-        if not entries:
-            continue
-        placed = _placements_of(leaf, spec)
-        if placed is None:
-            continue
-        mesh, placements, shape = placed
-        local_shape = tuple(leaf.to_local().shape) if is_dtensor(leaf) else tuple(leaf.shape)
-        converted = {}
-        for field, x in entries.items():
-            if is_dtensor(x) or x.dim() == 0:
-                converted[field] = x
-            elif tuple(x.shape) == local_shape:
-                stride = torch.empty(shape, device="meta").stride()
-                converted[field] = DTensor.from_local(x, mesh, placements, run_check=False,
-                                                      shape=torch.Size(shape), stride=stride)
-            else:
-                raise NotImplementedError(
-                    f"state {path}/{field} has shape {tuple(x.shape)}: a statistic of the "
-                    f"local shard {local_shape} that is neither element-wise nor a scalar "
-                    "cannot be resharded; run this transform under on_owners (whole leaves) "
-                    "to checkpoint it.")
-        out[path] = converted
-    return out
+    # every rank resolves every leaf, in order (a collective per explicitly sharded leaf)
+    placed = [_placements_of(leaf, spec) for leaf, spec in zip(leaves, flat_specs)]
+    return local_entries_as_dtensors(table, param_paths(params), leaves, placed)
 
 
 # ---------------------------------------------------------------------------------------------
