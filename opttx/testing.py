@@ -387,14 +387,14 @@ def _check_mesh(mesh: Sequence[int], groups: Sequence[Any] | None) -> list[Any]:
     return groups
 
 
-def sharding_specs(shapes: PyTree, mesh: Sequence[int] = (2,),
+def sharding_specs(shapes: PyTree, mesh: Sequence[int] | None = None,
                    groups: Sequence[Any] | None = None, replicated: bool = True,
                    uneven: bool = True):
     """Strategy for sharding-spec trees of parameters of the given global shapes.
 
     Every leaf of rank one or more is, independently, `Replicated` or split over some of the
     mesh dims: for each mesh dim, not at all or along a drawn dim (a dim may be split by both
-    mesh dims, as FSDP on a tensor-parallel shard; dims are written negative half the time).
+    mesh dims, as FSDP on a tensor-parallel shard; some dims are written negative).
     Dims whose size the group size does not divide are drawn too, leaving uneven pieces or,
     for a size below the group size, empty ones. 0-dim leaves are replicated.
 
@@ -408,9 +408,10 @@ def sharding_specs(shapes: PyTree, mesh: Sequence[int] = (2,),
     Args:
       shapes: a tree whose leaves are global shapes (tuples of ints) or tensors.
       mesh: the size of each mesh dim (one or two): the number of ranks of its groups.
+        Default: the sizes of ``groups`` when given, else ``(2,)``.
       groups: the process group of each mesh dim, to put in the specs (default: placeholders).
-      replicated: whether a leaf may be drawn replicated (False: every leaf of rank one or more
-        is sharded over at least one mesh dim).
+      replicated: whether a leaf may be drawn replicated (False: every leaf with a dim that
+        may be drawn is sharded over at least one mesh dim).
       uneven: whether dims whose size the group does not divide may be drawn.
 
     Returns:
@@ -425,6 +426,12 @@ def sharding_specs(shapes: PyTree, mesh: Sequence[int] = (2,),
     """
     from hypothesis import strategies as st
     leaves, treespec = _shape_tree(shapes)
+    if mesh is None:
+        if groups is None:
+            mesh = (2,)
+        else:
+            import torch.distributed as dist
+            mesh = tuple(dist.get_world_size(g) for g in groups)
     mesh = tuple(mesh)
     groups = _check_mesh(mesh, groups)
 

@@ -64,6 +64,22 @@ def _sleep_on_rank_one(rank: int, world: int) -> int:
     return rank
 
 
+def _draw_in_every_rank(rank: int, world: int) -> list[dict]:
+    """Spec trees drawn inside a rank with the real group (hypothesis derandomized, so every
+    rank draws the same ones), written as ``{leaf: [(dim, is the world group), ...]}``."""
+    from hypothesis import HealthCheck, Phase
+    drawn = []
+
+    @settings(max_examples=8, derandomize=True, database=None, deadline=None,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(specs=sharding_specs(SHAPES, groups=[dist.group.WORLD]))
+    def draw(specs: dict) -> None:
+        drawn.append({k: [(s.dim, s.group is dist.group.WORLD) for s in _shards(v)]
+                      for k, v in specs.items()})
+    draw()
+    return drawn
+
+
 # ---------------------------------------------------------------------------------------------
 # strategies (one process)
 # ---------------------------------------------------------------------------------------------
@@ -219,5 +235,14 @@ def test_spawn_ranks_returns_results_and_stops_hangs() -> None:
         assert_shard_invariant(lambda: opttx.sgd(1.0))
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[.*1\] of 2 still running"):
-        spawn_ranks(_sleep_on_rank_one, 2, timeout=10)
+        spawn_ranks(_sleep_on_rank_one, 2, timeout=6)
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.timeout(240)
+def test_sharding_specs_drawn_alike_in_every_rank() -> None:
+    """Drawn inside the ranks with the real group (its size read from it): the same specs."""
+    first, second = spawn_ranks(_draw_in_every_rank, 2)
+    assert first == second and len(first) == 8
+    shards = [s for tree in first for spec in tree.values() for s in spec]
+    assert shards and all(is_world for _, is_world in shards)
