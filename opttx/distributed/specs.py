@@ -54,7 +54,9 @@ class Shard:
             raise ValueError(f"Shard.size must be >= 0, got {self.size}.")
 
     def __repr__(self) -> str:
-        group = "WORLD" if self.group is None else f"group of {_group_size(self.group)}"
+        size = _group_size(self.group) if isinstance(self.group, dist.ProcessGroup) else -1
+        group = ("WORLD" if self.group is None else f"group of {size}" if size >= 0
+                 else repr(self.group))
         size = "" if self.size is None else f", size={self.size}"
         return f"Shard({self.dim}, {group}{size})"
 
