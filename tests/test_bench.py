@@ -26,6 +26,12 @@ def test_bench_writes_a_report(tmp_path) -> None:
     # adamw keeps two moments, sgd with momentum one: the state sizes say so
     assert figures["adamw"]["state_bytes"] > 1.9 * figures["sgd"]["state_bytes"]
     assert "adamw" in (out / "report.md").read_text()
+    pytest.importorskip("matplotlib", reason="the plots need the bench extra (make test has it)")
+    for png in ("loss.png", "memory.png"):
+        data = (out / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", png
+        width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+        assert width > 100 and height > 100 and len(data) > 5000, (png, width, height)
 
 
 TINY = ["--steps", "4", "--eval-every", "2", "--eval-batches", "1", "--corpus-bytes", "100000",
