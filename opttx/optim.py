@@ -9,7 +9,7 @@ import torch
 
 from ._statekeys import (dtensor_placement, keyed_state, local_entries_as_dtensors,
                          param_paths)
-from .base import GradientTransformation, _stochastic_pairs, round_stochastic_
+from .base import GradientTransformation, _kind, _stochastic_pairs, round_stochastic_
 from .tree import PyTree, donating, tree_leaves
 from .wrappers import find_injected_states
 
@@ -18,6 +18,33 @@ __all__ = ["Optimizer"]
 
 def _is_named(params: list) -> bool:
     return bool(params) and isinstance(params[0], tuple)
+
+
+def _local_pairs(params: list, updates: list) -> tuple[list, list]:
+    """Parameters and updates to write, with every pair of DTensors on the same mesh and
+    placements replaced by their local tensors (the write is then a plain grouped kernel on
+    the shards, no DTensor dispatch; under ``no_grad`` ``to_local`` is the parameter's own
+    storage). Other leaves are left as they are."""
+    ps, us = [], []
+    for p, u in zip(params, updates):
+        if (_kind(p) is not None and _kind(u) is not None and p.device_mesh == u.device_mesh
+                and tuple(p.placements) == tuple(u.placements)):
+            p, u = p.to_local(), u.to_local()
+        ps.append(p)
+        us.append(u)
+    return ps, us
+
+
+def _grouped_add_(params: list, updates: list, alpha: float) -> None:
+    """``p += alpha * u`` with one ``_foreach_add_`` per kind of leaf (plain tensors, and
+    DTensors per mesh and placements: one grouped kernel cannot mix them)."""
+    groups: dict = {}
+    for p, u in zip(params, updates):
+        ps, us = groups.setdefault(_kind(p), ([], []))
+        ps.append(p)
+        us.append(u)
+    for ps, us in groups.values():
+        torch._foreach_add_(ps, us, alpha=alpha)
 
 
 SHARED = "shared."   # prefix of a group's shared state entries (on its first parameter)
@@ -90,6 +117,21 @@ class Optimizer(torch.optim.Optimizer):
     ``generator``), so small updates are not lost to round-to-nearest without keeping a float32
     master copy of the weights.
 
+    **FSDP2 and other DTensor parameters.** After ``fully_shard`` the parameters are DTensors
+    sharded on dim 0 (uneven splits included) and ``backward`` leaves each rank its shard of
+    the gradient, already averaged over the ranks: no ``all_reduce_gradients``. Pass the
+    transform wrapped in `opttx.distributed.sharded`, which reads the specs from the DTensors
+    and runs the transform on the local shards; it issues no collective for element-wise
+    transforms (adam, adamw, lion), one batched all-reduce per statistic for layer-wise ones
+    (lamb, lars, clip_by_global_norm, adafactor, came), and with ``on_owners=True`` brings
+    whole leaves to owner ranks for the transforms that need whole matrices (shampoo,
+    galore_adamw, adamw_8bit; they refuse local shards). Adafactor and CAME decide factoring
+    on a leaf's shape: give them the decisions taken on the global shapes
+    (`opttx.distributed.global_factor_axes`). The collectives are the ones ``sharded`` makes,
+    nothing here adds any; DTensor parameters are written through their local tensors. One
+    ``sharded`` transform per param group (it keeps the specs of the tree it was initialised
+    on). Every rank must call ``step`` (the collectives are over the mesh).
+
     Example:
       >>> tx = opttx.inject_hyperparams(opttx.adamw)(learning_rate=1e-3, weight_decay=0.01)
       >>> opt = opttx.Optimizer(model.parameters(), tx)
@@ -97,6 +139,19 @@ class Optimizer(torch.optim.Optimizer):
       >>> for x, y in data:
       ...     loss_fn(model(x), y).backward()
       ...     opt.step(); opt.zero_grad(); sched.step()
+
+      With FSDP2 (here CPU and gloo; ``"cuda"`` and NCCL alike):
+
+      >>> from torch.distributed.fsdp import fully_shard
+      >>> mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world_size,))
+      >>> for block in model.blocks:
+      ...     fully_shard(block, mesh=mesh)
+      >>> fully_shard(model, mesh=mesh)
+      >>> axes = opttx.distributed.global_factor_axes(dict(model.named_parameters()))
+      >>> opt = opttx.Optimizer(model.named_parameters(), opttx.distributed.sharded(
+      ...     opttx.adafactor(1e-2, factor_axes=axes)))
+      >>> shampoo = opttx.Optimizer(model.parameters(), opttx.distributed.sharded(
+      ...     opttx.shampoo(1e-3), on_owners=True))
     """
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict] |
@@ -192,8 +247,9 @@ class Optimizer(torch.optim.Optimizer):
                 updates, state, factor = self._run(group["tx"], self._tree(group, grads),
                                                    state, param_tree)
             self._tx_states[index] = state
-            moved = [p for p, g in zip(params, has_grad) if g]
-            deltas = [u for u, g in zip(tree_leaves(updates), has_grad) if g]
+            moved, deltas = _local_pairs(
+                [p for p, g in zip(params, has_grad) if g],
+                [u for u, g in zip(tree_leaves(updates), has_grad) if g])
             if self.stochastic_rounding:
                 sr_p, sr_u, moved, deltas = _stochastic_pairs(moved, deltas, factor)
                 for p, u in zip(sr_p, sr_u):
@@ -201,7 +257,7 @@ class Optimizer(torch.optim.Optimizer):
             else:
                 deltas = [u.to(p.dtype) for p, u in zip(moved, deltas)]
             if moved:
-                torch._foreach_add_(moved, deltas, alpha=factor)
+                _grouped_add_(moved, deltas, factor)
         return loss
 
     @staticmethod

@@ -88,6 +88,24 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
       >>> state = tx.init(local_params)
       >>> updates, state = tx.update(local_grads, state, local_params)
 
+      FSDP2 (``fully_shard``): the parameters are DTensors sharded on dim 0 (unevenly where
+      the size does not divide), the specs are read from them, and ``backward`` leaves each
+      rank its shard of the already averaged gradient, so no other link is needed. Adafactor
+      and CAME get their factoring decided on the global shapes; matrix transforms run on
+      owner ranks:
+
+      >>> fully_shard(model, mesh=mesh)          # after fully_shard on each block
+      >>> axes = global_factor_axes(dict(model.named_parameters()))
+      >>> opt = opttx.Optimizer(model.named_parameters(),
+      ...                       sharded(opttx.adafactor(1e-2, factor_axes=axes)))
+      >>> opt = opttx.Optimizer(model.parameters(), sharded(opttx.shampoo(1e-3), on_owners=True))
+      >>> params = {k: p.detach() for k, p in model.named_parameters()}   # or functionally
+      >>> tx = sharded(opttx.lamb(1e-3))
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({k: p.grad for k, p in model.named_parameters()}, state,
+      ...                            params)
+      >>> opttx.apply_updates_(params, updates)  # writes the model's DTensor parameters
+
     References:
       Shoeybi et al., Megatron-LM (arXiv 1909.08053) for tensor-parallel sharding; Xu et al.,
       GSPMD (arXiv 2105.04663) for reductions over sharded dims.
