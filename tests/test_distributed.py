@@ -579,3 +579,19 @@ def test_apply_updates_mixes_dtensor_and_plain_leaves(world_of_one: None) -> Non
     opttx.apply_updates_(params, updates)
     torch.testing.assert_close(params["w"].full_tensor(), torch.full((4, 4), 1.5))
     torch.testing.assert_close(params["b"], torch.full((4,), 3.0))
+
+
+@pytest.mark.timeout(300)
+def test_drawn_specs_on_a_two_dim_mesh() -> None:
+    """Hypothesis-drawn spec trees on a 2x2 mesh (a leaf split over both mesh dims, on two
+    dims or twice on one, uneven and empty pieces) for CAME, whose three reductions cover
+    rows, columns and whole leaves: the single-device result on every rank."""
+    from functools import partial
+
+    from opttx.testing import assert_shard_invariant
+    shapes = {"w": (7, 10), "u": (5, 6), "t": (3, 4, 5), "b": (7,)}
+    meta = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
+    axes = dict(zip(meta, factored_axes(meta, "last", 1)))
+    summary = assert_shard_invariant(partial(opttx.came, 1e-3, factor_axes=axes), shapes,
+                                     mesh=(2, 2), n_specs=4, steps=5, seed=3)
+    assert summary["cases"] == 4 and summary["compared"] > 0
