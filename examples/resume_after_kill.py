@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import shutil
 import signal
 import sys
 from pathlib import Path

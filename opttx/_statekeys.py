@@ -243,12 +243,14 @@ def dtensor_placement(param: Any) -> tuple[Any, tuple, tuple[int, ...]] | None:
 
 
 def local_entries_as_dtensors(table: dict[str, dict[str, torch.Tensor]], paths: Sequence[str],
-                              leaves: Sequence[Any], placed: Sequence[Any]) -> dict:
+                              leaves: Sequence[Any], placed: Sequence[Any],
+                              strict: bool = True) -> dict:
     """Entries of sharded parameters shaped like the local shard (element-wise statistics of
     a transform run on local shards) as DTensors with the parameter's placements, so a
     checkpoint holds the whole tensor once and reshards. Entries of the whole leaf's shape
     (a whole-leaf layout: `on_owners`) and scalars stay plain tensors; any other shape is a
-    statistic of the local shard that cannot be resharded, and raises."""
+    statistic of the local shard that cannot be resharded: it raises when ``strict``, else it
+    stays a plain (per-rank) tensor."""
     from torch.distributed.tensor import DTensor
     out = dict(table)
     for path, leaf, where in zip(paths, leaves, placed):
@@ -266,7 +268,7 @@ def local_entries_as_dtensors(table: dict[str, dict[str, torch.Tensor]], paths: 
                 stride = torch.empty(shape, device="meta").stride()
                 converted[field] = DTensor.from_local(x, mesh, placements, run_check=False,
                                                       shape=torch.Size(shape), stride=stride)
-            elif tuple(x.shape) == tuple(shape):
+            elif tuple(x.shape) == tuple(shape) or not strict:
                 converted[field] = x
             else:
                 raise NotImplementedError(

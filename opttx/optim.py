@@ -295,7 +295,8 @@ class Optimizer(torch.optim.Optimizer):
         per_param, shared = keyed_state(self._tx_states[index], tree)
         placed = [dtensor_placement(p) for p in params]
         if any(w is not None for w in placed):
-            per_param = local_entries_as_dtensors(per_param, names, params, placed)
+            per_param = local_entries_as_dtensors(per_param, names, params, placed,
+                                                  strict=False)
         entries = [dict(per_param.get(name, {})) for name in names]
         if entries:
             entries[0].update({SHARED + k: v for k, v in shared.items()})
@@ -312,8 +313,12 @@ class Optimizer(torch.optim.Optimizer):
         parameters the group holds; the tensors the whole group shares (step counts, injected
         hyperparameters) are on the group's first parameter, under ``"shared."`` + field path.
         Element-wise statistics of DTensor parameters (FSDP2) are DTensors, so DCP reshards
-        them. Tensors are cloned. Loading it with `load_state_dict` into an optimizer built
-        the same way resumes bit-identically.
+        them; other statistics of a local shard (Adafactor's row and column means under
+        `opttx.distributed.sharded`) stay this rank's plain tensors, right for a per-rank
+        ``torch.save`` but not for DCP, which keeps one copy of a plain tensor: checkpoint
+        those transforms with ``sharded(..., on_owners=True)``. Tensors are cloned. Loading
+        it with `load_state_dict` into an optimizer built the same way resumes
+        bit-identically.
         """
         state: dict[int, dict[str, torch.Tensor]] = {}
         groups = []

@@ -153,8 +153,18 @@ def state_dict(state: Any, params: PyTree, *, specs: PyTree | None = None,
         parameter tree to read it from (a `quantize_state` alone under `zero`).
 
     Returns:
-      ``{"state": {param path: {field path: tensor}}, "shared": {field path: tensor}}`` (see
-      the module docstring); a sharded parameter's element-wise statistics are DTensors.
+      ``{"state": {param path: {field path: tensor}}, "shared": {field path: tensor}}``: a
+      param path names a parameter (``"layers.0.w"``: keys and indices joined by dots), a
+      field path the place in the state (``"1.0.mu"``: link 1 of a chain, link 0 inside it,
+      field ``mu``) and inside that parameter's part (Shampoo's blocks and factors), so no
+      key depends on which leaves a rank holds (see the guide, "Checkpoints"); a sharded
+      parameter's element-wise statistics are DTensors.
+
+    Raises:
+      NotImplementedError: a statistic of a local shard that is neither element-wise nor a
+        scalar (it cannot be resharded), or an uneven split DTensor cannot describe.
+      ValueError: ``owned`` of the wrong length, or a `quantize_state` state that does not
+        fit the parameters.
 
     Example:
       >>> import torch.distributed.checkpoint as dcp
