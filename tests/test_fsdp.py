@@ -211,6 +211,36 @@ def _layout(world: int, rank: int) -> dict[str, Any]:
     return out
 
 
+def _resume(how: str, make: Callable, batches: list, rank: int, world: int) -> bool:
+    """Train 2 steps, save `opttx.Optimizer.state_dict`, load it into a fresh optimizer over a
+    copy of the FSDP2 model, and take the other steps with both: bit-identical params."""
+    def build() -> tuple[Block, opttx.Optimizer]:
+        model = _fsdp_model(world)
+        named = dict(model.named_parameters())
+        inner = make(lambda rule: global_factor_axes(named, None, rule, 1))
+        return model, opttx.Optimizer(model.named_parameters(), sharded(
+            inner, on_owners=how == "owners"))
+
+    def step(model: Block, opt: opttx.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+        F.mse_loss(model(x.tensor_split(world)[rank]), y.tensor_split(world)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, opt = build()
+    for x, y in batches[:2]:
+        step(model, opt, x, y)
+    copy, opt2 = build()
+    with torch.no_grad():
+        for a, b in zip(copy.parameters(), model.parameters()):
+            a.to_local().copy_(b.to_local())
+    opt2.load_state_dict(opt.state_dict())
+    for x, y in batches[2:]:
+        step(model, opt, x, y)
+        step(copy, opt2, x, y)
+    return all(torch.equal(a.to_local(), b.to_local())
+               for a, b in zip(copy.parameters(), model.parameters()))
+
+
 def _worker(rank: int, world: int, store: str, out: str, apis: list[str],
             names: list[str]) -> None:
     _init(rank, world, store)
@@ -230,6 +260,13 @@ def _worker(rank: int, world: int, store: str, out: str, apis: list[str],
             except Exception:  # noqa: BLE001 - reported by the tests
                 results["errors"][key] = traceback.format_exc(limit=3)
     if world == 2:
+        for name in ("adamw", "lamb", "adafactor", "shampoo"):
+            how, _, make = _aliases()[name]
+            try:
+                results.setdefault("resume", {})[name] = _resume(how, make, batches, rank,
+                                                                 world)
+            except Exception:  # noqa: BLE001 - reported by the test
+                results.setdefault("resume", {})[name] = traceback.format_exc(limit=3)
         # a matrix transform on local shards: the library's clear error, on every rank
         model = _fsdp_model(world)
         try:
@@ -300,6 +337,15 @@ def test_fsdp2_layout(world2: list[dict], world4: list[dict], world: int) -> Non
         assert res["layout"]["problems"] == [], f"rank {rank}: {res['layout']['problems']}"
     uneven = results[0]["layout"]["uneven"]
     assert "head.weight" in uneven and "mlp.0.weight" in uneven
+
+
+def test_optimizer_state_dict_resumes_fsdp2_training(world2: list[dict]) -> None:
+    """state_dict / load_state_dict of an opttx.Optimizer over FSDP2 params (local,
+    layer-wise and owner-held state) resumes bit-identically."""
+    for rank, res in enumerate(world2):
+        assert set(res["resume"]) == {"adamw", "lamb", "adafactor", "shampoo"}
+        for name, ok in res["resume"].items():
+            assert ok is True, f"rank {rank}, {name}: {ok}"
 
 
 def test_matrix_transform_on_fsdp2_shards_is_refused(world2: list[dict]) -> None:
