@@ -193,6 +193,61 @@ def _sharded_dtensor(root: Path, rank: int, world: int, results: dict) -> None:
     results["sharded_resumed"] = _equal(_unshard(params, axes, world), p_ref)
 
 
+def _optimizer_dtensors(root: Path, world: int, results: dict) -> None:
+    """opttx.Optimizer over DTensor parameters (dim-0 shards, 7 rows over 4 ranks uneven as
+    FSDP2's) with ``sharded(adamw)``: DCP's get/set_optimizer_state_dict save the moments as
+    DTensors at world 4 and reshard them at world 2; training goes on bit-identically."""
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard as DShard
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(3)
+    full = {"a": torch.randn(6, 5, generator=gen), "b": torch.randn(5, generator=gen),
+            "c": torch.randn(7, 3, generator=gen)}
+    make = lambda: opttx.adamw(1e-2, weight_decay=0.1)  # noqa: E731
+
+    def build() -> tuple[torch.nn.Module, opttx.Optimizer]:
+        module = torch.nn.Module()
+        for name, x in full.items():
+            module.register_parameter(name, torch.nn.Parameter(
+                distribute_tensor(x.clone(), mesh, [DShard(0)])))
+        return module, opttx.Optimizer(module.named_parameters(), sharded(make()))
+
+    def steps(module: torch.nn.Module, opt: opttx.Optimizer, start: int, stop: int) -> None:
+        for step in range(start, stop):
+            whole = {n: p.detach().full_tensor() for n, p in module.named_parameters()}
+            grads = _grad(whole, step)
+            for n, p in module.named_parameters():
+                p.grad = distribute_tensor(grads[n], mesh, [DShard(0)])
+            opt.step()
+            opt.zero_grad()
+
+    path = str(root / "optimizer_dtensors")
+    if world == 4:
+        module, opt = build()
+        steps(module, opt, 0, K)
+        osd = get_optimizer_state_dict(module, opt)
+        results["dtensor_entries"] = all(hasattr(v, "placements") for k, v in
+                                         osd["state"]["c"].items() if not k.startswith("shared"))
+        dcp.save({"model": get_model_state_dict(module), "optim": osd}, checkpoint_id=path)
+        return
+    module, opt = build()
+    sd = {"model": get_model_state_dict(module), "optim": get_optimizer_state_dict(module, opt)}
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(module, sd["model"])
+    set_optimizer_state_dict(module, opt, sd["optim"])
+    steps(module, opt, K, K + N)
+    ref = make()
+    expected = _train(ref, full, ref.init(full), 0, K + N)[0]
+    results["optimizer_resumed"] = _equal(
+        {n: p.detach().full_tensor() for n, p in module.named_parameters()}, expected)
+
+
 def _unshard(local: dict, axes: dict, world: int) -> dict:
     def gather(x: torch.Tensor, d: int) -> torch.Tensor:
         pieces = [None] * world
@@ -221,6 +276,8 @@ def _worker(rank: int, world: int, store: str, root: str, out: str) -> None:
     if world == 2:
         _attempt(results, "errors", lambda: _errors(root_path, results) or True)
     _attempt(results, "sharded", lambda: _sharded_dtensor(root_path, rank, world, results)
+             or True)
+    _attempt(results, "optimizer", lambda: _optimizer_dtensors(root_path, world, results)
              or True)
     Path(f"{out}.{rank}").write_text(json.dumps(results))
     dist.barrier()
@@ -286,6 +343,14 @@ def test_world_4_checkpoint_resumes_on_one_device(root: Path, world4: list[dict]
 def test_local_shards_reshard_between_world_2_and_4(world2: list[dict]) -> None:
     _check(world2, "sharded")
     _check(world2, "sharded_resumed")
+
+
+def test_optimizer_over_dtensors_reshards_between_world_4_and_2(world4: list[dict],
+                                                                world2: list[dict]) -> None:
+    _check(world4, "optimizer")
+    _check(world4, "dtensor_entries")
+    _check(world2, "optimizer")
+    _check(world2, "optimizer_resumed")
 
 
 def test_another_chain_or_parameter_set_is_refused(world2: list[dict]) -> None:
