@@ -459,6 +459,9 @@ def foreach_scale_add(old: Tensors, decay: Scalar, new: Tensors) -> list[torch.T
     return foreach_op_("add", out, new)
 
 
+_MASKED = object()   # stands for a MaskedNode position while labels are resolved
+
+
 def leaf_labels(labels: PyTree | Callable[[PyTree], PyTree], tree: PyTree,
                 what: str = "labels", is_leaf: Callable[[Any], bool] | None = None
                 ) -> list[Any]:
@@ -467,7 +470,12 @@ def leaf_labels(labels: PyTree | Callable[[PyTree], PyTree], tree: PyTree,
     that are containers in pytree terms (a tuple of axes) as single values."""
     if callable(labels):
         labels = labels(tree)
-    spec = tree_structure(tree)
+    # a masked-out position (MaskedNode) still has its value in ``labels``: resolve the values
+    # for every position, then drop those of the masked ones
+    is_masked = lambda x: isinstance(x, MaskedNode)  # noqa: E731
+    positions = _pytree.tree_map(lambda x: _MASKED if is_masked(x) else x, tree,
+                                 is_leaf=is_masked)
+    spec = tree_structure(positions)
     try:
         flat = _pytree._broadcast_to_and_flatten(labels, spec, is_leaf=is_leaf)
     except Exception:
@@ -476,7 +484,7 @@ def leaf_labels(labels: PyTree | Callable[[PyTree], PyTree], tree: PyTree,
         where = _first_difference(labels, tree) or "the structures differ"
         raise ValueError(f"The {what} do not match the parameter tree: {where}. Give one "
                          f"value per parameter leaf, in a tree of the same structure.")
-    return list(flat)
+    return [v for v, x in zip(flat, tree_leaves(positions)) if x is not _MASKED]
 
 
 def mask_leaves(mask: PyTree | Callable[[PyTree], PyTree], params: PyTree) -> list[bool]:

@@ -220,3 +220,20 @@ def test_an_empty_leaf_changes_nothing_else(name) -> None:
     want, _ = run_transform(ALL_ALIASES[name](), params, grads)
     assert got["e"].shape == (0, 3)
     assert_trees_close({k: got[k] for k in params}, want, rtol=1e-6)
+
+
+def test_per_leaf_values_skip_masked_positions() -> None:
+    """Per-leaf values given as a tree (explicit factor_axes, masks, labels) line up with the
+    leaves that are present when some are masked out (as on_owners and zero mask them)."""
+    axes = {"a": (0, 1), "b": None, "w": (1, 0)}
+    params = {"a": torch.ones(4, 2), "b": torch.ones(3), "w": torch.arange(20.0).view(4, 5)}
+    keep = {"a": False, "b": True, "w": True}
+    masked = opttx.masked(opttx.adafactor(1e-2, min_dim_size_to_factor=1, factor_axes=axes),
+                          keep)
+    whole = opttx.adafactor(1e-2, min_dim_size_to_factor=1,
+                            factor_axes={"b": None, "w": (1, 0)})
+    kept = {"b": params["b"], "w": params["w"]}
+    got, _ = run_transform(masked, params, gradient_stream(params, 3, seed=2))
+    want, _ = run_transform(whole, kept, [{k: g[k] for k in kept}
+                                          for g in gradient_stream(params, 3, seed=2)])
+    assert_trees_close({k: got[k] for k in kept}, want, rtol=1e-6)
