@@ -242,16 +242,56 @@ def dtensor_placement(param: Any) -> tuple[Any, tuple, tuple[int, ...]] | None:
     return param.device_mesh, tuple(placements), tuple(param.shape)
 
 
+def _kind(x: torch.Tensor, local_shape: tuple[int, ...], shape: tuple[int, ...]) -> str:
+    """How a state tensor of a sharded parameter relates to it, seen from this rank."""
+    if hasattr(x, "to_local"):
+        return "dtensor"
+    if x.dim() == 0:
+        return "scalar"
+    if x.numel() == 0:
+        return f"empty{tuple(x.shape)}"       # a placeholder, or the piece of an empty shard
+    if tuple(x.shape) == local_shape:
+        return "local"
+    if tuple(x.shape) == shape:
+        return "whole"
+    return "other"
+
+
+def _agree(kinds: list[str]) -> str:
+    """One kind from every rank's (for the ranks holding the entry)."""
+    if len(set(kinds)) == 1:
+        return kinds[0]
+    if "local" in kinds and all(k == "local" or k.startswith("empty") for k in kinds):
+        return "local"                        # element-wise, empty where the shard is empty
+    return "other"
+
+
 def local_entries_as_dtensors(table: dict[str, dict[str, torch.Tensor]], paths: Sequence[str],
                               leaves: Sequence[Any], placed: Sequence[Any],
-                              strict: bool = True) -> dict:
+                              strict: bool = True, rank: int | None = None) -> dict:
     """Entries of sharded parameters shaped like the local shard (element-wise statistics of
     a transform run on local shards) as DTensors with the parameter's placements, so a
     checkpoint holds the whole tensor once and reshards. Entries of the whole leaf's shape
-    (a whole-leaf layout: `on_owners`) and scalars stay plain tensors; any other shape is a
-    statistic of the local shard that cannot be resharded: it raises when ``strict``, else it
-    stays a plain (per-rank) tensor."""
+    (a whole-leaf layout: `on_owners`), scalars and placeholders empty on every rank stay
+    plain tensors. The decision is agreed over all ranks (one ``all_gather_object`` when a
+    process group is initialized), so every rank lays out an entry alike. Any other entry is
+    a statistic of the local shard that cannot be resharded: with ``rank`` given it is kept
+    under ``field + "@rank<rank>"`` (a per-rank entry), else it raises when ``strict`` and
+    stays a plain tensor otherwise."""
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
+    mine: dict[tuple[str, str], str] = {}
+    for path, leaf, where in zip(paths, leaves, placed):
+        if where is None:
+            continue
+        local = leaf.to_local() if hasattr(leaf, "to_local") else leaf
+        for field, x in table.get(path, {}).items():
+            mine[(path, field)] = _kind(x, tuple(local.shape), tuple(where[2]))
+    everyone = [mine]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    agreed = {key: _agree([r[key] for r in everyone if key in r]) for key in mine}
     out = dict(table)
     for path, leaf, where in zip(paths, leaves, placed):
         entries = table.get(path)
@@ -259,22 +299,25 @@ def local_entries_as_dtensors(table: dict[str, dict[str, torch.Tensor]], paths: 
             continue
         mesh, placements, shape = where
         local = leaf.to_local() if hasattr(leaf, "to_local") else leaf
-        local_shape = tuple(local.shape)
         converted = {}
         for field, x in entries.items():
-            if hasattr(x, "to_local") or x.dim() == 0:
-                converted[field] = x
-            elif tuple(x.shape) == local_shape:
+            kind = agreed[(path, field)]
+            if kind == "local":
                 stride = torch.empty(shape, device="meta").stride()
                 converted[field] = DTensor.from_local(x, mesh, placements, run_check=False,
                                                       shape=torch.Size(shape), stride=stride)
-            elif tuple(x.shape) == tuple(shape) or not strict:
+            elif kind != "other":
+                converted[field] = x
+            elif rank is not None:
+                converted[f"{field}@rank{rank}"] = x
+            elif not strict:
                 converted[field] = x
             else:
                 raise NotImplementedError(
                     f"state {path} {field} has shape {tuple(x.shape)}: a statistic of the "
-                    f"local shard {local_shape} that is neither element-wise nor a scalar "
-                    "cannot be resharded; run this transform under on_owners (whole leaves) "
-                    "to checkpoint it.")
+                    f"local shard {tuple(local.shape)} that is neither element-wise nor a "
+                    "scalar cannot be resharded; run this transform under on_owners (whole "
+                    "leaves) to checkpoint it, or save it per rank (per_rank=True: reloads at "
+                    "the same world size and sharding only).")
         out[path] = converted
     return out

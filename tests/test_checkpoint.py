@@ -29,8 +29,8 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 import opttx
-from opttx.distributed import (Shard, check_checkpoint, load_state_dict, on_owners, sharded,
-                               state_dict, zero, zero_plan)
+from opttx.distributed import (Shard, check_checkpoint, global_factor_axes, load_state_dict,
+                               on_owners, sharded, state_dict, zero, zero_plan)
 from opttx.tree import tree_flatten, tree_map
 
 pytestmark = pytest.mark.timeout(300)
@@ -193,6 +193,65 @@ def _sharded_dtensor(root: Path, rank: int, world: int, results: dict) -> None:
     results["sharded_resumed"] = _equal(_unshard(params, axes, world), p_ref)
 
 
+def _sharded_factored(root: Path, rank: int, world: int, results: dict) -> None:
+    """Plain `sharded` Adafactor: its row and column means on local shards cannot be
+    resharded (state_dict says so); ``per_rank=True`` saves them per rank, and the run resumes
+    bit-identically at the same world size, while another world size is refused by
+    check_checkpoint naming the per-rank entries."""
+    full = _params()
+    group = dist.group.WORLD
+    specs = {"embed": Shard(0, group), "layers": [
+        {"w": Shard(1, group), "n": Shard(0, group)} for _ in range(3)], "head": Shard(0, group)}
+    dims = {"embed": 0, "layers": [{"w": 1, "n": 0} for _ in range(3)], "head": 0}
+
+    def local(tree: dict) -> dict:
+        return tree_map(lambda x, d: x.narrow(d, 0, 0).clone()
+                        if len(torch.chunk(x, world, d)) <= rank
+                        else torch.chunk(x, world, d)[rank].clone(), tree, dims)
+
+    start = local(full)
+    axes = global_factor_axes(start, specs, "largest", 1)
+
+    def make() -> opttx.GradientTransformation:
+        return sharded(opttx.adafactor(1e-2, factor_axes=axes, momentum=0.9), specs)
+
+    def run(tx: opttx.GradientTransformation, params: dict, state: Any, first: int,
+            stop: int) -> tuple[dict, Any]:
+        for step in range(first, stop):
+            u, state = tx.update(local(_grad(_unshard(params, dims, world), step)), state,
+                                 params)
+            params = opttx.apply_updates(params, u)
+        return params, state
+
+    tx = make()
+    uninterrupted = run(tx, start, tx.init(start), 0, K + N)[0]
+    tx = make()
+    at_k, state = run(tx, start, tx.init(start), 0, K)
+    try:
+        state_dict(state, at_k, specs=specs)
+        results["factored_refused"] = "no error"
+    except NotImplementedError as e:
+        results["factored_refused"] = str(e)
+    path = str(root / f"factored_w{world}")
+    dcp.save({"optim": state_dict(state, at_k, specs=specs, per_rank=True)}, checkpoint_id=path)
+    dist.barrier()
+    tx = make()
+    state = tx.init(at_k)
+    sd = {"optim": state_dict(state, at_k, specs=specs, per_rank=True)}
+    check_checkpoint(sd["optim"], dcp.FileSystemReader(path).read_metadata(), "optim")
+    dcp.load(sd, checkpoint_id=path)
+    state = load_state_dict(state, sd["optim"], at_k, specs=specs, per_rank=True)
+    results["factored_resumed"] = _equal(run(tx, at_k, state, K, K + N)[0], uninterrupted)
+    other = root / "factored_w4"
+    if world == 2 and other.exists():
+        try:
+            check_checkpoint(sd["optim"], dcp.FileSystemReader(str(other)).read_metadata(),
+                             "optim")
+            results["factored_other_world"] = "no error"
+        except ValueError as e:
+            results["factored_other_world"] = str(e)
+
+
 def _optimizer_dtensors(root: Path, world: int, results: dict) -> None:
     """opttx.Optimizer over DTensor parameters (dim-0 shards, 7 rows over 4 ranks uneven as
     FSDP2's) with ``sharded(adamw)``: DCP's get/set_optimizer_state_dict save the moments as
@@ -279,6 +338,8 @@ def _worker(rank: int, world: int, store: str, root: str, out: str) -> None:
              or True)
     _attempt(results, "optimizer", lambda: _optimizer_dtensors(root_path, world, results)
              or True)
+    _attempt(results, "factored", lambda: _sharded_factored(root_path, rank, world, results)
+             or True)
     Path(f"{out}.{rank}").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
@@ -343,6 +404,18 @@ def test_world_4_checkpoint_resumes_on_one_device(root: Path, world4: list[dict]
 def test_local_shards_reshard_between_world_2_and_4(world2: list[dict]) -> None:
     _check(world2, "sharded")
     _check(world2, "sharded_resumed")
+
+
+def test_sharded_factored_statistics_are_saved_per_rank(world4: list[dict],
+                                                        world2: list[dict]) -> None:
+    for results in (world4, world2):
+        _check(results, "factored")
+        _check(results, "factored_resumed")
+        for r in results:
+            assert "cannot be resharded" in r["factored_refused"], r["factored_refused"]
+    for r in world2:
+        message = r["factored_other_world"]
+        assert "unexpected" in message and "@rank3" in message, message
 
 
 def test_optimizer_over_dtensors_reshards_between_world_4_and_2(world4: list[dict],

@@ -55,7 +55,7 @@ from .._statekeys import (
     param_paths,
 )
 from ..tree import PyTree, tree_flatten
-from .shapes import is_dtensor
+from .shapes import is_dtensor, raise_on_every_rank
 
 __all__ = ["check_checkpoint", "load_state_dict", "param_paths", "state_dict"]
 
@@ -105,18 +105,18 @@ def _placements_of(param: Any, spec: Any) -> tuple[Any, Any, tuple[int, ...]] | 
     n = int(total)
     chunk = -(-n // world)
     expected = max(0, min(chunk, n - rank * chunk))
-    if expected != local[s.dim]:
-        raise NotImplementedError(
-            f"A leaf split unevenly along dim {s.dim} ({local[s.dim]} of {n} elements on rank "
-            f"{rank} of {world}, torch.chunk would give {expected}) cannot be described as a "
-            "DTensor for checkpoints; use even (torch.chunk-like) splits or on_owners.")
+    error = None if expected == local[s.dim] else NotImplementedError(
+        f"A leaf split unevenly along dim {s.dim} ({local[s.dim]} of {n} elements on rank "
+        f"{rank} of {world}, torch.chunk would give {expected}) cannot be described as a "
+        "DTensor for checkpoints; use even (torch.chunk-like) splits or on_owners.")
+    raise_on_every_rank(error, group)     # not one rank raising, the others waiting
     mesh = DeviceMesh.from_group(group, device_type=param.device.type)
     shape = list(local)
     shape[s.dim] = n
     return mesh, (DShard(s.dim),), tuple(shape)
 
 
-def _as_dtensors(table: dict, params: PyTree, specs: PyTree | None) -> dict:
+def _as_dtensors(table: dict, params: PyTree, specs: PyTree | None, per_rank: bool) -> dict:
     """Per-parameter entries shaped like a sharded parameter's local shard as DTensors."""
     from .specs import flatten_specs
     leaves = tree_flatten(params)[0]
@@ -125,7 +125,8 @@ def _as_dtensors(table: dict, params: PyTree, specs: PyTree | None) -> dict:
     flat_specs = flatten_specs(params, specs) if specs is not None else [()] * len(leaves)
     # every rank resolves every leaf, in order (a collective per explicitly sharded leaf)
     placed = [_placements_of(leaf, spec) for leaf, spec in zip(leaves, flat_specs)]
-    return local_entries_as_dtensors(table, param_paths(params), leaves, placed)
+    rank = (dist.get_rank() if dist.is_initialized() else 0) if per_rank else None
+    return local_entries_as_dtensors(table, param_paths(params), leaves, placed, rank=rank)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,7 +135,7 @@ def _as_dtensors(table: dict, params: PyTree, specs: PyTree | None) -> dict:
 
 
 def state_dict(state: Any, params: PyTree, *, specs: PyTree | None = None,
-               owned: Any = None) -> dict[str, dict]:
+               owned: Any = None, per_rank: bool = False) -> dict[str, dict]:
     """The tensors of an opttx state as nested dicts with string keys, for DCP.
 
     The tensors are the state's own (no copy): ``dcp.save`` reads them, and ``dcp.load`` into
@@ -151,6 +152,11 @@ def state_dict(state: Any, params: PyTree, *, specs: PyTree | None = None,
       owned: which parameter leaves this rank holds state for (a list of booleans, an
         `OwnerPlan` or a `ZeroPlan`). Needed only when the state has no field shaped like the
         parameter tree to read it from (a `quantize_state` alone under `zero`).
+      per_rank: under `sharded`, keep a statistic of a local shard that is neither
+        element-wise nor a scalar (Adafactor's row and column means on shards) as this rank's
+        own entry, ``field path + "@rank<r>"`` (global rank), instead of raising: the
+        checkpoint then reloads only at the same world size and sharding (`check_checkpoint`
+        names the per-rank entries another world size lacks).
 
     Returns:
       ``{"state": {param path: {field path: tensor}}, "shared": {field path: tensor}}``: a
@@ -176,7 +182,7 @@ def state_dict(state: Any, params: PyTree, *, specs: PyTree | None = None,
     """
     per_param, shared = keyed_state(state, params,
                                     _owned_mask(owned, len(tree_flatten(params)[0])))
-    per_param = _as_dtensors(per_param, params, specs)
+    per_param = _as_dtensors(per_param, params, specs, per_rank)
     return {STATE: per_param, SHARED: shared}
 
 
@@ -212,7 +218,7 @@ def _raise_mismatch(missing: set[str], extra: set[str]) -> None:
 
 @torch.no_grad()
 def load_state_dict(state: Any, state_dict: Mapping[str, Any], params: PyTree, *,
-                    specs: PyTree | None = None, owned: Any = None,
+                    specs: PyTree | None = None, owned: Any = None, per_rank: bool = False,
                     strict: bool = True) -> Any:
     """Copy a `state_dict` into ``state`` (built by ``tx.init`` for the current run); return
     it.
@@ -226,7 +232,7 @@ def load_state_dict(state: Any, state_dict: Mapping[str, Any], params: PyTree, *
     Args:
       state: the template: ``tx.init(params)`` at the current world size.
       state_dict: nested dicts as `state_dict` makes them (tensors or DTensors).
-      params, specs, owned: as for `state_dict`.
+      params, specs, owned, per_rank: as for `state_dict`.
       strict: refuse entries this rank's state does not have.
 
     Returns:
@@ -236,7 +242,8 @@ def load_state_dict(state: Any, state_dict: Mapping[str, Any], params: PyTree, *
       ValueError: an entry is missing or unexpected, or has another shape or dtype; the
         message names it.
     """
-    template = _flat(globals()["state_dict"](state, params, specs=specs, owned=owned))
+    template = _flat(globals()["state_dict"](state, params, specs=specs, owned=owned,
+                                             per_rank=per_rank))
     given = _flat(state_dict)
     missing = set(template) - set(given)
     extra = set(given) - set(template)
