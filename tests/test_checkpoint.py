@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 import opttx
 from opttx.distributed import (Shard, check_checkpoint, global_factor_axes, load_state_dict,
-                               on_owners, sharded, state_dict, zero, zero_plan)
+                               on_owners, param_paths, sharded, state_dict, zero, zero_plan)
 from opttx.tree import tree_flatten, tree_map
 
 pytestmark = pytest.mark.timeout(300)
@@ -113,6 +113,25 @@ def _resume(tx: opttx.GradientTransformation, name: str, path: Path) -> dict:
     dcp.load(sd, checkpoint_id=str(path))
     state = load_state_dict(state, sd["optim"], params, owned=owned)
     return _train(tx, params, state, K, K + N)[0]
+
+
+def _writers(path: Path, world: int) -> bool:
+    """Each parameter's optimizer state is written by its owner under zero, and only by it;
+    the step count once."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    owners = zero_plan(_params(), world, CHUNK).owners
+    names = {p: i for i, p in enumerate(param_paths(_params()))}
+    files: dict[str, set[str]] = {}
+    for index, info in meta.storage_data.items():
+        files.setdefault(index.fqn, set()).add(info.relative_path)
+    shared = [k for k in files if k.startswith("optim.shared.")]
+    assert shared and all(len(files[k]) == 1 for k in shared), {k: files[k] for k in shared}
+    for fqn, where in files.items():
+        if fqn.startswith("optim.state."):
+            param = next(p for p in sorted(names, key=len, reverse=True)
+                         if fqn.startswith(f"optim.state.{p}."))
+            assert where == {f"__{owners[names[param]]}_0.distcp"}, (fqn, where)
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,6 +351,9 @@ def _worker(rank: int, world: int, store: str, root: str, out: str) -> None:
             _attempt(results, f"saved/{name}",
                      lambda name=name: _save(_distributed(name), name,
                                              root_path / "w4" / name) or True)
+            if name.startswith("zero"):
+                _attempt(results, f"writers/{name}",
+                         lambda name=name: _writers(root_path / "w4" / name, world))
     if world == 2:
         _attempt(results, "errors", lambda: _errors(root_path, results) or True)
     _attempt(results, "sharded", lambda: _sharded_dtensor(root_path, rank, world, results)
@@ -386,6 +408,8 @@ def _check(results: list[dict], key: str) -> None:
 def test_single_device_checkpoint_resumes_at_world_4(world4: list[dict], name: str) -> None:
     _check(world4, f"resumed/{name}")
     _check(world4, f"saved/{name}")
+    if name.startswith("zero"):
+        _check(world4, f"writers/{name}")
 
 
 @pytest.mark.parametrize("name", CASES)
