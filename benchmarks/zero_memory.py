@@ -27,10 +27,12 @@ Figures (eager, seeded random gradients, ``--steps`` steps; ``init`` not counted
                varies between steps prints as ``min-max``), against 2 x chunks (one
                reduce-scatter and one all-gather per chunk)
 
-Owners hold whole parameters, balanced by parameter bytes (`zero_plan`): the state split is
-as even as the parameter split for AdamW (8 bytes per parameter), but not for optimizers
-whose state is not proportional to the parameter bytes (Adafactor's row and column factors,
-Shampoo's m x m and n x n factors per block). No timing is taken.
+Owners hold whole parameters, balanced by parameter bytes (`zero_plan`; zero's default): the
+state split is as even as the parameter split for AdamW (8 bytes per parameter), but not for
+optimizers whose state is not proportional to the parameter bytes (Adafactor's row and column
+factors, Shampoo's m x m and n x n factors per block); ``--balance state`` runs
+``zero(..., balance="state")``, which balances each parameter's state bytes instead. No
+timing is taken.
 
 Examples:
   python benchmarks/zero_memory.py                    # world 1, 2, 4; adamw, adafactor, shampoo
@@ -53,7 +55,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import opttx
-from opttx.distributed import CollectiveStats, zero, zero_plan
+from opttx.distributed import CollectiveStats, state_costs, zero, zero_plan
 from opttx.tree import tree_leaves
 
 OPTIMIZERS = ("adamw", "adafactor", "shampoo")
@@ -141,7 +143,7 @@ def balanced_by_state(costs: list[int], world: int) -> float:
 
 
 def worker(rank: int, world: int, store: str, out: str, shapes: dict, only: list[str],
-           steps: int) -> None:
+           steps: int, balance: str = "params") -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=300))
@@ -153,7 +155,8 @@ def worker(rank: int, world: int, store: str, out: str, shapes: dict, only: list
             key = f"{name}|{label}"
             try:
                 stats = CollectiveStats()
-                tx = zero(make_tx(name), stage=2, chunk_size_mb=mb, stats=stats)
+                tx = zero(make_tx(name), stage=2, chunk_size_mb=mb, stats=stats,
+                          balance=balance)
                 state = tx.init(params)
                 counts = []
                 for g in grads:
@@ -168,10 +171,11 @@ def worker(rank: int, world: int, store: str, out: str, shapes: dict, only: list
     dist.destroy_process_group()
 
 
-def run_world(world: int, shapes: dict, only: list[str], steps: int) -> list[dict]:
+def run_world(world: int, shapes: dict, only: list[str], steps: int,
+              balance: str = "params") -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         store, out = Path(tmp) / "store", Path(tmp) / "out"
-        mp.spawn(worker, args=(world, str(store), str(out), shapes, only, steps),
+        mp.spawn(worker, args=(world, str(store), str(out), shapes, only, steps, balance),
                  nprocs=world, join=True)
         return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
 
@@ -182,7 +186,8 @@ def span(values: list[int]) -> str:
 
 
 def table(shapes: dict, single: dict[str, int], by_world: dict[int, list[dict]],
-          only: list[str], leaf_costs: dict[str, list[int]]) -> tuple[str, bool]:
+          only: list[str], leaf_costs: dict[str, list[int]],
+          balance: str = "params") -> tuple[str, bool]:
     meta = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
     param_bytes = sum(x.numel() * 4 for x in meta.values())
     head = (f"{'optimizer':10} {'chunks':9} {'N':>2} | {'n':>3} {'padding KiB':>12} "
@@ -194,7 +199,8 @@ def table(shapes: dict, single: dict[str, int], by_world: dict[int, list[dict]],
     for name in only:
         for label, mb in CHUNKS.items():
             for world, results in by_world.items():
-                plan = zero_plan(meta, world, mb)
+                costs = state_costs(make_tx(name), meta) if balance == "state" else None
+                plan = zero_plan(meta, world, mb, costs=costs)     # the plan zero makes
                 n = len(plan.chunks)
                 pad = plan.padding_bytes / param_bytes
                 key = f"{name}|{label}"
@@ -229,6 +235,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--blocks", type=int, default=12, help="transformer blocks")
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--balance", choices=("params", "state"), default="params",
+                        help="what zero balances the owners by (its balance= argument)")
     return parser.parse_args()
 
 
@@ -240,12 +248,13 @@ def main() -> None:
     shapes = gpt_shapes(args.blocks, args.d_model)
     n_params = sum(torch.Size(s).numel() for s in shapes.values())
     single = single_device(shapes, only, args.steps)
-    by_world = {w: run_world(w, shapes, only, args.steps)
+    by_world = {w: run_world(w, shapes, only, args.steps, args.balance)
                 for w in (int(x) for x in args.worlds.split(","))}
     leaf_costs = {name: per_leaf_state(shapes, name) for name in only}
-    text, ok = table(shapes, single, by_world, only, leaf_costs)
+    text, ok = table(shapes, single, by_world, only, leaf_costs, args.balance)
     print(f"torch {torch.__version__}, {platform.machine()}, gloo; {len(shapes)} tensors, "
-          f"{n_params / 1e6:.2f} M parameters (float32), zero stage 2, {args.steps} steps")
+          f"{n_params / 1e6:.2f} M parameters (float32), zero stage 2, {args.steps} steps, "
+          f"owners balanced by {args.balance}")
     print(text)
     print("all targets met" if ok else "SOME TARGETS MISSED (rows marked NO)")
 

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import opttx
-from opttx.distributed import CollectiveStats, ZeroPlan, zero, zero_plan
+from opttx.distributed import CollectiveStats, ZeroPlan, state_costs, zero, zero_plan
 from opttx.tree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_paths
 
 STEPS = 5
@@ -154,7 +154,10 @@ def _run_case(name: str, full: dict, grads: list[list[dict]], rank: int, world: 
     the mean gradient: params every step's end, state at the end; collectives per step."""
     kwargs = _plan_kwargs(chunk)
     stats = CollectiveStats()
-    tx = zero(TXS[name](), stage=stage, offload=offload, stats=stats, **kwargs)
+    # Adafactor and Shampoo balance their state (not proportional to the parameters)
+    balance = "state" if name in ("adafactor", "shampoo") else "params"
+    tx = zero(TXS[name](), stage=stage, offload=offload, stats=stats, balance=balance,
+              **kwargs)
     ref = TXS[name]()
     p, s = full, tx.init(full)
     p_ref, s_ref = full, ref.init(full)
@@ -169,7 +172,9 @@ def _run_case(name: str, full: dict, grads: list[list[dict]], rank: int, world: 
         for k, a, b in zip(tree_paths(full), tree_flatten(p)[0], tree_flatten(p_ref)[0]):
             torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL,
                                        msg=lambda m, k=k: f"params {k}: {m}")
-    plan = zero_plan(full, world, **kwargs)
+    # the plan zero made
+    costs = state_costs(TXS[name](), full) if balance == "state" else None
+    plan = zero_plan(full, world, costs=costs, **kwargs)
     paths = _compare_state(name, s_ref, s, full, plan, rank)
     return {"counts": counts, "chunks": sum(c.segment > 0 for c in plan.chunks),
             "paths": paths, "param_paths": tree_paths(full),
@@ -657,3 +662,27 @@ def test_world_of_one_is_the_plain_transform(world_of_one: None) -> None:
     for a, b in zip(tree_flatten(s)[0], tree_flatten(s_ref)[0]):
         torch.testing.assert_close(a, b)
     assert stats.collectives == 2
+
+
+@pytest.mark.parametrize("name", ["adafactor", "shampoo", "adamw"])
+def test_owners_balance_optimizer_state(name: str) -> None:
+    """Balanced by state bytes (``balance="state"``), no rank holds more than 1/W of the state
+    plus one leaf's state, and never more than when balanced by parameter bytes; for
+    Adafactor (vectors whole, matrices factored) strictly less."""
+    from opttx.bench.model import GPT, GPTConfig
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_layers=8, n_heads=4))
+    params = dict(model.named_parameters())
+    tx = {"adafactor": lambda: opttx.adafactor(1e-2),
+          "shampoo": lambda: opttx.shampoo(1e-3, max_preconditioner_dim=256),
+          "adamw": lambda: opttx.adamw(1e-3)}[name]()
+    costs = state_costs(tx, params)
+    assert costs is not None and len(costs) == len(params)
+    for world in (2, 4):
+        by_state, by_params = (zero_plan(params, world, costs=c) for c in (costs, None))
+        held, held_params = ([sum(c for c, r in zip(costs, plan.owners) if r == q)
+                              for q in range(world)] for plan in (by_state, by_params))
+        assert max(held) <= sum(costs) / world + max(costs), (world, held)
+        assert max(held) <= max(held_params) * (1 + 1e-9), (world, held, held_params)
+        if name == "adafactor":
+            assert max(held) < 0.95 * max(held_params), (world, held, held_params)

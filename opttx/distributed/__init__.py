@@ -20,7 +20,7 @@ from .shapes import global_factor_axes, global_shapes, raise_on_every_rank
 from .sharded import sharded
 from .specs import (LeafSpec, Replicated, Shard, flatten_specs, local_shard, shard_groups,
                     specs_from_dtensors)
-from .zero import ZeroChunk, ZeroPlan, zero, zero_plan
+from .zero import ZeroChunk, ZeroPlan, state_costs, zero, zero_plan
 
 __all__ = [
     "CollectiveStats",
@@ -48,6 +48,7 @@ __all__ = [
     "shard_groups",
     "sharded",
     "specs_from_dtensors",
+    "state_costs",
     "state_dict",
     "zero",
     "zero_plan",

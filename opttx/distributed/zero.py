@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from ..tree import (MaskedNode, PyTree, assert_same_structure, tree_flatten, tre
 from .reducer import CollectiveStats, collective_device
 from .shapes import raise_on_every_rank
 
-__all__ = ["ZeroChunk", "ZeroPlan", "zero", "zero_plan"]
+__all__ = ["ZeroChunk", "ZeroPlan", "state_costs", "zero", "zero_plan"]
 
 _MIB = 1 << 20
 _SEARCH_STEPS = 32          # candidate capacities tried by the search, besides the lower end
@@ -94,7 +94,7 @@ class ZeroPlan:
       owners: the owner rank of every leaf (tree-flattening order).
       chunk_of: the index in ``chunks`` of every leaf's chunk.
       paths, shapes: of every leaf, for messages and checks.
-      owned_bytes: the bytes of parameters owned by each rank (optimizer state follows them).
+      owned_bytes: the bytes of parameters owned by each rank.
       padding_bytes: bytes of all chunks that hold no parameter (each costs communication).
       searched: whether ``chunk_bytes`` came from the search, and ``candidates`` the
         ``(chunk_bytes, padding_bytes, number of chunks)`` of every size tried.
@@ -135,7 +135,8 @@ def _kind(x: torch.Tensor) -> tuple[torch.device, torch.dtype]:
 
 
 def _pack(numels: list[int], kinds: list[tuple[torch.device, torch.dtype]], world: int,
-          chunk_bytes: int) -> tuple[list[ZeroChunk], list[int], list[int], list[int]]:
+          chunk_bytes: int, costs: Sequence[float] | None = None
+          ) -> tuple[list[ZeroChunk], list[int], list[int], list[int]]:
     """Greedy packing at one capacity. Leaves of each (device, dtype) are taken in tree order;
     each goes, in the current chunk, to the least loaded rank (fewest owned bytes, then fewest
     leaves, then lowest rank) among those whose segment has room for it (the chunk grown to a
@@ -143,16 +144,21 @@ def _pack(numels: list[int], kinds: list[tuple[torch.device, torch.dtype]], worl
     bytes of the least loaded rank's; when there is none, the chunk is closed and the leaf
     starts a new one on the least loaded rank. So owned bytes never differ by more than the
     largest parameter, a chunk closes only when no rank can take the next leaf, and the first
-    ``world`` leaves go to distinct ranks."""
-    loads, counts = [0] * world, [0] * world
+    ``world`` leaves go to distinct ranks. With ``costs`` (per leaf, e.g. its optimizer-state
+    bytes) the loads and the bound are in those units instead of parameter bytes; segments
+    still hold the parameters, so an uneven split of parameter bytes shows as padding.
+    Returns the chunks, owners, chunk of each leaf and the parameter bytes each rank owns."""
+    loads, counts = [0.0] * world, [0] * world
+    owned = [0] * world
     owners = [-1] * len(numels)
     chunk_of = [-1] * len(numels)
     chunks: list[ZeroChunk] = []
     order: dict[tuple, list[int]] = {}
     for i, k in enumerate(kinds):
         order.setdefault(k, []).append(i)
-    largest = max((n * torch.empty((), dtype=k[1]).element_size()
-                   for n, k in zip(numels, kinds)), default=0)
+    weights = [float(c) for c in costs] if costs is not None else \
+        [float(n * torch.empty((), dtype=k[1]).element_size()) for n, k in zip(numels, kinds)]
+    largest = max(weights, default=0.0)
     for (device, dtype), indices in order.items():
         esize = torch.empty((), dtype=dtype).element_size()
         base = max(1, chunk_bytes // (esize * world))   # a segment's share of the capacity
@@ -166,7 +172,7 @@ def _pack(numels: list[int], kinds: list[tuple[torch.device, torch.dtype]], worl
             grown = max(cap, n)
             floor = min(loads)
             fits = [q for q in range(world) if used[q] + n <= grown
-                    and loads[q] + n * esize <= floor + largest] if members else []
+                    and loads[q] + weights[i] <= floor + largest] if members else []
             if fits:
                 cap = grown
             else:
@@ -176,11 +182,12 @@ def _pack(numels: list[int], kinds: list[tuple[torch.device, torch.dtype]], worl
             r = min(fits, key=lambda q: (loads[q], counts[q], q))
             members.append((i, r, used[r]))
             used[r] += n
-            loads[r] += n * esize
+            loads[r] += weights[i]
+            owned[r] += n * esize
             counts[r] += 1
             owners[i] = r
         _close_chunk(chunks, chunk_of, members, used, cap, device, dtype, numels)
-    return chunks, owners, chunk_of, loads
+    return chunks, owners, chunk_of, owned
 
 
 def _close_chunk(chunks: list[ZeroChunk], chunk_of: list[int],
@@ -205,8 +212,28 @@ def _padding_bytes(chunks: list[ZeroChunk]) -> int:
     return sum(c.padding * c.element_size for c in chunks)
 
 
+def state_costs(tx: GradientTransformation, params: Params) -> list[float] | None:
+    """The optimizer-state bytes ``tx.init`` allocates for each leaf of ``params`` alone (in
+    flattening order), measured on meta tensors (nothing allocated), less what it allocates
+    for no leaf at all (counters, lookup tables shared by the leaves). None when ``tx`` cannot
+    be initialised on meta tensors: `zero` then balances parameter bytes."""
+    leaves, treespec = tree_flatten(params)
+    meta = [torch.empty(x.shape, dtype=x.dtype, device="meta") for x in leaves]
+
+    def state_bytes(keep: int | None) -> int:
+        tree = treespec.unflatten([m if i == keep else MaskedNode() for i, m in enumerate(meta)])
+        return sum(x.numel() * x.element_size() for x in tree_leaves(tx.init(tree))
+                   if isinstance(x, torch.Tensor))
+    try:
+        base = state_bytes(None)
+        return [float(max(0, state_bytes(i) - base)) for i in range(len(leaves))]
+    except Exception:  # noqa: BLE001 - a transform that needs real data at init
+        return None
+
+
 def zero_plan(params: Params, world: int, chunk_size_mb: float | None = None, *,
-              min_chunk_size_mb: float = 32.0, search_range_mb: float = 32.0) -> ZeroPlan:
+              min_chunk_size_mb: float = 32.0, search_range_mb: float = 32.0,
+              costs: Sequence[float] | None = None) -> ZeroPlan:
     r"""The chunk layout `zero` uses for ``params`` over ``world`` ranks (no process group
     needed; only the shapes and dtypes of ``params`` are read, so meta tensors do).
 
@@ -234,6 +261,10 @@ def zero_plan(params: Params, world: int, chunk_size_mb: float | None = None, *,
       world: the number of ranks.
       chunk_size_mb: the chunk capacity in MiB (all segments together), or None to search.
       min_chunk_size_mb, search_range_mb: the searched range, in MiB.
+      costs: per leaf (flattening order), what to balance instead of parameter bytes: `zero`
+        passes each leaf's optimizer-state bytes (`state_costs`), so ranks hold equal state
+        even where the state is not proportional to the parameter (Adafactor's factored
+        matrices beside whole vectors, Shampoo's m² + n² per block).
 
     Returns:
       A `ZeroPlan`.
@@ -254,6 +285,8 @@ def zero_plan(params: Params, world: int, chunk_size_mb: float | None = None, *,
     numels = [x.numel() for x in leaves]
     kinds = [_kind(x) for x in leaves]
     paths = tuple(tree_paths(params))
+    if costs is not None and len(costs) != len(leaves):
+        raise ValueError(f"zero_plan: {len(costs)} costs for {len(leaves)} parameters.")
 
     if chunk_size_mb is not None:
         sizes = [max(1, int(chunk_size_mb * _MIB))]
@@ -266,7 +299,7 @@ def zero_plan(params: Params, world: int, chunk_size_mb: float | None = None, *,
         sizes = sorted({lo + span * k // _SEARCH_STEPS for k in range(_SEARCH_STEPS + 1)})
     best, tried = None, []
     for size in sizes:
-        packed = _pack(numels, kinds, world, size)
+        packed = _pack(numels, kinds, world, size, costs)
         key = (_padding_bytes(packed[0]), len(packed[0]), size)
         tried.append((size, key[0], key[1]))
         if best is None or key < best[0]:
@@ -368,7 +401,8 @@ def _to_device(state: State, device: torch.device) -> State:
 def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
          chunk_size_mb: float | None = None, offload: bool = False, *,
          min_chunk_size_mb: float = 32.0, search_range_mb: float = 32.0,
-         stats: CollectiveStats | None = None) -> GradientTransformation:
+         balance: str = "params", stats: CollectiveStats | None = None
+         ) -> GradientTransformation:
     r"""ZeRO data parallelism: each rank keeps the optimizer state of the parameters it owns.
 
     With :math:`W` ranks in ``group``, rank :math:`r` holding its local gradients
@@ -409,6 +443,14 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
         ordinary (unpinned) CPU memory.
       min_chunk_size_mb, search_range_mb: the capacities searched when ``chunk_size_mb`` is
         None.
+      balance: what the owners are balanced by: ``"params"`` (default) the parameter bytes
+        (the least padding, so the least traffic; the state follows when it is proportional
+        to the parameters, as Adam's); ``"state"`` the optimizer-state bytes ``tx.init``
+        allocates for each parameter (`state_costs`, measured on meta tensors; parameter
+        bytes when ``tx`` cannot be initialised there), for transforms whose state is not
+        proportional (Adafactor's whole vectors beside factored matrices): a more even state
+        at the price of padding, since segments still hold the parameters (measured in
+        benchmarks/RESULTS.md, zero_memory).
       stats: a `CollectiveStats` counting the collectives (eager; traced ones under compile).
 
     ``update(local_grads, state, params)`` takes this rank's unreduced gradients (the full
@@ -442,6 +484,8 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
                         "you forget to call the factory?).")
     if stage not in (1, 2) or isinstance(stage, bool):
         raise ValueError(f"zero: stage must be 1 or 2, got {stage!r}.")
+    if balance not in ("state", "params"):
+        raise ValueError(f"zero: balance must be 'state' or 'params', got {balance!r}.")
     if chunk_size_mb is not None:
         check_positive("chunk_size_mb", chunk_size_mb)
     check_positive("min_chunk_size_mb", min_chunk_size_mb)
@@ -454,8 +498,9 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
         world, rank = dist.get_world_size(g), dist.get_rank(g)
         if rank < 0:
             raise ValueError("opttx.distributed.zero: this rank is not in the given group.")
+        costs = state_costs(tx, tree) if balance == "state" else None
         plan = zero_plan(tree, world, chunk_size_mb, min_chunk_size_mb=min_chunk_size_mb,
-                         search_range_mb=search_range_mb)
+                         search_range_mb=search_range_mb, costs=costs)
         return _Resolved(plan, tree_flatten(tree)[1], g, rank, world, collective_device(g))
 
     def mask(tree: PyTree, res: _Resolved) -> PyTree:
