@@ -92,7 +92,7 @@ def _tensors(tree: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def _field(node_path: str, inner: str) -> str:
-    return ".".join(s for s in (node_path, inner) if s)
+    return ".".join(s for s in (node_path, inner) if s) or "state"
 
 
 def _walk(node: Any, path: tuple, view: _View, out_state: dict, out_shared: dict) -> None:
@@ -142,17 +142,32 @@ def _walk_quantized(node: Any, path: tuple, view: _View, out_state: dict,
                     out_shared: dict) -> None:
     """`quantize_state` keeps the state of each large leaf alone (in leaf order) and one inner
     state over the list of the small leaves: key both by the param paths of those leaves."""
+    from .transforms.quantized import QuantizedTensor
     present = [i for i, p in enumerate(view.present) if p]
     large = _large_leaves(present, view.shapes, len(node.quantized), path)
     small = [i for i in present if i not in set(large)]
     for i, leaf_state in zip(large, node.quantized):
+        # the quantized moments have the leaf's shape: a wrong guess of the leaves present
+        # (quantize_state under masked, or alone under zero) is caught here, not mis-keyed
+        codes = [x.codes for x in _pytree.tree_leaves(
+            leaf_state, is_leaf=lambda n: isinstance(n, QuantizedTensor))
+            if isinstance(x, QuantizedTensor)]
+        if any(tuple(c.shape) != view.shapes[i] for c in codes):
+            raise ValueError(f"state{_join(path)}: cannot tell which parameters this "
+                             "quantize_state state covers; pass owned= (the leaves it was "
+                             "built over).")
         where = _join(path + ("quantized",))
         for inner, x in _tensors(leaf_state):
             _put(out_state.setdefault(view.paths[i], {}), _field(where, inner), x)
     if small:
-        small_view = _View(_pytree.tree_structure([0] * len(small)),
-                           tuple(view.paths[i] for i in small), (True,) * len(small),
-                           tuple(view.shapes[i] for i in small))
+        small_spec = _pytree.tree_structure([0] * len(small))
+        small_view = _View(small_spec, tuple(view.paths[i] for i in small),
+                           (True,) * len(small), tuple(view.shapes[i] for i in small))
+        if (_present_from_state(node.dense, small_spec) is None
+                and any(x.dim() > 0 for _, x in _tensors(node.dense))):
+            raise ValueError(f"state{_join(path)}.dense: its per-leaf lists do not have one "
+                             f"entry per small leaf ({len(small)}); pass owned= (the leaves "
+                             "this quantize_state state was built over).")
         _walk(node.dense, path + ("dense",), small_view, out_state, out_shared)
     for name in ("signed_map", "unsigned_map"):
         for inner, x in _tensors(getattr(node, name)):
@@ -188,14 +203,13 @@ def _numel(shape: Sequence[int]) -> int:
 
 def _present_from_state(state: Any, spec: Any) -> list[bool] | None:
     """Which parameter leaves a state built over a masked tree (zero, on_owners) covers: the
-    positions not masked in the first node of the state shaped like the parameter tree."""
+    positions not masked in some node of the state shaped like the parameter tree (a link
+    under `opttx.masked` covers fewer, hence the union)."""
+    from .transforms.quantized import QuantizedState
     found: list[list[bool]] = []
 
-    from .transforms.quantized import QuantizedState
-
     def visit(node: Any) -> None:
-        if found or isinstance(node, (MaskedNode, EmptyState, QuantizedState)) \
-                or _is_tensor(node):
+        if isinstance(node, (MaskedNode, EmptyState, QuantizedState)) or _is_tensor(node):
             return
         if not spec.is_leaf():
             try:
@@ -209,8 +223,7 @@ def _present_from_state(state: Any, spec: Any) -> list[bool] | None:
             visit(child)
 
     visit(state)
-    return found[0] if found else None
-
+    return [any(column) for column in zip(*found)] if found else None
 
 
 def keyed_state(state: Any, params: PyTree, mask: Sequence[bool] | None = None

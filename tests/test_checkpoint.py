@@ -612,3 +612,17 @@ def test_optimizer_state_dict_names_fields_per_parameter() -> None:
     other = opttx.Optimizer(model.parameters(), opttx.lion(1e-3))
     with pytest.raises(ValueError, match=r"unexpected \['0: 1.0.mu'"):
         other.load_state_dict(sd)
+
+
+def test_quantized_state_over_unknown_leaves_asks_for_owned() -> None:
+    """quantize_state under masked keeps lists over the masked-in leaves only; when which those
+    are cannot be read from the state, keying refuses (never mis-keys) and ``owned`` fixes it."""
+    params = {"a": torch.randn(10, 10), "b": torch.randn(10), "c": torch.randn(50)}
+    inner = opttx.quantize_state(opttx.scale_by_adam(), min_size=5, block_size=4)
+    tx = opttx.chain(opttx.masked(inner, {"a": True, "b": True, "c": False}), opttx.scale(-1e-3))
+    state = tx.init(params)
+    with pytest.raises(ValueError, match="pass owned="):
+        state_dict(state, params)
+    sd = state_dict(state, params, owned=[True, True, False])
+    assert set(sd["state"]) == {"a", "b"}
+    assert sd["state"]["b"]["0.inner_state.quantized.mu.codes"].shape == (10,)
