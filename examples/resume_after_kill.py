@@ -19,7 +19,7 @@ What it shows:
   ``sharded(on_owners(adamw))``): each rank holds the Adam moments of the parameters it owns;
 * every ``--every`` steps each rank saves its share with ``dcp.save({"params": params,
   "optim": opttx.distributed.state_dict(state, params)})``: the moments are keyed by
-  parameter name and field (``state.net.0.weight.0.mu``), so every rank writes exactly the
+  parameter name and field (``optim.state.2.weight.0.mu``), so every rank writes exactly the
   leaves it owns and the step count once; rank 0 then records the step in ``latest`` (a
   checkpoint half-written when a rank dies is never read);
 * on start, a run finding ``latest`` rebuilds its optimizer state with ``tx.init`` (at the
