@@ -326,6 +326,73 @@ def _optimizer_dtensors(root: Path, world: int, results: dict) -> None:
         {n: p.detach().full_tensor() for n, p in module.named_parameters()}, expected)
 
 
+FSDP_TXS: dict[str, Callable[[], opttx.GradientTransformation]] = {
+    "adamw": lambda: sharded(opttx.adamw(1e-2, weight_decay=0.1)),
+    "owners_adafactor": lambda: sharded(opttx.adafactor(1e-2, min_dim_size_to_factor=1),
+                                        on_owners=True),
+}
+
+
+def _fsdp_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    from test_fsdp import BATCH, OUT, SEQ, D
+    gen = torch.Generator().manual_seed(5)
+    return [(torch.randn(BATCH, SEQ, D, generator=gen), torch.randn(BATCH, SEQ, OUT, generator=gen))
+            for _ in range(K + N)]
+
+
+def _fsdp_reference(name: str) -> dict:
+    """The single-device run: the plain transform on the whole batches, K + N steps."""
+    from test_fsdp import _model
+    model = _model()
+    inner = {"adamw": lambda: opttx.adamw(1e-2, weight_decay=0.1),
+             "owners_adafactor": lambda: opttx.adafactor(1e-2, min_dim_size_to_factor=1)}
+    opt = opttx.Optimizer(model.named_parameters(), inner[name]())
+    for x, y in _fsdp_batches():
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: p.detach() for k, p in model.named_parameters()}
+
+
+def _fsdp(root: Path, rank: int, world: int, results: dict) -> None:
+    """FSDP2 (fully_shard, uneven dim-0 splits) with opttx.Optimizer: DCP's optimizer state
+    dict saved at world 4 loads at world 2 (element-wise moments resharded as DTensors,
+    on_owners whole-leaf state read by the new owners) and training ends at the single-device
+    result (to float32 rounding: FSDP2 reduces gradients in another order per world size)."""
+    from test_fsdp import _fsdp_model
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    def train(model: torch.nn.Module, opt: opttx.Optimizer, start: int, stop: int) -> None:
+        for x, y in _fsdp_batches()[start:stop]:
+            xs, ys = x.tensor_split(world)[rank], y.tensor_split(world)[rank]
+            torch.nn.functional.mse_loss(model(xs), ys).backward()
+            opt.step()
+            opt.zero_grad()
+
+    for name, make in FSDP_TXS.items():
+        path = str(root / f"fsdp_{name}")
+        model = _fsdp_model(world)
+        opt = opttx.Optimizer(model.named_parameters(), make())
+        if world == 4:
+            train(model, opt, 0, K)
+            dcp.save({"model": get_model_state_dict(model),
+                      "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+            continue
+        sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(sd, checkpoint_id=path)
+        set_model_state_dict(model, sd["model"])
+        set_optimizer_state_dict(model, opt, sd["optim"])
+        train(model, opt, K, K + N)
+        expected = _fsdp_reference(name)
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(p.detach().full_tensor(), expected[k], rtol=1e-5,
+                                       atol=1e-6, msg=lambda m, k=k, n=name: f"{n} {k}: {m}")
+        results[f"fsdp_resumed/{name}"] = True
+
+
 def _unshard(local: dict, axes: dict, world: int) -> dict:
     def gather(x: torch.Tensor, d: int) -> torch.Tensor:
         pieces = [None] * world
@@ -362,6 +429,7 @@ def _worker(rank: int, world: int, store: str, root: str, out: str) -> None:
              or True)
     _attempt(results, "factored", lambda: _sharded_factored(root_path, rank, world, results)
              or True)
+    _attempt(results, "fsdp", lambda: _fsdp(root_path, rank, world, results) or True)
     Path(f"{out}.{rank}").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
@@ -448,6 +516,14 @@ def test_optimizer_over_dtensors_reshards_between_world_4_and_2(world4: list[dic
     _check(world4, "dtensor_entries")
     _check(world2, "optimizer")
     _check(world2, "optimizer_resumed")
+
+
+@pytest.mark.parametrize("name", list(FSDP_TXS))
+def test_fsdp2_optimizer_state_reshards_from_world_4_to_2(world4: list[dict], world2: list[dict],
+                                                          name: str) -> None:
+    _check(world4, "fsdp")
+    _check(world2, "fsdp")
+    _check(world2, f"fsdp_resumed/{name}")
 
 
 def test_another_chain_or_parameter_set_is_refused(world2: list[dict]) -> None:
