@@ -8,7 +8,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ._checks import check_positive_int
-from .base import (GradientTransformation, Params, State, Updates, safe_increment, zero_count)
+from .base import (GradientTransformation, Params, State, Updates, reduce_across_leaves,
+                   reduce_statistics, safe_increment, zero_count)
 from .tree import (PyTree, flatten_matching, foreach_axpy, stats_like, tree_cond, tree_leaves,
                    tree_map, tree_unflatten)
 
@@ -181,13 +182,28 @@ def all_finite(tree: PyTree) -> torch.Tensor:
     return torch.stack([torch.isfinite(x).all() for x in leaves]).all()
 
 
+def _all_finite_everywhere(updates: Updates, extra_args: dict[str, Any]) -> torch.Tensor:
+    """`all_finite` over the whole tree even when it is spread over ranks: the count of
+    non-finite elements per leaf is a statistic like any other (summed over the shards of a
+    leaf by `reduce_statistics`, over the leaves held by other ranks by
+    `reduce_across_leaves`), so every rank takes the same decision (and the same branch,
+    with the same collectives inside it)."""
+    spec, leaves = flatten_matching(updates)
+    counts = [(~torch.isfinite(x)).sum().to(torch.float32) for x in leaves]
+    counts = flatten_matching(reduce_statistics(tree_unflatten(counts, spec), extra_args))[1]
+    total = torch.stack(counts).sum() if counts else torch.zeros(())
+    return reduce_across_leaves(total, extra_args) == 0
+
+
 def apply_if_finite(inner: GradientTransformation,
                     max_consecutive_errors: int) -> GradientTransformation:
     """Skip steps whose incoming updates hold an inf or NaN: zero updates, state kept.
 
     After more than ``max_consecutive_errors`` consecutive bad steps the update is applied
     anyway (so a run that has truly diverged is not silently frozen). Counts of skipped steps
-    are in the state. Under ``torch.compile`` the skip is a ``torch.cond`` in one graph.
+    are in the state. Under ``torch.compile`` the skip is a ``torch.cond`` in one graph. Under
+    `opttx.distributed.sharded`, ``zero`` or ``on_owners`` the decision is global: one
+    non-finite element on any rank skips the step on every rank (one collective per group).
 
     Example:
       >>> tx = opttx.apply_if_finite(opttx.adam(1e-3), max_consecutive_errors=5)
@@ -204,7 +220,7 @@ def apply_if_finite(inner: GradientTransformation,
 
     def update(updates: Updates, state: ApplyIfFiniteState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, ApplyIfFiniteState]:
-        finite = all_finite(updates).to(state.last_finite.device)
+        finite = _all_finite_everywhere(updates, extra_args).to(state.last_finite.device)
         notfinite_count = torch.where(finite, torch.zeros_like(state.notfinite_count),
                                       safe_increment(state.notfinite_count))
         apply = finite | (notfinite_count > max_consecutive_errors)

@@ -205,6 +205,28 @@ def _tp_worker(rank: int, world: int, store: str, out: str, n_draws: int) -> Non
         results["dtensor"] = max(float((p[k].full_tensor() - pf[k]).abs().max()) for k in pf)
     except Exception:  # noqa: BLE001 - reported by the test
         results["dtensor"] = traceback.format_exc(limit=4)
+    # apply_if_finite decides for all ranks: a NaN in rank 1's shard (sharded) or in the
+    # leaf rank 1 owns (on_owners) skips the step everywhere, as on one device
+    full, grads = _problem(9, {"w": (6, 5), "u": (5, 3), "b": (6,)})
+    grads[1]["w"][-1, 0] = float("nan")          # in rank 1's rows of w
+    specs = {"w": Shard(0), "u": Shard(1), "b": Replicated()}
+    skipped = {}
+    for mode in ("sharded", "on_owners"):
+        make = lambda: opttx.apply_if_finite(opttx.lamb(1e-2), 3)  # noqa: E731
+        tx = sharded(make(), specs, on_owners=mode == "on_owners")
+        tx_full = make()
+        p, pf, sf = _shard_tree(full, specs), full, tx_full.init(full)
+        s = tx.init(p)
+        for g in grads[:3]:
+            u, s = tx.update(_shard_tree(g, specs), s, p)
+            p = opttx.apply_updates(p, u)
+            u, sf = tx_full.update(g, sf, pf)
+            pf = opttx.apply_updates(pf, u)
+        expected = _slicer(full, specs)
+        skipped[mode] = {
+            "same": all(torch.allclose(p[k], expected(pf[k], p[k]), rtol=RTOL, atol=ATOL)
+                        for k in full)}
+    results["finite"] = skipped
     # bad input: an owner group that does not match the leaves' split, on every rank alike
     singles = [dist.new_group([r]) for r in range(world)]      # every rank creates every group
     p = _shard_tree({"w": torch.ones(6, 4)}, {"w": Shard(0)})
@@ -312,6 +334,12 @@ def test_compiled_on_owners_step_is_one_graph(tp_results: list[dict]) -> None:
 def test_dtensor_leaves_on_owners(tp_results: list[dict]) -> None:
     for res in tp_results:
         assert res["dtensor"] == 0.0, res["dtensor"]
+
+
+def test_apply_if_finite_decides_for_every_rank(tp_results: list[dict]) -> None:
+    for res in tp_results:
+        for mode, out in res["finite"].items():
+            assert out["same"], (mode, out)
 
 
 def test_mismatched_owner_group_raises_on_every_rank(tp_results: list[dict]) -> None:
