@@ -174,6 +174,18 @@ class Optimizer(torch.optim.Optimizer):
         super().__init__(params, {})
         self.state = _ParamStates(self)  # what DCP's state_dict helpers read
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.optim.Optimizer keeps only defaults, state and param_groups: the transform and
+        # its states would be dropped silently (copy.deepcopy, pickle). Keep everything; the
+        # live ``state`` view is rebuilt on the copy.
+        out = dict(self.__dict__)
+        out.pop("state", None)
+        return out
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.state = _ParamStates(self)
+
     @staticmethod
     def _name_group(group: dict) -> dict:
         group = dict(group)

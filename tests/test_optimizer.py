@@ -160,3 +160,27 @@ def test_step_leaves_gradients_untouched() -> None:
         opt.step()
         opt.step()
         assert torch.equal(p.grad, grad)
+
+
+def test_deepcopy_keeps_the_transform_and_its_state() -> None:
+    """A deep copy (torch's Optimizer.__getstate__ alone would drop tx and its states) steps
+    exactly as the original from the same point."""
+    import copy
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    opt = opttx.Optimizer([w], opttx.adamw(1e-2, weight_decay=0.1))
+    for _ in range(2):
+        w.grad = torch.randn(4, 3)
+        opt.step()
+    twin = copy.deepcopy(opt)
+    w2 = twin.param_groups[0]["params"][0]
+    assert w2 is not w and torch.equal(w2, w)
+    g = torch.randn(4, 3)
+    w.grad, w2.grad = g.clone(), g.clone()
+    opt.step()
+    twin.step()
+    assert torch.equal(w, w2)
+    mine, theirs = opt.state[w], twin.state[w2]
+    assert set(mine) == set(theirs) and mine
+    for key in mine:
+        assert torch.equal(mine[key], theirs[key]), key
