@@ -1,6 +1,9 @@
 import os
+from pathlib import Path
 
+import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import HealthCheck, settings
 
 # "ci" is derandomized so a CI failure reproduces; "dev" explores new examples each run.
@@ -11,3 +14,16 @@ settings.register_profile("dev", max_examples=15, deadline=None,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture
+def world_of_one(tmp_path: Path):
+    """A gloo process group of one rank (this process) for the test: every collective is real
+    but trivial. Tests of several ranks spawn processes instead."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -591,17 +591,6 @@ def test_load_state_dict_names_the_mismatch() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def world_of_one(tmp_path: Path):
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))

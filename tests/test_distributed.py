@@ -485,21 +485,9 @@ def test_specs_are_validated_without_a_process_group() -> None:
         Shard(0, size=-1)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # the reducer's routing, in process (a world of one: every collective is real but trivial)
 # ---------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path):
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.timeout(60)

@@ -354,16 +354,6 @@ def test_matrix_transform_on_fsdp2_shards_is_refused(world2: list[dict]) -> None
         assert res["refused"] is not None and "on_owners" in res["refused"], res["refused"]
 
 
-@pytest.fixture
-def world_of_one(tmp_path: Path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("stochastic_rounding", [False, True])
 def test_optimizer_writes_dtensor_and_plain_params(world_of_one: None,

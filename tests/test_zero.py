@@ -634,17 +634,6 @@ def test_plan_and_zero_validate_arguments() -> None:
         zero(opttx.adamw)
 
 
-@pytest.fixture
-def world_of_one(tmp_path: Path):
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.timeout(60)
 def test_world_of_one_is_the_plain_transform(world_of_one: None) -> None:
     """One rank owns everything: the same updates and state as the plain transform, including

@@ -212,6 +212,21 @@ def _padding_bytes(chunks: list[ZeroChunk]) -> int:
     return sum(c.padding * c.element_size for c in chunks)
 
 
+def _flat_with_gaps(placed: list[tuple[torch.Tensor, int]], length: int, dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+    """A flat buffer of ``length`` elements holding each tensor of ``placed`` (tensor, offset;
+    in increasing offsets) at its offset, zeros in the gaps and the tail: one ``cat``."""
+    pieces, pos = [], 0
+    for x, off in placed:
+        if off > pos:
+            pieces.append(torch.zeros(off - pos, dtype=dtype, device=device))
+        pieces.append(x.reshape(-1).to(dtype))
+        pos = off + x.numel()
+    if pos < length:
+        pieces.append(torch.zeros(length - pos, dtype=dtype, device=device))
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
 def state_costs(tx: GradientTransformation, params: Params) -> list[float] | None:
     """The optimizer-state bytes ``tx.init`` allocates for each leaf of ``params`` alone (in
     flattening order), measured on meta tensors (nothing allocated), less what it allocates
@@ -559,15 +574,8 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
                 for i, _, _ in mine:
                     owned[i] = grads[i].to(c.dtype)
                 continue
-            pieces, pos = [], 0
-            for i, off, n in zip(c.leaves, c.offsets, c.sizes):
-                if off > pos:
-                    pieces.append(torch.zeros(off - pos, dtype=c.dtype, device=device))
-                pieces.append(grads[i].reshape(-1).to(c.dtype))
-                pos = off + n
-            if pos < c.numel:
-                pieces.append(torch.zeros(c.numel - pos, dtype=c.dtype, device=device))
-            flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+            flat = _flat_with_gaps([(grads[i], off) for i, off in zip(c.leaves, c.offsets)],
+                                   c.numel, c.dtype, device)
             if stats is not None:
                 stats.record(g, flat)
             if stage == 2:
@@ -613,15 +621,8 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
                 for i in c.leaves:
                     out[i] = torch.zeros_like(grads[i])
                 continue
-            pieces, pos = [], 0
-            for i, off, n in c.members(rank):
-                if off > pos:
-                    pieces.append(torch.zeros(off - pos, dtype=c.dtype, device=device))
-                pieces.append(new_of[i].reshape(-1).to(c.dtype))
-                pos = off + n
-            if pos < c.segment:
-                pieces.append(torch.zeros(c.segment - pos, dtype=c.dtype, device=device))
-            seg = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+            seg = _flat_with_gaps([(new_of[i], off) for i, off, _ in c.members(rank)],
+                                  c.segment, c.dtype, device)
             if stats is not None:
                 stats.record(g, seg)
             full = funcol.wait_tensor(_all_gather(seg, 0, g))
