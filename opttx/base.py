@@ -3,7 +3,9 @@ and the reduction hook through which layer-wise statistics become sharding-aware
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, NamedTuple, Protocol
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator, Literal, NamedTuple, Protocol
 
 import torch
 
@@ -22,6 +24,7 @@ __all__ = [
     "REDUCER_KEY",
     "TOTALS_KEY",
     "advance_counts",
+    "current_reducer",
     "State",
     "Updates",
     "apply_updates",
@@ -29,6 +32,7 @@ __all__ = [
     "identity",
     "reduce_across_leaves",
     "reduce_statistics",
+    "reducer_during_init",
     "require_whole_leaves",
     "round_stochastic_",
     "require_params",
@@ -311,6 +315,33 @@ ranks (`opttx.distributed.sharded` with ``on_owners=True``, `opttx.distributed.z
 the function that combines statistics taken across leaves (see `reduce_across_leaves`)."""
 
 ReduceOp = Literal["sum", "max"]
+
+
+_INIT_REDUCER: contextvars.ContextVar[Any] = contextvars.ContextVar("opttx_init_reducer",
+                                                                  default=None)
+
+
+def current_reducer(extra_args: dict[str, Any] | None = None) -> Any:
+    """The reducer of the enclosing `opttx.distributed.sharded`, or None on one device.
+
+    In ``update`` it is ``extra_args[REDUCER_KEY]``; ``init`` has no extra_args, so
+    ``sharded`` sets it for the duration of ``tx.init`` (`reducer_during_init`) and
+    ``current_reducer()`` (no argument) reads it there. Transforms use it for decisions that
+    must be taken on the global shapes (Adafactor's factoring) and for whole-leaf checks."""
+    if extra_args is not None:
+        return extra_args.get(REDUCER_KEY)
+    return _INIT_REDUCER.get()
+
+
+@contextlib.contextmanager
+def reducer_during_init(reducer: Any) -> Iterator[None]:
+    """Make ``reducer`` the `current_reducer` of the ``init`` calls inside the block (None:
+    none, as for whole leaves at owner ranks)."""
+    token = _INIT_REDUCER.set(reducer)
+    try:
+        yield
+    finally:
+        _INIT_REDUCER.reset(token)
 
 
 def reduce_statistics(partials: PyTree, extra_args: dict[str, Any], op: ReduceOp = "sum",

@@ -125,9 +125,9 @@ class Optimizer(torch.optim.Optimizer):
     transforms (adam, adamw, lion), one batched all-reduce per statistic for layer-wise ones
     (lamb, lars, clip_by_global_norm, adafactor, came), and with ``on_owners=True`` brings
     whole leaves to owner ranks for the transforms that need whole matrices (shampoo,
-    galore_adamw, adamw_8bit; they refuse local shards). Adafactor and CAME decide factoring
-    on a leaf's shape: give them the decisions taken on the global shapes
-    (`opttx.distributed.global_factor_axes`). The collectives are the ones ``sharded`` makes,
+    galore_adamw, adamw_8bit; they refuse local shards). Adafactor and CAME take their
+    factoring decisions on the global shapes, which ``sharded`` knows. The collectives are
+    the ones ``sharded`` makes,
     nothing here adds any; DTensor parameters are written through their local tensors. One
     ``sharded`` transform per param group (it keeps the specs of the tree it was initialised
     on). Every rank must call ``step`` (the collectives are over the mesh).
@@ -147,9 +147,8 @@ class Optimizer(torch.optim.Optimizer):
       >>> for block in model.blocks:
       ...     fully_shard(block, mesh=mesh)
       >>> fully_shard(model, mesh=mesh)
-      >>> axes = opttx.distributed.global_factor_axes(dict(model.named_parameters()))
       >>> opt = opttx.Optimizer(model.named_parameters(), opttx.distributed.sharded(
-      ...     opttx.adafactor(1e-2, factor_axes=axes)))
+      ...     opttx.adafactor(1e-2)))
       >>> shampoo = opttx.Optimizer(model.parameters(), opttx.distributed.sharded(
       ...     opttx.shampoo(1e-3), on_owners=True))
     """

@@ -754,9 +754,9 @@ def assert_shard_invariant(make_tx: Callable[[], GradientTransformation],
     ``make_tx`` crosses to the spawned processes by pickle: it must be a function defined at
     the top level of an importable module, or a ``functools.partial`` of one (of an alias:
     ``partial(opttx.adamw, 1e-3, weight_decay=0.1)``); not a lambda, nor a function defined in
-    a notebook or in ``__main__``. Transforms whose decisions read a leaf's shape need them
-    fixed to the global shapes (``factor_axes`` as explicit pairs; see
-    `opttx.distributed.global_factor_axes`).
+    a notebook or in ``__main__``. Adafactor's and CAME's factoring rules read the global
+    shapes under ``sharded``; a custom transform that decides from a leaf's shape must do the
+    same (`opttx.base.current_reducer` gives ``global_shapes_of``).
 
     Args:
       make_tx: builds the transform (called once per run, single-device and sharded).

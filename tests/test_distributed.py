@@ -284,12 +284,13 @@ def _misc_worker(rank: int, world: int, store: str, out: str) -> None:
             errors[name] = str(e)
     results["errors"] = errors
 
-    # a local shape-dependent decision (rank 1's shard of w is empty, so "last" with
-    # min_dim_size_to_factor=1 leaves it unfactored there): a clear error, not a gloo abort
+    # ranks that decide differently (here an explicit factor_axes that differs by rank: w
+    # factored on rank 0 only): a clear error with check_collectives, not a gloo abort. (The
+    # named rules cannot do this any more: they read the global shapes.)
     specs = {"w": Shard(0), "v": Shard(1)}
-    p = _shard_tree({"w": torch.ones(1, 4), "v": torch.ones(4, 6)}, specs)
-    tx = sharded(opttx.adafactor(1e-2, min_dim_size_to_factor=1, factor_axes="last"), specs,
-                 check_collectives=True)
+    p = _shard_tree({"w": torch.ones(3, 4), "v": torch.ones(4, 6)}, specs)
+    axes = {"w": (0, 1) if rank == 0 else None, "v": (0, 1)}
+    tx = sharded(opttx.adafactor(1e-2, factor_axes=axes), specs, check_collectives=True)
     try:
         tx.update(p, tx.init(p), p)
         results["mismatch"] = None
@@ -583,3 +584,20 @@ def test_drawn_specs_on_a_two_dim_mesh() -> None:
     summary = assert_shard_invariant(partial(opttx.came, 1e-3, factor_axes=axes), shapes,
                                      mesh=(2, 2), n_specs=4, steps=5, seed=3)
     assert summary["cases"] == 4 and summary["compared"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_factoring_rules_read_the_global_shapes() -> None:
+    """The named factoring rules ("largest", "last", min_dim_size_to_factor) decide on the
+    global shape under sharded, with no global_factor_axes: here the shards of w rank their
+    dims differently and rank 1's shard is below the minimum, yet both ranks factor w as the
+    whole tensor is, for Adafactor and CAME."""
+    from functools import partial
+
+    from opttx.testing import assert_shard_invariant
+    shapes = {"w": (9, 6), "u": (6, 8), "t": (3, 10, 4), "b": (9,)}
+    specs = {"w": Shard(0), "u": Shard(1), "t": Shard(1), "b": Shard(0)}
+    for make in (partial(opttx.adafactor, 1e-2, min_dim_size_to_factor=5),
+                 partial(opttx.came, 1e-3, min_dim_size_to_factor=5)):
+        summary = assert_shard_invariant(make, shapes, specs=specs, steps=5)
+        assert summary["cases"] == 1

@@ -23,7 +23,6 @@ functional (``torch.compile`` traces them without a graph break).
 
 from __future__ import annotations
 
-import contextvars
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -31,17 +30,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from ..base import REDUCER_KEY, TOTALS_KEY, GradientTransformation, Params, State, Updates
+from ..base import (REDUCER_KEY, TOTALS_KEY, GradientTransformation, Params, State, Updates,
+                    current_reducer, reducer_during_init)
 from ..tree import MaskedNode, PyTree, tree_paths
 from .reducer import CollectiveStats, ShardedReducer, pack_all_reduce
 from .specs import Shard
 
 __all__ = ["OwnerPlan", "default_cost", "on_owners", "plan_owners"]
 
-# Set by `sharded` around ``tx.init`` so that an `on_owners` inside the chain finds the specs
-# (``init`` has no extra_args); ``update`` finds them in ``extra_args[REDUCER_KEY]``.
-INIT_REDUCER: contextvars.ContextVar[ShardedReducer | None] = contextvars.ContextVar(
-    "opttx_init_reducer", default=None)
 
 Coords = tuple[int, ...]
 
@@ -429,8 +425,8 @@ def on_owners(tx: GradientTransformation, owner_group: Any = None,
             [x if k and x is not None else MaskedNode() for x, k in zip(leaves, keep)])
 
     def reducer_of(where: str, extra_args: dict[str, Any] | None) -> ShardedReducer:
-        reducer = (extra_args or {}).get(REDUCER_KEY) if extra_args is not None \
-            else INIT_REDUCER.get()
+        # init has no extra_args: `sharded` makes its reducer current around tx.init
+        reducer = current_reducer(extra_args)
         if not isinstance(reducer, ShardedReducer):
             raise ValueError(f"on_owners: {where} outside opttx.distributed.sharded; wrap the "
                              "chain: sharded(on_owners(tx), specs) or sharded(tx, specs, "
@@ -442,7 +438,8 @@ def on_owners(tx: GradientTransformation, owner_group: Any = None,
         local = split_tree(reducer, params)
         plan = plan_for(reducer, local, params)
         whole = gather_to_owners(plan, [local], stats or reducer.stats)[0]
-        return tx.init(masked(reducer, whole, plan.owned()))
+        with reducer_during_init(None):          # tx sees whole leaves, as in update
+            return tx.init(masked(reducer, whole, plan.owned()))
 
     def update(updates: Updates, state: State, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, State]:

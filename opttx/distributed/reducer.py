@@ -105,6 +105,22 @@ class ShardedReducer:
         self.flat_specs = flat_specs
         self.groups = groups
         self.stats = stats
+        # per leaf, the shape of the whole tensor (set by `sharded`): decisions that read a
+        # leaf's shape (Adafactor's factoring) take them, not the local shard's
+        self.global_shapes: list[tuple[int, ...]] | None = None
+
+    def global_shapes_of(self, tree: PyTree) -> list[tuple[int, ...]] | None:
+        """The global shapes of the leaves present in ``tree`` (a tree like the params,
+        `MaskedNode` where absent), in its leaf order; None when unknown or when ``tree`` has
+        another structure (blocks of leaves)."""
+        if self.global_shapes is None:
+            return None
+        try:
+            flat = self.treespec.flatten_up_to(tree)
+        except (ValueError, TypeError):
+            return None
+        return [self.global_shapes[i] for i, x in enumerate(flat)
+                if isinstance(x, torch.Tensor)]
 
     def _split_trees(self, partials: PyTree, dims: PyTree | None
                      ) -> tuple[bool, list[list[Any]], list[list[Any]]]:
@@ -182,10 +198,11 @@ class ShardedReducer:
         if high != low:
             raise ValueError(
                 f"opttx.distributed: the ranks of a group disagree on the size of a reduction "
-                f"({low} to {high} elements; this rank: {n}). A transform decided something "
-                "from the local shard's shape (e.g. factor_axes='largest' or "
-                "min_dim_size_to_factor on a shard): resolve it on the global shapes with "
-                "opttx.distributed.global_factor_axes.")
+                f"({low} to {high} elements; this rank: {n}). The ranks configured or "
+                "decided something differently (a per-leaf setting such as factor_axes that "
+                "differs between ranks, or a custom transform that reads the local shard's "
+                "shape): give every rank the same settings, decided on the global shapes "
+                "(opttx.distributed.global_shapes).")
 
     def __call__(self, partials: PyTree, op: str = "sum", dims: PyTree | None = None) -> PyTree:
         if op not in ("sum", "max"):

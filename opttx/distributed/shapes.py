@@ -43,12 +43,13 @@ def raise_on_every_rank(error: BaseException | None, group: Any = None) -> None:
 
 
 def global_shapes(params: Params, specs: PyTree | None = None,
-                  stats: CollectiveStats | None = None) -> list[tuple[int, ...]]:
+                  stats: CollectiveStats | None = None, check: bool = True
+                  ) -> list[tuple[int, ...]]:
     """The global shape of every leaf of ``params`` (flattening order), from the local shapes
     and the specs: one all-reduce of the local sizes per process group.
 
     Raises ``ValueError`` (on every rank alike) when a `Shard` that states its ``size`` does
-    not match the sum of the local sizes.
+    not match the sum of the local sizes (unless ``check=False``).
     """
     leaves, _ = tree_flatten(params)
     flat = flatten_specs(params, specs if specs is not None else specs_from_dtensors(params))
@@ -63,7 +64,7 @@ def global_shapes(params: Params, specs: PyTree | None = None,
         for (i, d), total in zip(members, pack_all_reduce(sizes, "sum", group, stats)):
             shapes[i][d] = int(total.item())
     paths = tree_paths(params)
-    for i, shards in enumerate(flat):
+    for i, shards in enumerate(flat if check else []):
         for s in shards:
             if s.size is not None and s.size != shapes[i][s.dim]:
                 raise ValueError(f"{paths[i]}: the spec says dim {s.dim} has global size "
@@ -77,11 +78,12 @@ def global_factor_axes(params: Params, specs: PyTree | None = None,
                        min_dim_size_to_factor: int = 128) -> PyTree:
     """The factoring axes of every leaf decided on its global shape, as a tree of explicit
     ``(d0, d1)`` or None to pass as ``factor_axes`` to `opttx.adafactor`, `opttx.came` or
-    `opttx.scale_by_factored_rms` under `sharded`.
+    `opttx.scale_by_factored_rms`.
 
-    The named rules ``"largest"`` and ``min_dim_size_to_factor`` look at the leaf's shape; on a
-    local shard that shape is not the global one, so the decision (and the result) could differ
-    from the single-device run. This resolves them once on the global shapes.
+    Under `sharded` the named rules (``"largest"``, ``"last"``, ``min_dim_size_to_factor``)
+    already read the global shapes (the reducer knows them), so this is not needed there; it
+    makes the decisions explicit (to inspect them, to save them with a checkpoint, or for a
+    transform run on local shards outside `sharded`).
 
     Example:
       >>> axes = global_factor_axes(local_params, specs, "largest", 128)

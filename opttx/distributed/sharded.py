@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..base import REDUCER_KEY, GradientTransformation, Params, State, Updates
+from ..base import (REDUCER_KEY, GradientTransformation, Params, State, Updates,
+                    reducer_during_init)
 from ..tree import PyTree, tree_flatten
-from .owners import INIT_REDUCER
 from .owners import on_owners as _on_owners
 from .reducer import CollectiveStats, ShardedReducer
 from .shapes import global_shapes, is_dtensor, raise_on_every_rank
@@ -91,13 +91,12 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
       FSDP2 (``fully_shard``): the parameters are DTensors sharded on dim 0 (unevenly where
       the size does not divide), the specs are read from them, and ``backward`` leaves each
       rank its shard of the already averaged gradient, so no other link is needed. Adafactor
-      and CAME get their factoring decided on the global shapes; matrix transforms run on
+      and CAME decide their factoring on the global shapes (``init`` all-reduces the local
+      sizes once and the reducer hands them to the factoring rules); matrix transforms run on
       owner ranks:
 
       >>> fully_shard(model, mesh=mesh)          # after fully_shard on each block
-      >>> axes = global_factor_axes(dict(model.named_parameters()))
-      >>> opt = opttx.Optimizer(model.named_parameters(),
-      ...                       sharded(opttx.adafactor(1e-2, factor_axes=axes)))
+      >>> opt = opttx.Optimizer(model.named_parameters(), sharded(opttx.adafactor(1e-2)))
       >>> opt = opttx.Optimizer(model.parameters(), sharded(opttx.shampoo(1e-3), on_owners=True))
       >>> params = {k: p.detach() for k, p in model.named_parameters()}   # or functionally
       >>> tx = sharded(opttx.lamb(1e-3))
@@ -123,6 +122,12 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
         return ShardedReducer(treespec, flat, shard_groups(flat), stats,
                               ndims=[x.ndim for x in leaves], check=check_collectives)
 
+    def resolve_shapes(reducer: ShardedReducer, tree: PyTree) -> ShardedReducer:
+        # one all-reduce of the local sizes per group; every rank gets here (specs agreed)
+        spec_tree = specs if specs is not None else specs_from_dtensors(tree)
+        reducer.global_shapes = global_shapes(tree, spec_tree, check=check_sizes)
+        return reducer
+
     def init(params: Params) -> State:
         error, reducer = None, None
         try:
@@ -130,20 +135,16 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
         except (ValueError, TypeError) as e:
             error = e
         raise_on_every_rank(error)        # one rank's bad spec must not leave the others hanging
-        resolved[:] = [reducer]
-        if check_sizes and any(s.size is not None for shards in reducer.flat_specs
-                               for s in shards):
-            global_shapes(params, specs)
+        resolved[:] = [resolve_shapes(reducer, params)]
         local, _ = _to_local(params)
-        token = INIT_REDUCER.set(reducer)     # for an on_owners link: init has no extra_args
-        try:
+        with reducer_during_init(reducer):    # init has no extra_args (on_owners, factoring)
             return tx.init(local)
-        finally:
-            INIT_REDUCER.reset(token)
 
     def update(updates: Updates, state: State, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, State]:
-        reducer = resolved[0] if resolved else build(updates)
+        if not resolved:                  # a restored state: resolved once, here (eagerly)
+            resolved[:] = [resolve_shapes(build(updates), updates)]
+        reducer = resolved[0]
         local_updates, templates = _to_local(updates)
         local_params = _to_local(params)[0] if params is not None else None
         out, new_state = tx.update(local_updates, state, local_params,

@@ -21,8 +21,8 @@ import torch
 
 from .._checks import check_nonnegative, check_positive, check_unit_interval
 from ..base import (REDUCER_KEY, GradientTransformation, Params, Updates, advance_counts,
-                    check_init_params, reduce_statistics, require_params, safe_increment,
-                    zero_count)
+                    check_init_params, current_reducer, reduce_statistics, require_params,
+                    safe_increment, zero_count)
 from ..schedules import Schedule
 from ..tree import (MaskedNode, PyTree, Scalar, cast_like, flatten_matching, foreach_ema,
                     foreach_op_, foreach_sum_of_squares, leaf_labels, scalar_operand,
@@ -70,7 +70,8 @@ def _is_axes(x: Any) -> bool:
 
 
 def factored_axes(params: Params, factor_axes: FactorAxes = "largest",
-                  min_dim_size_to_factor: int = 128) -> list[Axes]:
+                  min_dim_size_to_factor: int = 128,
+                  shapes: Sequence[Sequence[int]] | None = None) -> list[Axes]:
     """The pair of axes ``(d0, d1)`` each leaf of ``params`` is factored over (None: kept
     whole), in leaf order.
 
@@ -78,13 +79,18 @@ def factored_axes(params: Params, factor_axes: FactorAxes = "largest",
     ``"largest"`` (the two largest dims: optax), or a tree like ``params`` (or a function of it)
     giving an explicit ``(d0, d1)`` or None per leaf. With the named rules a leaf is factored
     when it has at least two dims and both chosen dims are >= ``min_dim_size_to_factor``.
+    ``shapes`` (per leaf) are the shapes the named rules read instead of the leaves' own: the
+    global shapes of local shards under `opttx.distributed.sharded` (the factoring
+    transforms pass them, so a shard is factored as the whole tensor is).
     """
     leaves, _ = tree_flatten(params)
     if isinstance(factor_axes, str):
         if factor_axes not in ("last", "largest"):
             raise ValueError(f"factor_axes must be 'last', 'largest' or a tree of axis pairs, "
                              f"got {factor_axes!r}.")
-        return [_axes_for_shape(p.shape, factor_axes, min_dim_size_to_factor) for p in leaves]
+        if shapes is None or len(shapes) != len(leaves):
+            shapes = [p.shape for p in leaves]
+        return [_axes_for_shape(s, factor_axes, min_dim_size_to_factor) for s in shapes]
     given = leaf_labels(factor_axes, params, "factor_axes", is_leaf=_is_axes)
     out: list[Axes] = []
     for path, p, axes in zip(tree_paths(params), leaves, given):
@@ -99,6 +105,15 @@ def factored_axes(params: Params, factor_axes: FactorAxes = "largest",
             raise ValueError(f"factor_axes for params{path} names the same axis twice: {axes}.")
         out.append((d0, d1))
     return out
+
+
+def _global_shapes(tree: Params, extra_args: dict[str, Any] | None) -> list | None:
+    """The global shapes of ``tree``'s leaves when they are local shards under
+    `opttx.distributed.sharded` (its reducer knows them; at ``init`` it is the current one),
+    else None."""
+    reducer = current_reducer(extra_args)
+    shapes_of = getattr(reducer, "global_shapes_of", None)
+    return shapes_of(tree) if shapes_of is not None else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,10 +390,11 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
     if eps_clamp is not None:
         check_positive("eps_clamp", eps_clamp)
 
-    def layout_of(params: Params) -> _Layout:
+    def layout_of(params: Params, extra_args: dict[str, Any] | None = None) -> _Layout:
         if not factored:
             return _Layout([None] * len(tree_flatten(params)[0]))
-        return _Layout(factored_axes(params, factor_axes, min_dim_size_to_factor))
+        return _Layout(factored_axes(params, factor_axes, min_dim_size_to_factor,
+                                     _global_shapes(params, extra_args)))
 
     def init(params: Params) -> FactoredState:
         check_init_params(params)
@@ -391,7 +407,7 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
                                                       state.v)
         if not g:             # a tree without leaves: only the step counters move
             return updates, advance_counts(state)
-        layout = layout_of(updates)
+        layout = layout_of(updates, extra_args)
         beta = decay_rate_fn(state.count - step_offset, decay_rate)
         q = [x.to(s.dtype if s.numel() else r.dtype) for x, s, r in zip(g, fulls, rows)]
         q = list(torch._foreach_mul(q, q))
@@ -592,8 +608,9 @@ def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
     check_nonnegative("eps2", eps2)
     check_positive("clip_threshold", clip_threshold)
 
-    def layout_of(params: Params) -> _Layout:
-        return _Layout(factored_axes(params, factor_axes, min_dim_size_to_factor))
+    def layout_of(params: Params, extra_args: dict[str, Any] | None = None) -> _Layout:
+        return _Layout(factored_axes(params, factor_axes, min_dim_size_to_factor,
+                                     _global_shapes(params, extra_args)))
 
     def init(params: Params) -> ScaleByCameState:
         check_init_params(params)
@@ -610,7 +627,7 @@ def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
             updates, state.mu, state.v_row, state.v_col, state.v, state.r_row, state.r_col)
         if not g:             # a tree without leaves: only the step counters move
             return updates, advance_counts(state)
-        layout = layout_of(updates)
+        layout = layout_of(updates, extra_args)
         g32 = cast_like(g, mu)
         q = list(torch._foreach_add(torch._foreach_mul(g32, g32), eps1))
         rows, cols, fulls, r_means = _factored_ema(q, rows, cols, fulls, layout, b2, spec,
