@@ -106,24 +106,19 @@ import json
 import math
 import os
 import platform
-import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import types
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 
-def _early_cache_dir() -> None:
-    # Before torch._inductor reads it: a cold cache makes the compile times honest.
-    if "--warm-cache" not in sys.argv and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="opttx_gpu_step_")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (cpu_model, cpu_times, early_cache_dir, fmt, git_state, other_load,  # noqa: E402
+                     own_code, wait_idle)
 
-
-_early_cache_dir()
+early_cache_dir("opttx_gpu_step_")
 
 import torch  # noqa: E402
 
@@ -213,13 +208,6 @@ def make_problem(size: str, device: torch.device, seed: int = 0
 # ---------------------------------------------------------------------------------------------
 # variants
 # ---------------------------------------------------------------------------------------------
-
-
-def _own_code(fn: Callable, name: str) -> Callable:
-    """``fn`` with a code object of its own: Dynamo caches graphs per code object, so each
-    compiled variant gets its own cache (no recompiles, no shared cache-size limit)."""
-    code = fn.__code__.replace(co_name=name, co_qualname=name)
-    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 def _nbytes(tensors) -> int:
@@ -315,7 +303,7 @@ class OpttxCompiled(Variant):
             opttx.apply_updates_(params, updates)
             opttx.tree_copy_(state, new_state)
 
-        step = _own_code(step, "opttx_step_" + name.replace(".", "_"))
+        step = own_code(step, "opttx_step_" + name.replace(".", "_"))
         self.code = step.__code__
         if BACKEND["name"] == "inductor":
             self._step = torch.compile(step, fullgraph=True, mode=mode)
@@ -745,7 +733,7 @@ def run_group(name: str, chosen: list[Spec], init: list[torch.Tensor], grads: li
             if not live:
                 continue
             order = list(live)
-            since = _cpu_times()
+            since = cpu_times()
             for i in range(a.steps):
                 for key in order[i % len(order):] + order[:i % len(order)]:
                     results[key].times_ms.append(clock.time_ms(live[key].step))
@@ -784,69 +772,6 @@ def repeat_timing(spec: Spec, init, grads, clock: Clock, a: argparse.Namespace
 # ---------------------------------------------------------------------------------------------
 # environment
 # ---------------------------------------------------------------------------------------------
-
-
-def _cpu_times() -> tuple[float, float, float]:
-    """(wall s, CPU s busy on the whole machine, CPU s used by this process)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [float(x) for x in f.readline().split()[1:]]
-    except OSError:
-        fields = [0.0] * 5
-    busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0.0)
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    return time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), own.ru_utime + own.ru_stime
-
-
-def other_load(since: tuple[float, float, float]) -> float:
-    """Cores kept busy by *other* processes since ``since`` (a `_cpu_times()`)."""
-    wall, busy, own = _cpu_times()
-    return max(0.0, ((busy - since[1]) - (own - since[2])) / max(wall - since[0], 1e-9))
-
-
-def wait_idle(max_wait: float, threshold: float = 0.15) -> None:
-    deadline = time.perf_counter() + max_wait
-    while True:
-        t0 = _cpu_times()
-        time.sleep(1.0)
-        load = other_load(t0)
-        if load < threshold or time.perf_counter() >= deadline:
-            print(f"other processes' load before timing: {load:.2f} cores"
-                  + ("" if load < threshold else f" (still busy after --wait-idle {max_wait:g}s)"),
-                  flush=True)
-            return
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def git_state() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(opttx.__file__)))
-    try:
-        commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "opttx"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (commit or "unknown") + (" + uncommitted changes in opttx/" if dirty else "")
-
-
-# ---------------------------------------------------------------------------------------------
-# report
-# ---------------------------------------------------------------------------------------------
-
-
-def fmt(x: float | None, spec: str = ".1f", none: str = "-") -> str:
-    return none if x is None else format(x, spec)
 
 
 def roofline_pct(r: Result, n_params: int, bw_gbs: float) -> float | None:

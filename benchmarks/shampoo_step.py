@@ -38,24 +38,17 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
-def _early_cache_dir() -> None:
-    # Before torch._inductor reads it: a cold cache makes the compile times honest.
-    if "--warm-cache" not in sys.argv and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="opttx_shampoo_step_")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import cpu_model, cpu_times, early_cache_dir, git_state, other_load, own_code, wait_idle  # noqa: E402,E501
 
-
-_early_cache_dir()
+early_cache_dir("opttx_shampoo_step_")
 
 import torch  # noqa: E402
 from torch.func import functional_call, grad_and_value  # noqa: E402
@@ -75,14 +68,6 @@ LOSS_WINDOW = 10  # the "final loss" is the mean of the last this many training 
 # ---------------------------------------------------------------------------------------------
 # the compiled step
 # ---------------------------------------------------------------------------------------------
-
-
-def _own_code(fn: Callable, name: str) -> Callable:
-    """``fn`` with a code object of its own: Dynamo caches compiled graphs per code object, so
-    two optimizers' steps (same source) then compile independently and a second one is not
-    counted as a recompile of the first."""
-    code = fn.__code__.replace(co_name=name, co_qualname=name)
-    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 @dataclass
@@ -127,7 +112,7 @@ def make_run(name: str, tx: opttx.GradientTransformation, cfg: GPTConfig, seed: 
         opttx.tree_copy_(state, new_state)
         return loss
 
-    step = _own_code(step, f"train_step_{name}")
+    step = own_code(step, f"train_step_{name}")
     return Run(name, tx, model, params, state, step, torch.compile(step, fullgraph=True))
 
 
@@ -160,58 +145,6 @@ class Timer:
         start = time.perf_counter()
         out = fn()  # a compiled CPU step returns when its kernels are done
         return time.perf_counter() - start, out
-
-
-def _cpu_times() -> tuple[float, float, float]:
-    """(wall s, CPU s busy on the whole machine, CPU s used by this process)."""
-    with open("/proc/stat") as f:
-        fields = [float(x) for x in f.readline().split()[1:]]
-    busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0.0)
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    return time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), own.ru_utime + own.ru_stime
-
-
-def other_load(since: tuple[float, float, float]) -> float:
-    """Cores kept busy by *other* processes since ``since`` (a `_cpu_times()`)."""
-    wall, busy, own = _cpu_times()
-    return max(0.0, ((busy - since[1]) - (own - since[2])) / max(wall - since[0], 1e-9))
-
-
-def wait_idle(max_wait: float, threshold: float = 0.15) -> None:
-    """Wait (at most ``max_wait`` s) until other processes use < ``threshold`` cores."""
-    deadline = time.perf_counter() + max_wait
-    while True:
-        t0 = _cpu_times()
-        time.sleep(1.0)
-        load = other_load(t0)
-        if load < threshold or time.perf_counter() >= deadline:
-            print(f"other processes' load before timing: {load:.2f} cores"
-                  + ("" if load < threshold else f" (still busy after --wait-idle {max_wait:g}s)"),
-                  flush=True)
-            return
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def git_state() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(opttx.__file__)))
-    try:
-        commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "opttx"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (commit or "unknown") + (" + uncommitted changes in opttx/" if dirty else "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.wait_idle > 0:
         wait_idle(a.wait_idle)
 
-    load0 = _cpu_times()
+    load0 = cpu_times()
     t_start = time.perf_counter()
     for i in range(2 + a.warmup, total + 1):
         order = runs if i % 2 == 0 else runs[::-1]

@@ -41,19 +41,16 @@ import platform
 import resource
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 
-def _early_cache_dir() -> None:
-    # Must happen before torch._inductor reads it; a cold cache makes compile times honest.
-    if "--warm-cache" not in sys.argv and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="opttx_step_time_")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import cpu_model, cpu_times, early_cache_dir, fmt, git_state, other_load  # noqa: E402
+from _common import wait_idle as _wait_idle  # noqa: E402
 
-
-_early_cache_dir()
+early_cache_dir("opttx_step_time_")
 
 import torch  # noqa: E402
 
@@ -596,7 +593,7 @@ def run_group(chosen: list[Spec], group: list[Spec], init, grads, warmup: int, s
         timed = [s.key for s in chosen if s.key in variants]
         if wait_idle_s:
             wait_idle(wait_idle_s)
-        since = _cpu_times()
+        since = cpu_times()
         for i in range(steps if timed else 0):
             for key in timed[i % len(timed):] + timed[:i % len(timed)]:
                 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -641,62 +638,8 @@ def run_group(chosen: list[Spec], group: list[Spec], init, grads, warmup: int, s
     return [results[s.key] for s in chosen]
 
 
-def _cpu_times() -> tuple[float, float, float]:
-    """(wall s, CPU s busy on the whole machine, CPU s used by this process)."""
-    with open("/proc/stat") as f:
-        fields = [float(x) for x in f.readline().split()[1:]]
-    busy = (sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0.0))
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    return (time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), own.ru_utime + own.ru_stime)
-
-
-def other_load(since: tuple[float, float, float]) -> float:
-    """Cores kept busy by *other* processes since ``since`` (a `_cpu_times()`)."""
-    wall, busy, own = _cpu_times()
-    return max(0.0, ((busy - since[1]) - (own - since[2])) / max(wall - since[0], 1e-9))
-
-
 def wait_idle(max_wait: float, threshold: float = 0.15) -> None:
-    """Wait (at most ``max_wait`` s) until other processes use < ``threshold`` cores."""
-    deadline = time.perf_counter() + max_wait
-    while True:
-        t0 = _cpu_times()
-        time.sleep(1.0)
-        load = other_load(t0)
-        if load < threshold or time.perf_counter() >= deadline:
-            print(f"  other processes' load {load:.2f} cores"
-                  + ("" if load < threshold else f" (still busy after --wait-idle {max_wait:g}s)"),
-                  flush=True)
-            return
-
-
-def git_state() -> str:
-    """The commit of the opttx checkout and whether opttx/ has uncommitted changes."""
-    import subprocess
-    root = os.path.dirname(os.path.dirname(os.path.abspath(opttx.__file__)))
-    try:
-        commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "opttx"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (commit or "unknown") + (" + uncommitted changes in opttx/" if dirty else "")
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def fmt(x: float | None, spec: str = ".1f", none: str = "-") -> str:
-    return none if x is None else format(x, spec)
+    _wait_idle(max_wait, threshold, label="  other processes' load")
 
 
 def print_table(results: list[Result]) -> None:
