@@ -184,8 +184,9 @@ def _kind(x: torch.Tensor) -> Any:
 
 
 def _foreach_add(p_leaves: list[torch.Tensor], u_leaves: list[torch.Tensor],
-                 inplace: bool) -> list[torch.Tensor]:
-    """``p + u`` (or ``p += u``) with one grouped kernel per kind of leaf (see `_kind`)."""
+                 inplace: bool, alpha: float = 1.0) -> list[torch.Tensor]:
+    """``p + alpha · u`` (or ``p += alpha · u``) with one grouped kernel per kind of leaf
+    (see `_kind`)."""
     groups: dict[Any, list[int]] = {}
     for i, p in enumerate(p_leaves):
         groups.setdefault(_kind(p), []).append(i)
@@ -193,9 +194,9 @@ def _foreach_add(p_leaves: list[torch.Tensor], u_leaves: list[torch.Tensor],
     for idx in groups.values():
         ps, us = [p_leaves[i] for i in idx], [u_leaves[i] for i in idx]
         if inplace:
-            torch._foreach_add_(ps, us)
+            torch._foreach_add_(ps, us, alpha=alpha)
         else:
-            for i, r in zip(idx, torch._foreach_add(ps, us)):
+            for i, r in zip(idx, torch._foreach_add(ps, us, alpha=alpha)):
                 out[i] = r
     return out
 

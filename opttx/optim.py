@@ -9,7 +9,8 @@ import torch
 
 from ._statekeys import (dtensor_placement, keyed_state, local_entries_as_dtensors,
                          param_paths)
-from .base import GradientTransformation, _kind, _stochastic_pairs, round_stochastic_
+from .base import (GradientTransformation, _foreach_add, _kind, _stochastic_pairs,
+                   round_stochastic_)
 from .tree import PyTree, donating, tree_leaves
 from .wrappers import find_injected_states
 
@@ -33,18 +34,6 @@ def _local_pairs(params: list, updates: list) -> tuple[list, list]:
         ps.append(p)
         us.append(u)
     return ps, us
-
-
-def _grouped_add_(params: list, updates: list, alpha: float) -> None:
-    """``p += alpha * u`` with one ``_foreach_add_`` per kind of leaf (plain tensors, and
-    DTensors per mesh and placements: one grouped kernel cannot mix them)."""
-    groups: dict = {}
-    for p, u in zip(params, updates):
-        ps, us = groups.setdefault(_kind(p), ([], []))
-        ps.append(p)
-        us.append(u)
-    for ps, us in groups.values():
-        torch._foreach_add_(ps, us, alpha=alpha)
 
 
 SHARED = "shared."   # prefix of a group's shared state entries (on its first parameter)
@@ -268,7 +257,7 @@ class Optimizer(torch.optim.Optimizer):
             else:
                 deltas = [u.to(p.dtype) for p, u in zip(moved, deltas)]
             if moved:
-                _grouped_add_(moved, deltas, factor)
+                _foreach_add(moved, deltas, inplace=True, alpha=factor)
         return loss
 
     @staticmethod

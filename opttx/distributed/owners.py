@@ -67,11 +67,34 @@ class _Leaf:
         """The size along ``dim`` of the sub-block whose coordinates start with ``prefix``."""
         level = len(prefix)
         if level == len(self.shards):
-            return dict(self.pieces)[prefix][dim]
+            return self._shape_at[prefix][dim]
         sizes = self._group_sizes()
         if self.shards[level].dim == dim:
             return sum(self.extent(prefix + (c,), dim) for c in range(sizes[level]))
         return self.extent(prefix + (0,), dim)
+
+    def __post_init__(self) -> None:
+        # made once, eagerly (the plan is built outside any compiled region), read at every
+        # step: each piece's shape by its coordinates, and the split sizes of every level
+        object.__setattr__(self, "_shape_at", dict(self.pieces))
+        object.__setattr__(self, "_split_sizes", self._make_split_sizes())
+
+    def _make_split_sizes(self) -> dict[Coords, list[int]]:
+        """For every prefix of coordinates, the sizes its children take along the dim split
+        at that level."""
+        sizes = self._group_sizes()
+        out: dict[Coords, list[int]] = {}
+
+        def visit(prefix: Coords) -> None:
+            level = len(prefix)
+            if level == len(self.shards):
+                return
+            d = self.shards[level].dim
+            out[prefix] = [self.extent(prefix + (c,), d) for c in range(sizes[level])]
+            for c in range(sizes[level]):
+                visit(prefix + (c,))
+        visit(())
+        return out
 
     def _group_sizes(self) -> list[int]:
         return [dist.get_world_size(s.group) for s in self.shards]
@@ -99,9 +122,7 @@ class _Leaf:
             if level == len(self.shards):
                 out[prefix] = x
                 return
-            d = self.shards[level].dim
-            parts = torch.split(x, [self.extent(prefix + (c,), d) for c in range(sizes[level])],
-                                dim=d)
+            parts = torch.split(x, self._split_sizes[prefix], dim=self.shards[level].dim)
             for c, part in enumerate(parts):
                 cut(part, prefix + (c,))
         cut(whole, ())

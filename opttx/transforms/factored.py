@@ -442,7 +442,7 @@ def _leaf_rms(leaves: list[torch.Tensor], spec: Any, extra_args: dict) -> list[t
     sums = foreach_sum_of_squares(leaves)                                        # (a)
     means = _reduce_sums(sums, [float(x.numel()) for x in leaves], [None] * len(leaves),
                          spec, extra_args)                                       # (b), (c)
-    return [torch.sqrt(m) for m in means]
+    return list(torch._foreach_sqrt(means))
 
 
 def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
@@ -462,8 +462,11 @@ def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
                **extra_args: Any) -> tuple[Updates, tuple]:
         params = require_params(params, "scale_by_param_block_rms")
         spec, g, p = flatten_matching(updates, params, what="updates and params")
-        scales = [torch.clamp(r, min=min_scale) for r in _leaf_rms(p, spec, extra_args)]
-        return tree_unflatten([x * s.to(x.dtype) for x, s in zip(g, scales)], spec), state
+        if not g:
+            return updates, state
+        # grouped passes over the 0-dim RMS values, then one grouped multiply
+        scales = torch._foreach_clamp_min(_leaf_rms(p, spec, extra_args), min_scale)
+        return tree_unflatten(list(torch._foreach_mul(g, cast_like(scales, g))), spec), state
 
     return GradientTransformation(init, update)
 
