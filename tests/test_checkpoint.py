@@ -310,8 +310,9 @@ def _optimizer_dtensors(root: Path, world: int, results: dict) -> None:
         module, opt = build()
         steps(module, opt, 0, K)
         osd = get_optimizer_state_dict(module, opt)
-        results["dtensor_entries"] = all(hasattr(v, "placements") for k, v in
-                                         osd["state"]["c"].items() if not k.startswith("shared"))
+        entries = {k: v for k, v in osd["state"]["c"].items() if not k.startswith("shared")}
+        results["dtensor_entries"] = bool(entries) and all(hasattr(v, "placements")
+                                                           for v in entries.values())
         dcp.save({"model": get_model_state_dict(module), "optim": osd}, checkpoint_id=path)
         return
     module, opt = build()

@@ -392,6 +392,8 @@ def test_sharded_equals_single_device(tp_results: list[dict], name: str) -> None
         errors = [e for e in res["errors"] if e.startswith(f"{name}/")]
         assert not errors, f"rank {rank}:\n" + "\n".join(errors)
         assert {f"{name}/dim0", f"{name}/dim1"} <= set(res["counts"])
+        assert len(res["drawn"]) == 4                       # the hypothesis draws all ran
+        assert len(res["counts"][f"{name}/dim0"]) == 4
 
 
 @pytest.mark.timeout(240)
@@ -531,13 +533,18 @@ def test_reducer_routes_by_reduced_dims(world_of_one: None) -> None:
 def test_sharded_wraps_masked_and_partitioned_chains(world_of_one: None) -> None:
     params = {"w": torch.randn(4, 3), "b": torch.randn(3)}
     specs = {"w": Shard(1), "b": Shard(0)}
-    for make in (lambda: opttx.masked(opttx.lamb(1e-2), {"w": True, "b": False}),
-                 lambda: opttx.partition({"m": opttx.came(1e-3), "v": opttx.lars(1e-1)},
-                                         {"w": "m", "b": "v"})):
-        single, dist_tx = make(), sharded(make(), specs)
+    # with one rank the numbers cannot differ; what this checks is that the statistics of
+    # the masked-in / partitioned leaves reach the reducer (LAMB 1 collective, CAME 3 + LARS 1)
+    for make, want in ((lambda: opttx.masked(opttx.lamb(1e-2), {"w": True, "b": False}), 1),
+                       (lambda: opttx.partition({"m": opttx.came(1e-3), "v": opttx.lars(1e-1)},
+                                                {"w": "m", "b": "v"}), 4)):
+        stats = CollectiveStats()
+        single, dist_tx = make(), sharded(make(), specs, stats=stats)
         s1, s2 = single.init(params), dist_tx.init(params)
         u1, _ = single.update(params, s1, params)
+        stats.reset()
         u2, _ = dist_tx.update(params, s2, params)
+        assert stats.collectives == want, (want, stats)
         for k in params:
             torch.testing.assert_close(u1[k], u2[k])
 
