@@ -11,7 +11,6 @@ transform on the mean itself.
 
 from __future__ import annotations
 
-import datetime
 import json
 import re
 import traceback
@@ -29,6 +28,7 @@ from hypothesis import strategies as st
 import opttx
 from opttx.distributed import CollectiveStats, ZeroPlan, state_costs, zero, zero_plan
 from opttx.tree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_paths
+from test_distributed import _finish, _init
 
 STEPS = 5
 RTOL, ATOL = 1e-5, 1e-6
@@ -134,18 +134,6 @@ def _compare_state(name: str, s_full: Any, s_zero: Any, full: dict, plan: ZeroPl
 # ---------------------------------------------------------------------------------------------
 # helpers run inside the workers
 # ---------------------------------------------------------------------------------------------
-
-
-def _init(rank: int, world: int, store: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-
-
-def _finish(out: str, rank: int, results: dict) -> None:
-    Path(f"{out}.{rank}").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _run_case(name: str, full: dict, grads: list[list[dict]], rank: int, world: int,
