@@ -23,6 +23,7 @@ from .combine import (MaskedState, PartitionState, chain, freeze, masked, multi_
                       named_chain, partition)
 from .layout import FlatParams, FlattenState, flatten
 from .optim import Optimizer
+from .stacked import StackedParams, StackedState, stacked
 from .schedules import (constant_schedule, cosine_decay_schedule, exponential_decay,
                         join_schedules, linear_schedule, piecewise_constant_schedule,
                         polynomial_schedule, warmup_constant_schedule,
@@ -36,7 +37,8 @@ from .wrappers import (ApplyIfFiniteState, InjectHyperparamsState, MultiSteps, M
 __version__ = "0.1.0"
 
 __all__ = [
-    "ApplyIfFiniteState", "EmptyState", "FlatParams", "FlattenState", "FusedBackward", "GradientTransformation",
+    "ApplyIfFiniteState", "EmptyState", "FlatParams", "FlattenState", "FusedBackward",
+    "GradientTransformation", "StackedParams", "StackedState", "stacked",
     "InjectHyperparamsState", "MaskedNode", "MaskedState", "MultiSteps", "MultiStepsState",
     "Optimizer", "PartitionState", "adafactor", "adagrad", "adalomo", "adam", "adamw",
     "adamw_8bit", "apply_if_finite", "apply_updates", "apply_updates_", "came", "chain",

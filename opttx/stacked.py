@@ -1,0 +1,370 @@
+r"""Stacked layout: same-shaped parameters kept in one ``(L, *shape)`` buffer, and any per-leaf
+transform run on every slice of it in one batched pass.
+
+The layers of a transformer share their shapes: a 32-layer model has 32 query matrices of the
+same shape, 32 of each MLP matrix, and so on. Per leaf, a compiled optimizer step lowers the
+chain once per tensor, so its graph, its compile time and its kernel count grow with the
+number of layers. `flatten` / `FlatParams` remove that growth for *element-wise* chains only:
+a flat vector has no rows, no columns and no per-leaf norm. The stacked layout keeps the
+structure:
+
+* `StackedParams` stores the leaves that share (shape, dtype, device) in one buffer of shape
+  ``(L, *shape)``; each parameter is the view ``buffer[i]``. A step differentiates with respect
+  to the buffers, so the gradients arrive stacked too, with nothing to pack.
+* `stacked(tx)` applies ``tx`` to each slice ``buffer[i]`` as if it were its own leaf, with
+  ``torch.func.vmap`` over dim 0 of every leaf: Adafactor factors each ``(m, n)`` slice over its
+  own rows and columns, LAMB takes one trust ratio per slice, block-RMS clipping clips per
+  slice. The graph holds one copy of the chain per *group of shapes*, whatever ``L`` is.
+
+Same numbers: ``stacked(tx)`` on the stacked buffers equals ``tx`` on the separate leaves for
+every per-leaf transform (checked for every alias that is per-leaf in
+``tests/test_stacked.py``). What vmap cannot take is refused, not approximated:
+
+* statistics across leaves (`clip_by_global_norm`, `apply_if_finite`) would be taken per
+  slice: they raise inside `stacked`; put them outside, where the stacked buffers hold exactly
+  the elements of the leaves (``chain(clip_by_global_norm(1.0), stacked(adamw(1e-3)))``);
+* data-dependent Python control flow (GaLore's projector refresh, Shampoo's root
+  bookkeeping) raises vmap's own error;
+* distributed wrappers (`opttx.distributed`) do not see through `stacked`.
+
+Random numbers (stochastic rounding) are drawn independently per slice
+(``randomness="different"``).
+
+torch has no vmap rule for its grouped ``_foreach_*`` kernels, which opttx's transforms use;
+the first `stacked` call registers one for each that lacks it, which runs the per-tensor op on
+each tensor of the group (inside `stacked` a group holds one tensor per shape group, so this
+costs nothing measurable). The registration only adds rules where torch raises "Batching rule
+not implemented"; it changes no existing behaviour.
+
+References:
+  The layer-stacking ("scan over layers") layout of JAX/Flax and Praxis models; optax's
+  transforms are vmapped over such stacks the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch.func import vmap
+
+from .base import REDUCER_KEY, TOTALS_KEY, GradientTransformation, check_init_params
+from .tree import MaskedNode, PyTree, tree_flatten, tree_map, tree_unflatten
+
+__all__ = ["StackedParams", "StackedState", "stacked"]
+
+
+# ---------------------------------------------------------------------------------------------
+# vmap rules for torch's grouped kernels
+# ---------------------------------------------------------------------------------------------
+
+# foreach op -> the per-tensor aten op it groups (None: same name)
+_PER_TENSOR = {
+    "add": None, "sub": None, "mul": None, "div": None, "lerp": None, "addcmul": None,
+    "addcdiv": None, "clamp_min": None, "clamp_max": None, "maximum": None, "minimum": None,
+    "pow": None, "sqrt": None, "rsqrt": None, "reciprocal": None, "sign": None, "neg": None,
+    "abs": None, "exp": None, "log": None, "sigmoid": None, "tanh": None, "copy": None,
+    "zero": None, "norm": "linalg_vector_norm",
+}
+_LIBRARY: list[Any] = []      # the torch.library.Library holding the rules, once registered
+
+
+def _per_tensor_kernel(name: str, inplace: bool, scalar_other: bool):
+    """A FuncTorchBatched kernel for ``_foreach_<name>[_]``: the aten op on each tensor."""
+    base = _PER_TENSOR[name] or name
+    if name in ("maximum", "minimum") and scalar_other:
+        base = "clamp_min" if name == "maximum" else "clamp_max"
+    # in place: the functional op, then copy_ (vmap has no rule for several in-place ops, such
+    # as addcmul_, and would loop over the slices)
+    own_inplace = inplace and name in ("copy", "zero")
+    op = getattr(torch.ops.aten, base + ("_" if own_inplace else ""), None)
+    if op is None:
+        return None
+    write = inplace and not own_inplace
+
+    # the foreach schemas pass these positionally where the per-tensor op takes a keyword
+    keyword = {"addcmul": "value", "addcdiv": "value", "norm": None}.get(name, "")
+    positional = 3 if name in ("addcmul", "addcdiv") else 1 if name == "norm" else None
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        n = next(len(a) for a in args if isinstance(a, (list, tuple)))
+        out = []
+        for i in range(n):
+            each = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
+            kw = dict(kwargs)
+            if positional is not None and len(each) > positional:
+                rest = each[positional:]
+                each = each[:positional]
+                if keyword:                       # addcmul(self, t1, t2, value)
+                    kw[keyword] = rest[0]
+                else:                             # norm(self, ord, dtype)
+                    kw["ord"] = rest[0]
+                    if len(rest) > 1:
+                        kw["dtype"] = rest[1]
+            if name == "lerp" and not isinstance(each[2], torch.Tensor):
+                # a traced weight is a symbolic float, on which lerp's decomposition would
+                # guard (weight < 0.5); as a 0-dim tensor it is the same formula, unguarded
+                each[2] = torch.full((), each[2], dtype=each[0].dtype, device=each[0].device)
+            result = op(*each, **kw)
+            if write:
+                each[0].copy_(result)
+            out.append(result)
+        return None if inplace else out
+
+    return kernel
+
+
+def install_foreach_vmap_rules() -> None:
+    """Give every ``torch._foreach_<op>`` in ``_PER_TENSOR`` that has no vmap rule one that runs
+    the per-tensor op on each tensor. Idempotent; `stacked` calls it."""
+    if _LIBRARY:
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    for name in _PER_TENSOR:
+        for inplace in (False, True):
+            packet = getattr(torch.ops.aten, f"_foreach_{name}" + ("_" if inplace else ""), None)
+            if packet is None:
+                continue
+            for overload in packet.overloads():
+                qualname = f"aten::{packet._qualified_op_name.split('::')[1]}" + (
+                    f".{overload}" if overload != "default" else "")
+                if torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "FuncTorchBatched"):
+                    continue
+                if overload == "Tensor" and name in ("addcmul", "addcdiv"):
+                    continue     # its scalars come as one CPU tensor: left to torch
+                kernel = _per_tensor_kernel(name, inplace, overload in ("Scalar", "ScalarList"))
+                if kernel is not None:
+                    lib.impl(qualname.split("::")[1], kernel, "FuncTorchBatched")
+    _LIBRARY.append(lib)
+
+
+# ---------------------------------------------------------------------------------------------
+# StackedParams
+# ---------------------------------------------------------------------------------------------
+
+
+def _group_name(x: torch.Tensor, taken: set[str]) -> str:
+    name = ("x".join(map(str, x.shape)) or "scalar") + "_" + str(x.dtype).removeprefix("torch.")
+    if x.device.type != "cpu":
+        name += f"_{x.device.type}{x.device.index if x.device.index is not None else ''}"
+    out, k = name, 1
+    while out in taken:
+        out, k = f"{name}_{k}", k + 1
+    return out
+
+
+class StackedParams:
+    r"""Parameters stored stacked: the leaves sharing (shape, dtype, device) live in one buffer
+    of shape ``(L, *shape)``, each leaf the view ``buffer[i]``.
+
+    ``buffers`` is a dict from a group name (``"768x3072_float32"``) to its buffer, in order of
+    first appearance; it is the tree a step differentiates with respect to and hands to
+    `stacked` transforms. ``unstack(buffers)`` gives the parameter tree back as views.
+
+    Example:
+      >>> stack = opttx.StackedParams.of_module(model)   # parameters now view the buffers
+      >>> tx = opttx.chain(opttx.clip_by_global_norm(1.0), opttx.stacked(opttx.adafactor(1e-2)))
+      >>> state = tx.init(stack.buffers)
+      >>> def loss_fn(buffers, x, y):
+      ...     return loss(functional_call(model, stack.unstack(buffers), (x,)), y)
+      >>> @torch.compile(fullgraph=True)
+      ... def step(buffers, state, x, y):
+      ...     grads, value = grad_and_value(loss_fn)(buffers, x, y)
+      ...     updates, new_state = tx.update(grads, state, buffers)
+      ...     opttx.apply_updates_(buffers, updates)
+      ...     opttx.tree_copy_(state, new_state)
+      ...     return value
+    """
+
+    def __init__(self, params: PyTree) -> None:
+        leaves, self.spec = tree_flatten(params)
+        if not leaves:
+            raise ValueError("StackedParams needs at least one parameter tensor.")
+        check_init_params(params)
+        keys: dict[tuple, list[int]] = {}
+        for i, x in enumerate(leaves):
+            keys.setdefault((tuple(x.shape), x.dtype, x.device), []).append(i)
+        self.groups: list[list[int]] = list(keys.values())
+        self.names: list[str] = []
+        for g in self.groups:
+            self.names.append(_group_name(leaves[g[0]], set(self.names)))
+        self.slot: list[tuple[int, int]] = [(0, 0)] * len(leaves)   # leaf -> (group, index)
+        for gi, g in enumerate(self.groups):
+            for k, i in enumerate(g):
+                self.slot[i] = (gi, k)
+        with torch.no_grad():
+            self.buffers: dict[str, torch.Tensor] = {
+                name: torch.stack([leaves[i].detach() for i in g])
+                for name, g in zip(self.names, self.groups)}
+
+    @classmethod
+    def of_module(cls, module: torch.nn.Module) -> StackedParams:
+        """Move ``module``'s parameters into stacked buffers: every ``nn.Parameter`` keeps its
+        identity and now views its slice, so eager training, ``state_dict`` and the compiled
+        functional step all see the same storage."""
+        named = dict(module.named_parameters())
+        stack = cls(named)
+        with torch.no_grad():
+            for p, view in zip(named.values(), tree_flatten(stack.unstack())[0]):
+                p.data = view
+        return stack
+
+    def unstack(self, buffers: dict[str, torch.Tensor] | None = None) -> PyTree:
+        """The parameter tree as views of ``buffers`` (default: the stored buffers); one
+        ``unbind`` per group, so a traced step holds one op per group, not one per leaf."""
+        buffers = self.buffers if buffers is None else buffers
+        slices = [buffers[name].unbind(0) for name in self.names]
+        return tree_unflatten([slices[g][k] for g, k in self.slot], self.spec)
+
+    def stack(self, tree: PyTree) -> dict[str, torch.Tensor]:
+        """Stack a tree shaped like the parameters (gradients, say) into new buffers."""
+        leaves, spec = tree_flatten(tree)
+        if spec != self.spec:
+            from .tree import assert_same_structure
+            assert_same_structure(self.unstack(), tree, "parameters and tree")
+        return {name: torch.stack([leaves[i] for i in g])
+                for name, g in zip(self.names, self.groups)}
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{n}: {len(g)}" for n, g in zip(self.names, self.groups))
+        return f"StackedParams({sum(map(len, self.groups))} leaves in {len(self.groups)} " \
+               f"stacks: {sizes})"
+
+
+# ---------------------------------------------------------------------------------------------
+# stacked(tx)
+# ---------------------------------------------------------------------------------------------
+
+
+class StackedState(NamedTuple):
+    """State of `stacked`."""
+    inner_states: tuple   # per stack length L (in order of first appearance): the inner state
+                          # over the leaves of that length (the others `MaskedNode`), every
+                          # leaf of it stacked along dim 0
+
+
+def _across_slices(total: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    raise NotImplementedError(
+        "a statistic across leaves (clip_by_global_norm, apply_if_finite, ...) cannot run "
+        "inside opttx.stacked: it would be taken per slice. Put it outside, on the stacked "
+        "buffers (chain(clip_by_global_norm(...), stacked(...))), where it sees every element.")
+
+
+def _unbatch_shared(tree: PyTree) -> PyTree:
+    """vmap expands an output that does not depend on the slice to the stack length with
+    stride 0. A 0-dim one (a step count, an injected hyperparameter) is the same for every
+    slice and stays one 0-dim tensor: coefficients made from it (bias corrections) are then
+    plain 0-dim tensors, which torch's grouped kernels take as scalars. Others (zeros made
+    from a shape) get their own memory, since state is written in place."""
+    def one(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.stride(0) != 0:
+            return x
+        return x[0].clone() if x.dim() == 1 else x.contiguous()
+    return tree_map(one, tree)
+
+
+def _state_dims(state: PyTree) -> PyTree:
+    """vmap's in/out dims for a state: 0-dim leaves are shared (None), the others stacked."""
+    return tree_map(lambda x: None if isinstance(x, torch.Tensor) and x.dim() == 0 else 0,
+                    state)
+
+
+def _lengths(tree: PyTree) -> list[list[int]]:
+    """Leaf indices per stack length (dim 0), in order of first appearance: vmap maps one
+    length at a time."""
+    lengths: dict[int, list[int]] = {}
+    for i, x in enumerate(tree_flatten(tree)[0]):
+        if x.dim() == 0:
+            raise ValueError("opttx.stacked needs a leading stack dim on every leaf; a 0-dim "
+                             "leaf has none (StackedParams stacks scalars into shape (L,)).")
+        lengths.setdefault(x.shape[0], []).append(i)
+    return list(lengths.values())
+
+
+def _part(tree: PyTree | None, idx: list[int]) -> PyTree | None:
+    """``tree`` with only the leaves ``idx`` (the others `MaskedNode`), each slice at least
+    1-dim: a stack of scalars ``(L,)`` is mapped as ``(L, 1)``, so that the only 0-dim state a
+    slice can have is state shared by all slices (see `_unbatch_shared`)."""
+    if tree is None:
+        return None
+    leaves, spec = tree_flatten(tree)
+    keep = set(idx)
+    return tree_unflatten([(x.unsqueeze(-1) if x.dim() == 1 else x) if i in keep
+                           else MaskedNode() for i, x in enumerate(leaves)], spec)
+
+
+def stacked(inner: GradientTransformation) -> GradientTransformation:
+    r"""Apply the per-leaf transform ``inner`` to every slice along dim 0 of every leaf.
+
+    .. math::
+        u[i] = \mathrm{inner}(g[i], s[i], x[i]) \quad \text{for each } i,
+        \qquad s = (s[0], \dots, s[L-1]) \text{ stacked}
+
+    in one batched pass (``torch.func.vmap`` over dim 0 of the updates, the state and the
+    parameters; one pass per distinct stack length ``L``, the other leaves masked). Use it on
+    the buffers of `StackedParams`, where each slice is one parameter: the numbers are those
+    of ``inner`` on the separate parameters, and a compiled step holds one copy of ``inner``'s
+    graph per stack length instead of one per parameter.
+
+    Args:
+      inner: a transform or chain whose leaves are independent (every alias but the ones with
+        a statistic across leaves, data-dependent control flow or a distributed wrapper: see
+        the module docstring, which says what is refused and why).
+
+    Returns:
+      A `GradientTransformation` over trees whose leaves have a leading stack dim.
+
+    Example:
+      >>> stack = opttx.StackedParams({f"layer{i}": torch.randn(64, 32) for i in range(12)})
+      >>> tx = opttx.stacked(opttx.adafactor(1e-2))        # factored per (64, 32) slice
+      >>> state = tx.init(stack.buffers)                   # row stats (12, 64), col (12, 32)
+
+    References:
+      ``jax.vmap`` over stacked layer parameters, as optax transforms are used on scanned
+      models.
+    """
+
+    def init(params: PyTree) -> StackedState:
+        check_init_params(params)
+        install_foreach_vmap_rules()
+        init_one = vmap(inner.init, randomness="different")
+        return StackedState(tuple(_unbatch_shared(init_one(_part(params, idx)))
+                                  for idx in _lengths(params)))
+
+    def update(updates: PyTree, state: StackedState, params: PyTree | None = None,
+               **extra_args: Any) -> tuple[PyTree, StackedState]:
+        if extra_args.get(REDUCER_KEY) is not None or extra_args.get(TOTALS_KEY) is not None:
+            raise NotImplementedError(
+                "opttx.stacked does not run under opttx.distributed wrappers: shard or own the "
+                "unstacked parameters instead.")
+        install_foreach_vmap_rules()
+        inner_args = {**extra_args, TOTALS_KEY: _across_slices}
+        leaves, spec = tree_flatten(updates)
+        parts = _lengths(updates)
+        if len(parts) != len(state.inner_states):
+            raise ValueError(f"opttx.stacked: the updates have {len(parts)} stack lengths, the "
+                             f"state was made for {len(state.inner_states)}.")
+        out: list[Any] = [None] * len(leaves)
+        new_states = []
+        for idx, inner_state in zip(parts, state.inner_states):
+            sub = _part(updates, idx)
+            dims = _state_dims(inner_state)
+            if params is None:
+                def one(u: PyTree, s: Any) -> tuple[PyTree, Any]:
+                    return inner.update(u, s, None, **inner_args)
+                u, s = vmap(one, in_dims=(0, dims), out_dims=(0, dims),
+                            randomness="different")(sub, inner_state)
+            else:
+                def one(u: PyTree, s: Any, p: PyTree) -> tuple[PyTree, Any]:
+                    return inner.update(u, s, p, **inner_args)
+                u, s = vmap(one, in_dims=(0, dims, 0), out_dims=(0, dims),
+                            randomness="different")(
+                    sub, inner_state, _part(params, idx))
+            for i, x in zip(idx, tree_flatten(u)[0]):
+                out[i] = x.view(leaves[i].shape)
+            new_states.append(s)
+        return tree_unflatten(out, spec), StackedState(tuple(new_states))
+
+    return GradientTransformation(init, update)
+
+
