@@ -468,11 +468,15 @@ def leaf_labels(labels: PyTree | Callable[[PyTree], PyTree], tree: PyTree,
     """Resolve per-leaf values given as a tree like ``tree`` (or a prefix of it, or a function
     of ``tree`` returning one) to one value per leaf of ``tree``; ``is_leaf`` marks values
     that are containers in pytree terms (a tuple of axes) as single values."""
+    is_masked = lambda x: isinstance(x, MaskedNode)  # noqa: E731
     if callable(labels):
         labels = labels(tree)
+    # labels made from a tree with masked positions (by a function of it, as any tree_map
+    # keeps them; by `partition` for its groups) hold MaskedNode there: no value
+    labels = _pytree.tree_map(lambda x: _MASKED if is_masked(x) else x, labels,
+                              is_leaf=is_masked)
     # a masked-out position (MaskedNode) still has its value in ``labels``: resolve the values
     # for every position, then drop those of the masked ones
-    is_masked = lambda x: isinstance(x, MaskedNode)  # noqa: E731
     positions = _pytree.tree_map(lambda x: _MASKED if is_masked(x) else x, tree,
                                  is_leaf=is_masked)
     spec = tree_structure(positions)

@@ -240,3 +240,28 @@ def test_per_leaf_values_skip_masked_positions() -> None:
     want, _ = run_transform(whole, kept, [{k: g[k] for k in kept}
                                           for g in gradient_stream(params, 3, seed=2)])
     assert_trees_close({k: got[k] for k in kept}, want, rtol=1e-6)
+
+
+def test_masks_and_labels_given_as_functions_see_masked_positions() -> None:
+    """A mask or label function applied to a tree with masked positions (inside another mask,
+    inside a partition group) returns MaskedNode there, as any tree_map does: nested callable
+    masks equal the one mask that is their conjunction."""
+    tm = opttx.tree.tree_map
+    params = {"w": torch.randn(3, 2), "b": torch.randn(2), "c": torch.randn(4, 4)}
+    rows3 = lambda t: tm(lambda x: x.shape[0] == 3, t)  # noqa: E731
+    matrix = lambda t: tm(lambda x: x.ndim > 1, t)  # noqa: E731
+    nested = opttx.masked(opttx.masked(opttx.adamw(1e-3), rows3), matrix)
+    single = opttx.masked(opttx.adamw(1e-3), {"w": True, "b": False, "c": False})
+    grads = gradient_stream(params, 3, seed=4)
+    got, _ = run_transform(nested, params, grads)
+    want, _ = run_transform(single, params, grads)
+    assert_trees_close(got, want, rtol=0.0)
+    assert not torch.equal(got["w"], params["w"])
+    # a function label inside a partition group's mask
+    inner = opttx.partition({"m": opttx.sgd(1.0), "v": opttx.set_to_zero()},
+                            lambda t: tm(lambda x: "m" if x.ndim > 1 else "v", t))
+    part, _ = run_transform(opttx.masked(inner, {"w": True, "b": True, "c": False}), params,
+                            grads[:1])
+    assert torch.equal(part["b"], params["b"])                       # "v": set to zero
+    assert torch.equal(part["c"], params["c"] + grads[0]["c"])      # masked out: passed on
+    assert torch.equal(part["w"], params["w"] - grads[0]["w"])
