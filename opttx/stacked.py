@@ -48,7 +48,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.func import vmap
 
-from .base import REDUCER_KEY, TOTALS_KEY, GradientTransformation, check_init_params
+from .base import (REDUCER_KEY, TOTALS_KEY, GradientTransformation, check_init_params,
+                   current_reducer)
 from .tree import MaskedNode, PyTree, tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["StackedParams", "StackedState", "stacked"]
@@ -130,8 +131,9 @@ def install_foreach_vmap_rules() -> None:
                     f".{overload}" if overload != "default" else "")
                 if torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "FuncTorchBatched"):
                     continue
-                if overload == "Tensor" and name in ("addcmul", "addcdiv"):
-                    continue     # its scalars come as one CPU tensor: left to torch
+                if overload.endswith("_out") or (overload == "Tensor" and
+                                                 name in ("addcmul", "addcdiv")):
+                    continue     # out= variants, and scalars packed in one CPU tensor: unruled
                 kernel = _per_tensor_kernel(name, inplace, overload in ("Scalar", "ScalarList"))
                 if kernel is not None:
                     lib.impl(qualname.split("::")[1], kernel, "FuncTorchBatched")
@@ -243,6 +245,10 @@ class StackedState(NamedTuple):
                           # leaf of it stacked along dim 0
 
 
+_NOT_DISTRIBUTED = ("opttx.stacked does not run under opttx.distributed wrappers: shard or "
+                    "own the unstacked parameters instead.")
+
+
 def _across_slices(total: torch.Tensor, op: str = "sum") -> torch.Tensor:
     raise NotImplementedError(
         "a statistic across leaves (clip_by_global_norm, apply_if_finite, ...) cannot run "
@@ -326,6 +332,8 @@ def stacked(inner: GradientTransformation) -> GradientTransformation:
 
     def init(params: PyTree) -> StackedState:
         check_init_params(params)
+        if current_reducer() is not None:
+            raise NotImplementedError(_NOT_DISTRIBUTED)
         install_foreach_vmap_rules()
         init_one = vmap(inner.init, randomness="different")
         return StackedState(tuple(_unbatch_shared(init_one(_part(params, idx)))
@@ -334,9 +342,7 @@ def stacked(inner: GradientTransformation) -> GradientTransformation:
     def update(updates: PyTree, state: StackedState, params: PyTree | None = None,
                **extra_args: Any) -> tuple[PyTree, StackedState]:
         if extra_args.get(REDUCER_KEY) is not None or extra_args.get(TOTALS_KEY) is not None:
-            raise NotImplementedError(
-                "opttx.stacked does not run under opttx.distributed wrappers: shard or own the "
-                "unstacked parameters instead.")
+            raise NotImplementedError(_NOT_DISTRIBUTED)
         install_foreach_vmap_rules()
         inner_args = {**extra_args, TOTALS_KEY: _across_slices}
         leaves, spec = tree_flatten(updates)

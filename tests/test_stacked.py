@@ -31,6 +31,12 @@ PER_LEAF = {
     "adalomo": lambda: opttx.adalomo(1e-3),
     "injected_adamw": lambda: opttx.inject_hyperparams(opttx.adamw)(
         learning_rate=opttx.linear_schedule(1e-3, 1e-4, 4), weight_decay=0.1),
+    # labels and masks as functions of the (slice) shapes: inside vmap a leaf is one slice
+    "partition_by_ndim": lambda: opttx.partition(
+        {"mat": opttx.adafactor(1e-2, min_dim_size_to_factor=2), "vec": opttx.adamw(1e-3)},
+        lambda t: opttx.tree.tree_map(lambda x: "mat" if x.ndim > 1 else "vec", t)),
+    "masked_lamb": lambda: opttx.masked(
+        opttx.lamb(1e-3), lambda t: opttx.tree.tree_map(lambda x: x.ndim > 1, t)),
 }
 
 dims = st.integers(1, 5)
@@ -127,6 +133,9 @@ def test_stacked_refuses_distributed_wrappers_and_scalars() -> None:
     state = tx.init(buffers)
     with pytest.raises(NotImplementedError, match="distributed"):
         tx.update(buffers, state, buffers, **{opttx.base.REDUCER_KEY: object()})
+    with opttx.base.reducer_during_init(object()), \
+            pytest.raises(NotImplementedError, match="distributed"):
+        tx.init(buffers)
     with pytest.raises(ValueError, match="leading stack dim"):
         tx.init({"s": torch.zeros(())})
 
