@@ -21,16 +21,18 @@ Variants (``--only`` takes group names, ``group.variant`` keys or globs):
           ``tx.update``, ``opttx.apply_updates_``, ``opttx.tree_copy_``); the same step with
           mode="reduce-overhead" (CUDA graphs; every leaf marked static with
           ``torch._dynamo.mark_static_address``, as CUDA graph trees need for in-place
-          mutation of inputs); and the compiled step of ``opttx.flatten(opttx.adamw(...))``.
+          mutation of inputs); the compiled step of ``opttx.flatten(opttx.adamw(...))``; and
+          the compiled ``opttx.stacked(opttx.adamw(...))`` on `opttx.StackedParams` (the
+          same-shaped layer tensors in stacks: one copy of the chain per stack length).
   lion    a hand-written foreach Lion (torch.optim has none; the reference) vs opttx.lion
           eager and compiled.
   adafactor  torch.optim.Adafactor foreach=False (the reference) / foreach=True vs
-          opttx.adafactor configured to equal it (eager, compiled).
+          opttx.adafactor configured to equal it (eager, compiled, stacked-compiled).
   bf16    mixed precision: bfloat16 parameters and gradients, float32 optimizer state (opttx
           keeps fp32 statistics for 16-bit leaves). A hand-written foreach AdamW with fp32
           m, v (the reference: update in fp32, cast to bf16, added to p), torch fused AdamW on
           the bf16 parameters (its state is then bf16 too: a time reference for a different
-          algorithm), opttx adamw eager, compiled, and flatten-compiled.
+          algorithm), opttx adamw eager, compiled, flatten-compiled and stacked-compiled.
 
 Method.
   * Timing, GPU: each step is bracketed by CUDA events after a device synchronize, and the
@@ -320,6 +322,25 @@ class OpttxCompiled(Variant):
         return _nbytes(tree_leaves(self.state))
 
 
+class OpttxStacked(OpttxCompiled):
+    """`OpttxCompiled` on the stacked layout: the same-shaped tensors (the layers' q/o, k/v,
+    gate/up, down and norm weights; embedding and head) live in `opttx.StackedParams` stacks,
+    the fixed gradients are stacked once, and the step runs ``opttx.stacked(tx)`` on the
+    stacks, so the compiled graph holds one copy of the chain per stack length instead of one
+    per tensor."""
+
+    def __init__(self, init, grads, tx: opttx.GradientTransformation, name: str,
+                 mode: str | None = None, static: bool = False) -> None:
+        keys = [f"{i:04d}" for i in range(len(init))]
+        self.stack = opttx.StackedParams(dict(zip(keys, init)))
+        stacked_grads = self.stack.stack(dict(zip(keys, grads)))
+        super().__init__(list(self.stack.buffers.values()), list(stacked_grads.values()),
+                         opttx.stacked(tx), name, mode=mode, static=static)
+
+    def params(self) -> list[torch.Tensor]:
+        return tree_leaves(self.stack.unstack(dict(zip(self.stack.names, self._params))))
+
+
 class LionForeach(Variant):
     """Lion with torch foreach ops (as lion-pytorch, batched); torch.optim has no Lion."""
 
@@ -448,6 +469,8 @@ GROUPS: dict[str, tuple[str, str, list[Spec]]] = {
         Spec("adamw.opttx_flatten", "opttx flatten(adamw) compiled",
              lambda i, g, k: OpttxCompiled(i, g, opttx.flatten(opttx_adamw()), k),
              BYTES_ADAMW_FP32),
+        Spec("adamw.opttx_stacked", "opttx stacked(adamw) compiled",
+             lambda i, g, k: OpttxStacked(i, g, opttx_adamw(), k), BYTES_ADAMW_FP32),
     ]),
     "lion": (f"Lion fp32  lr={LION_LR} betas={LION_BETAS} weight_decay={LION_WD} "
              "(torch.optim has no Lion: hand-written foreach reference)", "float32", [
@@ -470,6 +493,8 @@ GROUPS: dict[str, tuple[str, str, list[Spec]]] = {
              lambda i, g, k: OpttxEager(i, g, opttx_adafactor())),
         Spec("adafactor.opttx_compiled", "opttx adafactor compiled",
              lambda i, g, k: OpttxCompiled(i, g, opttx_adafactor(), k)),
+        Spec("adafactor.opttx_stacked", "opttx stacked(adafactor) compiled",
+             lambda i, g, k: OpttxStacked(i, g, opttx_adafactor(), k)),
     ]),
     "bf16": (f"Mixed precision AdamW: bf16 params and grads, fp32 m and v (hyperparameters as "
              f"adamw). torch fused keeps bf16 state (a time reference, checked with the bf16 "
@@ -486,6 +511,8 @@ GROUPS: dict[str, tuple[str, str, list[Spec]]] = {
         Spec("bf16.opttx_flatten", "opttx flatten(adamw) compiled bf16",
              lambda i, g, k: OpttxCompiled(i, g, opttx.flatten(opttx_adamw()), k),
              BYTES_ADAMW_MIXED),
+        Spec("bf16.opttx_stacked", "opttx stacked(adamw) compiled bf16",
+             lambda i, g, k: OpttxStacked(i, g, opttx_adamw(), k), BYTES_ADAMW_MIXED),
     ]),
 }
 
@@ -877,8 +904,8 @@ def print_targets(results: list[Result], n_params: int, bw_gbs: float, cuda: boo
         else:
             print(f"  CUDA graphs (reduce-overhead): runs, {same_s}; on CPU Inductor skips "
                   f"CUDA graphs ({cg.cudagraph_skips} skip(s) counted): n/a here")
-    mixed = [by[k] for k in ("bf16.opttx_compiled", "bf16.opttx_flatten", "bf16.opttx_eager")
-             if k in by]
+    mixed = [by[k] for k in ("bf16.opttx_compiled", "bf16.opttx_flatten", "bf16.opttx_stacked",
+                             "bf16.opttx_eager") if k in by]
     for r in mixed:
         print(f"  mixed precision, {r.label}: state {r.state_bytes_per_param:.2f} B/param "
               f"(fp32 m and v), step {r.median:.2f} ms, "
