@@ -270,6 +270,31 @@ def scalar_operand(value: Scalar, like: Sequence[torch.Tensor]) -> Scalar:
     return value
 
 
+# Devices whose 0-dim tensors a compiled step may read back to the host as a scalar kernel
+# argument (free on the CPU; see `scalar_operand`). On any other device that read is a
+# device-to-host sync in every step, and Inductor will not put such a graph in a CUDA graph.
+HOST_READABLE_DEVICES: tuple[str, ...] = ("cpu",)
+
+# grouped ops with a List overload, where a 0-dim tensor repeated per tensor broadcasts
+_LIST_OVERLOADS = frozenset({"add", "sub", "mul", "div", "maximum", "minimum", "clamp_min",
+                             "clamp_max", "pow", "lerp"})
+
+
+def device_scalar(op: str, value: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    """``value`` for ``torch._foreach_<op>(tensors, ..., value)`` in a compiled step.
+
+    Given a 0-dim tensor where a grouped kernel takes a Scalar, torch picks the Scalar
+    overload and reads the tensor back to the host (``.item()``) first; in a compiled graph
+    on a GPU that is a sync per step, and it keeps the graph out of CUDA graphs. Repeated
+    once per tensor it selects the List overload instead, which broadcasts it on the device.
+    Eager steps and host-readable devices keep ``value`` as it is."""
+    if (isinstance(value, torch.Tensor) and value.dim() == 0 and tensors
+            and op in _LIST_OVERLOADS and torch.compiler.is_compiling()
+            and value.device.type not in HOST_READABLE_DEVICES):
+        return [value] * len(tensors)
+    return value
+
+
 # ---------------------------------------------------------------------------------------------
 # grouped elementwise kernels
 # ---------------------------------------------------------------------------------------------
@@ -282,9 +307,11 @@ def foreach_op_(op: str, tensors: list[torch.Tensor], *args: Any) -> list[torch.
 
     In eager mode it runs in place (no new allocation); under ``torch.compile`` out of place
     (Inductor fuses it anyway, and in-place foreach ops are refused inside ``torch.cond``
-    branches). Returns the result list.
+    branches), with a 0-dim tensor argument kept on its device (`device_scalar`). Returns the
+    result list.
     """
     if torch.compiler.is_compiling():
+        args = tuple(device_scalar(op, a, tensors) for a in args)
         return list(getattr(torch, f"_foreach_{op}")(tensors, *args))
     getattr(torch, f"_foreach_{op}_")(tensors, *args)
     return tensors
@@ -318,7 +345,7 @@ def foreach_ema(old: Tensors, new: Tensors, decay: Scalar) -> list[torch.Tensor]
     if not old:
         return []
     new = _match_dtypes(new, old)
-    weight = scalar_operand(1 - decay, old)
+    weight = device_scalar("lerp", scalar_operand(1 - decay, old), old)
     if is_donating():
         torch._foreach_lerp_(old, new, weight)
         return list(old)

@@ -10,8 +10,8 @@ import torch
 from ._checks import check_positive_int
 from .base import (GradientTransformation, Params, State, Updates, reduce_across_leaves,
                    reduce_statistics, safe_increment, zero_count)
-from .tree import (PyTree, flatten_matching, foreach_axpy, stats_like, tree_cond, tree_leaves,
-                   tree_map, tree_unflatten)
+from .tree import (PyTree, device_scalar, flatten_matching, foreach_axpy, stats_like,
+                   tree_cond, tree_leaves, tree_map, tree_unflatten)
 
 __all__ = [
     "ApplyIfFiniteState",
@@ -298,7 +298,8 @@ class MultiSteps:
             # acc + (g - acc) / (n + 1): a running mean in one buffer
             weight = 1.0 / (state.mini_step + 1).to(torch.float64)
             acc = list(torch._foreach_lerp(acc, [x.to(a.dtype) for x, a in zip(g, acc)],
-                                           weight.to(acc[0].dtype))) if acc else []
+                                           device_scalar("lerp", weight.to(acc[0].dtype),
+                                                         acc))) if acc else []
         else:
             acc = foreach_axpy(1.0, [x.to(a.dtype) for x, a in zip(g, acc)], acc)
         emit = state.mini_step + 1 >= self._k(state.gradient_step)

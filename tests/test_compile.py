@@ -192,3 +192,68 @@ def test_marked_static_in_place_step_compiles_once_and_matches_eager() -> None:
             step(eager, eager_state, grads)
     assert graphs_of(step) == 1 and counter.frame_count == 1
     assert_trees_close(params, eager, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# device scalars stay on the device (no sync per step, CUDA graphs possible)
+# ---------------------------------------------------------------------------------------------
+
+# their branch is a torch.cond on a tensor predicate, which the host must read to take it
+HOST_BRANCHING = {"apply_if_finite", "multi_steps", "galore_adamw"}
+
+
+def _in_place_step(tx):
+    def step(params, state, grads):
+        updates, new_state = tx.update(grads, state, params)
+        opttx.apply_updates_(params, updates)
+        opttx.tree_copy_(state, new_state)
+    return step
+
+
+@pytest.mark.parametrize("name", [n for n in ALIASES if n not in HOST_BRANCHING])
+def test_compiled_step_reads_no_device_scalar_back_to_the_host(name: str) -> None:
+    """Off the CPU a 0-dim coefficient (a bias correction, an injected hyperparameter) given
+    to a grouped kernel's Scalar overload is read back with ``.item()``: a sync per step and
+    no CUDA graph. Traced on the meta device (tensors without data, where such a read raises),
+    the compiled optimizer step holds no read."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    params = {"w": torch.randn(8, 4, device="meta"), "b": torch.randn(4, device="meta")}
+    tx = ALIASES[name](SCHEDULE)
+    state = tx.init(params)
+    reads = []
+
+    def forward_compiler(gm, inputs):
+        reads.extend(str(n.meta.get("stack_trace", "")).strip().splitlines()[-1:]
+                     for n in gm.graph.nodes
+                     if n.target is torch.ops.aten._local_scalar_dense.default)
+        return make_boxed_func(gm.forward)
+
+    step = torch.compile(_in_place_step(tx), fullgraph=True,
+                         backend=aot_autograd(fw_compiler=forward_compiler))
+    step(params, state, {k: torch.randn_like(v) for k, v in params.items()})
+    assert not reads, f"{name} reads device scalars back at: {reads}"
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_device_scalar_path_equals_eager(backend: str, monkeypatch) -> None:
+    """The List-overload form `device_scalar` gives a 0-dim coefficient off the CPU, run
+    here on the CPU by declaring no device host-readable: the same numbers as eager."""
+    monkeypatch.setattr(opttx.tree, "HOST_READABLE_DEVICES", ())
+    tx = opttx.partition(
+        {"adamw": opttx.adamw(SCHEDULE, weight_decay=0.1),
+         "adafactor": opttx.inject_hyperparams(opttx.adafactor)(
+             learning_rate=1e-2, min_dim_size_to_factor=2, momentum=0.9),
+         "lion": opttx.inject_hyperparams(opttx.lion)(learning_rate=1e-3, b1=0.9)},
+        {"a": "adamw", "f": "adafactor", "l": "lion"})
+    gen = torch.Generator().manual_seed(0)
+    params = {k: torch.randn(6, 4, generator=gen) for k in "afl"}
+    eager_params = {k: v.clone() for k, v in params.items()}
+    state, eager_state = tx.init(params), tx.init(eager_params)
+    step = _in_place_step(tx)
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    for _ in range(3):
+        grads = {k: torch.randn(6, 4, generator=gen) for k in "afl"}
+        compiled(params, state, grads)
+        step(eager_params, eager_state, grads)
+    assert_trees_close(params, eager_params, rtol=1e-6)

@@ -24,8 +24,8 @@ from ..base import (REDUCER_KEY, GradientTransformation, Params, Updates, advanc
                     check_init_params, current_reducer, reduce_statistics, require_params,
                     safe_increment, zero_count)
 from ..schedules import Schedule
-from ..tree import (MaskedNode, PyTree, Scalar, cast_like, flatten_matching, foreach_ema,
-                    foreach_op_, foreach_sum_of_squares, leaf_labels, scalar_operand,
+from ..tree import (MaskedNode, PyTree, Scalar, cast_like, device_scalar, flatten_matching,
+                    foreach_ema, foreach_op_, foreach_sum_of_squares, leaf_labels, scalar_operand,
                     state_dtype, tree_flatten, tree_map, tree_paths, tree_unflatten)
 from .clipping import clip_by_block_rms
 
@@ -412,7 +412,7 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
         q = [x.to(s.dtype if s.numel() else r.dtype) for x, s, r in zip(g, fulls, rows)]
         q = list(torch._foreach_mul(q, q))
         if not (isinstance(epsilon, (int, float)) and epsilon == 0):
-            q = list(torch._foreach_add(q, scalar_operand(epsilon, q)))
+            q = list(torch._foreach_add(q, device_scalar("add", scalar_operand(epsilon, q), q)))
         rows, cols, fulls, r_means = _factored_ema(q, rows, cols, fulls, layout, beta, spec,
                                                    extra_args)
         q = None   # free g² + ε before the update is allocated (one temporary at a time)
@@ -511,9 +511,11 @@ def clip_by_rms_and_scale_by_param_rms(threshold: float = 1.0, min_scale: float 
             [(sq[:n], counts[:n], [None] * n), (sq[n:], counts[n:], [None] * n)], spec,
             extra_args)
         # (c) finish: grouped passes over the 0-dim statistics, then one grouped multiply
-        p_scale = torch._foreach_clamp_min(torch._foreach_sqrt(p_means), min_scale)
+        p_scale = torch._foreach_clamp_min(torch._foreach_sqrt(p_means),
+                                           device_scalar("clamp_min", min_scale, p_means))
         u_clip = torch._foreach_clamp_min(
-            torch._foreach_div(torch._foreach_sqrt(u_means), threshold), 1.0)
+            torch._foreach_div(torch._foreach_sqrt(u_means),
+                               device_scalar("div", threshold, u_means)), 1.0)
         factors = torch._foreach_div(p_scale, u_clip)
         return tree_unflatten(list(torch._foreach_mul(g, cast_like(factors, g))), spec), state
 

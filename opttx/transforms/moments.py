@@ -17,8 +17,8 @@ import torch
 from .._checks import check_nonnegative, check_unit_interval
 from ..base import (GradientTransformation, Params, Updates, advance_counts, check_init_params,
                     precondition_target, safe_increment, zero_count)
-from ..tree import (Scalar, cast_like, flatten_matching, foreach_accumulate_sq, foreach_ema,
-                    foreach_ema_sq, foreach_op_, foreach_scale_add, mark_owned,
+from ..tree import (Scalar, cast_like, device_scalar, flatten_matching, foreach_accumulate_sq,
+                    foreach_ema, foreach_ema_sq, foreach_op_, foreach_scale_add, mark_owned,
                     scalar_operand, stats_like, tree_unflatten)
 
 __all__ = [
@@ -559,7 +559,8 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99,
         if not g:             # a tree without leaves: only the step counters move
             return updates, advance_counts(state)
         g_mu = cast_like(g, mu)
-        direction = foreach_op_("sign", list(torch._foreach_lerp(mu, g_mu, 1 - b1)))
+        direction = foreach_op_("sign", list(torch._foreach_lerp(
+            mu, g_mu, device_scalar("lerp", 1 - b1, mu))))
         mu = foreach_ema(mu, g_mu, b2)
         return (tree_unflatten(_fresh(direction, g), spec),
                 ScaleByLionState(count=safe_increment(state.count),
