@@ -14,7 +14,8 @@ structure:
 * `stacked(tx)` applies ``tx`` to each slice ``buffer[i]`` as if it were its own leaf, with
   ``torch.func.vmap`` over dim 0 of every leaf: Adafactor factors each ``(m, n)`` slice over its
   own rows and columns, LAMB takes one trust ratio per slice, block-RMS clipping clips per
-  slice. The graph holds one copy of the chain per *group of shapes*, whatever ``L`` is.
+  slice. The graph holds one copy of the chain per distinct stack length ``L`` (leaves of
+  other lengths masked), whatever the number of parameters.
 
 Same numbers: ``stacked(tx)`` on the stacked buffers equals ``tx`` on the separate leaves for
 every per-leaf transform (checked for every alias that is per-leaf in
@@ -23,9 +24,12 @@ every per-leaf transform (checked for every alias that is per-leaf in
 * statistics across leaves (`clip_by_global_norm`, `apply_if_finite`) would be taken per
   slice: they raise inside `stacked`; put them outside, where the stacked buffers hold exactly
   the elements of the leaves (``chain(clip_by_global_norm(1.0), stacked(adamw(1e-3)))``);
-* data-dependent Python control flow (GaLore's projector refresh, Shampoo's root
-  bookkeeping) raises vmap's own error;
-* distributed wrappers (`opttx.distributed`) do not see through `stacked`.
+* data-dependent control flow on per-slice values (Shampoo's root bookkeeping) raises
+  vmap's own error; a branch on the shared step count (GaLore's projector refresh) works;
+* distributed wrappers (`opttx.distributed`) around or inside `stacked` raise.
+
+Step counts and injected hyperparameters (0-dim state that does not depend on the slice) stay
+one shared tensor, not a stack: coefficients made from them are then plain 0-dim tensors.
 
 Random numbers (stochastic rounding) are drawn independently per slice
 (``randomness="different"``).

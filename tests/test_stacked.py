@@ -106,7 +106,7 @@ def test_step_counts_are_shared_not_stacked() -> None:
 def test_global_norm_outside_stacked_equals_per_leaf_and_inside_is_refused() -> None:
     params = _params([(3, (4, 2), torch.float32), (2, (5,), torch.float32)], seed=3)
     # sgd, not adam: adam's step would hide a wrong clipping factor (it is scale-invariant)
-    outside = lambda: opttx.chain(opttx.clip_by_global_norm(0.5), opttx.sgd(1e-1))  # noqa
+    outside = lambda: opttx.chain(opttx.clip_by_global_norm(0.5), opttx.sgd(1e-1))
     per_leaf, from_stacks = _per_leaf_and_stacked(
         outside, params, steps=3, make_stacked=lambda: opttx.chain(
             opttx.clip_by_global_norm(0.5), opttx.stacked(opttx.sgd(1e-1))))
