@@ -235,10 +235,10 @@ def test_compiled_step_reads_no_device_scalar_back_to_the_host(name: str) -> Non
     assert not reads, f"{name} reads device scalars back at: {reads}"
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_device_scalar_path_equals_eager(backend: str, monkeypatch) -> None:
+def test_device_scalar_path_equals_eager(monkeypatch) -> None:
     """The List-overload form `device_scalar` gives a 0-dim coefficient off the CPU, run
-    here on the CPU by declaring no device host-readable: the same numbers as eager."""
+    here on the CPU by declaring no device host-readable: Inductor's lowering of it gives
+    the same numbers as eager."""
     monkeypatch.setattr(opttx.tree, "HOST_READABLE_DEVICES", ())
     tx = opttx.partition(
         {"adamw": opttx.adamw(SCHEDULE, weight_decay=0.1),
@@ -251,7 +251,7 @@ def test_device_scalar_path_equals_eager(backend: str, monkeypatch) -> None:
     eager_params = {k: v.clone() for k, v in params.items()}
     state, eager_state = tx.init(params), tx.init(eager_params)
     step = _in_place_step(tx)
-    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    compiled = torch.compile(step, fullgraph=True)
     for _ in range(3):
         grads = {k: torch.randn(6, 4, generator=gen) for k in "afl"}
         compiled(params, state, grads)
