@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import enum
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Literal, NamedTuple, Protocol
 
 import torch
@@ -20,6 +23,13 @@ State = PyTree
 __all__ = [
     "EmptyState",
     "GradientTransformation",
+    "Role",
+    "Traits",
+    "declare_roles",
+    "fields_with_role",
+    "leafwise",
+    "state_roles",
+    "traits_of",
     "Params",
     "REDUCER_KEY",
     "TOTALS_KEY",
@@ -54,9 +64,151 @@ class TransformUpdateFn(Protocol):
                  **extra_args: Any) -> tuple[Updates, State]: ...
 
 
+# ---------------------------------------------------------------------------------------------
+# declarations: what a state field is, what a transform does (docs/design.md, section 3)
+# ---------------------------------------------------------------------------------------------
+
+
+class Role(str, enum.Enum):
+    """What a field of a transform's state is. Machinery that must treat fields differently
+    (advancing counters on empty trees, rotating moments into a new low-rank basis, choosing
+    an 8-bit map, naming checkpoint entries) reads these declarations, never field names.
+
+    A state declares its roles with ``__roles__ = declare_roles(...)`` in its class body;
+    fields it does not name have no role (`state_roles` gives None for them).
+    """
+
+    COUNT = "count"
+    """A 0-dim integer step counter. Advanced by one on every update, also when the update
+    holds no leaf (`advance_counts`), so counters of all ranks stay in step."""
+    FIRST_MOMENT = "first_moment"
+    """A signed statistic shaped like the updates, linear in the gradients (momentum, Adam's
+    ``mu``): a low-rank basis change rotates it; 8-bit storage uses the signed map."""
+    SECOND_MOMENT = "second_moment"
+    """A non-negative statistic shaped like the updates, quadratic in the gradients (Adam's
+    ``nu``, Adagrad's sum of squares): rotated as squares; 8-bit storage uses the unsigned
+    map."""
+    FACTORED_MOMENT = "factored_moment"
+    """A non-negative row or column statistic of a factored second moment (Adafactor's
+    ``v_row``/``v_col``): not shaped like the updates; unsigned 8-bit map."""
+    PARAMS_LIKE = "params_like"
+    """A signed tensor shaped like the parameters that is not a moment of the gradients (an
+    iterate of Schedule-Free, an average of parameters): never rotated into a projected
+    basis; signed 8-bit map."""
+    FACTOR_MATRIX = "factor_matrix"
+    """A matrix statistic over one dim of a block (Shampoo's Kronecker factors, their roots):
+    needs the whole tensor, never quantized."""
+    PROJECTION = "projection"
+    """A basis (GaLore's projector, an eigenbasis): needs the whole tensor, never quantized."""
+    QUANTIZED = "quantized"
+    """8-bit codes and their block scales standing for another field (see
+    `opttx.quantize_state`)."""
+    SCALAR = "scalar"
+    """A 0-dim floating statistic shared by all leaves (Prodigy's distance estimate, an
+    injected hyperparameter)."""
+
+    @property
+    def like_updates(self) -> bool:
+        """Whether a field of this role holds one tensor per leaf, shaped like that leaf."""
+        return self in (Role.FIRST_MOMENT, Role.SECOND_MOMENT, Role.PARAMS_LIKE)
+
+    @property
+    def nonnegative(self) -> bool:
+        """Whether every element of a field of this role is >= 0."""
+        return self in (Role.SECOND_MOMENT, Role.FACTORED_MOMENT)
+
+
+def declare_roles(**roles: Role) -> Mapping[str, Role]:
+    """The ``__roles__`` of a state class: field name -> `Role`.
+
+    Example:
+      >>> class MyAdamState(NamedTuple):
+      ...     step: torch.Tensor     # shape (), int32: steps taken
+      ...     exp_avg: Updates       # like params: first moment
+      ...     exp_avg_sq: Updates    # like params: second moment
+      ...     __roles__ = opttx.declare_roles(step=opttx.Role.COUNT,
+      ...                                     exp_avg=opttx.Role.FIRST_MOMENT,
+      ...                                     exp_avg_sq=opttx.Role.SECOND_MOMENT)
+    """
+    for name, role in roles.items():
+        if not isinstance(role, Role):
+            raise TypeError(f"declare_roles({name}=...) takes an opttx.Role, got {role!r}.")
+    return dict(roles)
+
+
+def state_roles(state: Any) -> Mapping[str, Role]:
+    """The declared roles of the fields of ``state`` (an instance or a class); empty for a
+    state that declares none (a dict, a tuple, a user NamedTuple without ``__roles__``)."""
+    cls = state if isinstance(state, type) else type(state)
+    roles = getattr(cls, "__roles__", None)
+    if roles is None:
+        return {}
+    fields = getattr(cls, "_fields", None)
+    if fields is not None:
+        unknown = set(roles) - set(fields)
+        if unknown:
+            raise TypeError(f"{cls.__name__}.__roles__ names {sorted(unknown)}, which are not "
+                            f"fields of it (fields: {list(fields)}).")
+    return roles
+
+
+def fields_with_role(state: Any, *roles: Role) -> list[str]:
+    """The names of the fields of ``state`` declared with one of ``roles``, in field order."""
+    declared = state_roles(state)
+    order = getattr(state, "_fields", tuple(declared))
+    return [f for f in order if declared.get(f) in roles]
+
+
+@dataclasses.dataclass(frozen=True)
+class Traits:
+    """What a transform does, for the machinery that runs it (docs/design.md, section 3).
+
+    The defaults claim nothing: a transform built as ``GradientTransformation(init, update)``
+    runs wherever no claim is needed, and is refused with a clear error where one is (for
+    example inside `opttx.FusedBackward`, which needs ``per_leaf``)."""
+
+    elementwise: bool = False
+    """Each output element depends only on the same element of the updates, params and state
+    (Adam, Lion): the transform may run on any flat or stacked layout of the leaves."""
+    per_leaf: bool = False
+    """Each leaf's output depends only on that leaf (element-wise, or a statistic of the leaf
+    as Adafactor's row means or LAMB's trust ratio): the transform may run one leaf at a time
+    (`opttx.FusedBackward`) or on stacked slices."""
+    whole_leaves: bool = False
+    """It needs whole tensors (an SVD, an eigendecomposition, a blocking by shape): local
+    shards must be gathered to an owner first (`opttx.distributed.on_owners`)."""
+    across_leaves: bool = False
+    """It takes a statistic across leaves (a global norm, a finiteness test): it must see the
+    whole tree at once, and reduces through `reduce_across_leaves` when sharded."""
+    constant_scale: float | None = None
+    """It multiplies every update by this Python number and does nothing else: `Optimizer`
+    folds it into the final write ``p += scale · u``."""
+    links: tuple = ()
+    """The transforms of a `opttx.chain`, in order (empty for any other transform)."""
+
+
+LEAFWISE = Traits(elementwise=False, per_leaf=True)
+"""The traits of a transform that works leaf by leaf with statistics of each leaf."""
+ELEMENTWISE = Traits(elementwise=True, per_leaf=True)
+"""The traits of an element-wise transform."""
+
+
+def combine_traits(transforms: "tuple[GradientTransformation, ...]", **changes: Any) -> Traits:
+    """The traits of transforms run one after another (a chain, or a wrapper around one):
+    element-wise and per-leaf when all are, needing whole leaves or crossing leaves when any
+    does."""
+    traits = [traits_of(tx) for tx in transforms]
+    combined = Traits(elementwise=all(t.elementwise for t in traits),
+                      per_leaf=all(t.per_leaf for t in traits),
+                      whole_leaves=any(t.whole_leaves for t in traits),
+                      across_leaves=any(t.across_leaves for t in traits))
+    return dataclasses.replace(combined, **changes)
+
+
 class GradientTransformation(NamedTuple):
     """A pair of pure functions: ``init(params) -> state`` and
-    ``update(updates, state, params=None, **extra_args) -> (updates, new_state)``.
+    ``update(updates, state, params=None, **extra_args) -> (updates, new_state)``, and the
+    `Traits` that say what the pair does (optional: the default claims nothing).
 
     ``update`` never mutates its inputs (see `opttx.tree.donating` for the one, opt-in,
     exception that saves memory). ``extra_args`` are passed down a chain to every link, so a
@@ -65,16 +217,24 @@ class GradientTransformation(NamedTuple):
 
     init: TransformInitFn
     update: TransformUpdateFn
+    traits: Traits = Traits()
+
+
+def traits_of(tx: GradientTransformation) -> Traits:
+    """The declared `Traits` of ``tx`` (the defaults for a plain ``(init, update)`` pair)."""
+    traits = getattr(tx, "traits", None)
+    return traits if isinstance(traits, Traits) else Traits()
 
 
 class EmptyState(NamedTuple):
     """The state of a stateless transform."""
 
 
-def stateless_with_extra_args(fn: Callable[[Updates, Params | None, dict[str, Any]], Updates]
-                              ) -> GradientTransformation:
+def stateless_with_extra_args(fn: Callable[[Updates, Params | None, dict[str, Any]], Updates],
+                              traits: Traits = Traits()) -> GradientTransformation:
     """A transform from ``fn(updates, params, extra_args) -> updates``, for stateless
-    transforms that need the ``extra_args`` of a chain (the reduction hook of sharded runs)."""
+    transforms that need the ``extra_args`` of a chain (the reduction hook of sharded runs).
+    Its state is `EmptyState`, as that of every stateless transform."""
 
     def init(params: Params) -> EmptyState:
         del params
@@ -84,29 +244,31 @@ def stateless_with_extra_args(fn: Callable[[Updates, Params | None, dict[str, An
                **extra_args: Any) -> tuple[Updates, EmptyState]:
         return fn(updates, params, extra_args), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, traits)
 
 
-def stateless(fn: Callable[[Updates, Params | None], Updates]) -> GradientTransformation:
+def stateless(fn: Callable[[Updates, Params | None], Updates],
+              traits: Traits = Traits()) -> GradientTransformation:
     """A transform from a function ``fn(updates, params) -> updates`` of the whole tree.
 
     Example:
-      >>> halve = opttx.stateless(lambda u, p: opttx.tree_map(lambda g: g / 2, u))
+      >>> halve = opttx.stateless(lambda u, p: opttx.tree.tree_map(lambda g: g / 2, u))
     """
-    return stateless_with_extra_args(lambda updates, params, extra_args: fn(updates, params))
+    return stateless_with_extra_args(lambda updates, params, extra_args: fn(updates, params),
+                                     traits)
 
 
 def stateless_with_tree_map(fn: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
                             ) -> GradientTransformation:
     """A transform applying ``fn(update_leaf, param_leaf)`` to every leaf (``param_leaf`` is
-    None when no params are given)."""
+    None when no params are given). It is per-leaf (`Traits.per_leaf`)."""
 
     def tree_fn(updates: Updates, params: Params | None) -> Updates:
         if params is None:
             return tree_map(lambda u: fn(u, None), updates)
         return tree_map(fn, updates, params)
 
-    return stateless(tree_fn)
+    return stateless(tree_fn, LEAFWISE)
 
 
 def identity() -> GradientTransformation:
@@ -115,12 +277,12 @@ def identity() -> GradientTransformation:
     Example:
       >>> tx = opttx.chain(opttx.identity(), opttx.sgd(0.1))   # same as opttx.sgd(0.1)
     """
-    return stateless(lambda updates, params: updates)
+    return stateless(lambda updates, params: updates, ELEMENTWISE)
 
 
 def set_to_zero() -> GradientTransformation:
     """Replace every update by zeros (the parameters do not move); used by `opttx.freeze`."""
-    return stateless(lambda updates, params: tree_map(torch.zeros_like, updates))
+    return stateless(lambda updates, params: tree_map(torch.zeros_like, updates), ELEMENTWISE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,17 +420,30 @@ def apply_updates_(params: Params, updates: Updates, *, stochastic_rounding: boo
 
 
 def advance_counts(state: State) -> State:
-    """``state`` with every step counter (a ``count`` field of a NamedTuple state, at any
-    depth) advanced by one and nothing else changed: what an update on a tree without leaves
-    leaves behind (a rank that owns no leaf under `opttx.distributed.zero` or ``on_owners``,
-    a label of `opttx.partition` that matches nothing), so counters stay in step with the
-    ranks that do have leaves."""
+    """``state`` with every step counter (a field declared `Role.COUNT`, at any depth)
+    advanced by one and nothing else changed: what an update on a tree without leaves leaves
+    behind (a rank that owns no leaf under `opttx.distributed.zero` or ``on_owners``, a label
+    of `opttx.partition` that matches nothing), so counters stay in step with the ranks that
+    do have leaves.
+
+    Raises:
+      TypeError: a NamedTuple state that declares no roles holds a 0-dim integer tensor: it
+        may be a counter, and advancing it or not would be a guess.
+    """
     if isinstance(state, tuple) and hasattr(state, "_fields"):
         fields = {name: advance_counts(getattr(state, name)) for name in state._fields}
-        count = fields.get("count")
-        if isinstance(count, torch.Tensor) and count.ndim == 0 and \
-                not count.dtype.is_floating_point:
-            fields["count"] = safe_increment(getattr(state, "count"))
+        if getattr(type(state), "__roles__", None) is None:
+            for name, x in fields.items():
+                if isinstance(x, torch.Tensor) and x.ndim == 0 and \
+                        not x.dtype.is_floating_point:
+                    raise TypeError(
+                        f"{type(state).__name__}.{name} is a 0-dim integer tensor but the "
+                        f"state declares no roles, so opttx cannot tell whether it counts "
+                        f"steps. Declare them in the class body: __roles__ = "
+                        f"opttx.declare_roles({name}=opttx.Role.COUNT, ...) (see "
+                        f"docs/guide/writing.md).")
+        for name in fields_with_role(state, Role.COUNT):
+            fields[name] = safe_increment(getattr(state, name))
         return type(state)(**fields)
     if isinstance(state, (tuple, list)):
         return type(state)(advance_counts(x) for x in state)
@@ -301,6 +476,60 @@ def require_params(params: Params | None, name: str) -> Params:
 def check_init_params(params: Params) -> None:
     """Common checks of the tree given to ``init``: floating-point tensor leaves only."""
     check_floating(params)
+
+
+LeafwiseStep = Callable[[list[torch.Tensor], Any, "list[torch.Tensor] | None", dict[str, Any]],
+                        "tuple[list[torch.Tensor], Any]"]
+
+
+def leafwise(state_type: type, step: LeafwiseStep, *, needs_params: str | None = None
+             ) -> TransformUpdateFn:
+    """The ``update`` of a transform whose state is a ``state_type`` NamedTuple with declared
+    roles, from the part that is its mathematics.
+
+    ``update(updates, state, params, **extra_args)`` checks that the fields shaped like the
+    updates (roles `Role.FIRST_MOMENT`, `Role.SECOND_MOMENT`, `Role.PARAMS_LIKE`) match the
+    updates' structure, returns at once on a tree without leaves (advancing the counters, see
+    `advance_counts`), advances every `Role.COUNT` field, and calls
+
+        ``step(grads, state, params, extra_args) -> (new_updates, new_state)``
+
+    with ``grads`` (and ``params``, when ``needs_params`` names the transform for the error
+    message) as lists of leaves, and ``state`` a ``state_type`` whose like-updates fields are
+    lists of leaves in the same order and whose counters already count this step. ``step``
+    returns lists in the same places; they are unflattened back into trees.
+
+    Example (the whole update of `opttx.scale_by_lion`):
+      >>> def step(g, state, params, extra_args):
+      ...     out = ...                             # sign(b1·mu + (1-b1)·g)
+      ...     return out, state._replace(mu=foreach_ema(state.mu, g, b2))
+      >>> update = leafwise(ScaleByLionState, step)
+    """
+    roles = state_roles(state_type)
+    if not roles:
+        raise TypeError(f"leafwise({state_type.__name__}, ...): the state declares no roles; "
+                        f"add __roles__ = opttx.declare_roles(...) to its class body.")
+    tree_fields = [f for f in state_type._fields if f in roles and roles[f].like_updates]
+    counters = [f for f in state_type._fields if roles.get(f) is Role.COUNT]
+
+    def update(updates: Updates, state: Any, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, Any]:
+        from .tree import flatten_matching
+        trees = [getattr(state, f) for f in tree_fields]
+        if needs_params is not None:
+            trees.append(require_params(params, needs_params))
+        spec, g, *leaves = flatten_matching(updates, *trees)
+        if not g:             # a tree without leaves: only the step counters move
+            return updates, advance_counts(state)
+        p = leaves.pop() if needs_params is not None else None
+        fields = dict(zip(tree_fields, leaves))
+        fields.update({f: safe_increment(getattr(state, f)) for f in counters})
+        out, new = step(g, state._replace(**fields), p, extra_args)
+        return (tree_unflatten(out, spec),
+                new._replace(**{f: tree_unflatten(list(getattr(new, f)), spec)
+                                for f in tree_fields}))
+
+    return update
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Hashable, Mapping, NamedTuple
 
-from .base import GradientTransformation, Params, State, Updates, set_to_zero
+from .base import (GradientTransformation, Params, Role, State, Updates, combine_traits,
+                   declare_roles, set_to_zero)
 from .tree import (MaskedNode, PyTree, flatten_matching, leaf_labels, mask_leaves,
                    tree_flatten, tree_leaves, tree_structure, tree_unflatten)
 
@@ -48,8 +49,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    update.links = transforms  # lets opttx.Optimizer fold a final constant scale into its write
-    return GradientTransformation(init, update)
+    # the links let opttx.Optimizer fold a final constant scale into its write
+    return GradientTransformation(init, update, combine_traits(transforms, links=transforms))
 
 
 def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTransformation:
@@ -85,6 +86,7 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
 class MaskedState(NamedTuple):
     """State of `masked`."""
     inner_state: State  # the inner transform's state over the masked-in leaves only
+    __roles__ = declare_roles()
 
 
 def _mask_tree(tree: PyTree, keep: list[bool]) -> PyTree:
@@ -147,6 +149,7 @@ def freeze(mask: PyTree | Callable[[Params], PyTree]) -> GradientTransformation:
 class PartitionState(NamedTuple):
     """State of `partition`."""
     inner_states: dict  # label -> MaskedState of that label's transform
+    __roles__ = declare_roles()
 
 
 def partition(transforms: Mapping[Hashable, GradientTransformation],

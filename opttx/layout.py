@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .base import GradientTransformation, check_init_params
+from .base import Role, declare_roles, GradientTransformation, check_init_params
 from .tree import PyTree, tree_flatten, tree_unflatten
 
 __all__ = ["FlatParams", "FlattenState", "flatten"]
@@ -40,6 +40,7 @@ __all__ = ["FlatParams", "FlattenState", "flatten"]
 class FlattenState(NamedTuple):
     """State of `flatten`."""
     inner_state: Any   # the inner transform's state over the tuple of flat buffers
+    __roles__ = declare_roles()
 
 
 def _groups(leaves: list[torch.Tensor]) -> list[list[int]]:

@@ -9,7 +9,7 @@ import torch
 
 from ._statekeys import (dtensor_placement, keyed_state, local_entries_as_dtensors,
                          param_paths)
-from .base import (GradientTransformation, _foreach_add, _kind, _stochastic_pairs,
+from .base import (GradientTransformation, _foreach_add, traits_of, _kind, _stochastic_pairs,
                    round_stochastic_)
 from .tree import PyTree, donating, tree_leaves
 from .wrappers import find_injected_states
@@ -266,8 +266,8 @@ class Optimizer(torch.optim.Optimizer):
         """``tx.update``, except that a chain ending in a constant `opttx.scale` (every alias
         with a fixed learning rate) stops before it and returns the factor, so the write
         ``p += factor · u`` does the scaling in the same pass (as torch's ``addcdiv_``)."""
-        links = getattr(tx.update, "links", None)
-        factor = getattr(links[-1].update, "constant_scale", None) if links else None
+        links = traits_of(tx).links
+        factor = traits_of(links[-1]).constant_scale if links else None
         if not isinstance(factor, (int, float)) or isinstance(factor, bool):
             updates, state = tx.update(grads, state, params)
             return updates, state, 1.0

@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.func import vmap
 
-from .base import (REDUCER_KEY, TOTALS_KEY, GradientTransformation, check_init_params,
+from .base import (Role, declare_roles, REDUCER_KEY, TOTALS_KEY, GradientTransformation, check_init_params,
                    current_reducer)
 from .tree import MaskedNode, PyTree, tree_flatten, tree_map, tree_unflatten
 
@@ -247,6 +247,7 @@ class StackedState(NamedTuple):
     inner_states: tuple   # per stack length L (in order of first appearance): the inner state
                           # over the leaves of that length (the others `MaskedNode`), every
                           # leaf of it stacked along dim 0
+    __roles__ = declare_roles()
 
 
 _NOT_DISTRIBUTED = ("opttx.stacked does not run under opttx.distributed wrappers: shard or "

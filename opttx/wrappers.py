@@ -8,7 +8,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ._checks import check_positive_int
-from .base import (GradientTransformation, Params, State, Updates, reduce_across_leaves,
+from .base import (Role, declare_roles, GradientTransformation, Params, State, Updates, reduce_across_leaves,
                    reduce_statistics, safe_increment, zero_count)
 from .tree import (PyTree, device_scalar, flatten_matching, foreach_axpy, stats_like,
                    tree_cond, tree_leaves, tree_map, tree_unflatten)
@@ -34,6 +34,7 @@ class InjectHyperparamsState(NamedTuple):
     count: torch.Tensor                 # shape (), int32: steps taken (the schedules' argument)
     hyperparams: dict[str, torch.Tensor]  # name -> 0-dim tensor: current value of each
     inner_state: State                  # the wrapped transform's state
+    __roles__ = declare_roles(count=Role.COUNT, hyperparams=Role.SCALAR)
 
 
 def _is_injectable(value: Any) -> bool:
@@ -172,6 +173,7 @@ class ApplyIfFiniteState(NamedTuple):
     last_finite: torch.Tensor      # shape (), bool: whether the last step's updates were finite
     total_notfinite: torch.Tensor  # shape (), int32: non-finite steps skipped in total
     inner_state: State             # the wrapped transform's state
+    __roles__ = declare_roles()
 
 
 def all_finite(tree: PyTree) -> torch.Tensor:
@@ -250,6 +252,7 @@ class MultiStepsState(NamedTuple):
     gradient_step: torch.Tensor  # shape (), int32: inner updates made so far
     inner_opt_state: State       # the wrapped transform's state
     acc_grads: Updates           # like params (fp32 for 16-bit leaves): accumulated gradients
+    __roles__ = declare_roles(acc_grads=Role.FIRST_MOMENT)
 
 
 class MultiSteps:

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .._checks import check_nonnegative, check_positive
-from ..base import (GradientTransformation, Params, Updates, check_init_params,
+from ..base import (Role, declare_roles, GradientTransformation, Params, Updates, check_init_params,
                     reduce_across_leaves, reduce_statistics,
                     stateless_with_extra_args)
 from ..tree import (PyTree, flatten_matching, foreach_op_, foreach_scale,
@@ -123,6 +123,7 @@ def clip_by_block_rms(threshold: float) -> GradientTransformation:
 class ZeroNansState(NamedTuple):
     """State of `zero_nans`."""
     found_nan: PyTree  # like params, 0-dim bool: whether the leaf's last update had a NaN
+    __roles__ = declare_roles()
 
 
 def zero_nans() -> GradientTransformation:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 import torch
 
 from .._checks import check_nonnegative, check_positive, check_unit_interval
-from ..base import (REDUCER_KEY, GradientTransformation, Params, Updates, advance_counts,
+from ..base import (Role, declare_roles, REDUCER_KEY, GradientTransformation, Params, Updates, advance_counts,
                     check_init_params, current_reducer, reduce_statistics, require_params,
                     safe_increment, zero_count)
 from ..schedules import Schedule
@@ -331,6 +331,8 @@ class FactoredState(NamedTuple):
     v_row: Updates       # per leaf: EMA of the means of g² + ε over d1 (empty if unfactored)
     v_col: Updates       # per leaf: EMA of the means of g² + ε over d0 (empty if unfactored)
     v: Updates           # per leaf: EMA of g² + ε for unfactored leaves (empty if factored)
+    __roles__ = declare_roles(count=Role.COUNT, v_row=Role.FACTORED_MOMENT, v_col=Role.FACTORED_MOMENT,
+                           v=Role.SECOND_MOMENT)
 
 
 def _decay_rate_pow(step: torch.Tensor, exponent: float) -> torch.Tensor:
@@ -581,6 +583,9 @@ class ScaleByCameState(NamedTuple):
     v: Updates           # per leaf: EMA of g² + ε1 for unfactored leaves (empty if factored)
     r_row: Updates       # per leaf: EMA of row means of the instability (û − m)² + ε2
     r_col: Updates       # per leaf: EMA of column means of the instability
+    __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT, v_row=Role.FACTORED_MOMENT,
+                           v_col=Role.FACTORED_MOMENT, v=Role.SECOND_MOMENT,
+                           r_row=Role.FACTORED_MOMENT, r_col=Role.FACTORED_MOMENT)
 
 
 def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,

@@ -20,7 +20,7 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 import torch
 
 from .._checks import check_number, check_positive_int
-from ..base import (PRECONDITION_INPUT, GradientTransformation, Params, State, Updates,
+from ..base import (Role, declare_roles, PRECONDITION_INPUT, GradientTransformation, Params, State, Updates,
                     check_init_params, require_whole_leaves, safe_increment, zero_count)
 from ..tree import (MaskedNode, PyTree, flatten_matching, leaf_labels, mark_owned, mask_leaves,
                     tree_cond, tree_flatten, tree_flatten_with_path, tree_leaves, tree_paths,
@@ -294,6 +294,7 @@ class ProjectLowrankState(NamedTuple):
     right: Updates       # like params: Vᵀ[..., :k, :] (k × n per matrix) of leaves projected on
                          # the right or both sides, same dtype; empty (0,) elsewhere
     inner_state: State   # the inner transform's state over the projected tree
+    __roles__ = declare_roles(count=Role.COUNT, left=Role.PROJECTION, right=Role.PROJECTION)
 
 
 def project_lowrank(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .._checks import check_nonnegative, check_unit_interval
-from ..base import (GradientTransformation, Params, Updates, advance_counts, check_init_params,
+from ..base import (Role, declare_roles, GradientTransformation, Params, Updates, advance_counts, check_init_params,
                     precondition_target, safe_increment, zero_count)
 from ..tree import (Scalar, cast_like, device_scalar, flatten_matching, foreach_accumulate_sq,
                     foreach_ema, foreach_ema_sq, foreach_op_, foreach_scale_add, mark_owned,
@@ -90,6 +90,7 @@ def _fresh(out: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tens
 class TraceState(NamedTuple):
     """State of `trace`."""
     trace: Updates  # like params (fp32 for 16-bit leaves): the momentum buffer
+    __roles__ = declare_roles(trace=Role.FIRST_MOMENT)
 
 
 def trace(decay: float, nesterov: bool = False,
@@ -141,6 +142,7 @@ class EmaState(NamedTuple):
     """State of `ema`."""
     count: torch.Tensor  # shape (), int32: steps taken
     ema: Updates         # like params (fp32 for 16-bit leaves): the moving average
+    __roles__ = declare_roles(count=Role.COUNT, ema=Role.FIRST_MOMENT)
 
 
 def ema(decay: float, debias: bool = True,
@@ -188,6 +190,7 @@ class ScaleByAdamState(NamedTuple):
     count: torch.Tensor  # shape (), int32: steps taken
     mu: Updates          # like params, mu_dtype (fp32 for 16-bit leaves): first moment
     nu: Updates          # like params (fp32 for 16-bit leaves): second moment
+    __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT, nu=Role.SECOND_MOMENT)
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
@@ -281,6 +284,8 @@ class ScaleByNadamState(NamedTuple):
     mu_product: torch.Tensor  # shape (), float64: product of the momentum schedule so far
     mu: Updates               # like params (fp32 for 16-bit leaves): first moment
     nu: Updates               # like params (fp32 for 16-bit leaves): second moment
+    __roles__ = declare_roles(count=Role.COUNT, mu_product=Role.SCALAR, mu=Role.FIRST_MOMENT,
+                           nu=Role.SECOND_MOMENT)
 
 
 def scale_by_nadam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -366,6 +371,7 @@ class ScaleByRmsState(NamedTuple):
     """State of `scale_by_rms`."""
     count: torch.Tensor  # shape (), int32: steps taken
     nu: Updates          # like params (fp32 for 16-bit leaves): EMA of squared updates
+    __roles__ = declare_roles(count=Role.COUNT, nu=Role.SECOND_MOMENT)
 
 
 def scale_by_rms(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0.0,
@@ -426,6 +432,7 @@ class ScaleByStddevState(NamedTuple):
     count: torch.Tensor  # shape (), int32: steps taken
     mu: Updates          # like params (fp32 for 16-bit leaves): EMA of updates
     nu: Updates          # like params (fp32 for 16-bit leaves): EMA of squared updates
+    __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT, nu=Role.SECOND_MOMENT)
 
 
 def scale_by_stddev(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0.0,
@@ -477,6 +484,7 @@ def scale_by_stddev(decay: float = 0.9, eps: float = 1e-8, initial_scale: float 
 class ScaleByRssState(NamedTuple):
     """State of `scale_by_rss`."""
     sum_of_squares: Updates  # like params (fp32 for 16-bit leaves): running sum of g²
+    __roles__ = declare_roles(sum_of_squares=Role.SECOND_MOMENT)
 
 
 def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7,
@@ -527,6 +535,7 @@ class ScaleByLionState(NamedTuple):
     """State of `scale_by_lion`."""
     count: torch.Tensor  # shape (), int32: steps taken
     mu: Updates          # like params, mu_dtype (fp32 for 16-bit leaves): momentum
+    __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT)
 
 
 def scale_by_lion(b1: float = 0.9, b2: float = 0.99,

@@ -22,7 +22,7 @@ from typing import Any, Callable, Collection, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..base import (EmptyState, GradientTransformation, Params, State, Updates,
+from ..base import (Role, declare_roles, EmptyState, GradientTransformation, Params, State, Updates,
                     check_init_params, require_whole_leaves)
 from ..tree import flatten_matching, is_donating, tree_flatten, tree_unflatten
 
@@ -104,6 +104,7 @@ class QuantizationMap(NamedTuple):
     values: torch.Tensor     # (K,) fp32, sorted: the representable values, K <= 256
     midpoints: torch.Tensor  # (K,) fp32: midpoints of neighbouring values, then +inf
     cells: torch.Tensor      # (2**17,) uint8: code of the lowest value of each float32 cell
+    __roles__ = declare_roles()
 
 
 def _cell_bounds() -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,6 +160,7 @@ class QuantizedTensor(NamedTuple):
     see its two tensors."""
     codes: torch.Tensor   # uint8, the tensor's shape: index of each element's map value
     absmax: torch.Tensor  # fp32, (ceil(numel / block_size),): max |x| over each block
+    __roles__ = declare_roles(codes=Role.QUANTIZED, absmax=Role.QUANTIZED)
 
 
 def _blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -262,6 +264,7 @@ class QuantizedState(NamedTuple):
                                    # state of that leaf alone, moments as QuantizedTensor
     signed_map: QuantizationMap    # the signed dynamic map: fields not in unsigned_fields
     unsigned_map: QuantizationMap  # the unsigned dynamic map: unsigned_fields (nu, ...)
+    __roles__ = declare_roles(quantized=Role.QUANTIZED)
 
 
 def _check_bits(bits: Any) -> None:

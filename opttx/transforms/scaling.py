@@ -7,7 +7,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .._checks import check_learning_rate, check_nonnegative, check_number
-from ..base import (EmptyState, GradientTransformation, Params, Updates, check_init_params,
+from ..base import (Role, Traits, declare_roles, EmptyState, GradientTransformation, Params, Updates, check_init_params,
                     require_params, safe_increment, stateless, zero_count)
 from ..schedules import Schedule
 from ..tree import (PyTree, Scalar, cast_like, flatten_matching, foreach_axpy, foreach_scale,
@@ -35,14 +35,15 @@ def scale(step_size: float) -> GradientTransformation:
       >>> tx = opttx.chain(opttx.scale_by_adam(), opttx.scale(-1e-3))
     """
     check_number("step_size", step_size)
-    tx = stateless(lambda updates, params: _scaled(updates, step_size))
-    tx.update.constant_scale = step_size  # see opttx.Optimizer: folded into the final write
-    return tx
+    # the constant scale is folded by opttx.Optimizer into its final write
+    return stateless(lambda updates, params: _scaled(updates, step_size),
+                     Traits(elementwise=True, per_leaf=True, constant_scale=step_size))
 
 
 class ScaleByScheduleState(NamedTuple):
     """State of `scale_by_schedule`."""
     count: torch.Tensor  # shape (), int32: steps taken, the schedule's argument
+    __roles__ = declare_roles(count=Role.COUNT)
 
 
 def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:

@@ -27,7 +27,7 @@ from typing import Any, Literal, NamedTuple, Sequence
 import torch
 
 from .._checks import check_nonnegative, check_positive_int, check_unit_interval
-from ..base import (PRECONDITION_INPUT, GradientTransformation, Params, Updates, advance_counts,
+from ..base import (Role, declare_roles, PRECONDITION_INPUT, GradientTransformation, Params, Updates, advance_counts,
                     check_init_params, precondition_target, reduce_statistics,
                     require_whole_leaves, safe_increment, zero_count)
 from ..tree import (PyTree, flatten_matching, foreach_ema, foreach_sum_of_squares, tree_cond,
@@ -218,6 +218,7 @@ class ShampooState(NamedTuple):
     failures: torch.Tensor  # shape (), int32: consecutive root computations that failed
     factors: PyTree         # per block: tuple of (d_k, d_k) Kronecker factors, one per dim
     roots: PyTree           # per block: tuple of (d_k, d_k) inverse roots of the factors
+    __roles__ = declare_roles(count=Role.COUNT, factors=Role.FACTOR_MATRIX, roots=Role.FACTOR_MATRIX)
 
 
 def _contract_factor(g: torch.Tensor, k: int) -> torch.Tensor:
@@ -410,6 +411,7 @@ class GraftState(NamedTuple):
     filtered: Updates      # like params: EMA of the gradient with beta1 (empty if beta1 = 0)
     magnitude: Any         # the magnitude (grafted) transform's state
     direction: Any         # the direction transform's state
+    __roles__ = declare_roles(count=Role.COUNT, filtered=Role.FIRST_MOMENT)
 
 
 def graft(magnitude: GradientTransformation | None, direction: GradientTransformation,
