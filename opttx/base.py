@@ -180,6 +180,10 @@ class Traits:
     across_leaves: bool = False
     """It takes a statistic across leaves (a global norm, a finiteness test): it must see the
     whole tree at once, and reduces through `reduce_across_leaves` when sharded."""
+    takes_precondition_input: bool = False
+    """Inside `opttx.graft` it takes its statistics from the updates and applies itself to
+    ``extra_args[PRECONDITION_INPUT]`` (`precondition_leaves`); ``graft`` refuses a
+    direction or magnitude transform without this trait instead of ignoring the input."""
     constant_scale: float | None = None
     """It multiplies every update by this Python number and does nothing else: `Optimizer`
     folds it into the final write ``p += scale · u``."""
@@ -191,6 +195,8 @@ LEAFWISE = Traits(elementwise=False, per_leaf=True)
 """The traits of a transform that works leaf by leaf with statistics of each leaf."""
 ELEMENTWISE = Traits(elementwise=True, per_leaf=True)
 """The traits of an element-wise transform."""
+PRECONDITIONER = Traits(elementwise=True, per_leaf=True, takes_precondition_input=True)
+"""The traits of an element-wise preconditioner that honours `PRECONDITION_INPUT`."""
 
 
 def combine_traits(transforms: "tuple[GradientTransformation, ...]", **changes: Any) -> Traits:
@@ -629,6 +635,15 @@ def precondition_target(updates: Updates, extra_args: dict[str, Any]) -> Updates
     """What a preconditioning transform applies itself to: ``extra_args[PRECONDITION_INPUT]``
     when `opttx.graft` provides one, else the updates themselves."""
     return extra_args.get(PRECONDITION_INPUT, updates)
+
+
+def precondition_leaves(grads: list[torch.Tensor], extra_args: dict[str, Any]
+                        ) -> list[torch.Tensor]:
+    """The leaves a preconditioner applies itself to inside a `leafwise` step: those of
+    ``extra_args[PRECONDITION_INPUT]`` when `opttx.graft` provides one, else ``grads``."""
+    if PRECONDITION_INPUT in extra_args:
+        return tree_leaves(extra_args[PRECONDITION_INPUT])
+    return grads
 
 
 def is_masked(x: Any) -> bool:

@@ -20,15 +20,29 @@ donation is how `opttx.Optimizer` and `apply_updates_` avoid doubling memory in 
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.utils._pytree as _pytree
 
+from .kernels import (Scalar, Tensors, cast_like, coefficient, donating,  # noqa: F401
+                      foreach_accumulate_sq, foreach_axpy, foreach_copy_, foreach_ema,
+                      foreach_ema_sq, foreach_op_, foreach_scale, foreach_scale_add,
+                      foreach_sum_of_squares, is_donating, is_scratch, mark_scratch,
+                      new_buffers)
+
+# TRANSITION (removed before this change lands): the old names of kernels helpers
+mark_owned, is_owned = mark_scratch, is_scratch
+
+
+def scalar_operand(value, like):  # noqa: D103
+    return coefficient(value, like)
+
+
+def device_scalar(op, value, tensors):  # noqa: D103
+    return coefficient(value, tensors, op)
+
 PyTree = Any
-Scalar = float | int | torch.Tensor
 
 __all__ = [
     "MaskedNode",
@@ -191,244 +205,8 @@ def tree_copy_(dst: PyTree, src: PyTree) -> PyTree:
     pairs = [(d, s) for d, s in zip(dst_leaves, src_leaves)
              if isinstance(d, torch.Tensor) and d is not s]
     if pairs:
-        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
     return dst
-
-
-# ---------------------------------------------------------------------------------------------
-# donation: in-place state updates when the caller gives up the old state
-# ---------------------------------------------------------------------------------------------
-
-_DONATE = [False]
-
-
-def is_donating() -> bool:
-    """Whether the caller has donated the old state buffers (see `donating`).
-
-    Always False while ``torch.compile`` traces: a compiled step is functional and its final
-    ``copy_`` into the inputs (`tree_copy_`) is what lowers to in-place writes.
-    """
-    return _DONATE[0] and not torch.compiler.is_compiling()
-
-
-@contextlib.contextmanager
-def donating(enabled: bool = True) -> Iterator[None]:
-    """Let transforms write their new state into the old state buffers.
-
-    Inside this context the caller promises not to use the state it passes to ``update``
-    again (it is replaced by the returned state, which then aliases the same storage). The
-    numbers are unchanged; only allocations are saved. ``donating(False)`` switches it off for
-    a block, as wrappers do that must keep the old state (`apply_if_finite`, `MultiSteps`).
-    """
-    previous = _DONATE[0]
-    _DONATE[0] = enabled
-    try:
-        yield
-    finally:
-        _DONATE[0] = previous
-        if not previous:
-            _OWNED.clear()
-
-
-# Temporaries created by opttx inside `donating` (fresh update tensors no one else holds):
-# id -> tensor, weakly. A later link of the chain may overwrite them in place. Tensors are
-# registered explicitly where they are created, so buffers that alias state or ``p.grad``
-# are never in it.
-_OWNED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
-
-
-def mark_owned(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Record fresh temporaries (inside `donating`) so later links may reuse them; returns
-    ``tensors``."""
-    if is_donating():
-        for t in tensors:
-            _OWNED[id(t)] = t
-    return tensors
-
-
-def is_owned(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every tensor is a temporary registered with `mark_owned` (so it may be
-    overwritten in place)."""
-    return bool(tensors) and is_donating() and all(_OWNED.get(id(t)) is t for t in tensors)
-
-
-def scalar_operand(value: Scalar, like: Sequence[torch.Tensor]) -> Scalar:
-    """Prepare a 0-dim coefficient for a foreach op over ``like``.
-
-    Under ``torch.compile`` on CPU, Inductor inlines the arithmetic that produced a 0-dim
-    tensor (a bias correction's ``pow``, a schedule's ``cos``) into every element loop of the
-    kernel that consumes it. Passing it through a foreach add makes Inductor read it once as a
-    scalar argument instead (measured: compiled AdamW 4.97x -> 1.02x torch's fused kernel).
-    That scalar is a C ``float``, so float64 leaves keep the inlined (exact) form.
-    """
-    if (isinstance(value, torch.Tensor) and torch.compiler.is_compiling()
-            and value.device.type == "cpu" and like
-            and all(t.dtype != torch.float64 for t in like)):
-        # ``value * 1``: an intermediate, not the graph input itself, or Dynamo specializes
-        # on the input's value (a recompile whenever an injected weight decay changes)
-        return torch._foreach_add([value.new_zeros(())], value * 1)[0]
-    return value
-
-
-# Devices whose 0-dim tensors a compiled step may read back to the host as a scalar kernel
-# argument (free on the CPU; see `scalar_operand`). On any other device that read is a
-# device-to-host sync in every step, and Inductor will not put such a graph in a CUDA graph.
-HOST_READABLE_DEVICES: tuple[str, ...] = ("cpu",)
-
-# grouped ops with a List overload, where a 0-dim tensor repeated per tensor broadcasts
-_LIST_OVERLOADS = frozenset({"add", "sub", "mul", "div", "maximum", "minimum", "clamp_min",
-                             "clamp_max", "pow", "lerp"})
-
-
-def device_scalar(op: str, value: Any, tensors: Sequence[torch.Tensor]) -> Any:
-    """``value`` for ``torch._foreach_<op>(tensors, ..., value)`` in a compiled step.
-
-    Given a 0-dim tensor where a grouped kernel takes a Scalar, torch picks the Scalar
-    overload and reads the tensor back to the host (``.item()``) first; in a compiled graph
-    on a GPU that is a sync per step, and it keeps the graph out of CUDA graphs. Repeated
-    once per tensor it selects the List overload instead, which broadcasts it on the device.
-    Eager steps and host-readable devices keep ``value`` as it is."""
-    if (isinstance(value, torch.Tensor) and value.dim() == 0 and tensors
-            and op in _LIST_OVERLOADS and torch.compiler.is_compiling()
-            and value.device.type not in HOST_READABLE_DEVICES):
-        return [value] * len(tensors)
-    return value
-
-
-# ---------------------------------------------------------------------------------------------
-# grouped elementwise kernels
-# ---------------------------------------------------------------------------------------------
-
-Tensors = Sequence[torch.Tensor]
-
-
-def foreach_op_(op: str, tensors: list[torch.Tensor], *args: Any) -> list[torch.Tensor]:
-    """``torch._foreach_<op>(tensors, *args)`` on *temporaries* the caller owns.
-
-    In eager mode it runs in place (no new allocation); under ``torch.compile`` out of place
-    (Inductor fuses it anyway, and in-place foreach ops are refused inside ``torch.cond``
-    branches), with a 0-dim tensor argument kept on its device (`device_scalar`). Returns the
-    result list.
-    """
-    if torch.compiler.is_compiling():
-        args = tuple(device_scalar(op, a, tensors) for a in args)
-        return list(getattr(torch, f"_foreach_{op}")(tensors, *args))
-    getattr(torch, f"_foreach_{op}_")(tensors, *args)
-    return tensors
-
-
-def foreach_sum_of_squares(tensors: Tensors, dtype: torch.dtype | None = None
-                           ) -> list[torch.Tensor]:
-    r""":math:`\sum x^2` of every tensor, as 0-dim tensors in ``dtype`` (default: float64 if
-    any tensor is float64, else float32).
-
-    Eager: one grouped ``_foreach_norm`` pass, squared. Compiled: one ``sum(x * x)`` reduction
-    per tensor, which Inductor fuses with the producer of ``x`` (it lowers ``_foreach_norm``
-    to separate, slower reductions: about 1.8x slower for clip-by-RMS + apply on CPU).
-    """
-    if not tensors:
-        return []
-    if dtype is None:
-        dtype = torch.float64 if any(x.dtype == torch.float64 for x in tensors) \
-            else torch.float32
-    if torch.compiler.is_compiling():
-        return [torch.sum(torch.square(x.to(dtype))) for x in tensors]
-    norms = torch._foreach_norm(list(tensors), 2, dtype=dtype)
-    return list(torch._foreach_mul(norms, norms))
-
-
-def foreach_ema(old: Tensors, new: Tensors, decay: Scalar) -> list[torch.Tensor]:
-    """``decay * old + (1 - decay) * new`` for every pair; in place on ``old`` when donating.
-
-    Written as a ``lerp`` (one pass) when ``old`` and ``new`` share a dtype.
-    """
-    if not old:
-        return []
-    new = _match_dtypes(new, old)
-    weight = device_scalar("lerp", scalar_operand(1 - decay, old), old)
-    if is_donating():
-        torch._foreach_lerp_(old, new, weight)
-        return list(old)
-    return list(torch._foreach_lerp(old, new, weight))
-
-
-def foreach_ema_sq(old: Tensors, new: Tensors, decay: Scalar) -> list[torch.Tensor]:
-    """``decay * old + (1 - decay) * new²`` for every pair; in place on ``old`` when donating."""
-    if not old:
-        return []
-    new = _match_dtypes(new, old)
-    out = _maybe_inplace(torch._foreach_mul, old, scalar_operand(decay, old))
-    if isinstance(decay, torch.Tensor):
-        weight = scalar_operand(1 - decay, old)
-        return foreach_op_("add", out, torch._foreach_mul(torch._foreach_mul(new, new), weight))
-    return foreach_op_("addcmul", out, new, new, 1 - decay)
-
-
-def foreach_accumulate_sq(old: Tensors, new: Tensors) -> list[torch.Tensor]:
-    """``old + new²`` for every pair; in place on ``old`` when donating."""
-    if not old:
-        return []
-    new = _match_dtypes(new, old)
-    if is_donating():
-        torch._foreach_addcmul_(old, new, new)
-        return list(old)
-    return list(torch._foreach_addcmul(old, new, new))
-
-
-def foreach_axpy(a: Scalar, x: Tensors, y: Tensors) -> list[torch.Tensor]:
-    """``a * x + y`` for every pair. ``x`` is left untouched; ``y`` is overwritten in place
-    only when it is a temporary of the running chain (`is_owned`), else a new list is made."""
-    if not x:
-        return []
-    y = list(y)
-    a = scalar_operand(a, y)
-    if is_owned(y):
-        if isinstance(a, torch.Tensor):
-            torch._foreach_add_(y, torch._foreach_mul(x, a))
-        else:
-            torch._foreach_add_(y, x, alpha=a)
-        return y
-    if isinstance(a, torch.Tensor):
-        return mark_owned(list(torch._foreach_add(y, torch._foreach_mul(x, a))))
-    return mark_owned(list(torch._foreach_add(y, x, alpha=a)))
-
-
-def foreach_scale(x: Tensors, factor: Scalar) -> list[torch.Tensor]:
-    """``factor * x`` for every leaf; in place when ``x`` is a temporary of the running chain
-    (`is_owned`), else as new tensors."""
-    if not x:
-        return []
-    x = list(x)
-    factor = scalar_operand(factor, x)
-    if is_owned(x):
-        torch._foreach_mul_(x, factor)
-        return x
-    return mark_owned(list(torch._foreach_mul(x, factor)))
-
-
-def _maybe_inplace(op: Callable, tensors: Tensors, *args: Any) -> list[torch.Tensor]:
-    if is_donating():
-        getattr(torch, op.__name__ + "_")(tensors, *args)
-        return list(tensors)
-    return list(op(tensors, *args))
-
-
-def _match_dtypes(tensors: Tensors, like: Tensors) -> list[torch.Tensor]:
-    return [t if t.dtype == l.dtype else t.to(l.dtype) for t, l in zip(tensors, like)]
-
-
-def cast_like(tensors: Tensors, like: Tensors) -> list[torch.Tensor]:
-    """``tensors`` each cast to the dtype of the matching tensor of ``like``."""
-    return _match_dtypes(tensors, like)
-
-
-def new_buffers(tensors: Tensors, fresh: Tensors) -> list[torch.Tensor]:
-    """Return ``fresh``, written into the buffers ``tensors`` when donating (state replaced by
-    values computed out of place, for example a running maximum or a where-select)."""
-    if is_donating() and tensors:
-        torch._foreach_copy_(list(tensors), list(fresh))
-        return list(tensors)
-    return list(fresh)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,15 +253,6 @@ def flatten_matching(updates: PyTree, *trees: PyTree, what: str = "updates and s
             assert_same_structure(updates, tree, what)
         out.append(other)
     return tuple(out)
-
-
-def foreach_scale_add(old: Tensors, decay: Scalar, new: Tensors) -> list[torch.Tensor]:
-    """``decay * old + new`` for every pair; in place on ``old`` when donating."""
-    if not old:
-        return []
-    new = _match_dtypes(new, old)
-    out = _maybe_inplace(torch._foreach_mul, old, scalar_operand(decay, old))
-    return foreach_op_("add", out, new)
 
 
 _MASKED = object()   # stands for a MaskedNode position while labels are resolved

@@ -239,7 +239,7 @@ def test_device_scalar_path_equals_eager(monkeypatch) -> None:
     """The List-overload form `device_scalar` gives a 0-dim coefficient off the CPU, run
     here on the CPU by declaring no device host-readable: Inductor's lowering of it gives
     the same numbers as eager."""
-    monkeypatch.setattr(opttx.tree, "HOST_READABLE_DEVICES", ())
+    monkeypatch.setattr(opttx.kernels, "HOST_READABLE_DEVICES", ())
     tx = opttx.partition(
         {"adamw": opttx.adamw(SCHEDULE, weight_decay=0.1),
          "adafactor": opttx.inject_hyperparams(opttx.adafactor)(

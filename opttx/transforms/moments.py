@@ -1,7 +1,7 @@
 """Moment-based first-order transforms: momentum (`trace`), `ema`, Adam, NAdam, RMS, RSS, Lion.
 
 Every transform here is elementwise: its hot path is a handful of ``torch._foreach_*``
-kernels over all leaves at once (DESIGN.md rule 4). Statistics of 16-bit leaves are kept in
+kernels over all leaves at once (docs/design.md, rule 4). Statistics of 16-bit leaves are kept in
 fp32 unless a ``*_dtype`` argument says otherwise; updates come back in the gradient's dtype.
 Bias corrections are computed from the 0-dim step tensor in float64, so a compiled step never
 recompiles as the step advances and float64 training matches torch.optim to 1e-10.
@@ -15,11 +15,13 @@ from typing import Any, NamedTuple
 import torch
 
 from .._checks import check_nonnegative, check_unit_interval
-from ..base import (Role, declare_roles, GradientTransformation, Params, Updates, advance_counts, check_init_params,
-                    precondition_target, safe_increment, zero_count)
-from ..tree import (Scalar, cast_like, device_scalar, flatten_matching, foreach_accumulate_sq,
-                    foreach_ema, foreach_ema_sq, foreach_op_, foreach_scale_add, mark_owned,
-                    scalar_operand, stats_like, tree_unflatten)
+from ..base import (ELEMENTWISE, PRECONDITIONER, GradientTransformation, Params, Role,
+                    Updates, check_init_params, declare_roles, leafwise, precondition_leaves,
+                    safe_increment, zero_count)
+from ..kernels import (Scalar, cast_like, foreach, foreach_, foreach_accumulate_sq,
+                       foreach_ema, foreach_ema_sq, foreach_op_, foreach_scale_add,
+                       mark_scratch)
+from ..tree import stats_like
 
 __all__ = [
     "EmaState",
@@ -61,7 +63,7 @@ def debias_factor(decay: Scalar, count: torch.Tensor) -> torch.Tensor:
 
 
 def _div_by(tensors: list[torch.Tensor], divisor: Scalar) -> list[torch.Tensor]:
-    return list(torch._foreach_div(tensors, scalar_operand(divisor, tensors)))
+    return foreach("div", tensors, divisor)
 
 
 def _divide(numerators: list[torch.Tensor], denominators: list[torch.Tensor]
@@ -70,16 +72,15 @@ def _divide(numerators: list[torch.Tensor], denominators: list[torch.Tensor]
     owns). In eager mode as ``reciprocal_`` then ``mul_``: one more pass but no new
     parameter-sized allocation, which on CPU costs more than a pass in page faults."""
     if torch.compiler.is_compiling():
-        return list(torch._foreach_div(numerators, denominators))
-    torch._foreach_reciprocal_(denominators)
-    torch._foreach_mul_(denominators, numerators)
-    return denominators
+        return foreach("div", numerators, denominators)
+    foreach_("reciprocal", denominators)
+    return foreach_("mul", denominators, numerators)
 
 
 def _fresh(out: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
     """New update tensors, cast to the gradients' dtypes and registered as temporaries that
-    later links of the chain may overwrite (see `opttx.tree.mark_owned`)."""
-    return mark_owned(cast_like(out, like))
+    later links of the chain may overwrite (see `opttx.kernels.mark_scratch`)."""
+    return mark_scratch(cast_like(out, like))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,22 +121,15 @@ def trace(decay: float, nesterov: bool = False,
         check_init_params(params)
         return TraceState(trace=stats_like(params, accumulator_dtype))
 
-    def update(updates: Updates, state: TraceState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, TraceState]:
-        del params, extra_args
-        spec, g, buf = flatten_matching(updates, state.trace)
-        if not g:             # a tree without leaves: only the step counters move
-            return updates, advance_counts(state)
-        buf = foreach_scale_add(buf, decay, cast_like(g, buf))
+    def step(g, state, params, extra_args):
+        buf = foreach_scale_add(state.trace, decay, cast_like(g, state.trace))
         if nesterov:
-            out = _fresh(list(torch._foreach_add(
-                cast_like(g, buf), torch._foreach_mul(buf, scalar_operand(decay, buf)))), g)
+            out = _fresh(foreach("add", cast_like(g, buf), foreach("mul", buf, decay)), g)
         else:
-            out = cast_like(list(buf), g)      # aliases the state: not a temporary
-        return (tree_unflatten(out, spec),
-                TraceState(trace=tree_unflatten(buf, spec)))
+            out = cast_like(buf, g)      # aliases the state: not a temporary
+        return out, state._replace(trace=buf)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, leafwise(TraceState, step), ELEMENTWISE)
 
 
 class EmaState(NamedTuple):
@@ -164,20 +158,13 @@ def ema(decay: float, debias: bool = True,
         check_init_params(params)
         return EmaState(count=zero_count(params), ema=stats_like(params, accumulator_dtype))
 
-    def update(updates: Updates, state: EmaState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, EmaState]:
-        del params, extra_args
-        spec, g, avg = flatten_matching(updates, state.ema)
-        if not g:             # a tree without leaves: only the step counters move
-            return updates, advance_counts(state)
-        count = safe_increment(state.count)
-        avg = foreach_ema(avg, g, decay)
-        out = _fresh(_div_by(avg, debias_factor(decay, count)), g) if debias else \
-            cast_like(list(avg), g)
-        return (tree_unflatten(out, spec),
-                EmaState(count=count, ema=tree_unflatten(avg, spec)))
+    def step(g, state, params, extra_args):
+        avg = foreach_ema(state.ema, g, decay)
+        out = _fresh(_div_by(avg, debias_factor(decay, state.count)), g) if debias else \
+            cast_like(avg, g)
+        return out, state._replace(ema=avg)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, leafwise(EmaState, step), ELEMENTWISE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,41 +228,32 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
         return ScaleByAdamState(count=zero_count(params), mu=stats_like(params, mu_dtype),
                                 nu=stats_like(params, nu_dtype))
 
-    def update(updates: Updates, state: ScaleByAdamState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, ScaleByAdamState]:
-        del params, extra_args
-        spec, g, mu, nu = flatten_matching(updates, state.mu, state.nu)
-        if not g:             # a tree without leaves: only the step counters move
-            return updates, advance_counts(state)
-        count = safe_increment(state.count)
-        mu = foreach_ema(mu, g, b1)
-        nu = foreach_ema_sq(nu, g, b2)
+    def step(g, state, params, extra_args):
+        mu = foreach_ema(state.mu, g, b1)
+        nu = foreach_ema_sq(state.nu, g, b2)
         if bias_correction:
-            bc1, bc2 = debias_factor(b1, count), debias_factor(b2, count)
+            bc1, bc2 = debias_factor(b1, state.count), debias_factor(b2, state.count)
         else:
-            bc1 = bc2 = torch.ones((), dtype=torch.float64, device=count.device)
+            bc1 = bc2 = torch.ones((), dtype=torch.float64, device=state.count.device)
         if fast_path:
             # m̂ / (sqrt(v̂) + eps) == m / (sqrt(v) · bc1/sqrt(bc2) + eps · bc1): four passes.
-            denom = list(torch._foreach_sqrt(nu))
-            denom = foreach_op_("mul", denom, scalar_operand(bc1 / torch.sqrt(bc2), denom))
-            denom = foreach_op_("add", denom, scalar_operand(eps * bc1, denom))
+            denom = foreach_op_("mul", foreach("sqrt", nu), bc1 / torch.sqrt(bc2))
+            denom = foreach_op_("add", denom, eps * bc1)
             out = _divide(cast_like(mu, nu), denom)
         else:
             if nesterov:
-                c_mu = b1 / (debias_factor(b1, safe_increment(count)) if bias_correction else bc1)
-                mu_hat = list(torch._foreach_add(
-                    torch._foreach_mul(mu, scalar_operand(c_mu, mu)),
-                    torch._foreach_mul(cast_like(g, mu), scalar_operand((1 - b1) / bc1, mu))))
+                c_mu = b1 / (debias_factor(b1, safe_increment(state.count))
+                             if bias_correction else bc1)
+                mu_hat = foreach("add", foreach("mul", mu, c_mu),
+                                 foreach("mul", cast_like(g, mu), (1 - b1) / bc1))
             else:
                 mu_hat = _div_by(mu, bc1)
             denom = foreach_op_("add", _div_by(nu, bc2), eps_root)
             denom = foreach_op_("add", foreach_op_("sqrt", denom), eps)
             out = _divide(cast_like(mu_hat, nu), denom)
-        return (tree_unflatten(_fresh(out, g), spec),
-                ScaleByAdamState(count=count, mu=tree_unflatten(mu, spec),
-                                 nu=tree_unflatten(nu, spec)))
+        return _fresh(out, g), state._replace(mu=mu, nu=nu)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, leafwise(ScaleByAdamState, step), ELEMENTWISE)
 
 
 class ScaleByNadamState(NamedTuple):
@@ -323,33 +301,23 @@ def scale_by_nadam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                                                        device=count.device),
                                  mu=stats_like(params, mu_dtype), nu=stats_like(params))
 
-    def update(updates: Updates, state: ScaleByNadamState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, ScaleByNadamState]:
-        del params, extra_args
-        spec, g, mu, nu = flatten_matching(updates, state.mu, state.nu)
-        if not g:             # a tree without leaves: only the step counters move
-            return updates, advance_counts(state)
-        count = safe_increment(state.count)
-        t = _float64(count)
+    def step(g, state, params, extra_args):
+        t = _float64(state.count)
         b1_64 = b1.to(torch.float64) if isinstance(b1, torch.Tensor) else b1
         # 0.96^(t·ψ) written as exp(t·ψ·ln 0.96): a tensor expression with no Python-float base
         mu_t = b1_64 * (1 - 0.5 * torch.exp(t * (momentum_decay * _LOG_096)))
         mu_next = b1_64 * (1 - 0.5 * torch.exp((t + 1) * (momentum_decay * _LOG_096)))
         mu_product = state.mu_product * mu_t
-        mu = foreach_ema(mu, g, b1)
-        nu = foreach_ema_sq(nu, g, b2)
-        denom = foreach_op_("sqrt", _div_by(nu, debias_factor(b2, count)))
+        mu = foreach_ema(state.mu, g, b1)
+        nu = foreach_ema_sq(state.nu, g, b2)
+        denom = foreach_op_("sqrt", _div_by(nu, debias_factor(b2, state.count)))
         denom = foreach_op_("add", denom, eps)
-        grad_part = torch._foreach_mul(cast_like(g, nu),
-                                       scalar_operand((1 - mu_t) / (1 - mu_product), nu))
-        mom_part = torch._foreach_mul(cast_like(mu, nu), scalar_operand(
-            mu_next / (1 - mu_product * mu_next), nu))
-        out = list(torch._foreach_div(torch._foreach_add(grad_part, mom_part), denom))
-        return (tree_unflatten(_fresh(out, g), spec),
-                ScaleByNadamState(count=count, mu_product=mu_product,
-                                  mu=tree_unflatten(mu, spec), nu=tree_unflatten(nu, spec)))
+        grad_part = foreach("mul", cast_like(g, nu), (1 - mu_t) / (1 - mu_product))
+        mom_part = foreach("mul", cast_like(mu, nu), mu_next / (1 - mu_product * mu_next))
+        out = foreach("div", foreach("add", grad_part, mom_part), denom)
+        return _fresh(out, g), state._replace(mu_product=mu_product, mu=mu, nu=nu)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, leafwise(ScaleByNadamState, step), ELEMENTWISE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,9 +329,9 @@ def _divide_by_root(g: list[torch.Tensor], stat: list[torch.Tensor], eps: Scalar
                     eps_in_sqrt: bool) -> list[torch.Tensor]:
     """``g / sqrt(stat + eps)`` or ``g / (sqrt(stat) + eps)``, in the dtype of ``stat``."""
     if eps_in_sqrt:
-        denom = foreach_op_("sqrt", list(torch._foreach_add(stat, eps)))
+        denom = foreach_op_("sqrt", foreach("add", stat, eps))
     else:
-        denom = foreach_op_("add", list(torch._foreach_sqrt(stat)), eps)
+        denom = foreach_op_("add", foreach("sqrt", stat), eps)
     return _divide(cast_like(g, stat), denom)
 
 
@@ -409,21 +377,13 @@ def scale_by_rms(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0
         return ScaleByRmsState(count=zero_count(params),
                                nu=stats_like(params, value=initial_scale))
 
-    def update(updates: Updates, state: ScaleByRmsState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, ScaleByRmsState]:
-        del params
-        spec, g, nu = flatten_matching(updates, state.nu)
-        if not g:             # a tree without leaves: only the step counters move
-            return updates, advance_counts(state)
-        count = safe_increment(state.count)
-        nu = foreach_ema_sq(nu, g, decay)
-        nu_hat = _div_by(nu, debias_factor(decay, count)) if bias_correction else nu
-        x = flatten_matching(precondition_target(updates, extra_args))[1]
-        out = _divide_by_root(x, nu_hat, eps, eps_in_sqrt)
-        return (tree_unflatten(_fresh(out, g), spec),
-                ScaleByRmsState(count=count, nu=tree_unflatten(nu, spec)))
+    def step(g, state, params, extra_args):
+        nu = foreach_ema_sq(state.nu, g, decay)
+        nu_hat = _div_by(nu, debias_factor(decay, state.count)) if bias_correction else nu
+        out = _divide_by_root(precondition_leaves(g, extra_args), nu_hat, eps, eps_in_sqrt)
+        return _fresh(out, g), state._replace(nu=nu)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, leafwise(ScaleByRmsState, step), PRECONDITIONER)
 
 
 
@@ -458,27 +418,19 @@ def scale_by_stddev(decay: float = 0.9, eps: float = 1e-8, initial_scale: float 
         return ScaleByStddevState(count=zero_count(params), mu=stats_like(params),
                                   nu=stats_like(params, value=initial_scale))
 
-    def update(updates: Updates, state: ScaleByStddevState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, ScaleByStddevState]:
-        del params, extra_args
-        spec, g, mu, nu = flatten_matching(updates, state.mu, state.nu)
-        if not g:             # a tree without leaves: only the step counters move
-            return updates, advance_counts(state)
-        count = safe_increment(state.count)
-        mu = foreach_ema(mu, g, decay)
-        nu = foreach_ema_sq(nu, g, decay)
+    def step(g, state, params, extra_args):
+        mu = foreach_ema(state.mu, g, decay)
+        nu = foreach_ema_sq(state.nu, g, decay)
         if bias_correction:
-            bc = debias_factor(decay, count)
+            bc = debias_factor(decay, state.count)
             mu_hat, nu_hat = _div_by(mu, bc), _div_by(nu, bc)
         else:
             mu_hat, nu_hat = mu, nu
-        variance = list(torch._foreach_sub(nu_hat, torch._foreach_mul(mu_hat, mu_hat)))
+        variance = foreach("sub", nu_hat, foreach("mul", mu_hat, mu_hat))
         out = _divide_by_root(g, variance, eps, eps_in_sqrt)
-        return (tree_unflatten(_fresh(out, g), spec),
-                ScaleByStddevState(count=count, mu=tree_unflatten(mu, spec),
-                                   nu=tree_unflatten(nu, spec)))
+        return _fresh(out, g), state._replace(mu=mu, nu=nu)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, leafwise(ScaleByStddevState, step), ELEMENTWISE)
 
 
 class ScaleByRssState(NamedTuple):
@@ -509,21 +461,14 @@ def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7,
         return ScaleByRssState(
             sum_of_squares=stats_like(params, value=initial_accumulator_value))
 
-    def update(updates: Updates, state: ScaleByRssState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, ScaleByRssState]:
-        del params
-        spec, g, sos = flatten_matching(updates, state.sum_of_squares)
-        if not g:             # a tree without leaves: only the step counters move
-            return updates, advance_counts(state)
-        sos = foreach_accumulate_sq(sos, g)
-        x = flatten_matching(precondition_target(updates, extra_args))[1]
-        out = _divide_by_root(x, sos, eps, eps_in_sqrt)
+    def step(g, state, params, extra_args):
+        sos = foreach_accumulate_sq(state.sum_of_squares, g)
+        out = _divide_by_root(precondition_leaves(g, extra_args), sos, eps, eps_in_sqrt)
         if not (isinstance(eps, (int, float)) and eps > 0):
             out = [torch.where(s > 0, u, torch.zeros_like(u)) for s, u in zip(sos, out)]
-        return (tree_unflatten(_fresh(out, g), spec),
-                ScaleByRssState(sum_of_squares=tree_unflatten(sos, spec)))
+        return _fresh(out, g), state._replace(sum_of_squares=sos)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, leafwise(ScaleByRssState, step), PRECONDITIONER)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -561,18 +506,9 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99,
         check_init_params(params)
         return ScaleByLionState(count=zero_count(params), mu=stats_like(params, mu_dtype))
 
-    def update(updates: Updates, state: ScaleByLionState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, ScaleByLionState]:
-        del params, extra_args
-        spec, g, mu = flatten_matching(updates, state.mu)
-        if not g:             # a tree without leaves: only the step counters move
-            return updates, advance_counts(state)
-        g_mu = cast_like(g, mu)
-        direction = foreach_op_("sign", list(torch._foreach_lerp(
-            mu, g_mu, device_scalar("lerp", 1 - b1, mu))))
-        mu = foreach_ema(mu, g_mu, b2)
-        return (tree_unflatten(_fresh(direction, g), spec),
-                ScaleByLionState(count=safe_increment(state.count),
-                                 mu=tree_unflatten(mu, spec)))
+    def step(g, state, params, extra_args):
+        g_mu = cast_like(g, state.mu)
+        direction = foreach_op_("sign", foreach("lerp", state.mu, g_mu, 1 - b1))
+        return _fresh(direction, g), state._replace(mu=foreach_ema(state.mu, g_mu, b2))
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, leafwise(ScaleByLionState, step), ELEMENTWISE)
