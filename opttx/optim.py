@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Iterable
 
@@ -12,7 +13,7 @@ from ._statekeys import (dtensor_placement, keyed_state, local_entries_as_dtenso
 from .base import (GradientTransformation, _foreach_add, traits_of, _kind, _stochastic_pairs,
                    round_stochastic_)
 from .tree import PyTree, donating, tree_leaves
-from .wrappers import find_injected_states
+from .wrappers import find_injected_states, inject_hyperparams
 
 __all__ = ["Optimizer"]
 
@@ -38,6 +39,129 @@ def _local_pairs(params: list, updates: list) -> tuple[list, list]:
 
 SHARED = "shared."   # prefix of a group's shared state entries (on its first parameter)
 
+# torch.optim's names for opttx arguments: constructor keywords and param-group keys
+_TORCH_KEYWORDS = {"lr": ("learning_rate",), "betas": ("b1", "b2"), "alpha": ("decay",)}
+# opttx float arguments a torch user may write as ints (``lr=1``); made floats so they inject
+_FLOAT_ARGUMENTS = frozenset({"learning_rate", "b1", "b2", "eps", "weight_decay", "momentum",
+                              "decay"})
+# param-group keys that are hyperparameters in torch.optim: writing one that this optimizer
+# cannot apply raises instead of being ignored
+_HYPERPARAMETER_KEYS = frozenset({"lr", "betas", "momentum", "weight_decay", "eps", "alpha",
+                                  "dampening", "lr_decay", "momentum_decay", "decay"})
+
+
+def _torch_arguments(factory: Callable[..., GradientTransformation],
+                     kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with torch.optim's names (``lr``, ``betas``, ``alpha``) translated to the
+    arguments of ``factory`` and integer hyperparameters made floats."""
+    accepted = inspect.signature(factory).parameters
+    out: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key in accepted:
+            names, values = (key,), (value,)
+        elif key in _TORCH_KEYWORDS and all(n in accepted for n in _TORCH_KEYWORDS[key]):
+            names = _TORCH_KEYWORDS[key]
+            values = tuple(value) if len(names) > 1 else (value,)
+            if len(values) != len(names):
+                raise ValueError(f"{key} must have {len(names)} values, got {value!r}.")
+        else:
+            raise TypeError(f"{getattr(factory, '__name__', factory)!r} has no argument "
+                            f"{key!r} (its arguments: {list(accepted)}).")
+        for name, v in zip(names, values):
+            if name in out:
+                raise TypeError(f"{name!r} given twice (as {key!r} and {name!r}).")
+            if name in _FLOAT_ARGUMENTS and isinstance(v, int) and not isinstance(v, bool):
+                v = float(v)
+            out[name] = v
+    return out
+
+
+def _injected(factory: Callable[..., GradientTransformation],
+              kwargs: dict[str, Any]) -> GradientTransformation:
+    """``factory(**kwargs)`` (torch's names accepted) with its float hyperparameters injected
+    as float32 0-dim tensors: a compiled step reads them as graph inputs (a float64 0-dim CPU
+    tensor is where Dynamo keeps Python floats it has made symbolic, and a grouped kernel
+    given one breaks the graph), and float32 is the precision torch's CPU kernels apply a
+    float ``lr`` to float32 parameters in anyway."""
+    return inject_hyperparams(factory, hyperparam_dtype=torch.float32)(
+        **_torch_arguments(factory, kwargs))
+
+
+def _exact_values(factory: Callable[..., GradientTransformation],
+                  kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The Python values of the float arguments of ``factory(**kwargs)`` (defaults
+    included) under their param-group keys: what the groups show, not the float32 roundings."""
+    bound = inspect.signature(factory).bind(**_torch_arguments(factory, kwargs))
+    bound.apply_defaults()
+    args = {k: v for k, v in bound.arguments.items()
+            if isinstance(v, float) and not isinstance(v, bool)}
+    out: dict[str, Any] = {}
+    if "b1" in args and "b2" in args:
+        out["betas"] = (args.pop("b1"), args.pop("b2"))
+    for name, value in args.items():
+        out["lr" if name == "learning_rate" else name] = value
+    return out
+
+
+def _live_hyperparameters(state: Any) -> dict[str, list[tuple[dict, tuple[str, ...]]]]:
+    """Param-group key -> where it lives: per injected state, its ``hyperparams`` dict and
+    the names the key sets there (two for ``"betas"``); torch's key where there is one
+    (``lr``, ``betas``), the opttx name otherwise."""
+    live: dict[str, list[tuple[dict, tuple[str, ...]]]] = {}
+    for injected in find_injected_states(state):
+        h = injected.hyperparams
+        names = set(h)
+        if "b1" in names and "b2" in names:
+            live.setdefault("betas", []).append((h, ("b1", "b2")))
+            names -= {"b1", "b2"}
+        for name in h:
+            if name in names:
+                key = "lr" if name == "learning_rate" else name
+                live.setdefault(key, []).append((h, (name,)))
+    return live
+
+
+def _group_value(where: tuple[dict, tuple[str, ...]]) -> Any:
+    values = tuple(where[0][name].item() for name in where[1])
+    return values if len(values) > 1 else values[0]
+
+
+class _Group(dict):
+    """A param group whose hyperparameter keys write through to the transform state: a
+    torch LR scheduler's ``group["lr"] = x`` (or a user's) sets the injected tensor at once,
+    so a step (compiled or not) only reads tensors."""
+
+    _owner: Any = None     # the Optimizer, once the group's state exists
+    _slot: int = 0         # index of the group's transform state
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if self._owner is not None:
+            self._owner._write_hyperparameter(self._slot, key, value)
+        super().__setitem__(key, value)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def __missing__(self, key: str) -> Any:
+        if key == "lr" and self._owner is not None:
+            raise KeyError("'lr': this param group's transform has no learning rate that can "
+                           "be changed (no injected hyperparameter and no constant final "
+                           "scale). Build the Optimizer from the alias itself, e.g. "
+                           "opttx.Optimizer(params, opttx.adamw, lr=1e-3), or pass "
+                           "opttx.inject_hyperparams(alias)(...).")
+        raise KeyError(key)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        # the owner is re-attached by Optimizer.__setstate__; copying it with the items
+        # would write into a half-built copy
+        return (_Group, (dict(self),))
+
 
 class _ParamStates(Mapping):
     """``optimizer.state`` of an `Optimizer`: parameter -> its entries of the transform state
@@ -52,10 +176,10 @@ class _ParamStates(Mapping):
         self._cache: dict[int, tuple[Any, list[dict]]] = {}
 
     def _position(self, param: torch.Tensor) -> tuple[int, int] | None:
-        for index, group in enumerate(self._optimizer.param_groups):
+        for group in self._optimizer.param_groups:
             for j, p in enumerate(group["params"]):
                 if p is param:
-                    return index, j
+                    return group._slot, j
         return None
 
     def group_entries(self, index: int) -> list[dict]:
@@ -71,10 +195,10 @@ class _ParamStates(Mapping):
         return {} if where is None else self.group_entries(where[0])[where[1]]
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        return (p for group in self._optimizer.param_groups for p in group["params"])
+        return (p for group in self._optimizer._slot_groups for p in group["params"])
 
     def __len__(self) -> int:
-        return sum(len(group["params"]) for group in self._optimizer.param_groups)
+        return sum(len(group["params"]) for group in self._optimizer._slot_groups)
 
     def __bool__(self) -> bool:
         return True
@@ -143,16 +267,33 @@ class Optimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict] |
-                 Iterable[tuple[str, torch.Tensor]], tx: GradientTransformation, *,
+                 Iterable[tuple[str, torch.Tensor]],
+                 tx: GradientTransformation | Callable[..., GradientTransformation], *,
                  stochastic_rounding: bool = False,
-                 generator: torch.Generator | None = None) -> None:
-        if not isinstance(tx, GradientTransformation):
-            raise TypeError(f"tx must be a GradientTransformation, got {type(tx).__name__}.")
+                 generator: torch.Generator | None = None, **hyperparameters: Any) -> None:
+        if isinstance(params, torch.Tensor):
+            raise TypeError("params argument given to the optimizer should be an iterable of "
+                            "Tensors or dicts, but got " + torch.typename(params))
+        self._recipe: tuple[Callable[..., GradientTransformation], dict] | None = None
+        if isinstance(tx, GradientTransformation):
+            if hyperparameters:
+                raise TypeError(f"Hyperparameter keywords {sorted(hyperparameters)} are for a "
+                                "factory (opttx.Optimizer(params, opttx.adamw, lr=1e-3)); this "
+                                "transform is already built.")
+        elif callable(tx):
+            self._recipe = (tx, dict(hyperparameters))
+            tx = _injected(tx, hyperparameters)
+        else:
+            raise TypeError(f"tx must be a GradientTransformation or a function returning "
+                            f"one (an alias such as opttx.adamw), got {type(tx).__name__}.")
         self.tx = tx
         self.stochastic_rounding = stochastic_rounding
         self.generator = generator
         self._tx_states: list[Any] = []
-        self._synced: dict[int, dict] = {}
+        self._steps_called = torch.zeros((), dtype=torch.int32)   # 1 once step has run
+        self._slot_groups: list[_Group] = []       # the group of each transform state
+        self._live: list[frozenset[str]] = []      # group keys that set injected values
+        self._lr_is_scale: list[bool] = []         # lr applied as the final constant scale
         params = list(params)
         if _is_named(params):
             params = [{"params": [p for _, p in params],
@@ -165,14 +306,41 @@ class Optimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         # torch.optim.Optimizer keeps only defaults, state and param_groups: the transform and
         # its states would be dropped silently (copy.deepcopy, pickle). Keep everything; the
-        # live ``state`` view is rebuilt on the copy.
+        # live ``state`` view is rebuilt on the copy. An optimizer built from a factory is
+        # saved with its recipe instead of the transform (closures do not pickle).
         out = dict(self.__dict__)
         out.pop("state", None)
+        if self._recipe is not None:
+            out["tx"] = None
+            groups = {id(g): _Group({k: (None if v is self.tx else v) for k, v in g.items()})
+                      for g in self.param_groups}
+            out["param_groups"] = [groups[id(g)] for g in self.param_groups]
+            out["_slot_groups"] = [groups[id(g)] for g in self._slot_groups]
         return out
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        if self._recipe is not None and self.tx is None:
+            factory, kwargs = self._recipe
+            self.tx = _injected(factory, kwargs)
+            for group in self._slot_groups:
+                if group.get("tx", self) is None:
+                    dict.__setitem__(group, "tx", self.tx)
+        for slot, group in enumerate(self._slot_groups):
+            group._owner, group._slot = self, slot
         self.state = _ParamStates(self)
+
+    @property
+    def _opt_called(self) -> bool:
+        """Whether `step` has run (read by torch LR schedulers for their "scheduler.step()
+        before optimizer.step()" warning; `step` declares itself already wrapped by them, as
+        Dynamo refuses to trace their wrapper: ``torch.compile(opt.step, fullgraph=True)``
+        works with a scheduler attached)."""
+        return bool(self._steps_called)
+
+    @_opt_called.setter
+    def _opt_called(self, value: bool) -> None:
+        self._steps_called.fill_(int(bool(value)))
 
     @staticmethod
     def _name_group(group: dict) -> dict:
@@ -194,59 +362,123 @@ class Optimizer(torch.optim.Optimizer):
         return list(leaves)
 
     def add_param_group(self, param_group: dict) -> None:
-        param_group = self._name_group(param_group)
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
+        param_group = _Group(self._name_group(param_group))
+        given = set(param_group) - {"params", "param_names", "tx"}
         tx = param_group.setdefault("tx", self.tx)
         if not isinstance(tx, GradientTransformation):
             raise TypeError(f"param group 'tx' must be a GradientTransformation, got "
                             f"{type(tx).__name__}.")
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
+        super().add_param_group(param_group)   # fills in torch's checks and the defaults
+        group = param_group
         with torch.no_grad():
             tree = self._tree(group, [p.detach() for p in group["params"]])
             state = tx.init(tree)
+        live = _live_hyperparameters(state)
+        initial = {key: _group_value(places[0]) for key, places in live.items()}
+        if self._recipe is not None and tx is self.tx:
+            exact = _exact_values(*self._recipe)
+            initial.update({k: v for k, v in exact.items() if k in initial})
+        factor = self._final_scale(tx)
+        lr_is_scale = "lr" not in live and factor is not None and factor < 0
+        if lr_is_scale:
+            initial["lr"] = -factor
+        for key in given:
+            if key in _HYPERPARAMETER_KEYS and key not in initial:
+                raise ValueError(self._not_live(key))
+        for key in set(group) - given - {"params", "param_names", "tx"}:
+            if key not in initial:
+                dict.pop(group, key)           # a default of another group's transform
+        for key, value in initial.items():
+            if key not in given:
+                dict.__setitem__(group, key, value)
+        if not self.defaults:
+            self.defaults.update(initial)
+        slot = len(self._tx_states)
         self._tx_states.append(state)
-        for injected in find_injected_states(state):
-            for name, value in injected.hyperparams.items():
-                group.setdefault("lr" if name == "learning_rate" else name, value.item())
+        self._slot_groups.append(group)
+        self._live.append(frozenset(live))
+        self._lr_is_scale.append(lr_is_scale)
+        group._owner, group._slot = self, slot
+        for key in given & set(initial):
+            self._write_hyperparameter(slot, key, group[key])
 
-    def _sync_hyperparams(self, index: int, group: dict, state: Any) -> None:
-        """Write the group's hyperparameter values into the injected state where they
-        changed since the last step (an LR scheduler or the user edited the group)."""
-        synced = self._synced.setdefault(index, {})
-        for injected in find_injected_states(state):
-            for name, tensor in injected.hyperparams.items():
-                key = "lr" if name == "learning_rate" else name
-                if key not in group:
-                    continue
-                value = group[key]
-                if isinstance(value, torch.Tensor):
-                    tensor.copy_(value)
-                elif synced.get((id(tensor), key)) != value:
-                    tensor.fill_(value)
-                    synced[(id(tensor), key)] = value
+    @staticmethod
+    def _not_live(key: str) -> str:
+        return (f"param group key {key!r} cannot take effect: this group's transform was built "
+                f"with fixed hyperparameters (no injected {key!r}). Build the Optimizer from "
+                f"the alias itself, e.g. opttx.Optimizer(params, opttx.adamw, lr=1e-3, "
+                f"weight_decay=0.1), or pass opttx.inject_hyperparams(alias)(...).")
+
+    @staticmethod
+    def _final_scale(tx: GradientTransformation) -> float | None:
+        links = traits_of(tx).links
+        factor = traits_of(links[-1]).constant_scale if links else None
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool):
+            return None
+        return float(factor)
+
+    @torch.no_grad()
+    def _write_hyperparameter(self, slot: int, key: str, value: Any) -> None:
+        """Apply ``group[key] = value`` to the transform state of group ``slot`` (called by
+        the group as it is written)."""
+        if key in self._live[slot]:
+            places = _live_hyperparameters(self._tx_states[slot])[key]
+            values = tuple(value) if key == "betas" else (value,)
+            if len(values) != len(places[0][1]):
+                raise ValueError(f"param group {key!r} must have {len(places[0][1])} values, "
+                                 f"got {value!r}.")
+            for hyperparams, names in places:
+                for name, v in zip(names, values):
+                    if isinstance(v, torch.Tensor) and v.dim() == 0 and \
+                            v.device == hyperparams[name].device:
+                        # the state holds the group's tensor itself: a scheduler's in-place
+                        # ``group["lr"].fill_(x)`` is the state's value at once
+                        hyperparams[name] = v
+                    elif isinstance(v, torch.Tensor):
+                        hyperparams[name].copy_(v)
+                    else:
+                        hyperparams[name].fill_(v)
+        elif key == "lr" and self._lr_is_scale[slot]:
+            if isinstance(value, torch.Tensor):
+                raise ValueError("a tensor 'lr' needs an injected learning rate: build the "
+                                 "Optimizer from the alias (opttx.Optimizer(params, "
+                                 "opttx.adamw, lr=torch.tensor(1e-3))).")
+        elif key in _HYPERPARAMETER_KEYS:
+            raise ValueError(self._not_live(key))
 
     # -- the step ----------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Apply one update to every parameter that has a gradient; returns ``closure()``."""
+        # What a torch LR scheduler's wrapper of ``step`` records (see `_opt_called`); a
+        # tensor, since Dynamo drops attribute writes on a torch.optim.Optimizer
+        self._steps_called.fill_(1)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for index, group in enumerate(self.param_groups):
+        for slot, group in enumerate(self._slot_groups):
             params = group["params"]
             has_grad = [p.grad is not None for p in params]
             if not any(has_grad):
                 continue
-            state = self._tx_states[index]
-            self._sync_hyperparams(index, group, state)
+            state = self._tx_states[slot]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             param_tree = self._tree(group, [p.detach() for p in params])
-            with donating():
+            lr = group["lr"] if self._lr_is_scale[slot] else None
+            if torch.compiler.is_compiling():
+                # donation is an eager memory saving (Dynamo cannot enter its ContextVar;
+                # under compile the graph reuses buffers itself)
                 updates, state, factor = self._run(group["tx"], self._tree(group, grads),
-                                                   state, param_tree)
-            self._tx_states[index] = state
+                                                   state, param_tree, lr)
+            else:
+                with donating():
+                    updates, state, factor = self._run(group["tx"], self._tree(group, grads),
+                                                       state, param_tree, lr)
+            self._tx_states[slot] = state
             moved, deltas = _local_pairs(
                 [p for p, g in zip(params, has_grad) if g],
                 [u for u, g in zip(tree_leaves(updates), has_grad) if g])
@@ -260,22 +492,23 @@ class Optimizer(torch.optim.Optimizer):
                 _foreach_add(moved, deltas, inplace=True, alpha=factor)
         return loss
 
-    @staticmethod
-    def _run(tx: GradientTransformation, grads: PyTree, state: Any,
-             params: PyTree) -> tuple[PyTree, Any, float]:
+    @classmethod
+    def _run(cls, tx: GradientTransformation, grads: PyTree, state: Any,
+             params: PyTree, lr: float | None = None) -> tuple[PyTree, Any, float]:
         """``tx.update``, except that a chain ending in a constant `opttx.scale` (every alias
         with a fixed learning rate) stops before it and returns the factor, so the write
-        ``p += factor · u`` does the scaling in the same pass (as torch's ``addcdiv_``)."""
-        links = traits_of(tx).links
-        factor = traits_of(links[-1]).constant_scale if links else None
-        if not isinstance(factor, (int, float)) or isinstance(factor, bool):
+        ``p += factor · u`` does the scaling in the same pass (as torch's ``addcdiv_``).
+        ``lr`` (the group's, for such a chain) replaces the factor by ``-lr``."""
+        factor = cls._final_scale(tx)
+        if factor is None:
             updates, state = tx.update(grads, state, params)
             return updates, state, 1.0
+        links = traits_of(tx).links
         new_state = list(state)
         updates = grads
         for i, link in enumerate(links[:-1]):
             updates, new_state[i] = link.update(updates, state[i], params)
-        return updates, tuple(new_state), float(factor)
+        return updates, tuple(new_state), (factor if lr is None else -lr)
 
     # -- inspection and checkpoints --------------------------------------------------------------
 
@@ -285,10 +518,10 @@ class Optimizer(torch.optim.Optimizer):
         return list(self._tx_states)
 
     def _group_entries(self, index: int) -> list[dict]:
-        """Per parameter of group ``index``, its entries of the transform state
-        (``{field path: tensor}``), the group's shared entries on its first parameter; element-wise
-        statistics of DTensor parameters as DTensors."""
-        group = self.param_groups[index]
+        """Per parameter of the group of transform state ``index``, its entries of the
+        transform state (``{field path: tensor}``), the group's shared entries on its first
+        parameter; element-wise statistics of DTensor parameters as DTensors."""
+        group = self._slot_groups[index]
         params = group["params"]
         tree = self._tree(group, list(params))
         names = param_paths(tree)
@@ -320,18 +553,32 @@ class Optimizer(torch.optim.Optimizer):
         it with `load_state_dict` into an optimizer built the same way resumes
         bit-identically.
         """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         state: dict[int, dict[str, torch.Tensor]] = {}
         groups = []
+        index_of: dict[int, int] = {}     # id(param) -> its index (a repeated one keeps its first)
         start = 0
-        for index, group in enumerate(self.param_groups):
-            for j, entries in enumerate(self._group_entries(index)):
-                state[start + j] = {k: v.detach().clone() for k, v in entries.items()}
+        done: set[int] = set()
+        for group in self.param_groups:
+            params = group["params"]
+            for i, p in enumerate(params, start):
+                index_of.setdefault(id(p), i)
+            if group._slot not in done:        # a group listed twice (param_groups.extend)
+                done.add(group._slot)
+                for p, entries in zip(params, self._group_entries(group._slot)):
+                    state[index_of[id(p)]] = {k: v.detach().clone() for k, v in entries.items()}
             saved = {k: v for k, v in group.items() if k not in ("params", "tx")}
             saved["tx"] = None          # not saved (DCP wants every key of the live groups)
-            saved["params"] = list(range(start, start + len(group["params"])))
-            start += len(group["params"])
+            saved["params"] = [index_of[id(p)] for p in params]
+            start += len(params)
             groups.append(saved)
-        return {"state": state, "param_groups": groups}
+        out = {"state": state, "param_groups": groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, out)
+            if result is not None:
+                out = result
+        return out
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -344,15 +591,24 @@ class Optimizer(torch.optim.Optimizer):
           ValueError: another number of groups or parameters, or entries missing, unexpected
             or of another shape (the message names them).
         """
+        state_dict = dict(state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"state_dict has {len(groups)} param groups, this optimizer has "
                              f"{len(self.param_groups)}.")
+        done: set[int] = set()
         for index, (group, saved) in enumerate(zip(self.param_groups, groups)):
+            if group._slot in done:
+                continue                      # a group listed twice: loaded once
+            done.add(group._slot)
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(f"param group {index} has {len(group['params'])} params, "
                                  f"the state_dict {len(saved['params'])}.")
-            current = self._group_entries(index)
+            current = self._group_entries(group._slot)
             given = [dict(state_dict["state"].get(key, {})) for key in saved["params"]]
             if given and current:
                 # the shared entries may sit on any one parameter of the group
@@ -383,7 +639,15 @@ class Optimizer(torch.optim.Optimizer):
                     src = value.to_local() if hasattr(value, "to_local") else value
                     if src is not dst:
                         dst.copy_(src)
-            self._synced.pop(index, None)
             for key, value in saved.items():
-                if key not in ("params", "tx"):
+                if key not in ("params", "tx", "param_names"):
                     group[key] = value
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+
+# torch.optim.lr_scheduler wraps ``optimizer.step`` to record ``_opt_called`` (for its
+# "scheduler.step() before optimizer.step()" warning) unless the step says it is wrapped
+# already; Dynamo force-skips that wrapper (a graph break, an error under fullgraph=True).
+# `Optimizer.step` records the flag itself.
+Optimizer.step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
