@@ -185,3 +185,253 @@ def test_deepcopy_keeps_the_transform_and_its_state() -> None:
     assert set(mine) == set(theirs) and mine
     for key in mine:
         assert torch.equal(mine[key], theirs[key]), key
+
+
+# -- issue 20: hyperparameters always in param_groups; the rest of torch's contract -------------
+
+
+def params_of(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_factory_with_torch_keywords_and_per_group_values_matches_torch() -> None:
+    """``Optimizer(params, opttx.adamw, lr=..., betas=..., weight_decay=...)`` as torch's
+    AdamW: groups and ``defaults`` show torch's keys with the exact values given, per-group
+    ``lr``/``weight_decay`` take effect, and a scheduler drives every group."""
+    model, ref_model = make_model(), make_model()
+
+    def groups(m):
+        return [{"params": [m[0].weight, m[2].weight]},
+                {"params": [m[0].bias, m[2].bias], "lr": 3e-2, "weight_decay": 0.0}]
+
+    opt = opttx.Optimizer(groups(model), opttx.adamw, lr=1e-2, betas=(0.8, 0.99),
+                          weight_decay=0.1, eps=1e-7)
+    ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1,
+                            eps=1e-7)
+    assert opt.defaults["lr"] == 1e-2 and opt.defaults["betas"] == (0.8, 0.99)
+    assert opt.defaults["weight_decay"] == 0.1 and opt.defaults["eps"] == 1e-7
+    assert [g["lr"] for g in opt.param_groups] == [1e-2, 3e-2]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref, step_size=2, gamma=0.5)
+    batches = data(8)
+    assert train(model, opt, batches, sched) == pytest.approx(
+        train(ref_model, ref, batches, ref_sched), rel=1e-5)
+    torch.testing.assert_close(params_of(model), params_of(ref_model), rtol=1e-5, atol=1e-6)
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref.param_groups]
+
+
+def test_manual_warmup_and_tensor_lr_take_effect() -> None:
+    """``group["lr"] = x`` (a hand-written warm-up) and a tensor ``lr`` that a scheduler fills
+    in place both reach the state before the next step."""
+    for lr in (1e-2, torch.tensor(1e-2)):
+        model, ref_model = make_model(), make_model()
+        opt = opttx.Optimizer(model.parameters(), opttx.adam, lr=lr)
+        ref = torch.optim.Adam(ref_model.parameters(), lr=lr.clone() if
+                               isinstance(lr, torch.Tensor) else lr)
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.7)
+        ref_sched = torch.optim.lr_scheduler.ExponentialLR(ref, gamma=0.7)
+        for i, (x, y) in enumerate(data(6)):
+            for o, m, s in ((opt, model, sched), (ref, ref_model, ref_sched)):
+                if i < 2 and not isinstance(lr, torch.Tensor):
+                    o.param_groups[0]["lr"] = 1e-3 * (i + 1)       # warm-up by hand
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                o.step()
+                o.zero_grad()
+                s.step()
+        torch.testing.assert_close(params_of(model), params_of(ref_model), rtol=1e-5,
+                                   atol=1e-6)
+        assert float(opt.tx_states[0].hyperparams["learning_rate"]) == pytest.approx(
+            float(ref.param_groups[0]["lr"]), rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["onecycle", "cyclic"])
+def test_cycle_momentum_drives_betas_and_momentum(kind: str) -> None:
+    """OneCycleLR/CyclicLR with their default ``cycle_momentum=True`` cycle AdamW's
+    ``betas[0]`` and SGD's ``momentum``, as in torch."""
+    cases = [(lambda p: opttx.Optimizer(p, opttx.adamw, lr=1e-2, weight_decay=0.1),
+              lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)),
+             (lambda p: opttx.Optimizer(p, opttx.sgd, lr=1e-2, momentum=0.9),
+              lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9))]
+    for ours_fn, ref_fn in cases:
+        model, ref_model = make_model(), make_model()
+        opt, ref = ours_fn(model.parameters()), ref_fn(ref_model.parameters())
+
+        def sched(o):
+            if kind == "onecycle":
+                return torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=10)
+            return torch.optim.lr_scheduler.CyclicLR(o, base_lr=1e-3, max_lr=0.05,
+                                                     step_size_up=3)
+
+        s, ref_s = sched(opt), sched(ref)
+        batches = data(10)
+        assert train(model, opt, batches, s) == pytest.approx(
+            train(ref_model, ref, batches, ref_s), rel=1e-5)
+        key = "betas" if "betas" in ref.defaults and ref.defaults.get("momentum") is None \
+            else "momentum"
+        assert opt.param_groups[0][key] == ref.param_groups[0][key]
+        hyper = opt.tx_states[0].hyperparams
+        live = float(hyper["b1"] if key == "betas" else hyper["momentum"])
+        first = ref.param_groups[0][key]
+        assert live == pytest.approx(first[0] if key == "betas" else first, rel=1e-6)
+
+
+def test_built_alias_shows_its_learning_rate_and_applies_group_edits() -> None:
+    """A built, non-injected alias ending in a constant learning rate: ``lr`` is in the
+    groups and ``defaults`` and a scheduler applies it (the final scale is read from the
+    group); what such a transform cannot apply raises instead of being ignored."""
+    model, ref_model = make_model(), make_model()
+    opt = opttx.Optimizer(model.parameters(), opttx.adamw(1e-2, weight_decay=0.1))
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1)
+    assert opt.defaults == {"lr": 1e-2} and opt.param_groups[0]["lr"] == 1e-2
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=6)
+    ref_sched = torch.optim.lr_scheduler.CosineAnnealingLR(ref, T_max=6)
+    batches = data(6)
+    assert train(model, opt, batches, sched) == pytest.approx(
+        train(ref_model, ref, batches, ref_sched), rel=1e-5)
+    with pytest.raises(ValueError, match="weight_decay"):
+        opt.param_groups[0]["weight_decay"] = 0.0
+    with pytest.raises(ValueError, match="weight_decay"):
+        opttx.Optimizer([{"params": list(model.parameters()), "weight_decay": 0.0}],
+                        opttx.adamw(1e-2))
+    # rmsprop with momentum ends in the momentum trace: no learning rate to change
+    rms = opttx.Optimizer(model.parameters(), opttx.rmsprop(1e-2, momentum=0.9))
+    with pytest.raises(KeyError, match="opttx.Optimizer\\(params, opttx.adamw"):
+        torch.optim.lr_scheduler.StepLR(rms, step_size=1)
+    with pytest.raises(ValueError, match="'lr'"):
+        rms.param_groups[0]["lr"] = 1e-3
+    with pytest.raises(TypeError, match="already built"):
+        opttx.Optimizer(model.parameters(), opttx.adamw(1e-2), lr=1e-3)
+    with pytest.raises(TypeError, match="no argument 'momentum'"):
+        opttx.Optimizer(model.parameters(), opttx.adamw, lr=1e-3, momentum=0.9)
+
+
+@pytest.mark.parametrize("name", ["linear", "cosine", "cosine_with_restarts", "polynomial",
+                                  "constant", "constant_with_warmup", "inverse_sqrt",
+                                  "reduce_lr_on_plateau", "cosine_with_min_lr",
+                                  "cosine_warmup_with_min_lr", "warmup_stable_decay"])
+def test_hf_get_scheduler_drives_a_built_alias(name: str) -> None:
+    """HF transformers' ``get_scheduler`` (every type that takes an optimizer's lr; the
+    ``polynomial`` and ``*_min_lr`` ones read ``defaults["lr"]``) drives a plain, non-injected
+    ``opttx.adamw(...)`` exactly as it drives ``torch.optim.AdamW``."""
+    transformers = pytest.importorskip("transformers")
+    specific = {"cosine_with_min_lr": {"min_lr": 1e-4},
+                "cosine_warmup_with_min_lr": {"min_lr": 1e-4},
+                "warmup_stable_decay": {"num_decay_steps": 3}}.get(name, {})
+    model, ref_model = make_model(), make_model()
+    opt = opttx.Optimizer(model.parameters(), opttx.adamw(1e-2, weight_decay=0.1))
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1)
+    scheds = [transformers.get_scheduler(name, o, num_warmup_steps=2, num_training_steps=8,
+                                         scheduler_specific_kwargs=specific)
+              for o in (opt, ref)]
+    for x, y in data(8):
+        for o, m, s in ((opt, model, scheds[0]), (ref, ref_model, scheds[1])):
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            s.step(loss.item()) if name == "reduce_lr_on_plateau" else s.step()
+        assert opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
+    torch.testing.assert_close(params_of(model), params_of(ref_model), rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_step_is_one_graph_with_a_scheduler() -> None:
+    """``torch.compile(opt.step)`` with a scheduler changing lr and betas over 10 steps: one
+    graph, no recompile, no graph break (fullgraph), parameters equal the eager twin's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    model, eager_model = make_model(), make_model()
+
+    def build(m):
+        o = opttx.Optimizer(m.parameters(), opttx.adamw, lr=1e-2, weight_decay=0.1)
+        return o, torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=12)
+
+    (opt, sched), (eager, eager_sched) = build(model), build(eager_model)
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(opt.step, backend=counter, fullgraph=True)
+    lrs = set()
+    for x, y in data(10):
+        for m, s, do in ((model, sched, step), (eager_model, eager_sched, eager.step)):
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            do()
+            m.zero_grad()
+            s.step()
+        lrs.add(opt.param_groups[0]["lr"])
+    assert len(lrs) == 10
+    assert counter.frame_count == 1                      # one graph, never recompiled
+    torch.testing.assert_close(params_of(model), params_of(eager_model), rtol=1e-6,
+                               atol=1e-7)
+    assert float(opt.tx_states[0].hyperparams["learning_rate"]) == pytest.approx(
+        opt.param_groups[0]["lr"], rel=1e-6)
+
+
+def test_state_dict_hooks_are_called() -> None:
+    model = make_model()
+    opt = opttx.Optimizer(model.parameters(), opttx.adam, lr=1e-2)
+    train(model, opt, data(1))
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: (calls.append("post"),
+                                                     {**sd, "extra": 1})[1])
+    opt.register_load_state_dict_pre_hook(
+        lambda o, sd: (calls.append("load_pre"), {k: v for k, v in sd.items()
+                                                  if k != "extra"})[1])
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load_post"))
+    saved = opt.state_dict()
+    assert saved["extra"] == 1
+    opt.load_state_dict(saved)
+    assert calls == ["pre", "post", "load_pre", "load_post"]
+
+
+@pytest.mark.parametrize("named_first", [True, False])
+def test_state_dict_from_named_parameters_loads_into_parameters(named_first: bool) -> None:
+    batches = data(8)
+
+    def build(m, named):
+        return opttx.Optimizer(m.named_parameters() if named else m.parameters(),
+                               opttx.adamw, lr=1e-2, weight_decay=0.1)
+
+    model = make_model()
+    opt = build(model, named_first)
+    train(model, opt, batches[:4])
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    train(model, opt, batches[4:])
+    other = make_model(seed=5)
+    other.load_state_dict(saved_model)
+    other_opt = build(other, not named_first)
+    other_opt.load_state_dict(saved_opt)
+    assert ("param_names" in other_opt.param_groups[0]) == (not named_first)
+    train(other, other_opt, batches[4:])
+    assert torch.equal(params_of(model), params_of(other))
+
+
+def test_pickles_and_resumes_identically() -> None:
+    import pickle
+    model = make_model()
+    opt = opttx.Optimizer(model.parameters(), opttx.adamw, lr=1e-2, weight_decay=0.1)
+    train(model, opt, data(3))
+    twin = pickle.loads(pickle.dumps(opt))
+    assert twin.param_groups[0]["lr"] == 1e-2 and twin.defaults == opt.defaults
+    twin.param_groups[0]["lr"] = 5e-3            # still writes through to its own state
+    opt.param_groups[0]["lr"] = 5e-3
+    ps = twin.param_groups[0]["params"]
+    for p, q in zip(model.parameters(), ps):
+        g = torch.randn_like(p)
+        p.grad, q.grad = g.clone(), g.clone()
+    opt.step()
+    twin.step()
+    assert torch.equal(params_of(model), torch.cat([q.detach().flatten() for q in ps]))
+
+
+def test_repeated_param_groups_and_bad_params() -> None:
+    model = make_model()
+    opt = opttx.Optimizer(model.parameters(), opttx.sgd, lr=0.1, momentum=0.9)
+    train(model, opt, data(1))
+    before = opt.state_dict()
+    opt.param_groups.extend(opt.param_groups)
+    after = opt.state_dict()
+    assert after["param_groups"][-1] == before["param_groups"][-1]
+    assert after["state"].keys() == before["state"].keys()
+    opt.load_state_dict(after)
+    with pytest.raises(TypeError, match="should be an iterable of Tensors or dicts"):
+        opttx.Optimizer(torch.ones(3, requires_grad=True), opttx.sgd, lr=0.1)
