@@ -190,15 +190,27 @@ class _ParamStates(Mapping):
             self._cache[index] = cached
         return cached[1]
 
-    def __getitem__(self, param: torch.Tensor) -> dict:
+    def __getitem__(self, param: Any) -> Any:
+        if not isinstance(param, torch.Tensor):
+            return self._optimizer._state_extras[param]
         where = self._position(param)
         return {} if where is None else self.group_entries(where[0])[where[1]]
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return (p for group in self._optimizer._slot_groups for p in group["params"])
+    def __setitem__(self, key: Any, value: Any) -> None:
+        # torch.optim keeps entries under other keys than parameters in ``state`` and in its
+        # state dict (hooks do); a parameter's entries are the transform's
+        if isinstance(key, torch.Tensor):
+            raise TypeError("optimizer.state[param] is a view of the transform state; change "
+                            "the state with load_state_dict or through optimizer.tx_states.")
+        self._optimizer._state_extras[key] = value
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from (p for group in self._optimizer._slot_groups for p in group["params"])
+        yield from self._optimizer._state_extras
 
     def __len__(self) -> int:
-        return sum(len(group["params"]) for group in self._optimizer._slot_groups)
+        return sum(len(group["params"]) for group in self._optimizer._slot_groups) + \
+            len(self._optimizer._state_extras)
 
     def __bool__(self) -> bool:
         return True
@@ -291,6 +303,8 @@ class Optimizer(torch.optim.Optimizer):
         self.generator = generator
         self._tx_states: list[Any] = []
         self._steps_called = torch.zeros((), dtype=torch.int32)   # 1 once step has run
+        self._state_extras: dict[Any, Any] = {}   # ``state`` entries not keyed by a parameter
+        self._tree_names: list[list[str] | None] = []   # per state: its tree's names, if any
         self._slot_groups: list[_Group] = []       # the group of each transform state
         self._live: list[frozenset[str]] = []      # group keys that set injected values
         self._lr_is_scale: list[bool] = []         # lr applied as the final constant scale
@@ -354,9 +368,11 @@ class Optimizer(torch.optim.Optimizer):
 
     # -- groups and their trees ---------------------------------------------------------------
 
-    @staticmethod
-    def _tree(group: dict, leaves: list) -> PyTree:
-        names = group.get("param_names")
+    def _tree(self, group: dict, leaves: list) -> PyTree:
+        # the names the group's transform state was built with (a state dict loaded from
+        # named_parameters() may add "param_names" to a group built without)
+        names = self._tree_names[group._slot] if group._owner is self else \
+            group.get("param_names")
         if names is not None:
             return dict(zip(names, leaves))
         return list(leaves)
@@ -398,6 +414,7 @@ class Optimizer(torch.optim.Optimizer):
         slot = len(self._tx_states)
         self._tx_states.append(state)
         self._slot_groups.append(group)
+        self._tree_names.append(list(group["param_names"]) if "param_names" in group else None)
         self._live.append(frozenset(live))
         self._lr_is_scale.append(lr_is_scale)
         group._owner, group._slot = self, slot
@@ -573,6 +590,7 @@ class Optimizer(torch.optim.Optimizer):
             saved["params"] = [index_of[id(p)] for p in params]
             start += len(params)
             groups.append(saved)
+        state.update(self._state_extras)           # type: ignore[arg-type]
         out = {"state": state, "param_groups": groups}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, out)
@@ -642,6 +660,12 @@ class Optimizer(torch.optim.Optimizer):
             for key, value in saved.items():
                 if key not in ("params", "tx", "param_names"):
                     group[key] = value
+            if "param_names" in saved and "param_names" not in group:
+                group["param_names"] = list(saved["param_names"])   # as torch keeps them
+        listed = {key for saved in groups for key in saved["params"]}
+        for key, value in state_dict["state"].items():
+            if key not in listed:
+                self._state_extras[key] = value    # entries not keyed by a parameter
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
