@@ -10,7 +10,7 @@ import torch
 
 from ._statekeys import (dtensor_placement, keyed_state, local_entries_as_dtensors,
                          param_paths)
-from .base import (GradientTransformation, _foreach_add, traits_of, _kind, _stochastic_pairs,
+from .base import (GradientTransformation, Role, _foreach_add, state_roles, traits_of, _kind, _stochastic_pairs,
                    round_stochastic_)
 from .tree import PyTree, donating, tree_leaves
 from .wrappers import find_injected_states, inject_hyperparams
@@ -163,6 +163,50 @@ class _Group(dict):
         return (_Group, (dict(self),))
 
 
+def _named_tuples(node: Any, prefix: tuple = (), out: dict | None = None) -> dict:
+    """State path (dotted, as the checkpoint keys) -> every NamedTuple state in ``node``."""
+    out = {} if out is None else out
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        out[".".join(prefix)] = node
+        for field in node._fields:
+            _named_tuples(getattr(node, field), prefix + (field,), out)
+    elif isinstance(node, (tuple, list)):
+        for i, child in enumerate(node):
+            _named_tuples(child, prefix + (str(i),), out)
+    elif isinstance(node, dict):
+        for key, child in node.items():
+            _named_tuples(child, prefix + (str(key),), out)
+    return out
+
+
+def _torch_names(entries: dict, state: Any) -> dict:
+    """torch.optim's names for a parameter's entries, from the declared roles of the state
+    classes: ``exp_avg``/``exp_avg_sq`` for the first/second moments of a state holding both
+    (Adam, NAdam, AdamW, ...) or a first moment and a count (Lion), ``momentum_buffer`` for a
+    first moment alone (`opttx.trace`: SGD's), ``step`` for the count next to ``exp_avg``.
+    A name is given only where exactly one entry qualifies."""
+    tuples = _named_tuples(state)
+    found: dict[str, list] = {}
+    for key, value in entries.items():
+        head, _, field = key.rpartition(".")
+        owner = tuples.get(head)
+        if owner is None:
+            continue
+        roles = state_roles(owner)
+        kinds = set(roles.values())
+        role = roles.get(field)
+        if role is Role.FIRST_MOMENT and (Role.SECOND_MOMENT in kinds or Role.COUNT in kinds):
+            found.setdefault("exp_avg", []).append(value)
+            counts = [f for f, r in roles.items() if r is Role.COUNT]
+            if len(counts) == 1:
+                found.setdefault("step", []).append(getattr(owner, counts[0]))
+        elif role is Role.FIRST_MOMENT:
+            found.setdefault("momentum_buffer", []).append(value)
+        elif role is Role.SECOND_MOMENT and Role.FIRST_MOMENT in kinds:
+            found.setdefault("exp_avg_sq", []).append(value)
+    return {name: values[0] for name, values in found.items() if len(values) == 1}
+
+
 class _ParamStates(Mapping):
     """``optimizer.state`` of an `Optimizer`: parameter -> its entries of the transform state
     (``{field path: tensor}``, see `Optimizer.state_dict`), read from the live state.
@@ -194,7 +238,14 @@ class _ParamStates(Mapping):
         if not isinstance(param, torch.Tensor):
             return self._optimizer._state_extras[param]
         where = self._position(param)
-        return {} if where is None else self.group_entries(where[0])[where[1]]
+        if where is None:
+            return {}
+        entries = self.group_entries(where[0])[where[1]]
+        if entries:
+            # torch's names too (the same tensors), for code written against torch.optim
+            names = _torch_names(entries, self._optimizer._tx_states[where[0]])
+            entries = {**entries, **{k: v for k, v in names.items() if k not in entries}}
+        return entries
 
     def __setitem__(self, key: Any, value: Any) -> None:
         # torch.optim keeps entries under other keys than parameters in ``state`` and in its
