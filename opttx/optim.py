@@ -10,7 +10,7 @@ import torch
 
 from ._statekeys import (dtensor_placement, keyed_state, local_entries_as_dtensors,
                          param_paths)
-from .base import (GradientTransformation, Role, _foreach_add, state_roles, traits_of, _kind, _stochastic_pairs,
+from .base import (GradientTransformation, _foreach_add, traits_of, _kind, _stochastic_pairs,
                    round_stochastic_)
 from .tree import PyTree, donating, tree_leaves
 from .wrappers import find_injected_states, inject_hyperparams
@@ -163,50 +163,6 @@ class _Group(dict):
         return (_Group, (dict(self),))
 
 
-def _named_tuples(node: Any, prefix: tuple = (), out: dict | None = None) -> dict:
-    """State path (dotted, as the checkpoint keys) -> every NamedTuple state in ``node``."""
-    out = {} if out is None else out
-    if isinstance(node, tuple) and hasattr(node, "_fields"):
-        out[".".join(prefix)] = node
-        for field in node._fields:
-            _named_tuples(getattr(node, field), prefix + (field,), out)
-    elif isinstance(node, (tuple, list)):
-        for i, child in enumerate(node):
-            _named_tuples(child, prefix + (str(i),), out)
-    elif isinstance(node, dict):
-        for key, child in node.items():
-            _named_tuples(child, prefix + (str(key),), out)
-    return out
-
-
-def _torch_names(entries: dict, state: Any) -> dict:
-    """torch.optim's names for a parameter's entries, from the declared roles of the state
-    classes: ``exp_avg``/``exp_avg_sq`` for the first/second moments of a state holding both
-    (Adam, NAdam, AdamW, ...) or a first moment and a count (Lion), ``momentum_buffer`` for a
-    first moment alone (`opttx.trace`: SGD's), ``step`` for the count next to ``exp_avg``.
-    A name is given only where exactly one entry qualifies."""
-    tuples = _named_tuples(state)
-    found: dict[str, list] = {}
-    for key, value in entries.items():
-        head, _, field = key.rpartition(".")
-        owner = tuples.get(head)
-        if owner is None:
-            continue
-        roles = state_roles(owner)
-        kinds = set(roles.values())
-        role = roles.get(field)
-        if role is Role.FIRST_MOMENT and (Role.SECOND_MOMENT in kinds or Role.COUNT in kinds):
-            found.setdefault("exp_avg", []).append(value)
-            counts = [f for f, r in roles.items() if r is Role.COUNT]
-            if len(counts) == 1:
-                found.setdefault("step", []).append(getattr(owner, counts[0]))
-        elif role is Role.FIRST_MOMENT:
-            found.setdefault("momentum_buffer", []).append(value)
-        elif role is Role.SECOND_MOMENT and Role.FIRST_MOMENT in kinds:
-            found.setdefault("exp_avg_sq", []).append(value)
-    return {name: values[0] for name, values in found.items() if len(values) == 1}
-
-
 class _ParamStates(Mapping):
     """``optimizer.state`` of an `Optimizer`: parameter -> its entries of the transform state
     (``{field path: tensor}``, see `Optimizer.state_dict`), read from the live state.
@@ -238,14 +194,7 @@ class _ParamStates(Mapping):
         if not isinstance(param, torch.Tensor):
             return self._optimizer._state_extras[param]
         where = self._position(param)
-        if where is None:
-            return {}
-        entries = self.group_entries(where[0])[where[1]]
-        if entries:
-            # torch's names too (the same tensors), for code written against torch.optim
-            names = _torch_names(entries, self._optimizer._tx_states[where[0]])
-            entries = {**entries, **{k: v for k, v in names.items() if k not in entries}}
-        return entries
+        return {} if where is None else self.group_entries(where[0])[where[1]]
 
     def __setitem__(self, key: Any, value: Any) -> None:
         # torch.optim keeps entries under other keys than parameters in ``state`` and in its
@@ -278,10 +227,36 @@ class Optimizer(torch.optim.Optimizer):
     memory is that of the transform's state plus its temporaries, as torch's foreach
     optimizers.
 
-    **Hyperparameters and LR schedulers.** When the transform is built with
-    `opttx.inject_hyperparams`, every injected hyperparameter appears in the param group under
-    its own name, with ``learning_rate`` under torch's key ``"lr"``. Writing to the group (as
-    ``torch.optim.lr_scheduler`` does) sets the value in the state before the next step.
+    **Hyperparameters and LR schedulers.** Pass the alias itself with its arguments, torch's
+    names accepted (``lr`` for ``learning_rate``, ``betas`` for ``(b1, b2)``, ``alpha`` for
+    ``decay``): ``Optimizer(params, opttx.adamw, lr=1e-3, betas=(0.9, 0.95),
+    weight_decay=0.1)``. Its float hyperparameters are then injected (`opttx.inject_hyperparams`,
+    as float32 0-dim tensors) and live in every param group under torch's keys (``"lr"``,
+    ``"betas"``, ``"weight_decay"``, ``"eps"``, ``"momentum"``, ...) and in ``defaults``.
+    Writing a group key (a torch or HF LR scheduler, a hand-written warm-up, OneCycleLR or
+    CyclicLR cycling ``betas``/``momentum``) writes the value into the state at once; a
+    per-group value in a param-group dict applies to that group; a 0-dim tensor ``lr`` is
+    shared with the state, so a scheduler's in-place ``fill_`` applies too. A transform built
+    with `opttx.inject_hyperparams` behaves the same. A transform built with fixed numbers
+    shows ``"lr"`` when it ends in a constant learning rate (every alias given a float lr):
+    the group's ``lr`` then replaces that final scale; a key it cannot apply (``lr`` of a
+    chain not ending in a constant scale, ``weight_decay`` of a built ``adamw``) raises
+    instead of being ignored.
+
+    **torch.compile.** ``torch.compile(opt.step)`` (``fullgraph=True`` works, LR scheduler
+    attached) is one graph; the hyperparameters are tensor inputs, so a scheduler changing
+    them recompiles nothing. Donation (`opttx.tree.donating`) is an eager-mode saving and is
+    off in the compiled step.
+
+    **torch.optim's contract.** State-dict and load-state-dict hooks and step hooks run; a
+    state dict saved from ``named_parameters()`` loads into one built from ``parameters()``
+    and back; an optimizer built from an alias pickles (it is rebuilt from the alias and its
+    arguments). ``optimizer.state[p]`` holds the parameter's entries of the transform state
+    under their field paths (``"inner_state.0.mu"``, not torch's ``"exp_avg"``):
+    ``torch.distributed.checkpoint``'s state-dict helpers read ``optimizer.state``, so extra
+    names there would be saved twice, and the field paths name every transform alike (a
+    Shampoo preconditioner has no torch name); the step count is one int32 tensor per group
+    (``"shared.count"``), not a float ``"step"`` per parameter.
 
     **Parameters without a gradient.** A parameter whose ``grad`` is None in a step is not
     moved, as in torch.optim; its statistics advance as with a zero gradient (torch would leave
@@ -309,8 +284,7 @@ class Optimizer(torch.optim.Optimizer):
     on). Every rank must call ``step`` (the collectives are over the mesh).
 
     Example:
-      >>> tx = opttx.inject_hyperparams(opttx.adamw)(learning_rate=1e-3, weight_decay=0.01)
-      >>> opt = opttx.Optimizer(model.parameters(), tx)
+      >>> opt = opttx.Optimizer(model.parameters(), opttx.adamw, lr=1e-3, weight_decay=0.01)
       >>> sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
       >>> for x, y in data:
       ...     loss_fn(model(x), y).backward()
@@ -345,7 +319,14 @@ class Optimizer(torch.optim.Optimizer):
                                 "transform is already built.")
         elif callable(tx):
             self._recipe = (tx, dict(hyperparameters))
-            tx = _injected(tx, hyperparameters)
+            try:
+                tx = _injected(tx, hyperparameters)
+            except TypeError as e:
+                name = getattr(tx, "__name__", "the factory")
+                raise TypeError(f"{name} is given to the Optimizer as a factory, to be called "
+                                f"with the hyperparameter keywords (opttx.Optimizer(params, "
+                                f"opttx.adamw, lr=1e-3)); pass them, or a built "
+                                f"GradientTransformation: {e}") from None
         else:
             raise TypeError(f"tx must be a GradientTransformation or a function returning "
                             f"one (an alias such as opttx.adamw), got {type(tx).__name__}.")
