@@ -309,7 +309,8 @@ def test_built_alias_shows_its_learning_rate_and_applies_group_edits() -> None:
 @pytest.mark.parametrize("name", ["linear", "cosine", "cosine_with_restarts", "polynomial",
                                   "constant", "constant_with_warmup", "inverse_sqrt",
                                   "reduce_lr_on_plateau", "cosine_with_min_lr",
-                                  "cosine_warmup_with_min_lr", "warmup_stable_decay"])
+                                  "cosine_warmup_with_min_lr", "warmup_stable_decay",
+                                  "greedy"])
 def test_hf_get_scheduler_drives_a_built_alias(name: str) -> None:
     """HF transformers' ``get_scheduler`` (every type that takes an optimizer's lr; the
     ``polynomial`` and ``*_min_lr`` ones read ``defaults["lr"]``) drives a plain, non-injected
@@ -330,7 +331,10 @@ def test_hf_get_scheduler_drives_a_built_alias(name: str) -> None:
             loss.backward()
             o.step()
             o.zero_grad()
-            s.step(loss.item()) if name == "reduce_lr_on_plateau" else s.step()
+            if name in ("reduce_lr_on_plateau", "greedy"):
+                s.step(loss.item())
+            else:
+                s.step()
         assert opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
     torch.testing.assert_close(params_of(model), params_of(ref_model), rtol=1e-5, atol=1e-6)
 
