@@ -340,6 +340,7 @@ class Optimizer(torch.optim.Optimizer):
         self._slot_groups: list[_Group] = []       # the group of each transform state
         self._live: list[frozenset[str]] = []      # group keys that set injected values
         self._lr_is_scale: list[bool] = []         # lr applied as the final constant scale
+        self._lr_values: list[torch.Tensor] = []   # that lr as a float32 0-dim tensor
         params = list(params)
         if _is_named(params):
             params = [{"params": [p for _, p in params],
@@ -449,6 +450,8 @@ class Optimizer(torch.optim.Optimizer):
         self._tree_names.append(list(group["param_names"]) if "param_names" in group else None)
         self._live.append(frozenset(live))
         self._lr_is_scale.append(lr_is_scale)
+        self._lr_values.append(torch.tensor(float(group["lr"]) if lr_is_scale else 0.0,
+                                            dtype=torch.float32))
         group._owner, group._slot = self, slot
         for key in given & set(initial):
             self._write_hyperparameter(slot, key, group[key])
@@ -494,6 +497,7 @@ class Optimizer(torch.optim.Optimizer):
                 raise ValueError("a tensor 'lr' needs an injected learning rate: build the "
                                  "Optimizer from the alias (opttx.Optimizer(params, "
                                  "opttx.adamw, lr=torch.tensor(1e-3))).")
+            self._lr_values[slot].fill_(float(value))
         elif key in _HYPERPARAMETER_KEYS:
             raise ValueError(self._not_live(key))
 
@@ -517,7 +521,11 @@ class Optimizer(torch.optim.Optimizer):
             state = self._tx_states[slot]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             param_tree = self._tree(group, [p.detach() for p in params])
-            lr = group["lr"] if self._lr_is_scale[slot] else None
+            lr = None
+            if self._lr_is_scale[slot]:
+                # compiled: the group's lr as a tensor input (a float would be a constant
+                # of the graph, recompiled at every change)
+                lr = self._lr_values[slot] if torch.compiler.is_compiling() else group["lr"]
             if torch.compiler.is_compiling():
                 # donation is an eager memory saving (Dynamo cannot enter its ContextVar;
                 # under compile the graph reuses buffers itself)
@@ -531,6 +539,9 @@ class Optimizer(torch.optim.Optimizer):
             moved, deltas = _local_pairs(
                 [p for p, g in zip(params, has_grad) if g],
                 [u for u, g in zip(tree_leaves(updates), has_grad) if g])
+            if isinstance(factor, torch.Tensor):
+                deltas = list(torch._foreach_mul(deltas, factor))
+                factor = 1.0
             if self.stochastic_rounding:
                 sr_p, sr_u, moved, deltas = _stochastic_pairs(moved, deltas, factor)
                 for p, u in zip(sr_p, sr_u):
