@@ -19,7 +19,11 @@ __all__ = ["Optimizer"]
 
 
 def _is_named(params: list) -> bool:
-    return bool(params) and isinstance(params[0], tuple)
+    named = [isinstance(p, tuple) for p in params]
+    if any(named) and not all(named):
+        raise ValueError("all optimizer params should be with/without names. Some param names "
+                         "are missing")     # torch.optim's check and message
+    return bool(params) and named[0]
 
 
 def _local_pairs(params: list, updates: list) -> tuple[list, list]:
