@@ -459,3 +459,28 @@ def test_state_keeps_field_paths_for_dcp() -> None:
     assert not {"exp_avg", "exp_avg_sq", "step"} & set(entries)
     with pytest.raises(TypeError, match="factory.*learning_rate"):
         opttx.Optimizer(model.parameters(), opttx.adamw)
+
+
+def test_grad_scaler_and_scheduler_drive_a_built_alias() -> None:
+    """``torch.amp.GradScaler("cpu")`` with an LR scheduler around a built, non-injected
+    alias: the same parameters as torch's AdamW under the same scaler, an overflowing step
+    skipped by both."""
+    model, ref_model = make_model(), make_model()
+    opt = opttx.Optimizer(model.parameters(), opttx.adamw(1e-2, weight_decay=0.1))
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1)
+    pairs = []
+    for o in (opt, ref):
+        pairs.append((torch.amp.GradScaler("cpu", init_scale=2.0**10),
+                      torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=4)))
+    for i, (x, y) in enumerate(data(6)):
+        for m, o, (scaler, sched) in zip((model, ref_model), (opt, ref), pairs):
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            if i == 2:
+                loss = loss * float("inf")              # this step overflows: skipped
+            scaler.scale(loss).backward()
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+            sched.step()
+    assert pairs[0][0].get_scale() == pairs[1][0].get_scale() < 2.0**10
+    torch.testing.assert_close(params_of(model), params_of(ref_model), rtol=1e-5, atol=1e-6)
