@@ -52,10 +52,11 @@ import opttx
 
 common = pytest.importorskip("torch.testing._internal.common_optimizers",
                              reason="torch's OptimizerInfo database (needs expecttest)")
-from torch.optim.lr_scheduler import ReduceLROnPlateau  # noqa: E402
-from torch.optim.optimizer import (register_optimizer_step_post_hook,  # noqa: E402
-                                   register_optimizer_step_pre_hook)
-
+from torch.optim.lr_scheduler import ReduceLROnPlateau
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 # ---------------------------------------------------------------------------------------------
 # the opttx-backed classes: torch's arguments, opttx's aliases with torch's numbers
