@@ -24,7 +24,8 @@ from .transforms.moments import (debias_factor, ema, scale_by_adam, scale_by_lio
 from .transforms.quantized import quantize_state
 from .transforms.scaling import add_decayed_weights, scale, scale_by_learning_rate
 from .transforms.scaling import scale as scale_transform, scale_by_schedule
-from .transforms.shampoo import block_by_dims, graft, precondition_shampoo
+from .transforms.shampoo import (block_by_dims, graft, precondition_shampoo,
+                                 scale_by_grafted_diagonal)
 from .tree import PyTree
 
 __all__ = ["adafactor", "adagrad", "adalomo", "adam", "adamw", "adamw_8bit", "came",
@@ -635,7 +636,10 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
             grafting: str | None = None, grafting_beta2: float = 0.999,
             grafting_epsilon: float = 1e-8, use_bias_correction: bool = True,
             root_method: str = "eigh",
-            preconditioner_dtype: torch.dtype = torch.float32) -> GradientTransformation:
+            preconditioner_dtype: torch.dtype = torch.float32,
+            inv_factor_matrix_dtype: torch.dtype | None = None, beta3: float | None = None,
+            use_trace_scaling: bool = False, trace_scaling_exponent: float = 0.5
+            ) -> GradientTransformation:
     r"""Shampoo as Meta's Distributed Shampoo computes it, composed from transforms.
 
     ``block_by_dims(chain(graft(grafted method, precondition_shampoo, beta1),
@@ -660,6 +664,18 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
       grafting_beta2, grafting_epsilon: the grafted method's second-moment decay and epsilon.
       root_method, preconditioner_dtype, epsilon, precondition_frequency: see
         `precondition_shampoo`.
+      inv_factor_matrix_dtype, beta3, use_trace_scaling, trace_scaling_exponent: Meta's
+        options of these names (see `precondition_shampoo` and `graft`);
+        ``preconditioner_dtype`` is Meta's ``factor_matrix_dtype``.
+
+    Equal to ``DistributedShampoo`` with its default ``RootInvShampooPreconditionerConfig``
+    (``tests/test_shampoo_meta.py``): float64 factors and roots to 1e-9 relative, float32 to
+    float32 rounding where the factors are well conditioned; on rank-deficient factors with a
+    small ``epsilon`` both are as far apart as Meta is from itself when its gradients move by
+    one ulp (see `precondition_shampoo`). ``weight_decay`` with
+    ``use_decoupled_weight_decay`` is Meta's ``WeightDecayType.DECOUPLED``, without it
+    ``WeightDecayType.L2``; ``momentum``/``nesterov`` are Meta's ``ClassicMomentumConfig``
+    (dampening 0).
 
     References:
       Gupta, Koren and Singer (arXiv 1802.09568); Shi et al. (arXiv 2309.06497).
@@ -667,11 +683,12 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
     beta1, beta2 = betas
     start = precondition_frequency if start_preconditioning_step is None \
         else start_preconditioning_step
-    magnitudes = {
-        "adam": lambda: scale_by_rms(grafting_beta2, grafting_epsilon, eps_in_sqrt=False,
-                                     bias_correction=True),
-        "rmsprop": lambda: scale_by_rms(grafting_beta2, grafting_epsilon, eps_in_sqrt=False),
-        "adagrad": lambda: scale_by_rss(0.0, grafting_epsilon, eps_in_sqrt=False),
+    magnitudes = {   # Meta's diagonal grafting, op for op (see scale_by_grafted_diagonal)
+        "adam": lambda: scale_by_grafted_diagonal(grafting_beta2, grafting_epsilon,
+                                                  1 - grafting_beta2, True),
+        "rmsprop": lambda: scale_by_grafted_diagonal(grafting_beta2, grafting_epsilon,
+                                                     1 - grafting_beta2, False),
+        "adagrad": lambda: scale_by_grafted_diagonal(1.0, grafting_epsilon, 1.0, False),
         "sgd": lambda: None,
         None: lambda: None,
     }
@@ -680,10 +697,13 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
                          f"{grafting!r}.")
     direction = precondition_shampoo(beta2, epsilon, precondition_frequency, start,
                                      root_method, preconditioner_dtype=preconditioner_dtype,
-                                     use_bias_correction=use_bias_correction)
+                                     use_bias_correction=use_bias_correction,
+                                     inv_factor_matrix_dtype=inv_factor_matrix_dtype,
+                                     use_trace_scaling=use_trace_scaling,
+                                     trace_scaling_exponent=trace_scaling_exponent)
     links: list[GradientTransformation] = [
         graft(magnitudes[grafting](), direction, start, beta1, use_bias_correction,
-              rescale=grafting is not None)]
+              rescale=grafting is not None, beta3=beta3)]
     if weight_decay and use_decoupled_weight_decay:
         links.append(add_decayed_weights(weight_decay))
     if momentum:

@@ -14,8 +14,9 @@ from .lowrank import ProjectLowrankState, project_lowrank
 from .quantized import (UNSIGNED_FIELDS, QuantizationMap, QuantizedState, QuantizedTensor,
                         dequantize_blockwise, dynamic_map, quantization_map, quantize_blockwise,
                         quantize_state)
-from .shampoo import (GraftState, ShampooState, block_by_dims, block_shapes, graft,
-                      matrix_inverse_root, merge_small_dims, precondition_shampoo)
+from .shampoo import (DiagonalGraftState, GraftState, ShampooState, block_by_dims, block_shapes,
+                      graft, matrix_inverse_root, merge_small_dims, meta_bias_correction,
+                      precondition_shampoo, scale_by_grafted_diagonal)
 from .scaling import (ScaleByScheduleState, add_decayed_weights, scale, scale_by_learning_rate,
                       scale_by_schedule, scale_by_sign)
 
@@ -26,6 +27,7 @@ __all__ = [
     "quantize_state",
     "GraftState", "ShampooState", "block_by_dims", "block_shapes", "graft",
     "matrix_inverse_root", "merge_small_dims", "precondition_shampoo",
+    "DiagonalGraftState", "meta_bias_correction", "scale_by_grafted_diagonal",
     "FactoredState", "ScaleByCameState", "add_step_scaled_decayed_weights", "clip_by_rms",
     "clip_by_rms_and_scale_by_param_rms",
     "factored_axes", "relative_step_schedule", "scale_by_came", "scale_by_factored_rms",

@@ -22,18 +22,22 @@ preconditions ``extra_args[PRECONDITION_INPUT]`` when it is given (`scale_by_rms
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any, Literal, NamedTuple, Sequence
 
 import torch
 
 from .._checks import check_nonnegative, check_positive_int, check_unit_interval
-from ..base import (Role, declare_roles, PRECONDITION_INPUT, GradientTransformation, Params, Updates, advance_counts,
-                    check_init_params, precondition_target, reduce_statistics,
-                    require_whole_leaves, safe_increment, zero_count)
-from ..tree import (PyTree, flatten_matching, foreach_ema, foreach_sum_of_squares, tree_cond,
-                    tree_flatten, tree_map, tree_structure, tree_unflatten)
+from ..base import (PRECONDITION_INPUT, PRECONDITIONER, GradientTransformation, Params, Role,
+                    Traits, Updates, advance_counts, check_init_params, combine_traits,
+                    declare_roles, precondition_target, reduce_statistics,
+                    require_whole_leaves, safe_increment, traits_of, zero_count)
+from ..tree import (PyTree, cast_like, flatten_matching, foreach_ema, foreach_sum_of_squares,
+                    stats_like, tree_cond, tree_flatten, tree_map, tree_structure,
+                    tree_unflatten)
 
 __all__ = [
+    "DiagonalGraftState",
     "GraftState",
     "PRECONDITION_INPUT",
     "ShampooState",
@@ -42,7 +46,9 @@ __all__ = [
     "graft",
     "matrix_inverse_root",
     "merge_small_dims",
+    "meta_bias_correction",
     "precondition_shampoo",
+    "scale_by_grafted_diagonal",
 ]
 
 
@@ -136,7 +142,8 @@ def block_by_dims(inner: GradientTransformation,
                                    leaves)]
         return tree_unflatten(merged, spec), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, combine_traits(
+        (inner,), elementwise=False, per_leaf=traits_of(inner).per_leaf, whole_leaves=True))
 
 
 def _chunks(flat: list, counts: list[int], who: str) -> list[list]:
@@ -162,11 +169,14 @@ def matrix_inverse_root(a: torch.Tensor, root: float, epsilon: float = 0.0,
                         newton_iterations: int = 40) -> torch.Tensor:
     r""":math:`(A + \epsilon I)^{-1/r}` of a symmetric positive semi-definite matrix.
 
-    ``eigh`` (Meta's default): :math:`A = Q \Lambda Q^\top`, then the eigenvalues are shifted
-    up by :math:`\max(0, -\lambda_{\min})` so that rounding (an accumulated
-    :math:`G G^\top` of a rank-deficient gradient has eigenvalues of about :math:`-10^{-7}
-    \lVert A\rVert` in float32) cannot make them negative, :math:`\epsilon` is added, and
-    :math:`Q (\Lambda + \epsilon)^{-1/r} Q^\top` is returned.
+    ``eigh`` (Meta's default ``EigenConfig`` with its default perturbation, computed as Meta
+    computes it): :math:`A + \epsilon I = Q \Lambda Q^\top`; when
+    :math:`\lambda_{\min} < \epsilon` (the factor is singular or rounding made an eigenvalue
+    negative: an accumulated :math:`G G^\top` of a rank-deficient gradient has eigenvalues of
+    about :math:`\pm 10^{-7} \lVert A\rVert` in float32) the eigenvalues become
+    :math:`\Lambda - \lambda_{\min} + \epsilon`, so the smallest is exactly
+    :math:`\epsilon`; then :math:`Q \Lambda^{-1/r} Q^\top` is returned. In exact arithmetic
+    this is :math:`(A - \min(\lambda_{\min}(A), 0) I + \epsilon I)^{-1/r}`.
     ``newton``: the coupled Newton iteration (Guo and Higham) on :math:`A + \epsilon I`, a
     fixed number of steps so it compiles without data-dependent loops.
 
@@ -182,11 +192,15 @@ def matrix_inverse_root(a: torch.Tensor, root: float, epsilon: float = 0.0,
     if a.shape[-1] == 0:                 # the factor of an empty dim: nothing to invert
         return a.clone()
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    # Meta's exponent: -1 / Fraction(root), a float64 division of the exact root
+    power = -1.0 / Fraction(root)
     if method == "eigh":
-        eigenvalues, eigenvectors = torch.linalg.eigh(a)
-        shift = torch.clamp(eigenvalues.min(), max=0.0)
-        eigenvalues = eigenvalues - shift + epsilon
-        return (eigenvectors * eigenvalues.pow(-1.0 / root).unsqueeze(-2)) @ eigenvectors.mT
+        ridge = a.add(eye, alpha=epsilon) if epsilon else a
+        eigenvalues, eigenvectors = torch.linalg.eigh(ridge)
+        smallest = eigenvalues.min()
+        eigenvalues = torch.where(smallest < epsilon, (eigenvalues - smallest) + epsilon,
+                                  eigenvalues)
+        return eigenvectors * eigenvalues.pow(power).unsqueeze(0) @ eigenvectors.T
     if method != "newton":
         raise ValueError(f"root method must be 'eigh' or 'newton', got {method!r}.")
     a = a + epsilon * eye
@@ -222,16 +236,37 @@ class ShampooState(NamedTuple):
 
 
 def _contract_factor(g: torch.Tensor, k: int) -> torch.Tensor:
-    """:math:`G \\otimes_k G`: contraction of ``g`` with itself over every dim but ``k``."""
+    """:math:`G \\otimes_k G`: contraction of ``g`` with itself over every dim but ``k``,
+    made exactly symmetric from its upper triangle (Meta keeps factors as packed upper
+    triangles, so a float32 ``G G^T`` that is not bitwise symmetric reads as its upper half)."""
     others = [d for d in range(g.dim()) if d != k]
-    return torch.tensordot(g, g, dims=(others, others))
+    return _from_upper(torch.tensordot(g, g, dims=(others, others)))
+
+
+def _from_upper(m: torch.Tensor) -> torch.Tensor:
+    """The symmetric matrix whose upper triangle is that of ``m`` (what Meta's packed
+    storage of factors and roots keeps)."""
+    return torch.triu(m) + torch.triu(m, diagonal=1).mT
 
 
 def _apply_roots(x: torch.Tensor, roots: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Multiply ``x`` by ``roots[k]`` along every dim ``k`` (mode products)."""
-    for k, r in enumerate(roots):
-        x = torch.movedim(torch.tensordot(r, x, dims=([1], [k])), 0, k)
+    """Multiply ``x`` by ``roots[k]`` along every dim ``k`` (mode products), as Meta does:
+    each step contracts the leading dim with a (symmetric) root and appends the result as
+    the last dim, so after one step per dim the dims are back in order."""
+    for r in roots:
+        x = torch.tensordot(x, r, dims=([0], [0]))
     return x
+
+
+def meta_bias_correction(beta: float, count: torch.Tensor, shift: int = 0,
+                         scale: float = 1.0) -> torch.Tensor:
+    r"""Meta's bias-correction scalar :math:`1 - s\,\beta^{t - \text{shift}}`, computed as
+    Distributed Shampoo computes it: a float32 ``torch.pow`` of :math:`\beta` (rounded to
+    float32) and the step, even for float64 factors. For :math:`\beta = 0.999`, :math:`t = 1`
+    it is :math:`1 - \mathrm{fl}_{32}(0.999) = 0.00099998713`, 1.3e-5 relative away from
+    0.001; `precondition_shampoo` and `graft` use it so that their numbers equal Meta's."""
+    power = torch.pow(beta, count - shift if shift else count)   # float32, as Meta's
+    return 1.0 - (scale * power if scale != 1.0 else power)
 
 
 def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
@@ -241,7 +276,10 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
                          inverse_exponent_override: float | None = None,
                          preconditioner_dtype: torch.dtype = torch.float32,
                          use_bias_correction: bool = True,
-                         max_consecutive_failures: int = 3) -> GradientTransformation:
+                         max_consecutive_failures: int = 3,
+                         inv_factor_matrix_dtype: torch.dtype | None = None,
+                         use_trace_scaling: bool = False,
+                         trace_scaling_exponent: float = 0.5) -> GradientTransformation:
     r"""Shampoo's Kronecker-factored preconditioner, applied to every leaf (block) as a whole.
 
     For a block :math:`G` of order :math:`k` and each dim :math:`i`,
@@ -254,32 +292,58 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
     counted from 1, as Meta: step ``t`` with ``t % f == 0 and t > start`` or ``t == start``)
 
     .. math::
-        R_i = \left(L_i / (1 - \beta_2^t) + \epsilon I\right)^{-1/(2k)}
+        \hat L_i = L_i / b_t, \qquad R_i = (\hat L_i + \epsilon I)^{-1/(2k)}
 
-    (the bias correction only when :math:`\beta_2 < 1`; ``inverse_exponent_override`` replaces
-    :math:`2k`). The output is :math:`G \times_1 R_1 \cdots \times_k R_k`: for a matrix
-    :math:`L^{-1/4} G R^{-1/4}`, for a vector full-matrix Adagrad :math:`L^{-1/2} g`.
-    Use it on blocks from `block_by_dims` (a leaf is one block otherwise).
+    with the bias correction :math:`b_t = 1 - \beta_2^t` when :math:`\beta_2 < 1` and
+    ``use_bias_correction`` (else 1), and with :math:`\hat L_i` multiplied by
+    :math:`\mathrm{tr}(\hat L_i)^{-\text{trace\_scaling\_exponent}}` first when
+    ``use_trace_scaling`` (the trace clamped below at :math:`\epsilon`).
+    ``inverse_exponent_override`` replaces :math:`2k`. The output is
+    :math:`G \times_1 R_1 \cdots \times_k R_k`: for a matrix :math:`L^{-1/4} G R^{-1/4}`, for
+    a vector full-matrix Adagrad :math:`L^{-1/2} g`. Use it on blocks from `block_by_dims` (a
+    leaf is one block otherwise).
 
-    Eigenvalues are shifted to be non-negative before :math:`\epsilon` is added (see
-    `matrix_inverse_root`), so float32 rounding of a rank-deficient factor does not fail the
-    root. A factor whose root is still not finite in ``preconditioner_dtype`` is retried in
-    float64 (only that factor, and only then); if that fails too it keeps its previous root,
-    and the recomputation counts as failed; more than ``max_consecutive_failures`` failed
+    **Equal to Meta.** This is Meta's ``RootInvShampooPreconditionerConfig()`` with its
+    default ``EigenConfig`` (eigh, perturbation before the computation, see
+    `matrix_inverse_root`), computed op for op as Meta computes it: factors read from their
+    upper triangle (Meta's symmetric packing), :math:`b_t` in float32 (`meta_bias_correction`),
+    roots stored in ``inv_factor_matrix_dtype`` (Meta's default float32, whatever the factor
+    dtype) and the gradient preconditioned in that dtype. ``preconditioner_dtype`` is Meta's
+    ``factor_matrix_dtype``. ``tests/test_shampoo_meta.py`` compares them.
+
+    Where :math:`\hat L_i` is rank-deficient and :math:`\epsilon` small, the output is an
+    ill-conditioned function of the gradient: :math:`R_i` has norm :math:`\epsilon^{-1/(2k)}`
+    while :math:`R_i g` is of order :math:`\lambda_{\max}^{-1/(2k)} \lVert g\rVert`, so a
+    relative rounding :math:`u` of the roots' dtype becomes an error of about
+    :math:`u\,(\lambda_{\max}/\epsilon)^{1/(2k)}` (float32 roots, :math:`\epsilon = 10^{-12}`,
+    a 1-D block: tens of percent). Any two implementations differ by that much; use
+    float64 roots or a larger :math:`\epsilon` where it matters.
+
+    A factor whose root is not finite in ``preconditioner_dtype`` is retried in float64 (only
+    that factor, and only then); if that fails too it keeps its previous root, and the
+    recomputation counts as failed; more than ``max_consecutive_failures`` failed
     recomputations in a row raise (checked in eager mode, at recomputation steps only, so
-    other steps do not synchronise with the device). The recomputation, retry included, is a
-    ``torch.cond`` inside the compiled graph.
+    other steps do not synchronise with the device). (Meta raises at once on a non-finite
+    root.) The recomputation, retry included, is a ``torch.cond`` inside the compiled graph.
 
     Args:
       beta2: factor decay (1.0: Adagrad-style sums, Meta's default).
       epsilon: :math:`\epsilon` added to the diagonal before the root.
       precondition_frequency: recompute roots every this many steps.
       start_preconditioning_step: first step that uses the roots (default: the frequency).
-      root_method: ``"eigh"`` (default) or ``"newton"`` (coupled Newton iteration).
-      inverse_exponent_override: use :math:`A^{-1/p}` with this ``p`` for every factor.
-      preconditioner_dtype: dtype of factors and roots.
+      root_method: ``"eigh"`` (default) or ``"newton"`` (coupled Newton iteration, a fixed
+        number of steps; Meta's stops at a tolerance).
+      inverse_exponent_override: use :math:`A^{-1/p}` with this ``p`` for every factor
+        (Meta's ``inverse_exponent_override={k: 1/p}`` for the orders in use).
+      preconditioner_dtype: dtype of the factors (Meta's ``factor_matrix_dtype``).
       use_bias_correction: divide factors by :math:`1-\beta_2^t` before the root.
       max_consecutive_failures: root failures tolerated in a row.
+      inv_factor_matrix_dtype: dtype of the roots and of the preconditioning product
+        (Meta's ``inv_factor_matrix_dtype``; default: ``preconditioner_dtype``).
+      use_trace_scaling, trace_scaling_exponent: Meta's options of the same names.
+
+    Example:
+      >>> tx = opttx.block_by_dims(opttx.precondition_shampoo(epsilon=1e-12), 1024)
 
     References:
       Gupta, Koren and Singer, Shampoo (arXiv 1802.09568); Shi et al., A Distributed
@@ -292,10 +356,17 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
         else start_preconditioning_step
     check_nonnegative("start_preconditioning_step", start)
     check_positive_int("max_consecutive_failures", max_consecutive_failures)
+    if use_trace_scaling and not 0.0 < trace_scaling_exponent <= 1.0:
+        raise ValueError(f"trace_scaling_exponent must be in (0, 1] with use_trace_scaling, "
+                         f"got {trace_scaling_exponent}.")
     weight = 1.0 if beta2 == 1 else 1 - beta2
+    root_dtype = preconditioner_dtype if inv_factor_matrix_dtype is None \
+        else inv_factor_matrix_dtype
 
     def exponent(order: int) -> float:
-        return inverse_exponent_override if inverse_exponent_override is not None else 2 * order
+        if inverse_exponent_override is not None:
+            return inverse_exponent_override
+        return 1 / (1 / (2 * max(order, 1)))    # Meta's root: 1 / its inverse exponent
 
     def init(params: Params) -> ShampooState:
         check_init_params(params)
@@ -307,8 +378,7 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
 
         def eyes_of(x: torch.Tensor) -> tuple:
             x = x.reshape(x.shape or (1,))
-            return tuple(torch.eye(d, dtype=preconditioner_dtype, device=x.device)
-                         for d in x.shape)
+            return tuple(torch.eye(d, dtype=root_dtype, device=x.device) for d in x.shape)
 
         count = zero_count(params)
         return ShampooState(count=count, failures=torch.zeros_like(count),
@@ -319,19 +389,21 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
         """New roots of every factor; a factor whose root is not finite in
         ``preconditioner_dtype`` is retried in float64, and keeps its old root when that fails
         too. Returns the roots and whether any factor kept its old root."""
-        t = count.to(torch.float64)
         scale = None if (beta2 == 1 or not use_bias_correction) else \
-            (1 - torch.pow(torch.tensor(beta2, dtype=torch.float64, device=t.device), t))
+            meta_bias_correction(beta2, count)
         inputs, exps, ok = [], [], []
         for block_factors in factors:
             for f in block_factors:
-                a = f if scale is None else f / scale.to(f.dtype)
+                a = f if scale is None else f / scale
+                if use_trace_scaling:
+                    trace = torch.clamp(torch.trace(a), min=epsilon)
+                    a = a * torch.pow(trace, -trace_scaling_exponent)
                 finite_in = torch.isfinite(a).all()
                 inputs.append((torch.where(finite_in, a, torch.zeros_like(a)), finite_in))
                 exps.append(exponent(len(block_factors)))
         fresh = []
         for (a, finite_in), p in zip(inputs, exps):
-            r = matrix_inverse_root(a, p, epsilon, root_method)
+            r = _from_upper(matrix_inverse_root(a, p, epsilon, root_method).to(root_dtype))
             fresh.append(r)
             ok.append(finite_in & torch.isfinite(r).all())
         flat_old = [r for rs in old_roots for r in rs]
@@ -345,7 +417,8 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
                         out_r.append(r)
                         out_ok.append(good)
                         continue
-                    r64 = matrix_inverse_root(a.double(), p, epsilon, root_method).to(r.dtype)
+                    r64 = _from_upper(matrix_inverse_root(a.double(), p, epsilon,
+                                                          root_method).to(r.dtype))
                     good64 = finite_in & torch.isfinite(r64).all()
                     out_r.append(torch.where(good, r, r64))
                     out_ok.append(good | good64)
@@ -371,8 +444,10 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
         new_factors = []
         for gi, fs in zip(g, factors):
             gi = gi.reshape(gi.shape or (1,)).to(preconditioner_dtype)
-            new_factors.append(tuple(beta2 * f + weight * _contract_factor(gi, k)
-                                     for k, f in enumerate(fs)))
+            # Meta's order of operations: L *= beta2 (when beta2 != 1), L += w * outer
+            new_factors.append(tuple(
+                torch.add(f * beta2 if beta2 != 1 else f, _contract_factor(gi, k), alpha=weight)
+                for k, f in enumerate(fs)))
         due = ((count % precondition_frequency == 0) & (count > start)) | (count == start)
 
         def recompute(flat_roots: list[tuple], failures: torch.Tensor) -> tuple:
@@ -389,7 +464,7 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
             return flat_roots, failures
 
         roots, failures = tree_cond(due, recompute, keep, (roots, state.failures))
-        out = [_apply_roots(xi.reshape(xi.shape or (1,)).to(preconditioner_dtype), rs)
+        out = [_apply_roots(xi.reshape(xi.shape or (1,)).to(root_dtype), rs)
                .reshape(xi.shape).to(xi.dtype) for xi, rs in zip(x, roots)]
         factor_spec = tree_structure(state.factors)
         return tree_unflatten(out, spec), ShampooState(
@@ -397,7 +472,8 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
             factors=tree_unflatten([m for fs in new_factors for m in fs], factor_spec),
             roots=tree_unflatten([m for rs in roots for m in rs], factor_spec))
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, Traits(per_leaf=True, whole_leaves=True,
+                                                       takes_precondition_input=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,7 +484,8 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
 class GraftState(NamedTuple):
     """State of `graft`."""
     count: torch.Tensor    # shape (), int32: steps taken
-    filtered: Updates      # like params: EMA of the gradient with beta1 (empty if beta1 = 0)
+    filtered: Updates      # like params (fp32 for 16-bit leaves): EMA of the gradient with
+                           # beta1 (empty if beta1 = 0)
     magnitude: Any         # the magnitude (grafted) transform's state
     direction: Any         # the direction transform's state
     __roles__ = declare_roles(count=Role.COUNT, filtered=Role.FIRST_MOMENT)
@@ -416,37 +493,54 @@ class GraftState(NamedTuple):
 
 def graft(magnitude: GradientTransformation | None, direction: GradientTransformation,
           start_preconditioning_step: int = 0, beta1: float = 0.0,
-          use_bias_correction: bool = True, rescale: bool = True) -> GradientTransformation:
+          use_bias_correction: bool = True, rescale: bool = True,
+          beta3: float | None = None) -> GradientTransformation:
     r"""Give ``direction``'s update, leaf by leaf, the norm of ``magnitude``'s.
 
     .. math::
-        \bar G_t = \frac{\mathrm{EMA}_{\beta_1}(G)_t}{1 - \beta_1^t}, \quad
+        \tilde G_t = \beta_1 \tilde G_{t-1} + (1 - \beta_1) G_t, \quad
+        \bar G_t = \frac{\beta_3 \tilde G_{t-1} + (1 - \beta_3) G_t}{1 - \beta_3 \beta_1^{t-1}},
+        \quad
         P_t = \begin{cases} M(\bar G_t) & t < t_0 \\
         D(\bar G_t)\, \lVert M(\bar G_t) \rVert / (\lVert D(\bar G_t) \rVert + 10^{-16})
         & t \ge t_0 \end{cases}
 
-    Both transforms update their statistics every step from the raw gradient :math:`G`
-    (``updates``) and precondition the filtered gradient :math:`\bar G` (passed to them as
-    ``extra_args[PRECONDITION_INPUT]``). ``magnitude=None`` grafts SGD (:math:`M = I`).
-    Leaves are blocks when used inside `block_by_dims`, so norms are per block, as Meta's.
+    (:math:`\beta_3 = \beta_1` by default, when :math:`\bar G_t = \tilde G_t / (1 - \beta_1^t)`;
+    no division without ``use_bias_correction``; :math:`\bar G_t = G_t` when
+    :math:`\beta_1 = 0`.) This is Meta's filtered gradient and grafting, the bias correction
+    computed as Meta computes it (`meta_bias_correction`). Both transforms update their
+    statistics every step from the raw gradient :math:`G` (``updates``) and precondition the
+    filtered gradient :math:`\bar G` (passed to them as ``extra_args[PRECONDITION_INPUT]``).
+    ``magnitude=None`` grafts SGD (:math:`M = I`). Leaves are blocks when used inside
+    `block_by_dims`, so norms are per block, as Meta's. The filtered gradient of 16-bit
+    leaves is kept in float32 (DESIGN.md rule 3); the update comes back in the gradient's
+    dtype.
 
     Args:
       magnitude: the grafted method: ``scale_by_rms(decay=β2, eps, eps_in_sqrt=False,
         bias_correction=True)`` for Adam, without bias correction for RMSprop,
-        ``scale_by_rss(0.0, eps, eps_in_sqrt=False)`` for Adagrad, None for SGD.
+        ``scale_by_rss(0.0, eps, eps_in_sqrt=False)`` for Adagrad, None for SGD
+        (`opttx.shampoo` uses the same methods computed op for op as Meta's).
       direction: the preconditioner, usually `precondition_shampoo`.
       start_preconditioning_step: :math:`t_0`; before it the grafted method runs alone.
       beta1: the EMA of the gradient (0: none).
-      use_bias_correction: divide the EMA by :math:`1 - \beta_1^t`.
+      use_bias_correction: divide the EMA by :math:`1 - \beta_3 \beta_1^{t-1}`.
       rescale: False keeps the direction's own norm (Shampoo without grafting: before
         :math:`t_0` the update is then :math:`\bar G_t`).
+      beta3: Meta's ``beta3``, the weight of the current gradient in the preconditioned
+        average (default ``beta1``).
+
+    Example:
+      >>> tx = opttx.graft(None, opttx.precondition_shampoo(), beta1=0.9)
     """
     check_unit_interval("beta1", beta1)
+    b3 = beta1 if beta3 is None else beta3
+    check_unit_interval("beta3", b3)
     check_nonnegative("start_preconditioning_step", start_preconditioning_step)
 
     def init(params: Params) -> GraftState:
         count = zero_count(params)
-        filtered = tree_map(torch.zeros_like, params) if beta1 else ()
+        filtered = stats_like(params) if beta1 else ()
         return GraftState(count=count, filtered=filtered,
                           magnitude=magnitude.init(params) if magnitude is not None else (),
                           direction=direction.init(params))
@@ -460,11 +554,14 @@ def graft(magnitude: GradientTransformation | None, direction: GradientTransform
         filtered = state.filtered
         if beta1:
             _, m = flatten_matching(updates, state.filtered)[1:]
+            bar = list(torch._foreach_lerp(m, cast_like(g, m), 1 - b3)) if b3 != beta1 \
+                else None
             m = foreach_ema(m, g, beta1)
             filtered = tree_unflatten(m, spec)
-            bar = (list(torch._foreach_div(m, 1 - torch.pow(
-                torch.tensor(beta1, dtype=torch.float64), count.to(torch.float64))))
-                if use_bias_correction else list(m))
+            bar = list(m) if bar is None else bar
+            if use_bias_correction:
+                bar = list(torch._foreach_div(
+                    bar, meta_bias_correction(beta1, count, shift=1, scale=b3)))
         else:
             bar = list(g)
         bar_tree = tree_unflatten(bar, spec)
@@ -481,11 +578,70 @@ def graft(magnitude: GradientTransformation | None, direction: GradientTransform
                                         tree_unflatten(sq(dir_l), spec)), extra_args)
         grafting = count < start_preconditioning_step
         out = []
-        for m_i, d_i, ms, ds in zip(mag_l, dir_l, tree_flatten(m_sq)[0], tree_flatten(d_sq)[0]):
+        for g_i, m_i, d_i, ms, ds in zip(g, mag_l, dir_l, tree_flatten(m_sq)[0],
+                                         tree_flatten(d_sq)[0]):
             scaled = d_i * (torch.sqrt(ms) / (torch.sqrt(ds) + 1e-16)).to(d_i.dtype) \
                 if rescale else d_i
-            out.append(torch.where(grafting, m_i, scaled))
+            out.append(torch.where(grafting, m_i, scaled).to(g_i.dtype))
         return tree_unflatten(out, spec), GraftState(count=count, filtered=filtered,
                                                      magnitude=mag_state, direction=dir_state)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, combine_traits(
+        (direction,) if magnitude is None else (magnitude, direction),
+        elementwise=False, per_leaf=True))
+
+
+class DiagonalGraftState(NamedTuple):
+    """State of `scale_by_grafted_diagonal`."""
+    count: torch.Tensor    # shape (), int32: steps taken
+    nu: Updates            # like params (fp32 for 16-bit leaves): sum or EMA of squares
+    __roles__ = declare_roles(count=Role.COUNT, nu=Role.SECOND_MOMENT)
+
+
+def scale_by_grafted_diagonal(beta2: float = 1.0, epsilon: float = 1e-10,
+                              weighting_factor: float = 1.0,
+                              use_bias_correction: bool = False) -> GradientTransformation:
+    r"""Meta's diagonal grafting preconditioner (its ``AdagradPreconditionerList``), op for op.
+
+    .. math::
+        \nu_t = \beta_2 \nu_{t-1} + w\, g_t^2, \qquad
+        u_t = \bar g_t / (\sqrt{\nu_t / b_t} + \epsilon)
+
+    with :math:`b_t = 1 - \beta_2^t` computed as Meta does (`meta_bias_correction`) when
+    ``use_bias_correction``, else 1. Adagrad: ``(1.0, eps, 1.0, False)``; RMSprop:
+    ``(β2, eps, 1 − β2, False)``; Adam: ``(β2, eps, 1 − β2, True)``. The statistics come
+    from ``updates``, the division applies to ``extra_args[PRECONDITION_INPUT]`` inside
+    `graft`. Statistics of 16-bit leaves are float32 (Meta keeps them in the parameter's
+    dtype).
+
+    Example:
+      >>> adam_graft = opttx.scale_by_grafted_diagonal(0.999, 1e-8, 0.001, True)
+    """
+    check_unit_interval("beta2", beta2, closed_right=True)
+    check_nonnegative("epsilon", epsilon)
+    correct = use_bias_correction and beta2 < 1
+
+    def init(params: Params) -> DiagonalGraftState:
+        check_init_params(params)
+        return DiagonalGraftState(count=zero_count(params), nu=stats_like(params))
+
+    def update(updates: Updates, state: DiagonalGraftState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, DiagonalGraftState]:
+        spec, g = flatten_matching(updates)
+        if not g:
+            return updates, advance_counts(state)
+        nu = flatten_matching(updates, state.nu)[2]
+        count = safe_increment(state.count)
+        nu = torch._foreach_mul(nu, beta2) if beta2 != 1 else list(nu)
+        nu = list(torch._foreach_addcmul(nu, cast_like(g, nu), cast_like(g, nu),
+                                         value=weighting_factor))
+        denom = torch._foreach_div(nu, meta_bias_correction(beta2, count)) if correct \
+            else [torch.div(v, 1.0) for v in nu]
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, epsilon)
+        x = flatten_matching(precondition_target(updates, extra_args))[1]
+        out = [(xi.to(d.dtype) / d).to(gi.dtype) for xi, d, gi in zip(x, denom, g)]
+        return tree_unflatten(out, spec), DiagonalGraftState(count=count,
+                                                             nu=tree_unflatten(nu, spec))
+
+    return GradientTransformation(init, update, PRECONDITIONER)
