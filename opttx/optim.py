@@ -45,6 +45,8 @@ SHARED = "shared."   # prefix of a group's shared state entries (on its first pa
 
 # torch.optim's names for opttx arguments: constructor keywords and param-group keys
 _TORCH_KEYWORDS = {"lr": ("learning_rate",), "betas": ("b1", "b2"), "alpha": ("decay",)}
+# opttx names that the param groups show under torch's key
+_OPTTX_NAMES = {"learning_rate": "lr", "b1": "betas", "b2": "betas"}
 # opttx float arguments a torch user may write as ints (``lr=1``); made floats so they inject
 _FLOAT_ARGUMENTS = frozenset({"learning_rate", "b1", "b2", "eps", "weight_decay", "momentum",
                               "decay"})
@@ -704,9 +706,16 @@ class Optimizer(torch.optim.Optimizer):
                     src = value.to_local() if hasattr(value, "to_local") else value
                     if src is not dst:
                         dst.copy_(src)
+            live = _live_hyperparameters(self._tx_states[group._slot])
             for key, value in saved.items():
-                if key not in ("params", "tx", "param_names"):
-                    group[key] = value
+                if key in ("params", "tx", "param_names"):
+                    continue
+                if _OPTTX_NAMES.get(key) in live:
+                    continue        # an older state dict's opttx name of a live torch key
+                group[key] = value
+            for key, places in live.items():
+                if key not in saved:        # the state just loaded holds its value
+                    dict.__setitem__(group, key, _group_value(places[0]))
             if "param_names" in saved and "param_names" not in group:
                 group["param_names"] = list(saved["param_names"])   # as torch keeps them
         listed = {key for saved in groups for key in saved["params"]}

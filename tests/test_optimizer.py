@@ -484,3 +484,22 @@ def test_grad_scaler_and_scheduler_drive_a_built_alias() -> None:
             sched.step()
     assert pairs[0][0].get_scale() == pairs[1][0].get_scale() < 2.0**10
     torch.testing.assert_close(params_of(model), params_of(ref_model), rtol=1e-5, atol=1e-6)
+
+
+def test_older_state_dict_with_opttx_group_names_loads() -> None:
+    """A state dict whose groups name the injected values as opttx does (``b1``, ``b2``,
+    ``learning_rate``; saved before groups used torch's keys) loads: the groups then show the
+    loaded values under torch's keys."""
+    model = make_model()
+    opt = opttx.Optimizer(model.parameters(), opttx.adamw, lr=1e-2, betas=(0.8, 0.9))
+    train(model, opt, data(2))
+    saved = copy.deepcopy(opt.state_dict())
+    group = saved["param_groups"][0]
+    group["b1"], group["b2"] = group.pop("betas")
+    group["learning_rate"] = group.pop("lr")
+    other = opttx.Optimizer(model.parameters(), opttx.adamw, lr=1e-3)
+    other.load_state_dict(saved)
+    assert other.param_groups[0]["betas"] == pytest.approx((0.8, 0.9))
+    assert other.param_groups[0]["lr"] == pytest.approx(1e-2)
+    assert "b1" not in other.param_groups[0] and "learning_rate" not in other.param_groups[0]
+    assert float(other.tx_states[0].hyperparams["b1"]) == pytest.approx(0.8)
