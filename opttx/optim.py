@@ -82,15 +82,31 @@ def _torch_arguments(factory: Callable[..., GradientTransformation],
     return out
 
 
-def _injected(factory: Callable[..., GradientTransformation],
-              kwargs: dict[str, Any]) -> GradientTransformation:
+def _injected(factory: Callable[..., GradientTransformation], kwargs: dict[str, Any],
+              dtype: torch.dtype) -> GradientTransformation:
     """``factory(**kwargs)`` (torch's names accepted) with its float hyperparameters injected
-    as float32 0-dim tensors: a compiled step reads them as graph inputs (a float64 0-dim CPU
-    tensor is where Dynamo keeps Python floats it has made symbolic, and a grouped kernel
-    given one breaks the graph), and float32 is the precision torch's CPU kernels apply a
-    float ``lr`` to float32 parameters in anyway."""
-    return inject_hyperparams(factory, hyperparam_dtype=torch.float32)(
+    as 0-dim tensors of ``dtype``."""
+    return inject_hyperparams(factory, hyperparam_dtype=dtype)(
         **_torch_arguments(factory, kwargs))
+
+
+def _hyperparameter_dtype(params: list) -> torch.dtype:
+    """float64 for a model with float64 parameters, float32 otherwise: a compiled step reads
+    float32 0-dim tensors as plain graph inputs (a float64 0-dim CPU tensor is how Dynamo
+    carries Python floats it has made symbolic, and a grouped kernel given one as its scalar
+    breaks the graph without fullgraph=True), and float32 is the precision in which torch's
+    CPU kernels apply a float ``lr`` to float32 parameters anyway."""
+    def tensors(entry: Any) -> Iterator[Any]:
+        if isinstance(entry, dict):
+            inner = entry.get("params", [])
+            yield from tensors(inner if not isinstance(inner, torch.Tensor) else [inner])
+        elif isinstance(entry, (list, tuple)):
+            for e in entry:
+                yield from tensors(e)
+        elif isinstance(entry, torch.Tensor):
+            yield entry
+    wide = any(t.dtype == torch.float64 for t in tensors(params))
+    return torch.float64 if wide else torch.float32
 
 
 def _exact_values(factory: Callable[..., GradientTransformation],
@@ -237,7 +253,8 @@ class Optimizer(torch.optim.Optimizer):
     names accepted (``lr`` for ``learning_rate``, ``betas`` for ``(b1, b2)``, ``alpha`` for
     ``decay``): ``Optimizer(params, opttx.adamw, lr=1e-3, betas=(0.9, 0.95),
     weight_decay=0.1)``. Its float hyperparameters are then injected (`opttx.inject_hyperparams`,
-    as float32 0-dim tensors) and live in every param group under torch's keys (``"lr"``,
+    as float32 0-dim tensors, float64 for a model with float64 parameters) and live in
+    every param group under torch's keys (``"lr"``,
     ``"betas"``, ``"weight_decay"``, ``"eps"``, ``"momentum"``, ...) and in ``defaults``.
     Writing a group key (a torch or HF LR scheduler, a hand-written warm-up, OneCycleLR or
     CyclicLR cycling ``betas``/``momentum``) writes the value into the state at once; a
@@ -317,16 +334,19 @@ class Optimizer(torch.optim.Optimizer):
         if isinstance(params, torch.Tensor):
             raise TypeError("params argument given to the optimizer should be an iterable of "
                             "Tensors or dicts, but got " + torch.typename(params))
-        self._recipe: tuple[Callable[..., GradientTransformation], dict] | None = None
+        self._recipe: tuple[Callable[..., GradientTransformation], dict, torch.dtype] | None = \
+            None
+        params = list(params) if params is not None else params   # torch's error on None
         if isinstance(tx, GradientTransformation):
             if hyperparameters:
                 raise TypeError(f"Hyperparameter keywords {sorted(hyperparameters)} are for a "
                                 "factory (opttx.Optimizer(params, opttx.adamw, lr=1e-3)); this "
                                 "transform is already built.")
         elif callable(tx):
-            self._recipe = (tx, dict(hyperparameters))
+            dtype = _hyperparameter_dtype(params) if params is not None else torch.float32
+            self._recipe = (tx, dict(hyperparameters), dtype)
             try:
-                tx = _injected(tx, hyperparameters)
+                tx = _injected(tx, hyperparameters, dtype)
             except TypeError as e:
                 name = getattr(tx, "__name__", "the factory")
                 raise TypeError(f"{name} is given to the Optimizer as a factory, to be called "
@@ -347,7 +367,7 @@ class Optimizer(torch.optim.Optimizer):
         self._live: list[frozenset[str]] = []      # group keys that set injected values
         self._lr_is_scale: list[bool] = []         # lr applied as the final constant scale
         self._lr_values: list[torch.Tensor] = []   # that lr as a float32 0-dim tensor
-        params = list(params)
+        params = list(params)     # None: torch's TypeError
         if _is_named(params):
             params = [{"params": [p for _, p in params],
                        "param_names": [n for n, _ in params]}]
@@ -374,8 +394,7 @@ class Optimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         if self._recipe is not None and self.tx is None:
-            factory, kwargs = self._recipe
-            self.tx = _injected(factory, kwargs)
+            self.tx = _injected(*self._recipe)
             for group in self._slot_groups:
                 if group.get("tx", self) is None:
                     dict.__setitem__(group, "tx", self.tx)
@@ -433,7 +452,7 @@ class Optimizer(torch.optim.Optimizer):
         live = _live_hyperparameters(state)
         initial = {key: _group_value(places[0]) for key, places in live.items()}
         if self._recipe is not None and tx is self.tx:
-            exact = _exact_values(*self._recipe)
+            exact = _exact_values(*self._recipe[:2])
             initial.update({k: v for k, v in exact.items() if k in initial})
         factor = self._final_scale(tx)
         lr_is_scale = "lr" not in live and factor is not None and factor < 0

@@ -503,3 +503,13 @@ def test_older_state_dict_with_opttx_group_names_loads() -> None:
     assert other.param_groups[0]["lr"] == pytest.approx(1e-2)
     assert "b1" not in other.param_groups[0] and "learning_rate" not in other.param_groups[0]
     assert float(other.tx_states[0].hyperparams["b1"]) == pytest.approx(0.8)
+
+
+def test_hyperparameter_dtype_follows_the_model() -> None:
+    """Injected by the Optimizer as float32 (a compiled step's plain inputs), float64 for a
+    float64 model; the groups show the exact Python values either way."""
+    for dtype in (torch.float32, torch.float64):
+        p = torch.nn.Parameter(torch.ones(3, dtype=dtype))
+        opt = opttx.Optimizer([{"params": [p]}], opttx.adam, lr=1e-3)
+        assert opt.tx_states[0].hyperparams["learning_rate"].dtype == dtype
+        assert opt.param_groups[0]["lr"] == 1e-3 and opt.defaults["lr"] == 1e-3
