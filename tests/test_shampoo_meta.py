@@ -56,7 +56,7 @@ def configs(draw):
         use_bias_correction=draw(st.booleans()),
         precondition_frequency=freq,
         start_preconditioning_step=freq + draw(st.integers(0, 2)),
-        max_preconditioner_dim=draw(st.sampled_from([3, 5, 8, 1024])),
+        max_preconditioner_dim=draw(st.sampled_from([3, 5, 8, 1024, math.inf])),
         momentum=draw(st.sampled_from([0.0, 0.5])),
         nesterov=draw(st.booleans()),
         use_trace_scaling=draw(st.sampled_from([False, False, True])),
@@ -229,3 +229,17 @@ def test_meta_overwrites_its_filtered_gradient() -> None:
     _, state = tx.update({"w": g}, tx.init({"w": torch.ones(3, dtype=torch.float64)}))
     graft_state = state[0]
     assert torch.allclose(graft_state.filtered["w"][0], 0.1 * g)
+
+
+def test_max_preconditioner_dim_inf_equals_meta() -> None:
+    """``max_preconditioner_dim=math.inf``: every leaf one merged 1-D block, as Meta's."""
+    cfg = dict(grafting="adagrad", betas=(0.9, 1.0), beta3=None, epsilon=1e-6,
+               weight_decay=0.0, use_decoupled_weight_decay=True, use_bias_correction=True,
+               precondition_frequency=2, start_preconditioning_step=2,
+               max_preconditioner_dim=math.inf, momentum=0.0, nesterov=False,
+               use_trace_scaling=False)
+    tree, grads = draw_problem({"a": (3, 1, 4, 5), "b": (6,)}, 3, torch.float64)
+    theirs = run_meta(tree, grads, cfg, torch.float64)
+    ours = run_opttx(tree, grads, cfg, torch.float64)
+    assert max(displacement_gaps(ours, theirs, tree).values()) <= 1e-8
+    assert opttx.block_shapes((3, 1, 4, 5), math.inf) == [(60,)]

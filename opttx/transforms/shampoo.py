@@ -22,6 +22,7 @@ preconditions ``extra_args[PRECONDITION_INPUT]`` when it is given (`scale_by_rms
 from __future__ import annotations
 
 import math
+import sys
 from fractions import Fraction
 from typing import Any, Literal, NamedTuple, Sequence
 
@@ -67,6 +68,7 @@ def merge_small_dims(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
     >>> merge_small_dims((32, 3, 64, 64), 8192)
     (96, 4096)
     """
+    max_dim = _limit(max_dim)
     dims = [d for d in shape if d != 1] or [1]
     merged = [dims[-1]]
     for d in reversed(dims[:-1]):
@@ -79,6 +81,7 @@ def merge_small_dims(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
 
 def block_shapes(shape: Sequence[int], max_dim: int) -> list[tuple[int, ...]]:
     """The shapes of the blocks of a tensor of ``shape``, in row-major block order."""
+    max_dim = _limit(max_dim)
     merged = merge_small_dims(shape, max_dim)
     # an empty dim is one empty block (as torch.split gives)
     pieces: list[list[int]] = [[max_dim] * (m // max_dim) + ([m % max_dim] if m % max_dim else [])
@@ -89,7 +92,14 @@ def block_shapes(shape: Sequence[int], max_dim: int) -> list[tuple[int, ...]]:
     return shapes
 
 
+def _limit(max_dim: float) -> int:
+    """``max_preconditioner_dim`` as an int: ``math.inf`` (Meta's "never split") becomes a
+    size no tensor reaches."""
+    return sys.maxsize if max_dim == math.inf else int(max_dim)
+
+
 def _split(x: torch.Tensor, max_dim: int) -> tuple[torch.Tensor, ...]:
+    max_dim = _limit(max_dim)
     blocks = [x.reshape(merge_small_dims(x.shape, max_dim))]
     for dim in range(blocks[0].dim()):
         blocks = [piece for b in blocks for piece in torch.split(b, max_dim, dim=dim)]
@@ -97,6 +107,7 @@ def _split(x: torch.Tensor, max_dim: int) -> tuple[torch.Tensor, ...]:
 
 
 def _merge(blocks: Sequence[torch.Tensor], shape: Sequence[int], max_dim: int) -> torch.Tensor:
+    max_dim = _limit(max_dim)
     merged = merge_small_dims(shape, max_dim)
     counts = [max(1, math.ceil(m / max_dim)) for m in merged]
     parts = list(blocks)
@@ -108,17 +119,20 @@ def _merge(blocks: Sequence[torch.Tensor], shape: Sequence[int], max_dim: int) -
 
 
 def block_by_dims(inner: GradientTransformation,
-                  max_preconditioner_dim: int = 1024) -> GradientTransformation:
+                  max_preconditioner_dim: int | float = 1024) -> GradientTransformation:
     """Run ``inner`` on Meta's blocks of every leaf and reassemble its updates.
 
     Each leaf becomes a tuple of blocks (`block_shapes`); ``inner`` sees that tree, and its
     state is laid out by block. The blocks tile the leaf exactly and the round trip is the
-    identity.
+    identity. ``max_preconditioner_dim=math.inf`` (as Meta's) merges every dim of size > 1
+    into one and never splits: each leaf is one 1-D block (full-matrix Adagrad on it).
 
     Example:
       >>> tx = opttx.block_by_dims(opttx.precondition_shampoo(), max_preconditioner_dim=1024)
     """
-    check_positive_int("max_preconditioner_dim", max_preconditioner_dim)
+    if max_preconditioner_dim != math.inf:
+        check_positive_int("max_preconditioner_dim", max_preconditioner_dim)
+    max_preconditioner_dim = _limit(max_preconditioner_dim)
 
     def blocked(tree: PyTree) -> PyTree:
         return tree_map(lambda x: _split(x, max_preconditioner_dim), tree)
