@@ -8,8 +8,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ._statekeys import (dtensor_placement, keyed_state, local_entries_as_dtensors,
-                         param_paths)
+from .distributed.checkpoint_keys import (dtensor_placement, keyed_state,
+                                          local_entries_as_dtensors, param_paths)
 from .base import (GradientTransformation, _foreach_add, traits_of, _kind, _stochastic_pairs,
                    round_stochastic_)
 from .tree import PyTree, donating, tree_leaves

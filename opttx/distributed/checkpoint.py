@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._statekeys import (
+from .checkpoint_keys import (
     dtensor_placement,
     keyed_state,
     local_entries_as_dtensors,

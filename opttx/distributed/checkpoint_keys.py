@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree
 
-from .base import EmptyState
-from .tree import MaskedNode, PyTree, _is_leaf, tree_flatten, tree_flatten_with_path
+from ..base import EmptyState
+from ..tree import MaskedNode, PyTree, _is_leaf, tree_flatten, tree_flatten_with_path
 
 __all__ = ["dtensor_placement", "keyed_state", "local_entries_as_dtensors", "param_paths"]
 
@@ -98,7 +98,7 @@ def _field(node_path: str, inner: str) -> str:
 def _walk(node: Any, path: tuple, view: _View, out_state: dict, out_shared: dict) -> None:
     """Sort the tensors of ``node`` (at ``path`` in the state) into per-parameter entries
     (``out_state[param path][field path]``) and shared ones (``out_shared[field path]``)."""
-    from .transforms.quantized import QuantizedState
+    from ..transforms.quantized import QuantizedState
     if isinstance(node, (MaskedNode, EmptyState)):
         return
     if isinstance(node, QuantizedState):
@@ -142,7 +142,7 @@ def _walk_quantized(node: Any, path: tuple, view: _View, out_state: dict,
                     out_shared: dict) -> None:
     """`quantize_state` keeps the state of each large leaf alone (in leaf order) and one inner
     state over the list of the small leaves: key both by the param paths of those leaves."""
-    from .transforms.quantized import QuantizedTensor
+    from ..transforms.quantized import QuantizedTensor
     present = [i for i, p in enumerate(view.present) if p]
     large = _large_leaves(present, view.shapes, len(node.quantized), path)
     small = [i for i in present if i not in set(large)]
@@ -205,7 +205,7 @@ def _present_from_state(state: Any, spec: Any) -> list[bool] | None:
     """Which parameter leaves a state built over a masked tree (zero, on_owners) covers: the
     positions not masked in some node of the state shaped like the parameter tree (a link
     under `opttx.masked` covers fewer, hence the union)."""
-    from .transforms.quantized import QuantizedState
+    from ..transforms.quantized import QuantizedState
     found: list[list[bool]] = []
 
     def visit(node: Any) -> None:
