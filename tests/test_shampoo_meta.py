@@ -243,3 +243,44 @@ def test_max_preconditioner_dim_inf_equals_meta() -> None:
     ours = run_opttx(tree, grads, cfg, torch.float64)
     assert max(displacement_gaps(ours, theirs, tree).values()) <= 1e-8
     assert opttx.block_shapes((3, 1, 4, 5), math.inf) == [(60,)]
+
+
+@pytest.mark.parametrize("override", [
+    {2: 0.2, 3: {0: 0.0, 1: 0.25}},
+    {1: 0.0, 2: {1: 0.0}},
+    {3: 0.5, 2: {0: 1.0 / 3.0}},
+])
+@pytest.mark.parametrize("grafting", ["adam", None])
+def test_inverse_exponent_override_equals_meta(override, grafting) -> None:
+    """Meta's ``inverse_exponent_override`` per order and per dim (0: the dim is not
+    preconditioned) on 1-D, 2-D and 3-D blocks."""
+    cfg = dict(grafting=grafting, betas=(0.9, 0.999), beta3=None, epsilon=1e-6,
+               weight_decay=0.0, use_decoupled_weight_decay=True, use_bias_correction=True,
+               precondition_frequency=1, start_preconditioning_step=1,
+               max_preconditioner_dim=6, momentum=0.0, nesterov=False,
+               use_trace_scaling=False)
+    tree, grads = draw_problem({"v": (5,), "m": (6, 4), "t": (3, 5, 6)}, 4, torch.float64)
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in tree.items()}
+    opt = ds.DistributedShampoo(
+        list(params.values()), lr=LR, betas=(0.9, 0.999), epsilon=1e-6,
+        max_preconditioner_dim=6, precondition_frequency=1, start_preconditioning_step=1,
+        grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8)
+        if grafting else None,
+        preconditioner_config=ds.RootInvShampooPreconditionerConfig(
+            factor_matrix_dtype=torch.float64, inv_factor_matrix_dtype=torch.float64,
+            inverse_exponent_override=override))
+    for g in grads:
+        for k, p in params.items():
+            p.grad = g[k].clone()
+        opt.step()
+    theirs = {k: p.detach() for k, p in params.items()}
+    tx = opttx.shampoo(LR, betas=(0.9, 0.999), epsilon=1e-6, grafting=grafting,
+                       grafting_beta2=0.999, grafting_epsilon=1e-8, max_preconditioner_dim=6,
+                       preconditioner_dtype=torch.float64, inverse_exponent_override=override)
+    ours, state = tree, tx.init(tree)
+    for g in grads:
+        u, state = tx.update(g, state, ours)
+        ours = opttx.apply_updates(ours, u)
+    assert max(displacement_gaps(ours, theirs, tree).values()) <= 1e-8
+    plain = run_opttx(tree, grads, cfg, torch.float64)     # the override matters here
+    assert max(displacement_gaps(plain, theirs, tree).values()) > 1e-3

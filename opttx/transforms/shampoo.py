@@ -268,7 +268,10 @@ def _apply_roots(x: torch.Tensor, roots: Sequence[torch.Tensor]) -> torch.Tensor
     each step contracts the leading dim with a (symmetric) root and appends the result as
     the last dim, so after one step per dim the dims are back in order."""
     for r in roots:
-        x = torch.tensordot(x, r, dims=([0], [0]))
+        if r.shape[0] != x.shape[0]:              # a dim not preconditioned: rotate it
+            x = x.permute(*range(1, x.dim()), 0)
+        else:
+            x = torch.tensordot(x, r, dims=([0], [0]))
     return x
 
 
@@ -287,7 +290,7 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
                          precondition_frequency: int = 1,
                          start_preconditioning_step: int | None = None,
                          root_method: Literal["eigh", "newton"] = "eigh",
-                         inverse_exponent_override: float | None = None,
+                         inverse_exponent_override: float | dict | None = None,
                          preconditioner_dtype: torch.dtype = torch.float32,
                          use_bias_correction: bool = True,
                          max_consecutive_failures: int = 3,
@@ -350,8 +353,10 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
       start_preconditioning_step: first step that uses the roots (default: the frequency).
       root_method: ``"eigh"`` (default) or ``"newton"`` (coupled Newton iteration, a fixed
         number of steps; Meta's stops at a tolerance).
-      inverse_exponent_override: use :math:`A^{-1/p}` with this ``p`` for every factor
-        (Meta's ``inverse_exponent_override={k: 1/p}`` for the orders in use).
+      inverse_exponent_override: a number ``p``: :math:`A^{-1/p}` for every factor; or Meta's
+        dict ``{order: e}`` / ``{order: {dim: e}}`` of inverse exponents :math:`e = 1/p`
+        for the blocks of that order (unlisted: :math:`1/(2k)`; :math:`e = 0`: the dim is
+        not preconditioned and keeps no factor).
       preconditioner_dtype: dtype of the factors (Meta's ``factor_matrix_dtype``).
       use_bias_correction: divide factors by :math:`1-\beta_2^t` before the root.
       max_consecutive_failures: root failures tolerated in a row.
@@ -376,26 +381,45 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
     if use_trace_scaling and not 0.0 < trace_scaling_exponent <= 1.0:
         raise ValueError(f"trace_scaling_exponent must be in (0, 1] with use_trace_scaling, "
                          f"got {trace_scaling_exponent}.")
+    if isinstance(inverse_exponent_override, dict):
+        for order, given in inverse_exponent_override.items():
+            values = given.values() if isinstance(given, dict) else [given]
+            if order < 0 or any(e < 0 for e in values) or (isinstance(given, dict) and any(
+                    not 0 <= d <= max(order - 1, 0) for d in given)):
+                raise ValueError(f"inverse_exponent_override[{order}]={given!r}: orders, dims "
+                                 "(0 .. order - 1) and exponents must be >= 0.")
+    elif inverse_exponent_override is not None:
+        check_nonnegative("inverse_exponent_override", inverse_exponent_override)
     weight = 1.0 if beta2 == 1 else 1 - beta2
     root_dtype = preconditioner_dtype if inv_factor_matrix_dtype is None \
         else inv_factor_matrix_dtype
 
-    def exponent(order: int) -> float:
+    def roots_of(order: int) -> list[float | None]:
+        """The root p of every dim of a block of this order (None: not preconditioned)."""
+        default = 1 / (2 * max(order, 1))         # Meta's inverse exponent
+        if isinstance(inverse_exponent_override, dict):
+            given = inverse_exponent_override.get(order, {})
+            exps = [given.get(d, default) if isinstance(given, dict) else given
+                    for d in range(order)]
+            return [None if e == 0 else 1 / e for e in exps]
         if inverse_exponent_override is not None:
-            return inverse_exponent_override
-        return 1 / (1 / (2 * max(order, 1)))    # Meta's root: 1 / its inverse exponent
+            return [inverse_exponent_override] * order
+        return [1 / default] * order               # Meta's root: 1 / its inverse exponent
 
     def init(params: Params) -> ShampooState:
         check_init_params(params)
 
+        # a dim that is not preconditioned keeps an empty (0, 0) factor and root
         def factors_of(x: torch.Tensor) -> tuple:
             x = x.reshape(x.shape or (1,))
-            return tuple(torch.zeros(d, d, dtype=preconditioner_dtype, device=x.device)
-                         for d in x.shape)
+            return tuple(torch.zeros((d, d) if p else (0, 0), dtype=preconditioner_dtype,
+                                     device=x.device)
+                         for d, p in zip(x.shape, roots_of(x.dim())))
 
         def eyes_of(x: torch.Tensor) -> tuple:
             x = x.reshape(x.shape or (1,))
-            return tuple(torch.eye(d, dtype=root_dtype, device=x.device) for d in x.shape)
+            return tuple(torch.eye(d if p else 0, dtype=root_dtype, device=x.device)
+                         for d, p in zip(x.shape, roots_of(x.dim())))
 
         count = zero_count(params)
         return ShampooState(count=count, failures=torch.zeros_like(count),
@@ -410,14 +434,14 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
             meta_bias_correction(beta2, count)
         inputs, exps, ok = [], [], []
         for block_factors in factors:
-            for f in block_factors:
+            for f, p in zip(block_factors, roots_of(len(block_factors))):
                 a = f if scale is None else f / scale
                 if use_trace_scaling:
                     trace = torch.clamp(torch.trace(a), min=epsilon)
                     a = a * torch.pow(trace, -trace_scaling_exponent)
                 finite_in = torch.isfinite(a).all()
                 inputs.append((torch.where(finite_in, a, torch.zeros_like(a)), finite_in))
-                exps.append(exponent(len(block_factors)))
+                exps.append(p or 1.0)
         fresh = []
         for (a, finite_in), p in zip(inputs, exps):
             r = _from_upper(matrix_inverse_root(a, p, epsilon, root_method).to(root_dtype))
@@ -464,6 +488,7 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
             # gradients), then L *= beta2 (when beta2 != 1), L += w * outer in L's dtype
             gi = gi.reshape(gi.shape or (1,)).to(state_dtype(gi))
             new_factors.append(tuple(
+                f if f.shape[0] != gi.shape[k] else       # a dim not preconditioned
                 torch.add(f * beta2 if beta2 != 1 else f, _contract_factor(gi, k),
                           alpha=weight).to(f.dtype)
                 for k, f in enumerate(fs)))
