@@ -681,14 +681,27 @@ def test_optimizer_state_dict_names_fields_per_parameter() -> None:
 
 
 def test_quantized_state_over_unknown_leaves_asks_for_owned() -> None:
-    """quantize_state under masked keeps lists over the masked-in leaves only; when which those
-    are cannot be read from the state, keying refuses (never mis-keys) and ``owned`` fixes it."""
+    """quantize_state under masked keeps lists over the masked-in leaves only: the quantized
+    codes' declared shapes say which leaves those are; when they cannot (two leaves of one
+    shape, one quantized), keying refuses (never mis-keys) and ``owned`` fixes it."""
     params = {"a": torch.randn(10, 10), "b": torch.randn(10), "c": torch.randn(50)}
     inner = opttx.quantize_state(opttx.scale_by_adam(), min_size=5, block_size=4)
     tx = opttx.chain(opttx.masked(inner, {"a": True, "b": True, "c": False}), opttx.scale(-1e-3))
     state = tx.init(params)
+    read = state_dict(state, params)
+    sd = state_dict(state, params, owned=[True, True, False])
+    assert set(sd["state"]) == set(read["state"]) == {"a", "b"}
+    assert sd["state"]["b"]["0.inner_state.quantized.mu.codes"].shape == (10,)
+    for path, fields in sd["state"].items():
+        assert {k: v.data_ptr() for k, v in fields.items()} == {
+            k: v.data_ptr() for k, v in read["state"][path].items()}
+
+    params = {"a": torch.randn(10), "b": torch.randn(10), "c": torch.randn(3)}
+    tx = opttx.chain(opttx.masked(inner, {"a": False, "b": True, "c": True}), opttx.scale(-1e-3))
+    state = tx.init(params)
     with pytest.raises(ValueError, match="pass owned="):
         state_dict(state, params)
-    sd = state_dict(state, params, owned=[True, True, False])
-    assert set(sd["state"]) == {"a", "b"}
+    sd = state_dict(state, params, owned=[False, True, True])
+    assert set(sd["state"]) == {"b", "c"}
     assert sd["state"]["b"]["0.inner_state.quantized.mu.codes"].shape == (10,)
+    assert sd["state"]["c"]["0.inner_state.dense.mu"].shape == (3,)

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils import _pytree
-
-from ..base import EmptyState
-from ..tree import MaskedNode, PyTree, _is_leaf, tree_flatten, tree_flatten_with_path
+from ..base import EmptyState, Role, fields_with_role
+from ..tree import (MaskedNode, PyTree, tree_flatten, tree_flatten_with_path, tree_leaves,
+                    tree_structure)
 
 __all__ = ["dtensor_placement", "keyed_state", "local_entries_as_dtensors", "param_paths"]
 
@@ -77,14 +76,12 @@ def _is_tensor(x: Any) -> bool:
 
 
 def _children(node: Any) -> list[tuple[Any, Any]] | None:
-    """(key, child) of a pytree container, or None for a leaf."""
-    if _is_leaf(node):
+    """(key, child) of a pytree container, or None for a leaf: one level of
+    ``tree_flatten_with_path``, with every node below ``node`` taken as a leaf."""
+    if tree_structure(node).is_leaf():
         return None
-    handler = _pytree.SUPPORTED_NODES[_pytree._get_node_type(node)]
-    children, _ = handler.flatten_fn(node)
-    if handler.flatten_with_keys_fn is not None:
-        return list(handler.flatten_with_keys_fn(node)[0])
-    return [(_pytree.SequenceKey(i), c) for i, c in enumerate(children)]
+    entries, _ = tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    return [(path[0], child) for path, child in entries]
 
 
 def _tensors(tree: Any) -> list[tuple[str, torch.Tensor]]:
@@ -140,27 +137,20 @@ def _put(table: dict, key: str, x: torch.Tensor) -> None:
 
 def _walk_quantized(node: Any, path: tuple, view: _View, out_state: dict,
                     out_shared: dict) -> None:
-    """`quantize_state` keeps the state of each large leaf alone (in leaf order) and one inner
-    state over the list of the small leaves: key both by the param paths of those leaves."""
-    from ..transforms.quantized import QuantizedTensor
+    """A `QuantizedState`: each entry of its `Role.QUANTIZED` field is the state of one
+    quantized leaf alone (in leaf order), ``dense`` is one inner state over the list of the
+    other leaves present; key both by the param paths of those leaves."""
     present = [i for i, p in enumerate(view.present) if p]
-    large = _large_leaves(present, view.shapes, len(node.quantized), path)
+    (field,) = fields_with_role(node, Role.QUANTIZED)
+    per_leaf = getattr(node, field)
+    large = _quantized_leaves(present, view.shapes, per_leaf, path)
     small = [i for i in present if i not in set(large)]
-    for i, leaf_state in zip(large, node.quantized):
-        # the quantized moments have the leaf's shape: a wrong guess of the leaves present
-        # (quantize_state under masked, or alone under zero) is caught here, not mis-keyed
-        codes = [x.codes for x in _pytree.tree_leaves(
-            leaf_state, is_leaf=lambda n: isinstance(n, QuantizedTensor))
-            if isinstance(x, QuantizedTensor)]
-        if any(tuple(c.shape) != view.shapes[i] for c in codes):
-            raise ValueError(f"state{_join(path)}: cannot tell which parameters this "
-                             "quantize_state state covers; pass owned= (the leaves it was "
-                             "built over).")
-        where = _join(path + ("quantized",))
+    where = _join(path + (field,))
+    for i, leaf_state in zip(large, per_leaf):
         for inner, x in _tensors(leaf_state):
             _put(out_state.setdefault(view.paths[i], {}), _field(where, inner), x)
     if small:
-        small_spec = _pytree.tree_structure([0] * len(small))
+        small_spec = tree_structure([0] * len(small))
         small_view = _View(small_spec, tuple(view.paths[i] for i in small),
                            (True,) * len(small), tuple(view.shapes[i] for i in small))
         if (_present_from_state(node.dense, small_spec) is None
@@ -169,29 +159,62 @@ def _walk_quantized(node: Any, path: tuple, view: _View, out_state: dict,
                              f"entry per small leaf ({len(small)}); pass owned= (the leaves "
                              "this quantize_state state was built over).")
         _walk(node.dense, path + ("dense",), small_view, out_state, out_shared)
-    for name in ("signed_map", "unsigned_map"):
-        for inner, x in _tensors(getattr(node, name)):
-            _put(out_shared, _field(_join(path + (name,)), inner), x)
+    for name in node._fields:
+        if name not in (field, "dense"):
+            for inner, x in _tensors(getattr(node, name)):
+                _put(out_shared, _field(_join(path + (name,)), inner), x)
 
 
-def _large_leaves(present: list[int], shapes: Sequence[tuple[int, ...]], n_large: int,
-                  path: tuple) -> list[int]:
-    """The present leaves `quantize_state` quantized: those with at least one dim and at least
-    ``min_size`` elements, for the ``min_size`` that makes them ``n_large`` (every such
-    threshold gives the same set)."""
-    if n_large == 0:
+def _quantized_shapes(leaf_state: Any) -> set[tuple[int, ...]]:
+    """The shapes of the codes in one leaf's quantized state: the leaf's shape, read from the
+    nodes whose fields are all declared `Role.QUANTIZED` (`QuantizedTensor`: codes shaped like
+    the leaf, one absmax per block)."""
+    def quantized_node(n: Any) -> bool:
+        fields = getattr(n, "_fields", None)
+        return bool(fields) and fields_with_role(n, Role.QUANTIZED) == list(fields)
+    return {tuple(n[0].shape) for n in tree_leaves(leaf_state, is_leaf=quantized_node)
+            if quantized_node(n)}
+
+
+def _quantized_leaves(present: list[int], shapes: Sequence[tuple[int, ...]],
+                      per_leaf: Sequence[Any], path: tuple) -> list[int]:
+    """The present leaves that the per-leaf states ``per_leaf`` belong to, in leaf order: each
+    state's quantized codes have its leaf's shape, so each is matched to the next present
+    leaf of that shape (refused when fewer states than present leaves have a shape: which of
+    them was quantized is not written anywhere). A state holding no quantized tensor says no shape; then the leaves are
+    those of `quantize_state`'s rule (every leaf with at least one dim and at least
+    ``min_size`` elements), the one such set with ``len(per_leaf)`` leaves."""
+    said = [_quantized_shapes(s) for s in per_leaf]
+    if not per_leaf:
         return []
-    numel = {i: _numel(shapes[i]) for i in present if len(shapes[i]) >= 1}
-    for threshold in sorted(set(numel.values()), reverse=True):
-        chosen = [i for i in present if i in numel and numel[i] >= threshold]
-        if len(chosen) == n_large:
+    stated = [next(iter(s)) for s in said if len(s) == 1]
+    unique = all(sum(shapes[i] == shape for i in present) == stated.count(shape)
+                 for shape in stated)
+    if len(stated) == len(per_leaf) and unique:
+        # every present leaf of a stated shape is quantized: the order maps them one to one
+        chosen, start = [], 0
+        for (shape,) in said:
+            nxt = next((j for j in range(start, len(present)) if shapes[present[j]] == shape),
+                       None)
+            if nxt is None:
+                break
+            chosen.append(present[nxt])
+            start = nxt + 1
+        else:
             return chosen
-        if len(chosen) > n_large:
-            break
-    raise ValueError(f"state{_join(path)}: quantize_state holds {n_large} quantized leaves, "
-                     f"which no size threshold picks out of the {len(present)} leaves present "
-                     "here; is this the state of these parameters (under zero or on_owners, "
-                     "pass owned=)?")
+    elif not any(said):
+        numel = {i: _numel(shapes[i]) for i in present if len(shapes[i]) >= 1}
+        for threshold in sorted(set(numel.values()), reverse=True):
+            chosen = [i for i in present if i in numel and numel[i] >= threshold]
+            if len(chosen) == len(per_leaf):
+                return chosen
+            if len(chosen) > len(per_leaf):
+                break
+    raise ValueError(f"state{_join(path)}: cannot tell which parameters this quantize_state "
+                     f"state covers ({len(per_leaf)} quantized leaf states of shapes "
+                     f"{[sorted(s) for s in said]}, {len(present)} leaves present); is this "
+                     "the state of these parameters (under zero or on_owners, pass owned=: "
+                     "the leaves it was built over)?")
 
 
 def _numel(shape: Sequence[int]) -> int:
