@@ -639,7 +639,8 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
             preconditioner_dtype: torch.dtype = torch.float32,
             inv_factor_matrix_dtype: torch.dtype | None = None, beta3: float | None = None,
             use_trace_scaling: bool = False, trace_scaling_exponent: float = 0.5,
-            inverse_exponent_override: dict | None = None) -> GradientTransformation:
+            inverse_exponent_override: dict | None = None,
+            drop_weighting_factor_on_gsquare: bool = False) -> GradientTransformation:
     r"""Shampoo as Meta's Distributed Shampoo computes it, composed from transforms.
 
     ``block_by_dims(chain(graft(grafted method, precondition_shampoo, beta1),
@@ -665,7 +666,8 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
       root_method, preconditioner_dtype, epsilon, precondition_frequency: see
         `precondition_shampoo`.
       inv_factor_matrix_dtype, beta3, use_trace_scaling, trace_scaling_exponent,
-        inverse_exponent_override: Meta's options of these names (see `precondition_shampoo` and `graft`);
+        inverse_exponent_override, drop_weighting_factor_on_gsquare (of the Shampoo factors):
+        Meta's options of these names (see `precondition_shampoo` and `graft`);
         ``preconditioner_dtype`` is Meta's ``factor_matrix_dtype``.
 
     Equal to ``DistributedShampoo`` with its default ``RootInvShampooPreconditionerConfig``
@@ -701,7 +703,9 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
                                      inv_factor_matrix_dtype=inv_factor_matrix_dtype,
                                      use_trace_scaling=use_trace_scaling,
                                      trace_scaling_exponent=trace_scaling_exponent,
-                                     inverse_exponent_override=inverse_exponent_override)
+                                     inverse_exponent_override=inverse_exponent_override,
+                                     drop_weighting_factor_on_gsquare=(
+                                         drop_weighting_factor_on_gsquare))
     links: list[GradientTransformation] = [
         graft(magnitudes[grafting](), direction, start, beta1, use_bias_correction,
               rescale=grafting is not None, beta3=beta3)]

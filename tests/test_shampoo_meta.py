@@ -60,6 +60,7 @@ def configs(draw):
         momentum=draw(st.sampled_from([0.0, 0.5])),
         nesterov=draw(st.booleans()),
         use_trace_scaling=draw(st.sampled_from([False, False, True])),
+        drop_weighting_factor_on_gsquare=draw(st.sampled_from([False, False, True])),
     )
     if (cfg["grafting"] == "sgd" and beta1 and cfg["beta3"] is None
             and not cfg["use_bias_correction"]):
@@ -93,7 +94,8 @@ def meta_optimizer(params: list[torch.nn.Parameter], cfg: dict, dtype: torch.dty
         iterate_averaging_config=momentum,
         preconditioner_config=ds.RootInvShampooPreconditionerConfig(
             factor_matrix_dtype=dtype, inv_factor_matrix_dtype=dtype,
-            use_trace_scaling=cfg["use_trace_scaling"]))
+            use_trace_scaling=cfg["use_trace_scaling"],
+            drop_weighting_factor_on_gsquare=cfg.get("drop_weighting_factor_on_gsquare", False)))
 
 
 def run_meta(tree: dict, grads: list[dict], cfg: dict, dtype: torch.dtype) -> dict:
@@ -284,3 +286,18 @@ def test_inverse_exponent_override_equals_meta(override, grafting) -> None:
     assert max(displacement_gaps(ours, theirs, tree).values()) <= 1e-8
     plain = run_opttx(tree, grads, cfg, torch.float64)     # the override matters here
     assert max(displacement_gaps(plain, theirs, tree).values()) > 1e-3
+
+
+def test_drop_weighting_factor_on_gsquare_equals_meta() -> None:
+    cfg = dict(grafting=None, betas=(0.9, 0.75), beta3=None, epsilon=1e-6,
+               weight_decay=0.0, use_decoupled_weight_decay=True, use_bias_correction=True,
+               precondition_frequency=1, start_preconditioning_step=1,
+               max_preconditioner_dim=5, momentum=0.0, nesterov=False,
+               use_trace_scaling=False, drop_weighting_factor_on_gsquare=True)
+    tree, grads = draw_problem({"m": (5, 4), "v": (3,)}, 7, torch.float64)
+    theirs = run_meta(tree, grads, cfg, torch.float64)
+    assert max(displacement_gaps(run_opttx(tree, grads, cfg, torch.float64), theirs,
+                                 tree).values()) <= 1e-8
+    kept = dict(cfg, drop_weighting_factor_on_gsquare=False)
+    assert max(displacement_gaps(run_opttx(tree, grads, kept, torch.float64), theirs,
+                                 tree).values()) > 1e-4

@@ -319,7 +319,9 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
                          max_consecutive_failures: int = 3,
                          inv_factor_matrix_dtype: torch.dtype | None = None,
                          use_trace_scaling: bool = False,
-                         trace_scaling_exponent: float = 0.5) -> GradientTransformation:
+                         trace_scaling_exponent: float = 0.5,
+                         drop_weighting_factor_on_gsquare: bool = False
+                         ) -> GradientTransformation:
     r"""Shampoo's Kronecker-factored preconditioner, applied to every leaf (block) as a whole.
 
     For a block :math:`G` of order :math:`k` and each dim :math:`i`,
@@ -386,6 +388,8 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
       inv_factor_matrix_dtype: dtype of the roots and of the preconditioning product
         (Meta's ``inv_factor_matrix_dtype``; default: ``preconditioner_dtype``).
       use_trace_scaling, trace_scaling_exponent: Meta's options of the same names.
+      drop_weighting_factor_on_gsquare: Meta's option: :math:`w = 1` even when
+        :math:`\beta_2 < 1`, and no bias correction.
 
     Example:
       >>> tx = opttx.block_by_dims(opttx.precondition_shampoo(epsilon=1e-12), 1024)
@@ -413,7 +417,7 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
                                  "(0 .. order - 1) and exponents must be >= 0.")
     elif inverse_exponent_override is not None:
         check_nonnegative("inverse_exponent_override", inverse_exponent_override)
-    weight = 1.0 if beta2 == 1 else 1 - beta2
+    weight = 1.0 if beta2 == 1 or drop_weighting_factor_on_gsquare else 1 - beta2
     root_dtype = preconditioner_dtype if inv_factor_matrix_dtype is None \
         else inv_factor_matrix_dtype
 
@@ -453,7 +457,8 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
         """New roots of every factor; a factor whose root is not finite in
         ``preconditioner_dtype`` is retried in float64, and keeps its old root when that fails
         too. Returns the roots and whether any factor kept its old root."""
-        scale = None if (beta2 == 1 or not use_bias_correction) else \
+        scale = None if (beta2 == 1 or not use_bias_correction
+                         or drop_weighting_factor_on_gsquare) else \
             meta_bias_correction(beta2, count)
         inputs, exps, ok = [], [], []
         for block_factors in factors:
