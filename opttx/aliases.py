@@ -671,10 +671,12 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
         ``preconditioner_dtype`` is Meta's ``factor_matrix_dtype``.
 
     Equal to ``DistributedShampoo`` with its default ``RootInvShampooPreconditionerConfig``
-    (``tests/test_shampoo_meta.py``): float64 factors and roots to 1e-9 relative, float32 to
-    float32 rounding where the factors are well conditioned; on rank-deficient factors with a
-    small ``epsilon`` both are as far apart as Meta is from itself when its gradients move by
-    one ulp (see `precondition_shampoo`). ``weight_decay`` with
+    on one device (``tests/test_shampoo_meta.py``: drawn trees and settings, float64 to 1e-8
+    relative, float32 to 1e-5 or Meta's own one-ulp spread; measured bitwise equal on CPU in
+    both, rank-deficient factors at ``epsilon=1e-12`` included, where Meta moves by up to
+    41 % when its gradients move by one ulp; see the `opttx.transforms.shampoo` module for
+    what is not equal). Meta keeps ``lr`` in a float32 tensor: an ``lr`` not exact in float32
+    differs from Meta's by its float32 rounding (2.2e-8 relative for 1e-2). ``weight_decay`` with
     ``use_decoupled_weight_decay`` is Meta's ``WeightDecayType.DECOUPLED``, without it
     ``WeightDecayType.L2``; ``momentum``/``nesterov`` are Meta's ``ClassicMomentumConfig``
     (dampening 0).
