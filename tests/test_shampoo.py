@@ -327,3 +327,32 @@ def test_bf16_parameters_keep_float32_statistics_and_follow_float32(grafting) ->
             # bf16 rounding of the update only (0.4 % relative), not a divergence
             assert_trees_close(u16[k].float(), u32[k], rtol=2e-2,
                                atol=2e-2 * float(u32[k].abs().max()))
+
+
+def test_meta_options_compile_to_one_graph_and_equal_eager() -> None:
+    """beta3, trace scaling, a per-dim inverse exponent override (one dim not
+    preconditioned) and float32 roots of float64 factors under torch.compile(fullgraph)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    tx = opttx.shampoo(1e-2, betas=(0.9, 0.999), grafting="adam", max_preconditioner_dim=6,
+                       precondition_frequency=2, inverse_exponent_override={2: {1: 0.0},
+                                                                            3: 0.25},
+                       beta3=0.5, use_trace_scaling=True, preconditioner_dtype=torch.float64,
+                       inv_factor_matrix_dtype=torch.float32)
+    params = {"m": torch.randn(6, 4), "t": torch.randn(3, 5, 6), "v": torch.randn(5)}
+    state = tx.init(params)
+    assert state[0].direction.factors["m"][0][1].shape == (0, 0)   # dim 1 of (6, 4): none
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return opttx.apply_updates(params, updates), state
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    eager_params, eager_state = params, state
+    for g in gradient_stream(params, 4, seed=9):
+        params, state = compiled(params, state, g)
+        eager_params, eager_state = step(eager_params, eager_state, g)
+    assert counter.frame_count == 1
+    assert_trees_close(params, eager_params, rtol=1e-6)
+    torch._dynamo.reset()
