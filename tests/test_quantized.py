@@ -11,6 +11,7 @@ import argparse
 import math
 import pathlib
 import weakref
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -21,7 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import opttx
 from opttx.testing import assert_trees_close, gradient_stream, param_trees, run_transform
-from opttx.transforms.quantized import (UNSIGNED_FIELDS, QuantizedState, QuantizedTensor,
+from opttx.base import Role, declare_roles, state_roles
+from opttx.transforms.quantized import (QuantizedState, QuantizedTensor,
                                         dequantize_blockwise, dynamic_map, quantization_map,
                                         quantize_blockwise)
 from opttx.tree import tree_leaves, tree_map
@@ -170,8 +172,8 @@ def test_step_is_the_inner_on_the_dequantized_state(name: str) -> None:
         updates, new_state = tx.update(grads, state, params)
         for (key, leaf_state, new_leaf_state) in zip(["w", "v"], state.quantized,
                                                      new_state.quantized):
-            maps = {f: UNSIGNED if f in UNSIGNED_FIELDS else SIGNED
-                    for f in leaf_state._fields}
+            maps = {f: UNSIGNED if state_roles(leaf_state).get(f) == Role.SECOND_MOMENT
+                    else SIGNED for f in leaf_state._fields}
             quantized = [f for f in leaf_state._fields
                          if isinstance(getattr(leaf_state, f), QuantizedTensor)]
             assert quantized and all(getattr(leaf_state, f).codes.shape == params[key].shape
@@ -194,22 +196,35 @@ def test_step_is_the_inner_on_the_dequantized_state(name: str) -> None:
                                                                         updates))
 
 
-def test_nu_uses_the_unsigned_map_and_can_be_overridden() -> None:
-    """With the default field list, a second moment of values spanning 1e-6..1 is stored
-    with the unsigned map's resolution; forcing it signed (unsigned_fields=()) halves that."""
+def test_nu_uses_the_unsigned_map_by_its_declared_role() -> None:
+    """Adam's nu is declared SECOND_MOMENT: a second moment of values spanning 1e-6..1 is
+    stored with the unsigned map's resolution, half the error of the signed map (the map a
+    state declaring nu FIRST_MOMENT gets)."""
     params = {"w": torch.zeros(4096)}
     grads = {"w": torch.logspace(-3, 0, 4096)}       # nu = (1 - b2) g²: six decades
 
-    def nu_error(unsigned_fields):
-        tx = opttx.quantize_state(opttx.scale_by_adam(), unsigned_fields=unsigned_fields)
+    class SignedNuState(NamedTuple):
+        count: torch.Tensor
+        mu: torch.Tensor
+        nu: torch.Tensor
+        __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT,
+                                  nu=Role.FIRST_MOMENT)
+
+    adam = opttx.scale_by_adam()
+    relabelled = opttx.GradientTransformation(
+        lambda p: SignedNuState(*adam.init(p)),
+        lambda u, s, p=None: (lambda out: (out[0], SignedNuState(*out[1])))(
+            adam.update(u, opttx.ScaleByAdamState(*s), p)))
+
+    def nu_error(inner, qmap):
+        tx = opttx.quantize_state(inner)
         state = tx.update(grads, tx.init(params), params)[1]
         nu = state.quantized[0].nu
-        qmap = UNSIGNED if "nu" in unsigned_fields else SIGNED
         exact = 0.001 * grads["w"] ** 2
         return float(((dequantize_blockwise(nu, qmap) - exact).abs()
                       / nu.absmax.repeat_interleave(256)).max())
 
-    unsigned, signed = nu_error(UNSIGNED_FIELDS), nu_error(())
+    unsigned, signed = nu_error(adam, UNSIGNED), nu_error(relabelled, SIGNED)
     assert unsigned <= map_resolution(UNSIGNED.values, False) * 1.001
     assert signed > 1.5 * unsigned
 
@@ -296,8 +311,6 @@ def test_errors() -> None:
         opttx.quantize_state(opttx.scale_by_adam(), min_size=-1)
     with pytest.raises(TypeError, match="GradientTransformation"):
         opttx.quantize_state(opttx.scale_by_adam)
-    with pytest.raises(TypeError, match="unsigned_fields"):
-        opttx.quantize_state(opttx.scale_by_adam(), unsigned_fields="nu")
     masked_inner = opttx.adamw(1e-3, mask={"w": True, "b": False})
     with pytest.raises(ValueError, match="add_decayed_weights"):
         opttx.quantize_state(masked_inner).init({"w": torch.zeros(64, 64), "b": torch.zeros(3)})

@@ -11,7 +11,7 @@ from .moments import (EmaState, ScaleByAdamState, ScaleByLionState, ScaleByNadam
                       scale_by_adam, scale_by_lion, scale_by_nadam, scale_by_rms, scale_by_rss,
                       scale_by_stddev, trace)
 from .lowrank import ProjectLowrankState, project_lowrank
-from .quantized import (UNSIGNED_FIELDS, QuantizationMap, QuantizedState, QuantizedTensor,
+from .quantized import (QuantizationMap, QuantizedState, QuantizedTensor,
                         dequantize_blockwise, dynamic_map, quantization_map, quantize_blockwise,
                         quantize_state)
 from .shampoo import (DiagonalGraftState, GraftState, ShampooState, block_by_dims, block_shapes,
@@ -22,7 +22,7 @@ from .scaling import (ScaleByScheduleState, add_decayed_weights, scale, scale_by
 
 __all__ = [
     "ProjectLowrankState", "project_lowrank",
-    "UNSIGNED_FIELDS", "QuantizationMap", "QuantizedState", "QuantizedTensor",
+    "QuantizationMap", "QuantizedState", "QuantizedTensor",
     "dequantize_blockwise", "dynamic_map", "quantization_map", "quantize_blockwise",
     "quantize_state",
     "GraftState", "ShampooState", "block_by_dims", "block_shapes", "graft",

@@ -17,17 +17,16 @@ from __future__ import annotations
 import functools
 import math
 from collections import OrderedDict
-from typing import Any, Callable, Collection, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from ..base import (Role, declare_roles, EmptyState, GradientTransformation, Params, State, Updates,
-                    check_init_params, require_whole_leaves)
+from ..base import (EmptyState, GradientTransformation, Params, Role, State, Updates,
+                    check_init_params, declare_roles, require_whole_leaves, state_roles)
 from ..tree import flatten_matching, is_donating, tree_flatten, tree_unflatten
 
 __all__ = [
-    "UNSIGNED_FIELDS",
     "QuantizationMap",
     "QuantizedState",
     "QuantizedTensor",
@@ -37,12 +36,6 @@ __all__ = [
     "quantize_blockwise",
     "quantize_state",
 ]
-
-UNSIGNED_FIELDS: tuple[str, ...] = ("nu", "sum_of_squares", "v", "v_row", "v_col", "r_row",
-                                    "r_col")
-"""State fields that are never negative (second moments, sums of squares): stored with the
-unsigned map, which spends the sign bit on resolution. Every other field uses the signed
-map, which is right for any value (an unknown field is never clamped)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,7 +216,7 @@ def _on(qmap: QuantizationMap, device: torch.device) -> QuantizationMap:
 
 
 # ---------------------------------------------------------------------------------------------
-# walking an inner state: which tensors are moments, and under which field name
+# walking an inner state: which tensors are moments, and what their declared role is
 # ---------------------------------------------------------------------------------------------
 
 
@@ -231,24 +224,68 @@ def _is_namedtuple(node: Any) -> bool:
     return isinstance(node, tuple) and hasattr(node, "_fields")
 
 
-def _walk(fn: Callable[..., Any], node: Any, other: Any = None, name: str = "") -> Any:
+class _Field(NamedTuple):
+    """Where a tensor sits in an inner state: the nearest enclosing NamedTuple field, its
+    declared role (None: none), and whether that NamedTuple declares roles at all."""
+    owner: str            # the NamedTuple's class name ("" above any NamedTuple)
+    name: str             # the field's name ("" above any NamedTuple)
+    role: Role | None     # its declared role, inherited by everything under the field
+    declared: bool        # the owner has ``__roles__`` (False also above any NamedTuple)
+
+
+_TOP = _Field(owner="", name="", role=None, declared=False)
+
+
+def _walk(fn: Callable[..., Any], node: Any, other: Any = None, where: _Field = _TOP) -> Any:
     """Rebuild ``node`` (a state tree of NamedTuples, tuples, lists and dicts) with
-    ``fn(leaf, other_leaf, field_name)`` at every tensor and `QuantizedTensor`; ``other`` is a
-    tree of the same structure walked alongside (or None). ``field_name`` is the nearest
-    enclosing NamedTuple field or string dict key."""
+    ``fn(leaf, other_leaf, where)`` at every tensor and `QuantizedTensor`; ``other`` is a tree
+    of the same structure walked alongside (or None). ``where`` (a `_Field`) names the nearest
+    enclosing NamedTuple field; a field with a declared role passes it to everything below."""
     if isinstance(node, (torch.Tensor, QuantizedTensor)):
-        return fn(node, other, name)
+        return fn(node, other, where)
     if _is_namedtuple(node):
-        return type(node)(*(_walk(fn, child, None if other is None else other[j], field)
+        def child_field(field: str) -> _Field:
+            if where.role is not None:
+                return where
+            roles = getattr(type(node), "__roles__", None)
+            return _Field(owner=type(node).__name__, name=field,
+                          role=None if roles is None else state_roles(node).get(field),
+                          declared=roles is not None)
+        return type(node)(*(_walk(fn, child, None if other is None else other[j],
+                                  child_field(field))
                             for j, (field, child) in enumerate(zip(node._fields, node))))
     if isinstance(node, (tuple, list)):
-        return type(node)(_walk(fn, child, None if other is None else other[j], name)
+        return type(node)(_walk(fn, child, None if other is None else other[j], where)
                           for j, child in enumerate(node))
     if isinstance(node, dict):
-        items = [(k, _walk(fn, v, None if other is None else other[k],
-                           k if isinstance(k, str) else name)) for k, v in node.items()]
+        items = [(k, _walk(fn, v, None if other is None else other[k], where))
+                 for k, v in node.items()]
         return OrderedDict(items) if isinstance(node, OrderedDict) else dict(items)
     return node
+
+
+def _map_kind(role: Role | None) -> str | None:
+    """Which map stores a field of ``role``: "unsigned" for non-negative roles (second and
+    factored moments), "signed" for first moments and parameter-like tensors, None for the
+    roles that are never quantized (counts, scalars, factor matrices, bases, codes)."""
+    if role is None:
+        return None
+    if role.nonnegative:
+        return "unsigned"
+    if role in (Role.FIRST_MOMENT, Role.PARAMS_LIKE):
+        return "signed"
+    return None
+
+
+def _undeclared(where: _Field) -> TypeError:
+    owner = f"{where.owner}.{where.name}" if where.owner else "a state that is no NamedTuple"
+    cls = where.owner or "the state"
+    return TypeError(
+        f"quantize_state: the inner state's {owner} holds a floating tensor shaped like the "
+        f"parameter, but {cls} declares no roles, so quantize_state cannot tell a moment "
+        "(quantized, signed or unsigned map) from anything else (kept fp32). Declare them in "
+        "the state class body, for example __roles__ = opttx.declare_roles(step=Role.COUNT, "
+        "exp_avg=Role.FIRST_MOMENT, exp_avg_sq=Role.SECOND_MOMENT) (see opttx.Role).")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,9 +299,28 @@ class QuantizedState(NamedTuple):
                                    # inner.init makes it (fp32); EmptyState() if there are none
     quantized: tuple[State, ...]   # per leaf of >= min_size elements, in leaf order: the inner
                                    # state of that leaf alone, moments as QuantizedTensor
-    signed_map: QuantizationMap    # the signed dynamic map: fields not in unsigned_fields
-    unsigned_map: QuantizationMap  # the unsigned dynamic map: unsigned_fields (nu, ...)
+    signed_map: QuantizationMap    # the signed dynamic map: fields declared FIRST_MOMENT or
+                                   # PARAMS_LIKE
+    unsigned_map: QuantizationMap  # the unsigned dynamic map: fields of a non-negative role
+                                   # (SECOND_MOMENT, FACTORED_MOMENT)
     __roles__ = declare_roles(quantized=Role.QUANTIZED)
+
+
+class _LeafPlan(NamedTuple):
+    """Which leaves `quantize_state` quantizes (plain data, from the leaves' shapes alone)."""
+    large: tuple[bool, ...]   # per leaf: at least one dim and at least min_size elements
+
+    @property
+    def small(self) -> list[int]:
+        return [i for i, big in enumerate(self.large) if not big]
+
+    @property
+    def big(self) -> list[int]:
+        return [i for i, big in enumerate(self.large) if big]
+
+
+def _leaf_plan(leaves: list[torch.Tensor], min_size: int) -> _LeafPlan:
+    return _LeafPlan(large=tuple(x.dim() >= 1 and x.numel() >= min_size for x in leaves))
 
 
 def _check_bits(bits: Any) -> None:
@@ -272,10 +328,84 @@ def _check_bits(bits: Any) -> None:
         raise ValueError(f"bits must be an integer from 2 to 8, got {bits!r}.")
 
 
+def _check_arguments(inner: Any, bits: Any, block_size: Any, min_size: Any) -> None:
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"inner must be a GradientTransformation, got {type(inner).__name__} "
+                        "(did you forget to call the factory?).")
+    _check_bits(bits)
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}.")
+    if not isinstance(min_size, int) or isinstance(min_size, bool) or min_size < 0:
+        raise ValueError(f"min_size must be an integer >= 0, got {min_size!r}.")
+
+
+def _init_inner(inner: GradientTransformation, tree: Any) -> State:
+    try:
+        return inner.init(tree)
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        raise ValueError(
+            "quantize_state runs its inner transform on each large parameter alone (a bare "
+            "tensor) and on the list of small ones, and the inner's init failed on that: move "
+            "masks and other per-parameter trees out of the inner, for example "
+            "chain(quantize_state(scale_by_adam()), add_decayed_weights(wd, mask), ...). "
+            f"Inner error: {err}") from err
+
+
+def _quantize_leaf_state(leaf_state: State, p: torch.Tensor, maps: dict[str, QuantizationMap],
+                         block_size: int) -> State:
+    """The inner state of the large leaf ``p`` with every floating tensor shaped like ``p``
+    quantized on the map of its declared role (kept as it is for roles never quantized)."""
+    def quantize_moment(x: Any, _: Any, where: _Field) -> Any:
+        if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.shape == p.shape):
+            return x
+        kind = _map_kind(where.role)
+        if kind is None:
+            if where.role is None and not where.declared:
+                raise _undeclared(where)
+            return x
+        return quantize_blockwise(x, maps[kind], block_size)
+    return _walk(quantize_moment, leaf_state)
+
+
+def _update_leaf(inner: GradientTransformation, g: torch.Tensor, leaf_state: State,
+                 p: torch.Tensor | None, maps: dict[str, QuantizationMap], block_size: int,
+                 extra_args: dict[str, Any]) -> tuple[Any, State]:
+    """One large leaf: dequantize, run the inner, requantize. Every fp32 temporary is local to
+    this call, so it is freed before the next leaf starts."""
+    def dequantize(x: Any, _: Any, where: _Field) -> Any:
+        kind = _map_kind(where.role)
+        if isinstance(x, QuantizedTensor) and kind is not None:
+            return dequantize_blockwise(x, maps[kind], block_size)
+        return x
+
+    def requantize(x: Any, old: Any, where: _Field) -> Any:
+        kind = _map_kind(where.role)
+        if not isinstance(old, QuantizedTensor) or kind is None:
+            return x
+        new = quantize_blockwise(x, maps[kind], block_size)
+        if is_donating():      # the caller gave up the old state: reuse its buffers
+            old.codes.copy_(new.codes)
+            old.absmax.copy_(new.absmax)
+            return old
+        return new
+
+    update, new_state = inner.update(g, _walk(dequantize, leaf_state), p, **extra_args)
+    return update, _walk(requantize, new_state, leaf_state)
+
+
+def _update_small(inner: GradientTransformation, g: list, p: list, plan: _LeafPlan,
+                  dense: State, with_params: bool, extra_args: dict[str, Any]
+                  ) -> tuple[list, State]:
+    """The leaves under min_size, together in one inner call on their list."""
+    small = plan.small
+    if not small:
+        return [], dense
+    params = [p[i] for i in small] if with_params else None
+    return inner.update([g[i] for i in small], dense, params, **extra_args)
+
+
 def quantize_state(inner: GradientTransformation, bits: int = 8, block_size: int = 256,
-                   min_size: int = 4096,
-                   unsigned_fields: Collection[str] = UNSIGNED_FIELDS
-                   ) -> GradientTransformation:
+                   min_size: int = 4096) -> GradientTransformation:
     r"""Keep the moments of ``inner`` in 8-bit block-wise quantized form.
 
     For every leaf with at least ``min_size`` elements, each state tensor of ``inner`` shaped
@@ -295,11 +425,16 @@ def quantize_state(inner: GradientTransformation, bits: int = 8, block_size: int
     norms) keep ``inner``'s own fp32 state and are updated together in one call, as in
     bitsandbytes.
 
-    Fields named in ``unsigned_fields`` (default `UNSIGNED_FIELDS`: ``nu``,
-    ``sum_of_squares`` and the factored second moments) use the unsigned map; all others
-    (``mu``, ``trace``, ``ema``, ...) the signed one, which is correct for any value. The
-    field name is that of the nearest NamedTuple field or dict key above the tensor in the
-    inner's state, so wrapped inners (``chain``, ``inject_hyperparams``) resolve the same.
+    Which tensors are moments, and which map stores them, is read from the roles the inner's
+    state classes declare (`opttx.Role`, ``__roles__ = opttx.declare_roles(...)``), never from
+    field names: a floating tensor shaped like the leaf under a field of a non-negative role
+    (``SECOND_MOMENT``, ``FACTORED_MOMENT``) uses the unsigned map; under ``FIRST_MOMENT`` or
+    ``PARAMS_LIKE`` the signed one; under ``COUNT``, ``SCALAR``, ``FACTOR_MATRIX``,
+    ``PROJECTION`` or ``QUANTIZED``, or under a field its class leaves without a role, it is
+    kept as it is (fp32). A role covers everything below its field, and NamedTuples nested
+    under fields without a role (``chain``, ``inject_hyperparams``) are read the same way.
+    Such a tensor in a state that declares no roles (a NamedTuple without ``__roles__``, a
+    dict) raises ``TypeError`` at ``init``: declare the roles.
 
     Memory: 1 byte per element and moment plus 4 bytes per block (2.03 bytes per parameter
     for Adam at ``block_size=256``, against 8 for fp32 state), plus the two maps and their
@@ -321,7 +456,6 @@ def quantize_state(inner: GradientTransformation, bits: int = 8, block_size: int
       block_size: elements per absmax block (256, bitsandbytes >= 0.44).
       min_size: leaves with fewer elements keep fp32 state (4096, bitsandbytes'
         ``min_8bit_size``); 0-dim leaves always do.
-      unsigned_fields: names of the state fields that are never negative.
 
     Returns:
       A `GradientTransformation` whose state is a `QuantizedState`. With ``min_size`` larger
@@ -336,37 +470,9 @@ def quantize_state(inner: GradientTransformation, bits: int = 8, block_size: int
       Dettmers, Lewis, Shleifer and Zettlemoyer, 8-bit Optimizers via Block-wise
       Quantization (arXiv 2110.02861); bitsandbytes' ``Adam8bit``.
     """
-    if not isinstance(inner, GradientTransformation):
-        raise TypeError(f"inner must be a GradientTransformation, got {type(inner).__name__} "
-                        "(did you forget to call the factory?).")
-    _check_bits(bits)
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}.")
-    if not isinstance(min_size, int) or isinstance(min_size, bool) or min_size < 0:
-        raise ValueError(f"min_size must be an integer >= 0, got {min_size!r}.")
-    if isinstance(unsigned_fields, str):
-        raise TypeError("unsigned_fields is a collection of field names, not one string: "
-                        f"write ({unsigned_fields!r},).")
-    unsigned = frozenset(unsigned_fields)
+    _check_arguments(inner, bits, block_size, min_size)
     maps = (_dynamic_quantization_map(True, bits), _dynamic_quantization_map(False, bits))
     device_maps: dict[torch.device, tuple[QuantizationMap, QuantizationMap]] = {}  # read-only
-
-    def is_large(x: torch.Tensor) -> bool:
-        return x.dim() >= 1 and x.numel() >= min_size
-
-    def pick_map(name: str, state: QuantizedState) -> QuantizationMap:
-        return state.unsigned_map if name in unsigned else state.signed_map
-
-    def init_inner(tree: Any) -> State:
-        try:
-            return inner.init(tree)
-        except (AttributeError, KeyError, TypeError, ValueError) as err:
-            raise ValueError(
-                "quantize_state runs its inner transform on each large parameter alone (a "
-                "bare tensor) and on the list of small ones, and the inner's init failed on "
-                "that: move masks and other per-parameter trees out of the inner, for "
-                "example chain(quantize_state(scale_by_adam()), add_decayed_weights(wd, "
-                f"mask), ...). Inner error: {err}") from err
 
     def init(params: Params) -> QuantizedState:
         check_init_params(params)
@@ -376,41 +482,14 @@ def quantize_state(inner: GradientTransformation, bits: int = 8, block_size: int
             device_maps[device] = tuple(  # transform (e.g. FusedBackward's per-leaf states)
                 QuantizationMap(*(t.to(device, copy=True) for t in m)) for m in maps)
         signed_map, unsigned_map = device_maps[device]
-        small = [p for p in leaves if not is_large(p)]
-        dense = init_inner(small) if small else EmptyState()
-        quantized = []
-        for p in (p for p in leaves if is_large(p)):
-            def quantize_moment(x: Any, _: Any, name: str, p: torch.Tensor = p) -> Any:
-                if (isinstance(x, torch.Tensor) and x.is_floating_point()
-                        and x.shape == p.shape):
-                    qmap = unsigned_map if name in unsigned else signed_map
-                    return quantize_blockwise(x, qmap, block_size)
-                return x
-            quantized.append(_walk(quantize_moment, init_inner(p)))
-        return QuantizedState(dense=dense, quantized=tuple(quantized), signed_map=signed_map,
+        kinds = {"signed": signed_map, "unsigned": unsigned_map}
+        plan = _leaf_plan(leaves, min_size)
+        small = [leaves[i] for i in plan.small]
+        dense = _init_inner(inner, small) if small else EmptyState()
+        quantized = tuple(_quantize_leaf_state(_init_inner(inner, leaves[i]), leaves[i], kinds,
+                                               block_size) for i in plan.big)
+        return QuantizedState(dense=dense, quantized=quantized, signed_map=signed_map,
                               unsigned_map=unsigned_map)
-
-    def update_leaf(g: torch.Tensor, leaf_state: State, p: torch.Tensor | None,
-                    state: QuantizedState, extra_args: dict[str, Any]) -> tuple[Any, State]:
-        """One large leaf: dequantize, run the inner, requantize. Every fp32 temporary is
-        local to this call, so it is freed before the next leaf starts."""
-        def dequantize(x: Any, _: Any, name: str) -> Any:
-            if isinstance(x, QuantizedTensor):
-                return dequantize_blockwise(x, pick_map(name, state), block_size)
-            return x
-
-        def requantize(x: Any, old: Any, name: str) -> Any:
-            if not isinstance(old, QuantizedTensor):
-                return x
-            new = quantize_blockwise(x, pick_map(name, state), block_size)
-            if is_donating():      # the caller gave up the old state: reuse its buffers
-                old.codes.copy_(new.codes)
-                old.absmax.copy_(new.absmax)
-                return old
-            return new
-
-        update, new_state = inner.update(g, _walk(dequantize, leaf_state), p, **extra_args)
-        return update, _walk(requantize, new_state, leaf_state)
 
     def update(updates: Updates, state: QuantizedState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, QuantizedState]:
@@ -419,25 +498,22 @@ def quantize_state(inner: GradientTransformation, bits: int = 8, block_size: int
         spec, g = flatten_matching(updates)[:2]
         p = (flatten_matching(updates, params, what="updates and params")[2]
              if params is not None else [None] * len(g))
-        large = [is_large(x) for x in g]
-        if sum(large) != len(state.quantized):
+        plan = _leaf_plan(g, min_size)
+        if len(plan.big) != len(state.quantized):
             raise ValueError(
                 f"quantize_state's state holds {len(state.quantized)} quantized leaves but the "
-                f"updates have {sum(large)} leaves of >= {min_size} elements; was the state "
+                f"updates have {len(plan.big)} leaves of >= {min_size} elements; was the state "
                 "built by this transform's init from the same parameters?")
+        kinds = {"signed": state.signed_map, "unsigned": state.unsigned_map}
         out: list[Any] = [None] * len(g)
-        dense = state.dense
-        small = [i for i, is_big in enumerate(large) if not is_big]
-        if small:
-            small_params = None if params is None else [p[i] for i in small]
-            small_out, dense = inner.update([g[i] for i in small], state.dense, small_params,
-                                            **extra_args)
-            for i, u in zip(small, small_out):
-                out[i] = u
+        small_out, dense = _update_small(inner, g, p, plan, state.dense, params is not None,
+                                         extra_args)
+        for i, u in zip(plan.small, small_out):
+            out[i] = u
         quantized = []
-        big = (i for i, is_big in enumerate(large) if is_big)
-        for i, leaf_state in zip(big, state.quantized):
-            out[i], leaf_state = update_leaf(g[i], leaf_state, p[i], state, extra_args)
+        for i, leaf_state in zip(plan.big, state.quantized):
+            out[i], leaf_state = _update_leaf(inner, g[i], leaf_state, p[i], kinds, block_size,
+                                              extra_args)
             quantized.append(leaf_state)
         return tree_unflatten(out, spec), QuantizedState(
             dense=dense, quantized=tuple(quantized), signed_map=state.signed_map,
