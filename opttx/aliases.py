@@ -640,7 +640,8 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
             inv_factor_matrix_dtype: torch.dtype | None = None, beta3: float | None = None,
             use_trace_scaling: bool = False, trace_scaling_exponent: float = 0.5,
             inverse_exponent_override: dict | None = None,
-            drop_weighting_factor_on_gsquare: bool = False) -> GradientTransformation:
+            drop_weighting_factor_on_gsquare: bool = False,
+            weight_decay_type: str | None = None) -> GradientTransformation:
     r"""Shampoo as Meta's Distributed Shampoo computes it, composed from transforms.
 
     ``block_by_dims(chain(graft(grafted method, precondition_shampoo, beta1),
@@ -667,7 +668,12 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
         `precondition_shampoo`.
       inv_factor_matrix_dtype, beta3, use_trace_scaling, trace_scaling_exponent,
         inverse_exponent_override, drop_weighting_factor_on_gsquare (of the Shampoo factors):
-        Meta's options of these names (see `precondition_shampoo` and `graft`);
+        Meta's options of these names
+      weight_decay_type: Meta's ``WeightDecayType`` by name (or the enum itself): ``"L2"``,
+        ``"DECOUPLED"``, or, with a constant ``learning_rate`` (Meta's peak lr),
+        ``"INDEPENDENT"`` (decay ``weight_decay / lr``) and ``"CORRECTED"`` (decay
+        ``weight_decay * lr / peak lr``, lr read in float32 as Meta's); overrides
+        ``use_decoupled_weight_decay`` (see `precondition_shampoo` and `graft`);
         ``preconditioner_dtype`` is Meta's ``factor_matrix_dtype``.
 
     Equal to ``DistributedShampoo`` with its default ``RootInvShampooPreconditionerConfig``
@@ -687,6 +693,20 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
     beta1, beta2 = betas
     start = precondition_frequency if start_preconditioning_step is None \
         else start_preconditioning_step
+    if weight_decay_type is not None:
+        kind = getattr(weight_decay_type, "value", weight_decay_type)
+        if kind not in ("L2", "DECOUPLED", "CORRECTED", "INDEPENDENT"):
+            raise ValueError("weight_decay_type must be 'L2', 'DECOUPLED', 'CORRECTED' or "
+                             f"'INDEPENDENT', got {weight_decay_type!r}.")
+        if kind in ("CORRECTED", "INDEPENDENT"):
+            if not isinstance(learning_rate, (int, float)) or not learning_rate > 0:
+                raise ValueError(f"weight_decay_type={kind!r} needs a constant positive "
+                                 f"learning_rate (Meta's peak lr), got {learning_rate!r}.")
+            # Meta: alpha = wd * lr / peak_lr (lr read back from a float32 tensor), wd / peak_lr
+            lr32 = float(torch.tensor(float(learning_rate), dtype=torch.float32))
+            weight_decay = weight_decay * lr32 / learning_rate if kind == "CORRECTED" \
+                else weight_decay / learning_rate
+        use_decoupled_weight_decay = kind != "L2"
     magnitudes = {   # Meta's diagonal grafting, op for op (see scale_by_grafted_diagonal)
         "adam": lambda: scale_by_grafted_diagonal(grafting_beta2, grafting_epsilon,
                                                   1 - grafting_beta2, True),
