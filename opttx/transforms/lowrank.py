@@ -20,11 +20,13 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 import torch
 
 from .._checks import check_number, check_positive_int
-from ..base import (Role, declare_roles, PRECONDITION_INPUT, GradientTransformation, Params, State, Updates,
-                    check_init_params, require_whole_leaves, safe_increment, zero_count)
+from ..base import (PRECONDITION_INPUT, GradientTransformation, Params, Role, State, Updates,
+                    check_init_params, declare_roles, require_whole_leaves, safe_increment,
+                    zero_count)
 from ..tree import (MaskedNode, PyTree, flatten_matching, leaf_labels, mark_owned, mask_leaves,
-                    tree_cond, tree_flatten, tree_flatten_with_path, tree_leaves, tree_paths,
-                    tree_structure, tree_unflatten)
+                    tree_cond, tree_flatten, tree_leaves, tree_paths, tree_structure,
+                    tree_unflatten)
+from .quantized import _Field, _walk
 
 __all__ = [
     "ProjectLowrankState",
@@ -232,41 +234,93 @@ def _column_major(x: torch.Tensor) -> torch.Tensor:
     return x.mT.contiguous().mT
 
 
-def _key_name(key: Any) -> Any:
-    for attr in ("name", "key"):
-        if hasattr(key, attr):
-            return getattr(key, attr)
-    return None
-
-
 @dataclass(frozen=True)
 class _Slot:
     """An inner-state leaf that holds a statistic of a projected leaf's low-rank gradient."""
-    item: int          # index among the inner state's items (statistics trees kept whole)
+    item: int          # index of its statistics tree, in the order `_stats_walk` visits them
     leaf: int          # index of the parameter leaf inside that statistics tree
     squared: bool      # a second moment (rotated with the squared change of basis)
 
 
-def _moment_slots(inner_state: State, spec: Any, plans: list[_Plan | None],
-                  second_moment_names: Sequence[str]) -> tuple[list, Any, list[_Slot]]:
-    """Find the statistics of the projected leaves in the inner state: every sub-tree with the
-    structure of the updates (``mu``, ``nu``, ``trace``, ...), at the leaves of projected
-    parameters whose shape is the low-rank shape. Returns the state's items (those sub-trees
-    kept whole), its spec, and the slots."""
-    def is_stats(node: Any) -> bool:
-        return tree_structure(node) == spec
+def _stats_walk(fn: Callable[[Any, _Field], Any], inner_state: State, spec: Any) -> State:
+    """Rebuild ``inner_state`` with ``fn(tree, where)`` at every sub-tree with the structure
+    of the updates (a statistics tree: ``mu``, ``nu``, ``trace``, ...); ``where`` names the
+    enclosing NamedTuple field and its declared role."""
+    return _walk(lambda node, _, where: fn(node, where) if tree_structure(node) == spec
+                 else node, inner_state, is_leaf=lambda node: tree_structure(node) == spec)
 
-    items, item_spec = tree_flatten_with_path(inner_state, is_leaf=is_stats)
-    slots = []
-    for n, (path, node) in enumerate(items):
-        if not is_stats(node):
-            continue
-        squared = any(_key_name(k) in second_moment_names for k in path)
-        for i, (plan, leaf) in enumerate(zip(plans, tree_leaves(node))):
-            if (plan is not None and isinstance(leaf, torch.Tensor)
+
+def _check_rotatable(where: _Field, i: int, leaf: torch.Tensor, plan: _Plan) -> None:
+    """Refuse a statistic of projected leaf ``i`` that re-projection cannot rotate."""
+    if where.role is Role.FACTORED_MOMENT and leaf.numel() > 0:
+        raise ValueError(
+            f"project_lowrank(reproject_moments=True): {where.owner}.{where.name} is declared "
+            f"FACTORED_MOMENT and holds a row or column statistic of projected leaf {i}; a "
+            "factored moment cannot be carried into a new basis. Drop reproject_moments, or "
+            "leave that leaf out of the projection (mask=...).")
+    if (where.role is None and not where.declared and leaf.is_floating_point()
+            and tuple(leaf.shape) == plan.low_shape):
+        owner = (f"{where.owner}.{where.name}" if where.owner
+                 else "a state that is no NamedTuple")
+        raise TypeError(
+            f"project_lowrank(reproject_moments=True): the inner state's {owner} holds a tree "
+            f"shaped like the projected updates, but {where.owner or 'the state'} declares no "
+            "roles, so it cannot tell a first moment (rotated) from a second moment (rotated "
+            "as squares) or a parameter-like tensor (not rotated). Declare them in the state "
+            "class body, for example __roles__ = opttx.declare_roles(step=Role.COUNT, "
+            "exp_avg=Role.FIRST_MOMENT, exp_avg_sq=Role.SECOND_MOMENT) (see opttx.Role).")
+
+
+def _moment_slots(inner_state: State, spec: Any, plans: Sequence[_Plan | None]
+                  ) -> list[_Slot]:
+    """The statistics of the projected leaves to rotate at a refresh, found by declared role:
+    at the leaves of projected parameters of every statistics tree under a ``FIRST_MOMENT``
+    (rotated linearly) or ``SECOND_MOMENT`` (rotated as squares) field whose shape is the
+    low-rank shape. ``PARAMS_LIKE`` and the other roles are not rotated; ``FACTORED_MOMENT``
+    at a projected leaf and statistics of a state without roles are refused."""
+    slots: list[_Slot] = []
+    count = [0]
+
+    def visit(tree: Any, where: _Field) -> Any:
+        n, count[0] = count[0], count[0] + 1
+        for i, (plan, leaf) in enumerate(zip(plans, tree_leaves(tree))):
+            if plan is None or not isinstance(leaf, torch.Tensor):
+                continue
+            _check_rotatable(where, i, leaf, plan)
+            if (where.role in (Role.FIRST_MOMENT, Role.SECOND_MOMENT)
                     and leaf.is_floating_point() and tuple(leaf.shape) == plan.low_shape):
-                slots.append(_Slot(item=n, leaf=i, squared=squared))
-    return [node for _, node in items], item_spec, slots
+                slots.append(_Slot(item=n, leaf=i, squared=where.role is Role.SECOND_MOMENT))
+        return tree
+
+    _stats_walk(visit, inner_state, spec)
+    return slots
+
+
+def _moments_of(inner_state: State, spec: Any, slots: list[_Slot]) -> list[torch.Tensor]:
+    """The tensors of ``slots``, in slot order."""
+    trees: list[Any] = []
+    _stats_walk(lambda tree, _: trees.append(tree) or tree, inner_state, spec)
+    return [tree_leaves(trees[s.item])[s.leaf] for s in slots]
+
+
+def _with_moments(inner_state: State, spec: Any, slots: list[_Slot],
+                  moments: list[torch.Tensor]) -> State:
+    """``inner_state`` with the tensors of ``slots`` replaced by ``moments``."""
+    by_item: dict[int, dict[int, torch.Tensor]] = {}
+    for s, m in zip(slots, moments):
+        by_item.setdefault(s.item, {})[s.leaf] = m
+    count = [0]
+
+    def replace(tree: Any, _: _Field) -> Any:
+        n, count[0] = count[0], count[0] + 1
+        if n not in by_item:
+            return tree
+        leaves, tree_spec = tree_flatten(tree)
+        for i, m in by_item[n].items():
+            leaves[i] = m
+        return tree_unflatten(leaves, tree_spec)
+
+    return _stats_walk(replace, inner_state, spec)
 
 
 def _rotate(moment: torch.Tensor, c_left: torch.Tensor | None, c_right: torch.Tensor | None,
@@ -279,6 +333,105 @@ def _rotate(moment: torch.Tensor, c_left: torch.Tensor | None, c_right: torch.Te
     if c_right is not None:
         out = torch.matmul(out, c_right * c_right if squared else c_right)
     return out.to(moment.dtype).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# the steps of project_lowrank
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_arguments(inner: Any, rank: Any, update_proj_gap: Any, scale: Any,
+                     proj_type: Any) -> None:
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"project_lowrank: inner must be a GradientTransformation, got "
+                        f"{type(inner).__name__} (did you forget to call the factory?).")
+    check_positive_int("rank", rank)
+    check_positive_int("update_proj_gap", update_proj_gap)
+    check_number("scale", scale)
+    if proj_type not in _PROJ_TYPES:
+        raise ValueError(f"proj_type must be one of {', '.join(map(repr, _PROJ_TYPES))}, got "
+                         f"{proj_type!r}.")
+
+
+def _initial_bases(leaves: list[torch.Tensor], plans: Sequence[_Plan | None]
+                   ) -> tuple[list, list, list]:
+    """Zero bases (column-major) and zero low-rank stand-ins of every leaf: the stand-ins
+    are what the inner transform's init sees (the leaf itself where it is not projected)."""
+    lefts, rights, low = [], [], []
+    for x, plan in zip(leaves, plans):
+        kw = dict(dtype=_basis_dtype(x), device=x.device)
+        empty = torch.zeros((0,), **kw)
+        if plan is None:
+            lefts.append(empty), rights.append(empty), low.append(x)
+            continue
+        lefts.append(_column_major(torch.zeros(plan.left_shape, **kw)) if plan.uses_left
+                     else empty)
+        rights.append(_column_major(torch.zeros(plan.right_shape, **kw)) if plan.uses_right
+                      else empty)
+        low.append(torch.zeros(plan.low_shape, **kw))
+    return lefts, rights, low
+
+
+def _refresh(due: torch.Tensor, mats: dict[int, torch.Tensor], plans: Sequence[_Plan | None],
+             lefts: list, rights: list, inner_state: State, spec: Any, reproject: bool
+             ) -> tuple[list, list, State]:
+    """The bases after this step's refresh (new ones where ``due``, in one ``torch.cond``),
+    and with ``reproject`` the inner statistics carried into them."""
+    idx = list(mats)
+    slots = _moment_slots(inner_state, spec, plans) if reproject else []
+    moments = _moments_of(inner_state, spec, slots)
+
+    def refresh(old_l: list, old_r: list, old_moments: list) -> tuple:
+        new_l, new_r = [], []
+        for i, ol, orr in zip(idx, old_l, old_r):
+            nl, nr = _new_bases(mats[i], plans[i], ol, orr)
+            new_l.append(nl), new_r.append(nr)
+        pos = {i: j for j, i in enumerate(idx)}
+        rotated = []
+        for s, m in zip(slots, old_moments):
+            j, plan = pos[s.leaf], plans[s.leaf]
+            c_l = new_l[j].mT @ old_l[j] if plan.uses_left else None
+            c_r = old_r[j] @ new_r[j].mT if plan.uses_right else None
+            rotated.append(_rotate(m, c_l, c_r, s.squared))
+        return new_l, new_r, rotated
+
+    def keep(old_l: list, old_r: list, old_moments: list) -> tuple:
+        return old_l, old_r, old_moments
+
+    new_l, new_r, moments = tree_cond(due, refresh, keep, ([lefts[i] for i in idx],
+                                                           [rights[i] for i in idx], moments))
+    lefts, rights = list(lefts), list(rights)
+    for j, i in enumerate(idx):
+        lefts[i], rights[i] = new_l[j], new_r[j]
+    if slots:
+        inner_state = _with_moments(inner_state, spec, slots, moments)
+    return lefts, rights, inner_state
+
+
+def _projected(updates: Updates, tree: PyTree, spec: Any, plans: Sequence[_Plan | None],
+               lefts: list, rights: list) -> PyTree:
+    """``tree`` (like the updates) with its projected leaves projected on the bases."""
+    leaves = list(flatten_matching(updates, tree, what="updates and params")[2])
+    for i, plan in enumerate(plans):
+        if plan is not None:
+            leaves[i] = _project(_as_matrix(leaves[i], plan), lefts[i], rights[i], plan.side)
+    return tree_unflatten(leaves, spec)
+
+
+def _back_projected(out: PyTree, updates: Updates, g: list, plans: Sequence[_Plan | None],
+                    lefts: list, rights: list, scale: float) -> list:
+    """The inner's output leaves, projected ones mapped back to full size and scaled."""
+    out_leaves = list(flatten_matching(updates, out, what="updates and inner updates")[2])
+    idx = [i for i, plan in enumerate(plans) if plan is not None]
+    back = []
+    for i in idx:
+        basis = lefts[i] if plans[i].uses_left else rights[i]
+        y = _project_back(out_leaves[i].to(basis.dtype), lefts[i], rights[i],
+                          plans[i].side) * scale
+        back.append(_from_matrix(y, plans[i]).to(g[i].dtype))
+    for i, y in zip(idx, mark_owned(back)):
+        out_leaves[i] = y
+    return out_leaves
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,7 +455,6 @@ def project_lowrank(inner: GradientTransformation, rank: int, update_proj_gap: i
                     mask: PyTree | Callable[[Params], PyTree] | None = None,
                     matrix_axes: MatrixAxes = (-2, -1),
                     reproject_moments: bool = False,
-                    second_moment_names: Sequence[str] = ("nu", "sum_of_squares", "v"),
                     project_params: bool = False) -> GradientTransformation:
     r"""Run ``inner`` in GaLore's low-rank projected space.
 
@@ -338,22 +490,26 @@ def project_lowrank(inner: GradientTransformation, rank: int, update_proj_gap: i
     plain AdamW on its non-projected parameters.
 
     The inner statistics are kept across a refresh unchanged, in the coordinates of the old
-    basis (as galore_torch). With ``reproject_moments=True`` every statistics tree of the
-    inner state shaped like the updates (``mu``, ``nu``, ``trace``, ...) is carried into the new
+    basis (as galore_torch). With ``reproject_moments=True`` they are carried into the new
     basis at a refresh, with the change of basis :math:`C_L = P_L'^\top P_L` (left) and
-    :math:`C_R = P_R P_R'^\top` (right): a first moment (any linear statistic) becomes
-    :math:`C_L M C_R`, which is exactly the old moment :math:`P_L M P_R` seen in the full space
-    and projected on the new basis. A second moment (fields named in
-    ``second_moment_names``: opttx's ``nu``, ``sum_of_squares`` and ``v``) is not linear in the
-    basis; it becomes
+    :math:`C_R = P_R P_R'^\top` (right). Which trees of the inner state are statistics is
+    read from the roles its state classes declare (`opttx.Role`), never from field names:
+    a ``FIRST_MOMENT`` (any linear statistic) becomes :math:`C_L M C_R`, which is exactly the
+    old moment :math:`P_L M P_R` seen in the full space and projected on the new basis. A
+    ``SECOND_MOMENT`` is not linear in the basis; it becomes
     :math:`(C_L \circ C_L)\, V\, (C_R \circ C_R)` — the variance of the rotated coordinates if
     the old ones are uncorrelated — which stays non-negative with no clamp, is exact when the
     new basis permutes or flips the signs of the old vectors, and drops the mass of directions
     that leave the subspace, as the first moment does. With a transform linear in the
     gradients (momentum) and :math:`k = \min(m, n)` on the small side (``"std"``), the result
-    is then the inner transform's own, whatever the refreshes. Statistics are found by
-    structure: trees of plain tensors like the updates; states of a `masked` inner transform
-    or quantized moments are left as they are.
+    is then the inner transform's own, whatever the refreshes. A ``PARAMS_LIKE`` tree (an
+    iterate, an average of parameters) is not rotated: it is no statistic of the gradients'
+    coordinates. A ``FACTORED_MOMENT`` at a projected leaf (Adafactor's row and column
+    statistics) cannot be rotated and is refused, as is a tree shaped like the projected
+    updates in a state that declares no roles (``TypeError``: declare them). Statistics trees
+    are trees of plain tensors with the structure of the updates (anywhere in a ``chain``,
+    ``named_chain`` or ``inject_hyperparams`` state); states of a `masked` inner transform or
+    quantized moments are left as they are.
 
     A refresh whose gradient or SVD is not finite keeps the old bases, matrix by matrix (the
     non-finite input is not passed to the SVD). Before the first successful SVD the bases are
@@ -375,8 +531,6 @@ def project_lowrank(inner: GradientTransformation, rank: int, update_proj_gap: i
         (default ``(-2, -1)``, torch.linalg's convention; a conv weight ``(out, in, kh, kw)``
         wants ``(0, 1)``), or a tree/function giving a pair or None per leaf.
       reproject_moments: carry the inner statistics into each new basis (see above).
-      second_moment_names: names of the inner state fields (NamedTuple fields or dict keys on
-        the path to a statistics tree) holding second moments.
       project_params: give ``inner`` the parameters too, projected with the same bases
         (:math:`W P_R^\top`, ...), for inner transforms that read them; by default ``inner``
         gets ``params=None`` and saves that matmul. Transforms that act on the full weights
@@ -397,18 +551,7 @@ def project_lowrank(inner: GradientTransformation, rank: int, update_proj_gap: i
       Zhao et al., GaLore: Memory-Efficient LLM Training by Gradient Low-Rank Projection
       (arXiv 2403.03507).
     """
-    if not isinstance(inner, GradientTransformation):
-        raise TypeError(f"project_lowrank: inner must be a GradientTransformation, got "
-                        f"{type(inner).__name__} (did you forget to call the factory?).")
-    check_positive_int("rank", rank)
-    check_positive_int("update_proj_gap", update_proj_gap)
-    check_number("scale", scale)
-    if proj_type not in _PROJ_TYPES:
-        raise ValueError(f"proj_type must be one of {', '.join(map(repr, _PROJ_TYPES))}, got "
-                         f"{proj_type!r}.")
-    if isinstance(second_moment_names, str):
-        second_moment_names = (second_moment_names,)
-    second_moment_names = tuple(second_moment_names)
+    _check_arguments(inner, rank, update_proj_gap, scale, proj_type)
 
     def plans_of(tree: PyTree) -> list[_Plan | None]:
         return _plans(tree, rank, proj_type, mask, matrix_axes)
@@ -417,25 +560,15 @@ def project_lowrank(inner: GradientTransformation, rank: int, update_proj_gap: i
         check_init_params(params)
         leaves, spec = tree_flatten(params)
         plans = plans_of(params)
-        lefts, rights, low = [], [], []
-        for x, plan in zip(leaves, plans):
-            kw = dict(dtype=_basis_dtype(x), device=x.device)
-            empty = torch.zeros((0,), **kw)
-            if plan is None:
-                lefts.append(empty), rights.append(empty), low.append(x)
-                continue
-            lefts.append(_column_major(torch.zeros(plan.left_shape, **kw)) if plan.uses_left
-                         else empty)
-            rights.append(_column_major(torch.zeros(plan.right_shape, **kw)) if plan.uses_right
-                          else empty)
-            low.append(torch.zeros(plan.low_shape, **kw))
+        lefts, rights, low = _initial_bases(leaves, plans)
         inner_state = inner.init(tree_unflatten(low, spec))
         if reproject_moments and any(p is not None for p in plans) and not _moment_slots(
-                inner_state, spec, plans, second_moment_names)[2]:
+                inner_state, spec, plans):
             raise ValueError("project_lowrank(reproject_moments=True): the inner state holds no "
-                             "statistic shaped like the projected gradients to re-project (a "
-                             "stateless, masked or quantized inner transform?). Drop the flag, "
-                             "or give an inner transform whose moments are trees like params.")
+                             "statistic declared FIRST_MOMENT or SECOND_MOMENT shaped like the "
+                             "projected gradients to re-project (a stateless, masked or "
+                             "quantized inner transform?). Drop the flag, or give an inner "
+                             "transform whose moments are trees like params.")
         return ProjectLowrankState(count=zero_count(params), left=tree_unflatten(lefts, spec),
                                    right=tree_unflatten(rights, spec), inner_state=inner_state)
 
@@ -443,83 +576,29 @@ def project_lowrank(inner: GradientTransformation, rank: int, update_proj_gap: i
                **extra_args: Any) -> tuple[Updates, ProjectLowrankState]:
         spec, g, lefts, rights = flatten_matching(updates, state.left, state.right)
         plans = plans_of(params if params is not None else updates)
-        idx = [i for i, plan in enumerate(plans) if plan is not None]
         require_whole_leaves(tree_unflatten([x if plan is not None else MaskedNode()
                                              for x, plan in zip(g, plans)], spec),
                              extra_args, "project_lowrank")
-        inner_state = state.inner_state
-        lefts, rights = list(lefts), list(rights)
-        mats = {i: _as_matrix(g[i], plans[i]) for i in idx}
+        inner_state, lefts, rights = state.inner_state, list(lefts), list(rights)
+        mats = {i: _as_matrix(x, plan) for i, (x, plan) in enumerate(zip(g, plans))
+                if plan is not None}
         due = state.count % update_proj_gap == 0
         # compiled: one torch.cond holds the refresh; eager: nothing to do off refresh steps
-        if idx and (torch.compiler.is_compiling() or bool(due)):
-            items = item_spec = None
-            slots: list[_Slot] = []
-            if reproject_moments:
-                items, item_spec, slots = _moment_slots(inner_state, spec, plans,
-                                                        second_moment_names)
-            moments = [tree_leaves(items[s.item])[s.leaf] for s in slots]
-
-            def refresh(old_l: list, old_r: list, old_moments: list) -> tuple:
-                new_l, new_r = [], []
-                for i, ol, orr in zip(idx, old_l, old_r):
-                    nl, nr = _new_bases(mats[i], plans[i], ol, orr)
-                    new_l.append(nl), new_r.append(nr)
-                if not slots:
-                    return new_l, new_r, old_moments
-                pos = {i: j for j, i in enumerate(idx)}
-                rotated = []
-                for s, m in zip(slots, old_moments):
-                    j, plan = pos[s.leaf], plans[s.leaf]
-                    c_l = new_l[j].mT @ old_l[j] if plan.uses_left else None
-                    c_r = old_r[j] @ new_r[j].mT if plan.uses_right else None
-                    rotated.append(_rotate(m, c_l, c_r, s.squared))
-                return new_l, new_r, rotated
-
-            def keep(old_l: list, old_r: list, old_moments: list) -> tuple:
-                return old_l, old_r, old_moments
-
-            new_l, new_r, moments = tree_cond(
-                due, refresh, keep, ([lefts[i] for i in idx], [rights[i] for i in idx],
-                                     moments))
-            for j, i in enumerate(idx):
-                lefts[i], rights[i] = new_l[j], new_r[j]
-            if slots:
-                by_item: dict[int, dict[int, torch.Tensor]] = {}
-                for s, m in zip(slots, moments):
-                    by_item.setdefault(s.item, {})[s.leaf] = m
-                for n, replaced in by_item.items():
-                    sub_leaves, sub_spec = tree_flatten(items[n])
-                    for i, m in replaced.items():
-                        sub_leaves[i] = m
-                    items[n] = tree_unflatten(sub_leaves, sub_spec)
-                inner_state = tree_unflatten(items, item_spec)
-
-        def projected(tree: PyTree) -> PyTree:
-            leaves = list(flatten_matching(updates, tree, what="updates and params")[2])
-            for i in idx:
-                leaves[i] = _project(_as_matrix(leaves[i], plans[i]), lefts[i], rights[i],
-                                     plans[i].side)
-            return tree_unflatten(leaves, spec)
-
+        if mats and (torch.compiler.is_compiling() or bool(due)):
+            lefts, rights, inner_state = _refresh(due, mats, plans, lefts, rights, inner_state,
+                                                  spec, reproject_moments)
         low = list(g)
-        for i in idx:
-            low[i] = _project(mats[i], lefts[i], rights[i], plans[i].side)
+        for i, m in mats.items():
+            low[i] = _project(m, lefts[i], rights[i], plans[i].side)
         extra = dict(extra_args)
         if PRECONDITION_INPUT in extra:
-            extra[PRECONDITION_INPUT] = projected(extra[PRECONDITION_INPUT])
-        inner_params = projected(params) if (project_params and params is not None) else None
+            extra[PRECONDITION_INPUT] = _projected(updates, extra[PRECONDITION_INPUT], spec,
+                                                   plans, lefts, rights)
+        inner_params = (_projected(updates, params, spec, plans, lefts, rights)
+                        if (project_params and params is not None) else None)
         out, inner_state = inner.update(tree_unflatten(low, spec), inner_state, inner_params,
                                         **extra)
-        out_leaves = list(flatten_matching(updates, out, what="updates and inner updates")[2])
-        back = []
-        for i in idx:
-            basis = lefts[i] if plans[i].uses_left else rights[i]
-            y = _project_back(out_leaves[i].to(basis.dtype), lefts[i], rights[i],
-                              plans[i].side) * scale
-            back.append(_from_matrix(y, plans[i]).to(g[i].dtype))
-        for i, y in zip(idx, mark_owned(back)):
-            out_leaves[i] = y
+        out_leaves = _back_projected(out, updates, g, plans, lefts, rights, scale)
         return tree_unflatten(out_leaves, spec), ProjectLowrankState(
             count=safe_increment(state.count), left=tree_unflatten(lefts, spec),
             right=tree_unflatten(rights, spec), inner_state=inner_state)

@@ -236,12 +236,15 @@ class _Field(NamedTuple):
 _TOP = _Field(owner="", name="", role=None, declared=False)
 
 
-def _walk(fn: Callable[..., Any], node: Any, other: Any = None, where: _Field = _TOP) -> Any:
+def _walk(fn: Callable[..., Any], node: Any, other: Any = None, where: _Field = _TOP,
+          is_leaf: Callable[[Any], bool] | None = None) -> Any:
     """Rebuild ``node`` (a state tree of NamedTuples, tuples, lists and dicts) with
-    ``fn(leaf, other_leaf, where)`` at every tensor and `QuantizedTensor`; ``other`` is a tree
-    of the same structure walked alongside (or None). ``where`` (a `_Field`) names the nearest
-    enclosing NamedTuple field; a field with a declared role passes it to everything below."""
-    if isinstance(node, (torch.Tensor, QuantizedTensor)):
+    ``fn(leaf, other_leaf, where)`` at every tensor and `QuantizedTensor` (and every node
+    where ``is_leaf`` holds); ``other`` is a tree of the same structure walked alongside (or
+    None). ``where`` (a `_Field`) names the nearest enclosing NamedTuple field; a field with a
+    declared role passes it to everything below. `project_lowrank` walks its inner state so."""
+    if isinstance(node, (torch.Tensor, QuantizedTensor)) or (is_leaf is not None
+                                                              and is_leaf(node)):
         return fn(node, other, where)
     if _is_namedtuple(node):
         def child_field(field: str) -> _Field:
@@ -252,13 +255,13 @@ def _walk(fn: Callable[..., Any], node: Any, other: Any = None, where: _Field = 
                           role=None if roles is None else state_roles(node).get(field),
                           declared=roles is not None)
         return type(node)(*(_walk(fn, child, None if other is None else other[j],
-                                  child_field(field))
+                                  child_field(field), is_leaf)
                             for j, (field, child) in enumerate(zip(node._fields, node))))
     if isinstance(node, (tuple, list)):
-        return type(node)(_walk(fn, child, None if other is None else other[j], where)
+        return type(node)(_walk(fn, child, None if other is None else other[j], where, is_leaf)
                           for j, child in enumerate(node))
     if isinstance(node, dict):
-        items = [(k, _walk(fn, v, None if other is None else other[k], where))
+        items = [(k, _walk(fn, v, None if other is None else other[k], where, is_leaf))
                  for k, v in node.items()]
         return OrderedDict(items) if isinstance(node, OrderedDict) else dict(items)
     return node
