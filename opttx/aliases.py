@@ -641,7 +641,8 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
             use_trace_scaling: bool = False, trace_scaling_exponent: float = 0.5,
             inverse_exponent_override: dict | None = None,
             drop_weighting_factor_on_gsquare: bool = False,
-            weight_decay_type: str | None = None) -> GradientTransformation:
+            weight_decay_type: str | None = None, rank_deficient: str = "perturb_before",
+            rank_atol: float = 0.0, rank_rtol: float | None = 0.0) -> GradientTransformation:
     r"""Shampoo as Meta's Distributed Shampoo computes it, composed from transforms.
 
     ``block_by_dims(chain(graft(grafted method, precondition_shampoo, beta1),
@@ -669,6 +670,10 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
       inv_factor_matrix_dtype, beta3, use_trace_scaling, trace_scaling_exponent,
         inverse_exponent_override, drop_weighting_factor_on_gsquare (of the Shampoo factors):
         Meta's options of these names
+      rank_deficient, rank_atol, rank_rtol: Meta's ``rank_deficient_stability_config`` of its
+        ``EigenConfig``: ``"perturb_before"`` (default) / ``"perturb_after"``
+        (``PerturbationConfig(perturb_before_computation=...)``), ``"pseudo_inverse"``
+        (``PseudoInverseConfig(rank_atol, rank_rtol)``, with ``epsilon=0``)
       weight_decay_type: Meta's ``WeightDecayType`` by name (or the enum itself): ``"L2"``,
         ``"DECOUPLED"``, or, with a constant ``learning_rate`` (Meta's peak lr),
         ``"INDEPENDENT"`` (decay ``weight_decay / lr``) and ``"CORRECTED"`` (decay
@@ -727,7 +732,9 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
                                      trace_scaling_exponent=trace_scaling_exponent,
                                      inverse_exponent_override=inverse_exponent_override,
                                      drop_weighting_factor_on_gsquare=(
-                                         drop_weighting_factor_on_gsquare))
+                                         drop_weighting_factor_on_gsquare),
+                                     rank_deficient=rank_deficient, rank_atol=rank_atol,
+                                     rank_rtol=rank_rtol)
     links: list[GradientTransformation] = [
         graft(magnitudes[grafting](), direction, start, beta1, use_bias_correction,
               rescale=grafting is not None, beta3=beta3)]

@@ -97,7 +97,10 @@ def test_grafted_method_alone_equals_torch_optim(name, drawn) -> None:
     # relative to the largest parameter: a scalar leaf that ends near zero would turn
     # last-bit float32 differences (torch applies decay as p·(1 − lr·wd)) into large ratios
     scale = max(float(v.abs().max()) for v in expected.values() if v.numel())
-    assert_trees_close(actual, expected, rtol=1e-6, atol=1e-6 * scale)
+    # and Meta's (so opttx's) grafted Adam/RMSprop divides by a float32 bias correction
+    # 1 - fl32(beta2)^t where torch uses float64: up to 6.5e-6 of each step's size
+    moved = max(float((expected[k] - tree[k]).abs().max()) for k in tree if tree[k].numel())
+    assert_trees_close(actual, expected, rtol=1e-6, atol=1e-6 * scale + 1e-5 * moved)
 
 
 # ---------------------------------------------------------------------------------------------

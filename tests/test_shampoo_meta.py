@@ -331,3 +331,42 @@ def test_weight_decay_types_equal_meta(kind) -> None:
     assert max(displacement_gaps(ours, theirs, tree).values()) <= 1e-8
     with pytest.raises(ValueError, match="constant positive"):
         opttx.shampoo(lambda count: LR, weight_decay=1e-4, weight_decay_type="INDEPENDENT")
+
+
+@pytest.mark.parametrize("mode", ["perturb_before", "perturb_after", "pseudo_inverse"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rank_deficient_stability_configs_equal_meta(mode, dtype) -> None:
+    """Meta's EigenConfig(rank_deficient_stability_config=...) on rank-deficient factors."""
+    from distributed_shampoo.preconditioner.matrix_functions_types import (
+        EigenConfig, PerturbationConfig, PseudoInverseConfig)
+    stability = PseudoInverseConfig(rank_atol=1e-10, rank_rtol=None) \
+        if mode == "pseudo_inverse" else \
+        PerturbationConfig(perturb_before_computation=mode == "perturb_before")
+    epsilon = 0.0 if mode == "pseudo_inverse" else 1e-9
+    tree, grads = draw_problem({"m": (6, 5), "v": (9,), "t": (2, 3, 4)}, 10, dtype)
+    grads = grads[:3]                                   # factors of rank <= 3
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in tree.items()}
+    opt = ds.DistributedShampoo(
+        list(params.values()), lr=LR, betas=(0.9, 0.999), epsilon=epsilon,
+        max_preconditioner_dim=6,
+        grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
+        preconditioner_config=ds.RootInvShampooPreconditionerConfig(
+            factor_matrix_dtype=dtype, inv_factor_matrix_dtype=dtype,
+            amortized_computation_config=EigenConfig(
+                rank_deficient_stability_config=stability)))
+    for g in grads:
+        for k, p in params.items():
+            p.grad = g[k].clone()
+        opt.step()
+    theirs = {k: p.detach() for k, p in params.items()}
+    tx = opttx.shampoo(LR, betas=(0.9, 0.999), epsilon=epsilon, max_preconditioner_dim=6,
+                       grafting="adam", grafting_beta2=0.999, grafting_epsilon=1e-8,
+                       preconditioner_dtype=dtype, rank_deficient=mode,
+                       rank_atol=1e-10 if mode == "pseudo_inverse" else 0.0,
+                       rank_rtol=None if mode == "pseudo_inverse" else 0.0)
+    ours, state = tree, tx.init(tree)
+    for g in grads:
+        u, state = tx.update(g, state, ours)
+        ours = opttx.apply_updates(ours, u)
+    assert max(displacement_gaps(ours, theirs, tree).values()) <= \
+        (1e-8 if dtype == torch.float64 else 1e-5)

@@ -203,7 +203,11 @@ def _chunks(flat: list, counts: list[int], who: str) -> list[list]:
 
 def matrix_inverse_root(a: torch.Tensor, root: float, epsilon: float = 0.0,
                         method: Literal["eigh", "newton"] = "eigh",
-                        newton_iterations: int = 40) -> torch.Tensor:
+                        newton_iterations: int = 40,
+                        rank_deficient: Literal["perturb_before", "perturb_after",
+                                                "pseudo_inverse"] = "perturb_before",
+                        rank_atol: float = 0.0, rank_rtol: float | None = 0.0
+                        ) -> torch.Tensor:
     r""":math:`(A + \epsilon I)^{-1/r}` of a symmetric positive semi-definite matrix.
 
     ``eigh`` (Meta's default ``EigenConfig`` with its default perturbation, computed as Meta
@@ -214,6 +218,12 @@ def matrix_inverse_root(a: torch.Tensor, root: float, epsilon: float = 0.0,
     :math:`\Lambda - \lambda_{\min} + \epsilon`, so the smallest is exactly
     :math:`\epsilon`; then :math:`Q \Lambda^{-1/r} Q^\top` is returned. In exact arithmetic
     this is :math:`(A - \min(\lambda_{\min}(A), 0) I + \epsilon I)^{-1/r}`.
+    ``rank_deficient="perturb_after"`` (Meta's ``PerturbationConfig(perturb_before_computation=
+    False)``) decomposes :math:`A` itself and shifts its eigenvalues by
+    :math:`-\min(\lambda_{\min}, 0) + \epsilon`; ``"pseudo_inverse"`` (Meta's
+    ``PseudoInverseConfig``, ``epsilon`` must be 0) sets :math:`\lambda^{-1/r}` to 0 where
+    :math:`\lambda \le \max(\text{rank\_rtol} \cdot \max(\lambda_{\max}, 0),
+    \text{rank\_atol})` (``rank_rtol=None``: the matrix size times the dtype's epsilon).
     ``newton``: the coupled Newton iteration (Guo and Higham) on :math:`A + \epsilon I`, a
     fixed number of steps so it compiles without data-dependent loops.
 
@@ -232,11 +242,28 @@ def matrix_inverse_root(a: torch.Tensor, root: float, epsilon: float = 0.0,
     # Meta's exponent: -1 / Fraction(root), a float64 division of the exact root
     power = -1.0 / Fraction(root)
     if method == "eigh":
-        ridge = a.add(eye, alpha=epsilon) if epsilon else a
+        if rank_deficient == "pseudo_inverse":
+            if epsilon != 0:
+                raise ValueError(f"epsilon={epsilon} must be 0 with the pseudo-inverse.")
+            eigenvalues, eigenvectors = torch.linalg.eigh(a)
+            rtol = eigenvalues.numel() * torch.finfo(eigenvalues.dtype).eps \
+                if rank_rtol is None else rank_rtol
+            cutoff = torch.clamp(rtol * eigenvalues.max().relu(), min=rank_atol)
+            inverse = torch.where(eigenvalues <= cutoff, torch.zeros_like(eigenvalues),
+                                  eigenvalues.pow(power))
+            return eigenvectors * inverse.unsqueeze(0) @ eigenvectors.T
+        if rank_deficient not in ("perturb_before", "perturb_after"):
+            raise ValueError("rank_deficient must be 'perturb_before', 'perturb_after' or "
+                             f"'pseudo_inverse', got {rank_deficient!r}.")
+        before = rank_deficient == "perturb_before"
+        ridge = a.add(eye, alpha=epsilon) if (epsilon and before) else a
         eigenvalues, eigenvectors = torch.linalg.eigh(ridge)
         smallest = eigenvalues.min()
-        eigenvalues = torch.where(smallest < epsilon, (eigenvalues - smallest) + epsilon,
-                                  eigenvalues)
+        if before:
+            eigenvalues = torch.where(smallest < epsilon, (eigenvalues - smallest) + epsilon,
+                                      eigenvalues)
+        else:
+            eigenvalues = (eigenvalues - torch.clamp(smallest, max=0.0)) + epsilon
         return eigenvectors * eigenvalues.pow(power).unsqueeze(0) @ eigenvectors.T
     if method != "newton":
         raise ValueError(f"root method must be 'eigh' or 'newton', got {method!r}.")
@@ -320,7 +347,10 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
                          inv_factor_matrix_dtype: torch.dtype | None = None,
                          use_trace_scaling: bool = False,
                          trace_scaling_exponent: float = 0.5,
-                         drop_weighting_factor_on_gsquare: bool = False
+                         drop_weighting_factor_on_gsquare: bool = False,
+                         rank_deficient: Literal["perturb_before", "perturb_after",
+                                                 "pseudo_inverse"] = "perturb_before",
+                         rank_atol: float = 0.0, rank_rtol: float | None = 0.0
                          ) -> GradientTransformation:
     r"""Shampoo's Kronecker-factored preconditioner, applied to every leaf (block) as a whole.
 
@@ -390,6 +420,8 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
       use_trace_scaling, trace_scaling_exponent: Meta's options of the same names.
       drop_weighting_factor_on_gsquare: Meta's option: :math:`w = 1` even when
         :math:`\beta_2 < 1`, and no bias correction.
+      rank_deficient, rank_atol, rank_rtol: how singular factors are handled (see
+        `matrix_inverse_root`; ``"pseudo_inverse"`` needs ``epsilon=0``).
 
     Example:
       >>> tx = opttx.block_by_dims(opttx.precondition_shampoo(epsilon=1e-12), 1024)
@@ -417,6 +449,14 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
                                  "(0 .. order - 1) and exponents must be >= 0.")
     elif inverse_exponent_override is not None:
         check_nonnegative("inverse_exponent_override", inverse_exponent_override)
+    if rank_deficient == "pseudo_inverse" and epsilon != 0:
+        raise ValueError(f"epsilon={epsilon} must be 0 with rank_deficient='pseudo_inverse' "
+                         "(as Meta's PseudoInverseConfig).")
+    if rank_deficient not in ("perturb_before", "perturb_after", "pseudo_inverse"):
+        raise ValueError("rank_deficient must be 'perturb_before', 'perturb_after' or "
+                         f"'pseudo_inverse', got {rank_deficient!r}.")
+    rank_options = dict(rank_deficient=rank_deficient, rank_atol=rank_atol,
+                        rank_rtol=rank_rtol)
     weight = 1.0 if beta2 == 1 or drop_weighting_factor_on_gsquare else 1 - beta2
     root_dtype = preconditioner_dtype if inv_factor_matrix_dtype is None \
         else inv_factor_matrix_dtype
@@ -472,7 +512,8 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
                 exps.append(p or 1.0)
         fresh = []
         for (a, finite_in), p in zip(inputs, exps):
-            r = _from_upper(matrix_inverse_root(a, p, epsilon, root_method).to(root_dtype))
+            r = _from_upper(matrix_inverse_root(a, p, epsilon, root_method,
+                                                **rank_options).to(root_dtype))
             fresh.append(r)
             ok.append(finite_in & torch.isfinite(r).all())
         flat_old = [r for rs in old_roots for r in rs]
@@ -486,8 +527,8 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
                         out_r.append(r)
                         out_ok.append(good)
                         continue
-                    r64 = _from_upper(matrix_inverse_root(a.double(), p, epsilon,
-                                                          root_method).to(r.dtype))
+                    r64 = _from_upper(matrix_inverse_root(a.double(), p, epsilon, root_method,
+                                                          **rank_options).to(r.dtype))
                     good64 = finite_in & torch.isfinite(r64).all()
                     out_r.append(torch.where(good, r, r64))
                     out_ok.append(good | good64)
