@@ -30,7 +30,8 @@ from .schedules import (constant_schedule, cosine_decay_schedule, exponential_de
                         warmup_cosine_decay_schedule, warmup_stable_decay_schedule)
 from .transforms import *  # noqa: F401,F403  (the public transforms and their states)
 from .transforms import __all__ as _transforms_all
-from .tree import MaskedNode, donating, tree_copy_
+from .kernels import donating
+from .tree import MaskedNode, tree_copy_
 from .wrappers import (ApplyIfFiniteState, InjectHyperparamsState, MultiSteps, MultiStepsState,
                        apply_if_finite, inject_hyperparams, set_hyperparams_)
 

@@ -6,8 +6,8 @@ from typing import Any, Callable, Hashable, Mapping, NamedTuple
 
 from .base import (GradientTransformation, Params, Role, State, Updates, combine_traits,
                    declare_roles, set_to_zero)
-from .tree import (MaskedNode, PyTree, flatten_matching, leaf_labels, mask_leaves,
-                   tree_flatten, tree_leaves, tree_structure, tree_unflatten)
+from .tree import (MaskedNode, PyTree, flatten_matching, leaf_labels, mask_leaves, tree_flatten,
+                   tree_leaves, tree_structure, tree_unflatten)
 
 __all__ = [
     "MaskedState",
@@ -75,7 +75,7 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
             updates, new_state[name] = tx.update(updates, state[name], params, **extra_args)
         return updates, new_state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, combine_traits(tuple(tx for _, tx in transforms)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,7 +128,7 @@ def masked(inner: GradientTransformation,
         out = [next(new_leaves) if k else x for x, k in zip(leaves, keep)]
         return tree_unflatten(out, spec), MaskedState(inner_state=inner_state)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, combine_traits((inner,)))
 
 
 def freeze(mask: PyTree | Callable[[Params], PyTree]) -> GradientTransformation:
@@ -195,7 +195,7 @@ def partition(transforms: Mapping[Hashable, GradientTransformation],
                 updates, state.inner_states[name], params, **extra_args)
         return updates, PartitionState(inner_states=new_states)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, combine_traits(tuple(transforms.values())))
 
 
 multi_transform = partition

@@ -8,11 +8,12 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from .base import (GradientTransformation, _foreach_add, _kind, _stochastic_pairs,
+                   round_stochastic_, traits_of)
 from .distributed.checkpoint_keys import (dtensor_placement, keyed_state,
                                           local_entries_as_dtensors, param_paths)
-from .base import (GradientTransformation, _foreach_add, traits_of, _kind, _stochastic_pairs,
-                   round_stochastic_)
-from .tree import PyTree, donating, tree_leaves
+from .kernels import donating
+from .tree import PyTree, tree_leaves
 from .wrappers import find_injected_states, inject_hyperparams
 
 __all__ = ["Optimizer"]
@@ -245,7 +246,7 @@ class Optimizer(torch.optim.Optimizer):
     built from ``named_parameters()``, so masks and labels can use names). A group may carry
     its own transform under the key ``"tx"``; otherwise the optimizer's ``tx`` is used.
 
-    The state is updated in place (the transform runs inside `opttx.tree.donating`), so peak
+    The state is updated in place (the transform runs inside `opttx.donating`), so peak
     memory is that of the transform's state plus its temporaries, as torch's foreach
     optimizers.
 
@@ -268,7 +269,7 @@ class Optimizer(torch.optim.Optimizer):
 
     **torch.compile.** ``torch.compile(opt.step)`` (``fullgraph=True`` works, LR scheduler
     attached) is one graph; the hyperparameters are tensor inputs, so a scheduler changing
-    them recompiles nothing. Donation (`opttx.tree.donating`) is an eager-mode saving and is
+    them recompiles nothing. Donation (`opttx.donating`) is an eager-mode saving and is
     off in the compiled step.
 
     **torch.optim's contract.** State-dict and load-state-dict hooks and step hooks run; a

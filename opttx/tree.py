@@ -8,14 +8,9 @@ Two conventions differ from JAX and are worth knowing:
 
 * ``None`` is a *leaf* in torch's pytree. opttx never uses ``None`` to mark an absent leaf;
   it uses `MaskedNode`, an empty container, so masked trees keep their structure.
-* The elementwise hot paths work on *lists of leaves* with ``torch._foreach_*`` kernels (one
-  call for a whole group of tensors), not on ``tree_map`` of per-leaf ops (DESIGN.md rule 4).
-
-The ``foreach_*`` helpers below take scalars that may be Python numbers or 0-dim tensors (a
-hyperparameter injected with `opttx.inject_hyperparams`, a bias correction computed from the
-step count), and honour *donation*: inside `donating` the helpers that update optimizer state
-write into the old state buffers instead of allocating new ones. Purity is the semantics;
-donation is how `opttx.Optimizer` and `apply_updates_` avoid doubling memory in eager mode.
+* Every other module reaches torch's pytree only through this one (and ``torch._foreach_*``
+  only through `opttx.kernels`): the two modules are where opttx touches private torch APIs,
+  so a change in torch is fixed in one place.
 """
 
 from __future__ import annotations
@@ -25,22 +20,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 import torch.utils._pytree as _pytree
 
-from .kernels import (Scalar, Tensors, cast_like, coefficient, donating,  # noqa: F401
-                      foreach_accumulate_sq, foreach_axpy, foreach_copy_, foreach_ema,
-                      foreach_ema_sq, foreach_op_, foreach_scale, foreach_scale_add,
-                      foreach_sum_of_squares, is_donating, is_scratch, mark_scratch,
-                      new_buffers)
-
-# TRANSITION (removed before this change lands): the old names of kernels helpers
-mark_owned, is_owned = mark_scratch, is_scratch
-
-
-def scalar_operand(value, like):  # noqa: D103
-    return coefficient(value, like)
-
-
-def device_scalar(op, value, tensors):  # noqa: D103
-    return coefficient(value, tensors, op)
+from .kernels import foreach_copy_
 
 PyTree = Any
 
@@ -48,8 +28,6 @@ __all__ = [
     "MaskedNode",
     "PyTree",
     "assert_same_structure",
-    "donating",
-    "is_donating",
     "mark_static_",
     "tree_cast",
     "tree_cond",

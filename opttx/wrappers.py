@@ -8,10 +8,12 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ._checks import check_positive_int
-from .base import (Role, declare_roles, GradientTransformation, Params, State, Updates, reduce_across_leaves,
-                   reduce_statistics, safe_increment, zero_count)
-from .tree import (PyTree, device_scalar, flatten_matching, foreach_axpy, stats_like,
-                   tree_cond, tree_leaves, tree_map, tree_unflatten)
+from .base import (GradientTransformation, Params, Role, State, Updates, combine_traits,
+                   declare_roles, reduce_across_leaves, reduce_statistics, safe_increment,
+                   zero_count)
+from .kernels import foreach, foreach_axpy
+from .tree import (PyTree, flatten_matching, stats_like, tree_cond, tree_leaves, tree_map,
+                   tree_unflatten)
 
 __all__ = [
     "ApplyIfFiniteState",
@@ -88,7 +90,7 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
                 numeric[name] = value
             else:
                 other[name] = value
-        inner_factory(**bound.arguments)  # validate the values once, at construction
+        sample = inner_factory(**bound.arguments)  # validates the values once, at construction
 
         def as_tensor(value: Any, device: torch.device) -> torch.Tensor:
             if isinstance(value, torch.Tensor):
@@ -119,7 +121,7 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
                                                    hyperparams=hyperparams,
                                                    inner_state=inner_state)
 
-        return GradientTransformation(init, update)
+        return GradientTransformation(init, update, combine_traits((sample,)))
 
     wrapped.__doc__ = f"`{getattr(inner_factory, '__name__', 'transform')}` with its numeric " \
                       "hyperparameters injected into the state (see opttx.inject_hyperparams)."
@@ -238,7 +240,7 @@ def apply_if_finite(inner: GradientTransformation,
         return updates, ApplyIfFiniteState(notfinite_count=notfinite_count, last_finite=finite,
                                            total_notfinite=total, inner_state=inner_state)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, combine_traits((inner,), across_leaves=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,9 +302,8 @@ class MultiSteps:
         if self.use_grad_mean:
             # acc + (g - acc) / (n + 1): a running mean in one buffer
             weight = 1.0 / (state.mini_step + 1).to(torch.float64)
-            acc = list(torch._foreach_lerp(acc, [x.to(a.dtype) for x, a in zip(g, acc)],
-                                           device_scalar("lerp", weight.to(acc[0].dtype),
-                                                         acc))) if acc else []
+            acc = foreach("lerp", acc, [x.to(a.dtype) for x, a in zip(g, acc)],
+                          weight.to(acc[0].dtype)) if acc else []
         else:
             acc = foreach_axpy(1.0, [x.to(a.dtype) for x, a in zip(g, acc)], acc)
         emit = state.mini_step + 1 >= self._k(state.gradient_step)
@@ -333,4 +334,4 @@ class MultiSteps:
 
     def gradient_transformation(self) -> GradientTransformation:
         """This accumulator as a plain `GradientTransformation`, for `chain` and friends."""
-        return GradientTransformation(self.init, self.update)
+        return GradientTransformation(self.init, self.update, combine_traits((self.inner,)))

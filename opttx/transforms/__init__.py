@@ -1,24 +1,23 @@
 """Pure gradient transformations, one file per family."""
 
-from .clipping import (ZeroNansState, clip, clip_by_block_rms, clip_by_global_norm,
-                       global_norm, zero_nans)
+from .clipping import (ZeroNansState, clip, clip_by_block_rms, clip_by_global_norm, global_norm,
+                       zero_nans)
 from .factored import (FactoredState, ScaleByCameState, add_step_scaled_decayed_weights,
                        clip_by_rms, clip_by_rms_and_scale_by_param_rms, factored_axes,
                        relative_step_schedule, scale_by_came, scale_by_factored_rms,
                        scale_by_param_block_rms, scale_by_trust_ratio)
+from .lowrank import ProjectLowrankState, project_lowrank
 from .moments import (EmaState, ScaleByAdamState, ScaleByLionState, ScaleByNadamState,
                       ScaleByRmsState, ScaleByRssState, ScaleByStddevState, TraceState, ema,
                       scale_by_adam, scale_by_lion, scale_by_nadam, scale_by_rms, scale_by_rss,
                       scale_by_stddev, trace)
-from .lowrank import ProjectLowrankState, project_lowrank
-from .quantized import (QuantizationMap, QuantizedState, QuantizedTensor,
-                        dequantize_blockwise, dynamic_map, quantization_map, quantize_blockwise,
-                        quantize_state)
+from .quantized import (QuantizationMap, QuantizedState, QuantizedTensor, dequantize_blockwise,
+                        dynamic_map, quantization_map, quantize_blockwise, quantize_state)
+from .scaling import (ScaleByScheduleState, add_decayed_weights, scale, scale_by_learning_rate,
+                      scale_by_schedule, scale_by_sign)
 from .shampoo import (DiagonalGraftState, GraftState, ShampooState, block_by_dims, block_shapes,
                       graft, matrix_inverse_root, merge_small_dims, meta_bias_correction,
                       precondition_shampoo, scale_by_grafted_diagonal)
-from .scaling import (ScaleByScheduleState, add_decayed_weights, scale, scale_by_learning_rate,
-                      scale_by_schedule, scale_by_sign)
 
 __all__ = [
     "ProjectLowrankState", "project_lowrank",

@@ -12,11 +12,11 @@ from typing import Any, NamedTuple
 import torch
 
 from .._checks import check_nonnegative, check_positive
-from ..base import (Role, declare_roles, GradientTransformation, Params, Updates, check_init_params,
-                    reduce_across_leaves, reduce_statistics,
+from ..base import (ELEMENTWISE, LEAFWISE, GradientTransformation, Params, Role, Traits, Updates,
+                    check_init_params, declare_roles, reduce_across_leaves, reduce_statistics,
                     stateless_with_extra_args)
-from ..tree import (PyTree, flatten_matching, foreach_op_, foreach_scale,
-                    foreach_sum_of_squares, tree_map, tree_unflatten)
+from ..kernels import foreach, foreach_op_, foreach_scale, foreach_sum_of_squares
+from ..tree import PyTree, flatten_matching, tree_map, tree_unflatten
 
 __all__ = [
     "ZeroNansState",
@@ -37,10 +37,10 @@ def clip(max_delta: float) -> GradientTransformation:
         spec, g = flatten_matching(updates)
         if not g:
             return updates
-        out = foreach_op_("minimum", list(torch._foreach_maximum(g, -max_delta)), max_delta)
+        out = foreach_op_("minimum", foreach("maximum", g, -max_delta), max_delta)
         return tree_unflatten(out, spec)
 
-    return stateless_with_extra_args(clip_fn)
+    return stateless_with_extra_args(clip_fn, ELEMENTWISE)
 
 
 def _sum_of_squares(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -86,7 +86,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         factor = torch.where(norm < max_norm, torch.ones_like(norm), max_norm / norm)
         return tree_unflatten(foreach_scale(g, factor), spec)
 
-    return stateless_with_extra_args(clip_fn)
+    return stateless_with_extra_args(clip_fn, Traits(across_leaves=True))
 
 
 def clip_by_block_rms(threshold: float) -> GradientTransformation:
@@ -115,9 +115,9 @@ def clip_by_block_rms(threshold: float) -> GradientTransformation:
         # (c) finish
         rms = [torch.sqrt(p[0] / p[1]) for p in partials]
         denom = [torch.clamp(r / threshold, min=1.0) for r in rms]
-        return tree_unflatten(list(torch._foreach_div(g, denom)), spec)
+        return tree_unflatten(foreach("div", g, denom), spec)
 
-    return stateless_with_extra_args(clip_fn)
+    return stateless_with_extra_args(clip_fn, LEAFWISE)
 
 
 class ZeroNansState(NamedTuple):
@@ -143,4 +143,4 @@ def zero_nans() -> GradientTransformation:
         found = [n.any() for n in nans]
         return tree_unflatten(out, spec), ZeroNansState(found_nan=tree_unflatten(found, spec))
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, ELEMENTWISE)

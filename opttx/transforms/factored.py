@@ -20,13 +20,13 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 import torch
 
 from .._checks import check_nonnegative, check_positive, check_unit_interval
-from ..base import (Role, declare_roles, REDUCER_KEY, GradientTransformation, Params, Updates, advance_counts,
-                    check_init_params, current_reducer, reduce_statistics, require_params,
-                    safe_increment, zero_count)
+from ..base import (LEAFWISE, REDUCER_KEY, EmptyState, GradientTransformation, Params, Role,
+                    Updates, advance_counts, check_init_params, current_reducer, declare_roles,
+                    reduce_statistics, require_params, safe_increment, zero_count)
+from ..kernels import Scalar, cast_like, foreach, foreach_ema, foreach_op_, foreach_sum_of_squares
 from ..schedules import Schedule
-from ..tree import (MaskedNode, PyTree, Scalar, cast_like, device_scalar, flatten_matching,
-                    foreach_ema, foreach_op_, foreach_sum_of_squares, leaf_labels, scalar_operand,
-                    state_dtype, tree_flatten, tree_map, tree_paths, tree_unflatten)
+from ..tree import (MaskedNode, PyTree, flatten_matching, leaf_labels, state_dtype, tree_flatten,
+                    tree_map, tree_paths, tree_unflatten)
 from .clipping import clip_by_block_rms
 
 __all__ = [
@@ -412,9 +412,9 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
         layout = layout_of(updates, extra_args)
         beta = decay_rate_fn(state.count - step_offset, decay_rate)
         q = [x.to(s.dtype if s.numel() else r.dtype) for x, s, r in zip(g, fulls, rows)]
-        q = list(torch._foreach_mul(q, q))
+        q = foreach("mul", q, q)
         if not (isinstance(epsilon, (int, float)) and epsilon == 0):
-            q = list(torch._foreach_add(q, device_scalar("add", scalar_operand(epsilon, q), q)))
+            q = foreach("add", q, epsilon)
         rows, cols, fulls, r_means = _factored_ema(q, rows, cols, fulls, layout, beta, spec,
                                                    extra_args)
         q = None   # free g² + ε before the update is allocated (one temporary at a time)
@@ -425,7 +425,7 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
                               v_row=tree_unflatten(rows, spec), v_col=tree_unflatten(cols, spec),
                               v=tree_unflatten(fulls, spec)))
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, LEAFWISE)
 
 
 def clip_by_rms(threshold: float = 1.0) -> GradientTransformation:
@@ -444,7 +444,7 @@ def _leaf_rms(leaves: list[torch.Tensor], spec: Any, extra_args: dict) -> list[t
     sums = foreach_sum_of_squares(leaves)                                        # (a)
     means = _reduce_sums(sums, [float(x.numel()) for x in leaves], [None] * len(leaves),
                          spec, extra_args)                                       # (b), (c)
-    return list(torch._foreach_sqrt(means))
+    return foreach("sqrt", means)
 
 
 def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
@@ -456,21 +456,21 @@ def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
     """
     check_nonnegative("min_scale", min_scale)
 
-    def init(params: Params) -> tuple:
+    def init(params: Params) -> EmptyState:
         check_init_params(params)
-        return ()
+        return EmptyState()
 
-    def update(updates: Updates, state: tuple, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, tuple]:
+    def update(updates: Updates, state: EmptyState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, EmptyState]:
         params = require_params(params, "scale_by_param_block_rms")
         spec, g, p = flatten_matching(updates, params, what="updates and params")
         if not g:
             return updates, state
         # grouped passes over the 0-dim RMS values, then one grouped multiply
-        scales = torch._foreach_clamp_min(_leaf_rms(p, spec, extra_args), min_scale)
-        return tree_unflatten(list(torch._foreach_mul(g, cast_like(scales, g))), spec), state
+        scales = foreach("clamp_min", _leaf_rms(p, spec, extra_args), min_scale)
+        return tree_unflatten(foreach("mul", g, cast_like(scales, g)), spec), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, LEAFWISE)
 
 
 def clip_by_rms_and_scale_by_param_rms(threshold: float = 1.0, min_scale: float = 1e-3
@@ -496,12 +496,12 @@ def clip_by_rms_and_scale_by_param_rms(threshold: float = 1.0, min_scale: float 
     check_positive("threshold", threshold)
     check_nonnegative("min_scale", min_scale)
 
-    def init(params: Params) -> tuple:
+    def init(params: Params) -> EmptyState:
         check_init_params(params)
-        return ()
+        return EmptyState()
 
-    def update(updates: Updates, state: tuple, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, tuple]:
+    def update(updates: Updates, state: EmptyState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, EmptyState]:
         params = require_params(params, "clip_by_rms_and_scale_by_param_rms")
         spec, g, p = flatten_matching(updates, params, what="updates and params")
         if not g:
@@ -513,15 +513,12 @@ def clip_by_rms_and_scale_by_param_rms(threshold: float = 1.0, min_scale: float 
             [(sq[:n], counts[:n], [None] * n), (sq[n:], counts[n:], [None] * n)], spec,
             extra_args)
         # (c) finish: grouped passes over the 0-dim statistics, then one grouped multiply
-        p_scale = torch._foreach_clamp_min(torch._foreach_sqrt(p_means),
-                                           device_scalar("clamp_min", min_scale, p_means))
-        u_clip = torch._foreach_clamp_min(
-            torch._foreach_div(torch._foreach_sqrt(u_means),
-                               device_scalar("div", threshold, u_means)), 1.0)
-        factors = torch._foreach_div(p_scale, u_clip)
-        return tree_unflatten(list(torch._foreach_mul(g, cast_like(factors, g))), spec), state
+        p_scale = foreach("clamp_min", foreach("sqrt", p_means), min_scale)
+        u_clip = foreach("clamp_min", foreach("div", foreach("sqrt", u_means), threshold), 1.0)
+        factors = foreach("div", p_scale, u_clip)
+        return tree_unflatten(foreach("mul", g, cast_like(factors, g)), spec), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, LEAFWISE)
 
 
 def relative_step_schedule(max_learning_rate: float = 1e-2,
@@ -566,7 +563,7 @@ def add_step_scaled_decayed_weights(weight_decay: float, learning_rate: float | 
                for x, pi, s, k in zip(g, p, scales, keep)]
         return tree_unflatten(out, spec), safe_increment(state)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, LEAFWISE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -639,7 +636,7 @@ def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
             return updates, advance_counts(state)
         layout = layout_of(updates, extra_args)
         g32 = cast_like(g, mu)
-        q = list(torch._foreach_add(torch._foreach_mul(g32, g32), eps1))
+        q = foreach("add", foreach("mul", g32, g32), eps1)
         rows, cols, fulls, r_means = _factored_ema(q, rows, cols, fulls, layout, b2, spec,
                                                    extra_args)
         q = None   # temporaries are dropped as soon as they are used: peak memory, not numbers
@@ -650,7 +647,7 @@ def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
         mu = foreach_ema(mu, u, b1)
         out = list(mu)
         f = layout.factored
-        res = list(torch._foreach_sub([u[i] for i in f], [mu[i] for i in f])) if f else []
+        res = foreach("sub", [u[i] for i in f], [mu[i] for i in f]) if f else []
         u = None   # (an assignment: Dynamo cannot trace `del` of a closure cell)
         if f:
             res = foreach_op_("mul", res, res)
@@ -670,7 +667,7 @@ def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
                                  r_row=tree_unflatten(r_rows, spec),
                                  r_col=tree_unflatten(r_cols, spec)))
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, LEAFWISE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -707,12 +704,12 @@ def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,
     if phi_bounds is not None and not 0 <= phi_bounds[0] <= phi_bounds[1]:
         raise ValueError(f"phi_bounds must satisfy 0 <= low <= high, got {phi_bounds}.")
 
-    def init(params: Params) -> tuple:
+    def init(params: Params) -> EmptyState:
         check_init_params(params)
-        return ()
+        return EmptyState()
 
-    def update(updates: Updates, state: tuple, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, tuple]:
+    def update(updates: Updates, state: EmptyState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, EmptyState]:
         params = require_params(params, "scale_by_trust_ratio")
         spec, g, p = flatten_matching(updates, params, what="updates and params")
         keep = leaf_labels(mask, params, "mask values") if mask is not None else [True] * len(g)
@@ -741,4 +738,4 @@ def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,
             out.append(x * ratio.to(x.dtype))
         return tree_unflatten(out, spec), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, LEAFWISE)

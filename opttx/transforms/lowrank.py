@@ -23,9 +23,9 @@ from .._checks import check_number, check_positive_int
 from ..base import (PRECONDITION_INPUT, GradientTransformation, Params, Role, State, Updates,
                     check_init_params, declare_roles, require_whole_leaves, safe_increment,
                     zero_count)
-from ..tree import (MaskedNode, PyTree, flatten_matching, leaf_labels, mark_owned, mask_leaves,
-                    tree_cond, tree_flatten, tree_leaves, tree_paths, tree_structure,
-                    tree_unflatten)
+from ..kernels import mark_scratch
+from ..tree import (MaskedNode, PyTree, flatten_matching, leaf_labels, mask_leaves, tree_cond,
+                    tree_flatten, tree_leaves, tree_paths, tree_structure, tree_unflatten)
 from .quantized import _Field, _walk
 
 __all__ = [
@@ -429,7 +429,7 @@ def _back_projected(out: PyTree, updates: Updates, g: list, plans: Sequence[_Pla
         y = _project_back(out_leaves[i].to(basis.dtype), lefts[i], rights[i],
                           plans[i].side) * scale
         back.append(_from_matrix(y, plans[i]).to(g[i].dtype))
-    for i, y in zip(idx, mark_owned(back)):
+    for i, y in zip(idx, mark_scratch(back)):
         out_leaves[i] = y
     return out_leaves
 

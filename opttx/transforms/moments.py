@@ -15,12 +15,11 @@ from typing import Any, NamedTuple
 import torch
 
 from .._checks import check_nonnegative, check_unit_interval
-from ..base import (ELEMENTWISE, PRECONDITIONER, GradientTransformation, Params, Role,
-                    Updates, check_init_params, declare_roles, leafwise, precondition_leaves,
+from ..base import (ELEMENTWISE, PRECONDITIONER, GradientTransformation, Params, Role, Updates,
+                    check_init_params, declare_roles, leafwise, precondition_leaves,
                     safe_increment, zero_count)
-from ..kernels import (Scalar, cast_like, foreach, foreach_, foreach_accumulate_sq,
-                       foreach_ema, foreach_ema_sq, foreach_op_, foreach_scale_add,
-                       mark_scratch)
+from ..kernels import (Scalar, cast_like, foreach, foreach_, foreach_accumulate_sq, foreach_ema,
+                       foreach_ema_sq, foreach_op_, foreach_scale_add, mark_scratch)
 from ..tree import stats_like
 
 __all__ = [

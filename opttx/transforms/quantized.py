@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from ..base import (EmptyState, GradientTransformation, Params, Role, State, Updates,
                     check_init_params, declare_roles, require_whole_leaves, state_roles)
-from ..tree import flatten_matching, is_donating, tree_flatten, tree_unflatten
+from ..kernels import is_donating
+from ..tree import flatten_matching, tree_flatten, tree_unflatten
 
 __all__ = [
     "QuantizationMap",

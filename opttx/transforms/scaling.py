@@ -7,11 +7,12 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .._checks import check_learning_rate, check_nonnegative, check_number
-from ..base import (Role, Traits, declare_roles, EmptyState, GradientTransformation, Params, Updates, check_init_params,
-                    require_params, safe_increment, stateless, zero_count)
+from ..base import (ELEMENTWISE, EmptyState, GradientTransformation, Params, Role, Traits, Updates,
+                    check_init_params, declare_roles, require_params, safe_increment, stateless,
+                    zero_count)
+from ..kernels import Scalar, cast_like, foreach, foreach_axpy, foreach_scale
 from ..schedules import Schedule
-from ..tree import (PyTree, Scalar, cast_like, flatten_matching, foreach_axpy, foreach_scale,
-                    mask_leaves, tree_unflatten)
+from ..tree import PyTree, flatten_matching, mask_leaves, tree_unflatten
 
 __all__ = [
     "ScaleByScheduleState",
@@ -68,7 +69,7 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
         return (_scaled(updates, step_size),
                 ScaleByScheduleState(count=safe_increment(state.count)))
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, ELEMENTWISE)
 
 
 def scale_by_learning_rate(learning_rate: float | Schedule,
@@ -130,7 +131,7 @@ def add_decayed_weights(weight_decay: float = 0.0,
             out[i] = d
         return tree_unflatten(out, spec), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, ELEMENTWISE)
 
 
 def scale_by_sign() -> GradientTransformation:
@@ -142,6 +143,6 @@ def scale_by_sign() -> GradientTransformation:
 
     def sign(updates: Updates, params: Params | None) -> Updates:
         spec, g = flatten_matching(updates)
-        return tree_unflatten(list(torch._foreach_sign(g)) if g else [], spec)
+        return tree_unflatten(foreach("sign", g) if g else [], spec)
 
-    return stateless(sign)
+    return stateless(sign, ELEMENTWISE)

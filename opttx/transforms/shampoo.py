@@ -54,11 +54,11 @@ import torch
 from .._checks import check_nonnegative, check_positive_int, check_unit_interval
 from ..base import (PRECONDITION_INPUT, PRECONDITIONER, GradientTransformation, Params, Role,
                     Traits, Updates, advance_counts, check_init_params, combine_traits,
-                    declare_roles, precondition_target, reduce_statistics,
-                    require_whole_leaves, safe_increment, traits_of, zero_count)
-from ..tree import (PyTree, cast_like, flatten_matching, state_dtype, foreach_ema, foreach_sum_of_squares,
-                    stats_like, tree_cond, tree_flatten, tree_map, tree_structure,
-                    tree_unflatten)
+                    declare_roles, precondition_target, reduce_statistics, require_whole_leaves,
+                    safe_increment, traits_of, zero_count)
+from ..kernels import cast_like, foreach_ema, foreach_sum_of_squares
+from ..tree import (PyTree, flatten_matching, state_dtype, stats_like, tree_cond, tree_flatten,
+                    tree_map, tree_structure, tree_unflatten)
 
 __all__ = [
     "DiagonalGraftState",
