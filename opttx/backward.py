@@ -47,8 +47,9 @@ from typing import Any, Iterable, Literal
 
 import torch
 
-from .base import GradientTransformation
-from .tree import donating, tree_copy_, tree_flatten, tree_map
+from .base import GradientTransformation, traits_of
+from .kernels import donating
+from .tree import tree_copy_, tree_flatten, tree_map
 from .wrappers import set_hyperparams_
 
 __all__ = ["FusedBackward"]
@@ -89,6 +90,13 @@ class FusedBackward:
                              f"{loss_scale!r}.")
         if growth_interval < 1:
             raise ValueError(f"growth_interval must be >= 1, got {growth_interval}.")
+        if traits_of(tx).across_leaves:
+            raise ValueError(
+                "FusedBackward runs the transform on one parameter at a time, inside its "
+                "gradient hook, but this transform takes a statistic across leaves (a global "
+                "norm or a finiteness test, Traits.across_leaves): it would be computed per "
+                "parameter. Use clip_grad_norm=... for global-norm clipping, or run the "
+                "transform with opttx.Optimizer after a full backward.")
         self.tx = tx
         self.clip_grad_norm = clip_grad_norm
         self.clip_mode = clip_mode
@@ -177,7 +185,10 @@ class FusedBackward:
             return
         if self.clip_grad_norm is not None and self.clip_mode == "previous":
             self.prev_norm = self.sum_sq.sqrt()
-            self.clip_coef = torch.clamp(self.clip_grad_norm / (self.prev_norm + 1e-6), max=1.0)
+            coef = torch.clamp(self.clip_grad_norm / (self.prev_norm + 1e-6), max=1.0)
+            # a non-finite norm (an overflow, a NaN gradient) says nothing about the scale of
+            # the next step's gradients: keep the last finite coefficient
+            self.clip_coef = torch.where(torch.isfinite(self.prev_norm), coef, self.clip_coef)
             self.sum_sq = torch.zeros_like(self.sum_sq)
         if self.dynamic:
             grow = (~self.overflow) & (self.good_steps + 1 >= self.growth_interval)
@@ -233,10 +244,15 @@ class FusedBackward:
         self._handles = []
 
     def state_dict(self) -> dict[str, Any]:
-        """Per-parameter transform states (by name) and the runner's counters."""
-        return {"states": self.states, "steps": self.steps, "scale": self.scale,
-                "good_steps": self.good_steps, "prev_norm": self.prev_norm,
-                "clip_coef": self.clip_coef}
+        """Per-parameter transform states (by name) and the runner's counters, as a snapshot:
+        copies of the tensors, which later steps (that update the states in place) leave as
+        they are."""
+        def snapshot(tree: Any) -> Any:
+            return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
+
+        return snapshot({"states": dict(self.states), "steps": self.steps, "scale": self.scale,
+                         "good_steps": self.good_steps, "prev_norm": self.prev_norm,
+                         "clip_coef": self.clip_coef})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a `state_dict` (copies into the existing buffers)."""

@@ -13,8 +13,9 @@ from typing import Any, Callable, Iterator, Literal, NamedTuple, Protocol
 import torch
 
 from ._checks import check_floating
-from .tree import (MaskedNode, PyTree, assert_same_structure, tree_flatten, tree_leaves,
-                   tree_map, tree_unflatten)
+from .kernels import foreach, foreach_
+from .tree import (MaskedNode, PyTree, assert_same_structure, tree_flatten, tree_leaves, tree_map,
+                   tree_paths, tree_unflatten)
 
 Params = PyTree
 Updates = PyTree
@@ -216,7 +217,7 @@ class GradientTransformation(NamedTuple):
     ``update(updates, state, params=None, **extra_args) -> (updates, new_state)``, and the
     `Traits` that say what the pair does (optional: the default claims nothing).
 
-    ``update`` never mutates its inputs (see `opttx.tree.donating` for the one, opt-in,
+    ``update`` never mutates its inputs (see `opttx.donating` for the one, opt-in,
     exception that saves memory). ``extra_args`` are passed down a chain to every link, so a
     transform must accept and ignore the ones it does not know.
     """
@@ -297,10 +298,26 @@ def set_to_zero() -> GradientTransformation:
 
 
 def _paired_leaves(params: Params, updates: Updates) -> tuple[list, list, Any]:
+    """The leaves of ``params`` and of ``updates`` paired by path, not by position: a dict
+    of updates whose keys come in another order is read in the order of the params; any
+    other difference of structure, and updates whose shapes differ from their parameters'
+    (even broadcastable ones), raise. The structures are compared once per call in eager
+    mode; a compiled step checks them while tracing."""
     p_leaves, spec = tree_flatten(params)
-    u_leaves = tree_leaves(updates)
-    if len(p_leaves) != len(u_leaves):
-        assert_same_structure(params, updates, "params and updates")
+    u_leaves, u_spec = tree_flatten(updates)
+    if u_spec != spec:
+        try:
+            u_leaves = spec.flatten_up_to(updates)
+        except (ValueError, TypeError, RuntimeError):
+            assert_same_structure(params, updates, "params and updates")
+            raise ValueError("params and updates have different tree structures "
+                             f"({spec} vs {u_spec}).") from None
+    for i, (p, u) in enumerate(zip(p_leaves, u_leaves)):
+        if not isinstance(u, torch.Tensor) or p.shape != u.shape:
+            path = tree_paths(params)[i]
+            got = tuple(u.shape) if isinstance(u, torch.Tensor) else type(u).__name__
+            raise ValueError(f"update for parameter {path!r} has shape {got}, expected "
+                             f"{tuple(p.shape)}: updates must have the shapes of the params.")
     return p_leaves, u_leaves, spec
 
 
@@ -362,9 +379,9 @@ def _foreach_add(p_leaves: list[torch.Tensor], u_leaves: list[torch.Tensor],
     for idx in groups.values():
         ps, us = [p_leaves[i] for i in idx], [u_leaves[i] for i in idx]
         if inplace:
-            torch._foreach_add_(ps, us, alpha=alpha)
+            foreach_("add", ps, us, alpha=alpha)
         else:
-            for i, r in zip(idx, torch._foreach_add(ps, us, alpha=alpha)):
+            for i, r in zip(idx, foreach("add", ps, us, alpha=alpha)):
                 out[i] = r
     return out
 
