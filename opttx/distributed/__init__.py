@@ -12,7 +12,8 @@ Example:
   >>> tx = sharded(opttx.lamb(1e-3), {"w": Shard(0, tp_group), "b": Replicated()})
 """
 
-from .checkpoint import check_checkpoint, load_state_dict, param_paths, state_dict
+from .checkpoint import (check_checkpoint, load_checkpoint, load_state_dict, param_paths,
+                         state_dict)
 from .data_parallel import all_reduce_gradients, plan_buckets
 from .owners import OwnerPlan, default_cost, on_owners, plan_owners
 from .reducer import CollectiveStats, ShardedReducer, pack_all_reduce
@@ -37,6 +38,7 @@ __all__ = [
     "flatten_specs",
     "global_factor_axes",
     "global_shapes",
+    "load_checkpoint",
     "load_state_dict",
     "local_shard",
     "on_owners",

@@ -57,7 +57,8 @@ from .checkpoint_keys import (
 from ..tree import PyTree, tree_flatten
 from .shapes import is_dtensor, raise_on_every_rank
 
-__all__ = ["check_checkpoint", "load_state_dict", "param_paths", "state_dict"]
+__all__ = ["check_checkpoint", "load_checkpoint", "load_state_dict", "param_paths",
+           "state_dict"]
 
 STATE, SHARED = "state", "shared"
 
@@ -308,3 +309,77 @@ def check_checkpoint(state_dict: Mapping[str, Any], metadata: Any, prefix: str =
         if saved[k] != shape:
             raise ValueError(f"Checkpoint entry {k} has shape {saved[k]}, this run's state "
                              f"has {shape}.")
+
+
+def _fresh(tree: Any) -> Any:
+    """A copy of the nested dicts/lists of ``tree`` with a new uninitialized buffer for every
+    tensor (a DTensor keeps its mesh and placements) and other values as they are."""
+    if isinstance(tree, Mapping):
+        return {k: _fresh(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_fresh(v) for v in tree]
+    if isinstance(tree, torch.Tensor):
+        return torch.empty_like(tree)
+    return tree
+
+
+def _copy_back(live: Any, loaded: Any) -> None:
+    """Write ``loaded`` (from `_fresh`, filled) into the tensors of ``live``; other values of
+    dicts and lists are replaced, as ``dcp.load`` does."""
+    items = live.items() if isinstance(live, Mapping) else enumerate(live)
+    for k, dst in list(items):
+        src = loaded[k]
+        if isinstance(dst, torch.Tensor):
+            d = dst.to_local() if is_dtensor(dst) else dst
+            d.copy_(src.to_local() if is_dtensor(src) else src)
+        elif isinstance(dst, (Mapping, list)):
+            _copy_back(dst, src)
+        else:
+            live[k] = src
+
+
+@torch.no_grad()
+def load_checkpoint(state_dict: dict[str, Any], checkpoint_id: Any = None, *,
+                    storage_reader: Any = None, planner: Any = None, group: Any = None) -> None:
+    """``dcp.load`` that changes nothing unless the whole load succeeds on every rank.
+
+    ``dcp.load(sd)`` writes each tensor of ``sd`` in place as it is read, so a load that fails
+    part-way (a missing or truncated shard file, read by some ranks only) leaves half of the
+    live parameters and optimizer state overwritten, on some ranks. Here the checkpoint is
+    read into new buffers shaped like ``state_dict``'s tensors (one extra copy of the state in
+    memory while loading), every rank agrees that its read succeeded (one all-reduce), and
+    only then are the live tensors overwritten; otherwise every rank raises and nothing
+    changed.
+
+    Args:
+      state_dict: nested dicts (and lists) of the live tensors to load, as for ``dcp.load``
+        (``{"params": params, "optim": opttx.distributed.state_dict(state, params)}``).
+      checkpoint_id, storage_reader, planner: as for ``torch.distributed.checkpoint.load``.
+      group: the ranks loading together (None: the default group).
+
+    Raises:
+      the read's own error on the rank that failed, a ``ValueError`` naming that rank on the
+      others; nothing of ``state_dict`` was written.
+
+    Example:
+      >>> sd = {"params": params, "optim": state_dict(state, params)}
+      >>> load_checkpoint(sd, checkpoint_id=path)
+      >>> state = load_state_dict(state, sd["optim"], params)
+    """
+    import torch.distributed.checkpoint as dcp
+    fresh = _fresh(state_dict)
+    error = None
+    try:
+        dcp.load(fresh, checkpoint_id=checkpoint_id, storage_reader=storage_reader,
+                 planner=planner, process_group=group)
+    except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - re-raised here,
+        error = e                                             # agreed on by the others
+        # (DCP's CheckpointException derives from BaseException)
+    try:
+        raise_on_every_rank(error, group)
+    except ValueError as e:
+        if error is not None:
+            raise
+        raise ValueError(f"load_checkpoint: another rank failed to read the checkpoint "
+                         f"({e}); nothing was loaded.") from None
+    _copy_back(state_dict, fresh)

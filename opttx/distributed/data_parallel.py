@@ -10,7 +10,8 @@ import torch.distributed as dist
 from .._checks import check_positive
 from ..base import GradientTransformation, Params, Updates, stateless_with_extra_args
 from ..tree import tree_flatten, tree_unflatten
-from .reducer import CollectiveStats, pack_all_reduce
+from .reducer import CollectiveStats, collective_device, pack_all_reduce
+from .shapes import agree_on_tree, require_member
 
 __all__ = ["all_reduce_gradients", "plan_buckets"]
 
@@ -47,7 +48,9 @@ def all_reduce_gradients(group: Any = None, bucket_size_mb: float = 25, *,
 
     Leaves are packed, in tree order and per (device, dtype), into flat buffers of at most
     ``bucket_size_mb`` MiB; each buffer is one functional ``all_reduce`` (sum, then divided by
-    the group size, since gloo has no average). Collectives per step = number of buckets. Use it
+    the group size, since gloo has no average). Collectives per step = number of buckets (the
+    first eager call adds one small all-reduce that checks the ranks pass alike trees, shapes
+    and dtypes: a clear ``ValueError`` on every rank instead of mismatched collectives). Use it
     as the first link of a chain in place of DDP's reducer; the rest of the chain then sees the
     data-parallel mean, identical on every rank.
 
@@ -70,9 +73,24 @@ def all_reduce_gradients(group: Any = None, bucket_size_mb: float = 25, *,
     check_positive("bucket_size_mb", bucket_size_mb)
     bucket_bytes = int(bucket_size_mb * 1024 * 1024)
 
+    checked: list[bool] = []
+
+    def agree(updates: Updates, g: Any) -> None:
+        """On the first (eager) call: the ranks must pass the same tree of the same shapes and
+        dtypes, else their buckets pair mismatched collectives (a gloo abort, a hang, or sums
+        of unrelated leaves). One small all-reduce, once."""
+        require_member(group, "opttx.distributed.all_reduce_gradients")
+        agree_on_tree(updates, g, collective_device(g),
+                      "opttx.distributed.all_reduce_gradients: the ranks passed different "
+                      "gradient trees (structure, shapes or dtypes); every rank must pass "
+                      "gradients of the same parameters, alike.")
+        checked.append(True)
+
     def average(updates: Updates, params: Params | None, extra_args: dict) -> Updates:
         del params, extra_args
         g = group if group is not None else dist.group.WORLD
+        if not checked and not torch.compiler.is_compiling():
+            agree(updates, g)
         leaves, treespec = tree_flatten(updates)
         if not leaves:
             return updates

@@ -366,6 +366,26 @@ def scatter_from_owners(plan: OwnerPlan, whole: list[torch.Tensor | None],
     return out
 
 
+def check_pieces(plan: OwnerPlan, trees: list[list[torch.Tensor | None]],
+                 paths: Callable[[], Sequence[str]], what: Sequence[str]) -> ValueError | None:
+    """The error for a leaf of ``trees`` (per param leaf, this rank's piece, None where
+    absent) whose shape is not this rank's piece in ``plan``, else None: a wrong shape would
+    be cut into the others' pieces silently."""
+    for tree, name in zip(trees, what):
+        for leaf, x in zip(plan.leaves, tree):
+            if leaf is None or x is None:
+                continue
+            expected = leaf.pieces[plan.rank][1]
+            if tuple(x.shape) != tuple(expected):
+                return ValueError(
+                    f"on_owners: {name} {paths()[leaf.index]} has local shape {tuple(x.shape)}, "
+                    f"but the plan made at init gives this rank (owner-group rank "
+                    f"{plan.rank}) a piece of shape {tuple(expected)} of the whole "
+                    f"{leaf.shape}; pass updates and params shaped like the params given to "
+                    "init.")
+    return None
+
+
 def _totals(plan: OwnerPlan, stats: CollectiveStats | None) -> Callable[..., torch.Tensor]:
     def combine(total: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return pack_all_reduce([total], op, plan.group, stats)[0]
@@ -454,6 +474,20 @@ def on_owners(tx: GradientTransformation, owner_group: Any = None,
                              "on_owners=True).")
         return reducer
 
+    checked: set[int] = set()
+
+    def agree_on_pieces(plan: OwnerPlan, trees: list, updates: PyTree) -> None:
+        # static shapes: a Python check, also when compiled; at the first eager update of a
+        # plan every rank agrees on it (one all-reduce), so a wrong shape on one rank raises
+        # on all of them rather than leave the others waiting in the all_to_all
+        error = check_pieces(plan, trees, lambda: tree_paths(updates), ("updates", "params"))
+        if id(plan) not in checked and not torch.compiler.is_compiling():
+            from .shapes import raise_on_every_rank
+            raise_on_every_rank(error, plan.group)
+            checked.add(id(plan))
+        if error is not None:
+            raise error
+
     def init(params: Params) -> State:
         reducer = reducer_of("init", None)
         local = split_tree(reducer, params)
@@ -472,6 +506,7 @@ def on_owners(tx: GradientTransformation, owner_group: Any = None,
         if params is not None:
             local_params = split_tree(reducer, params)
             trees.append([p if g is not None else None for g, p in zip(grads, local_params)])
+        agree_on_pieces(plan, trees, updates)
         whole = gather_to_owners(plan, trees, counter)
         keep = plan.owned()
         inner_extra = {k: v for k, v in extra_args.items() if k != REDUCER_KEY}

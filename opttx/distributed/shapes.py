@@ -3,13 +3,14 @@ all-ranks error agreement that keeps a bad spec from hanging a job."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..base import Params
-from ..tree import PyTree, tree_flatten, tree_paths
+from ..tree import PyTree, tree_flatten, tree_leaves, tree_paths
 from .reducer import CollectiveStats, collective_device, pack_all_reduce
 from .specs import flatten_specs, shard_groups, specs_from_dtensors
 
@@ -20,6 +21,49 @@ def is_dtensor(x: Any) -> bool:
     """Whether ``x`` is a `torch.distributed.tensor.DTensor`."""
     from torch.distributed.tensor import DTensor
     return isinstance(x, DTensor)
+
+
+def require_member(group: Any, who: str) -> None:
+    """Raise ``ValueError`` when this rank is not in ``group``: checked before any collective
+    on it (torch's own error, or a hang, would come first)."""
+    if not dist.is_initialized() or group is None or group is dist.group.WORLD:
+        return
+    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+        raise ValueError(f"{who}: this rank ({dist.get_rank()}) is not in the given process "
+                         "group; call it only on the ranks of the group, or pass a group that "
+                         "holds this rank.")
+
+
+def _digest(tree: PyTree) -> int:
+    """A hash of the tree structure, shapes and dtypes, the same on every rank alike."""
+    leaves, treespec = tree_flatten(tree)
+    text = repr(treespec) + repr([(tuple(x.shape), str(x.dtype)) for x in leaves])
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+def agree_on_tree(tree: PyTree, group: Any, device: torch.device, message: str) -> None:
+    """Raise ``ValueError(message + the first difference)`` on every rank of ``group`` when
+    the ranks' trees differ in structure, shapes or dtypes (plans made from different trees
+    would pair mismatched collectives: a hang or an abort). One all-reduce of a hash; an
+    object gather only to describe a difference."""
+    h = _digest(tree)
+    both = torch.tensor([h, -h], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if int(both[0]) == -int(both[1]):
+        return
+    mine = [f"{p}: {tuple(x.shape)} {x.dtype}" for p, x in
+            zip(tree_paths(tree), tree_leaves(tree))]
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    detail = ""
+    for r, theirs in enumerate(every):
+        if theirs != every[0]:
+            diff = next((f"{a!r} on rank 0 vs {b!r} on rank {r}" for a, b in
+                         zip(every[0], theirs) if a != b),
+                        f"{len(every[0])} leaves on rank 0 vs {len(theirs)} on rank {r}")
+            detail = f" First difference: {diff}."
+            break
+    raise ValueError(message + detail)
 
 
 def raise_on_every_rank(error: BaseException | None, group: Any = None) -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..base import (REDUCER_KEY, GradientTransformation, Params, State, Updates,
                     reducer_during_init)
-from ..tree import PyTree, tree_flatten
+from ..tree import PyTree, tree_flatten, tree_paths
 from .owners import on_owners as _on_owners
 from .reducer import CollectiveStats, ShardedReducer
 from .shapes import global_shapes, is_dtensor, raise_on_every_rank
@@ -31,6 +31,40 @@ def _like_dtensors(tree: PyTree, templates: list[Any]) -> PyTree:
                               stride=t.stride()) if is_dtensor(t) else x
            for x, t in zip(leaves, templates)]
     return treespec.unflatten(out)
+
+
+def _fingerprint(reducer: ShardedReducer) -> tuple:
+    """What every rank must agree on: the tree structure and, per leaf, its number of dims and
+    the (dim, group size) of each `Shard` (group members legitimately differ: each rank's own
+    tensor-parallel group)."""
+    import torch.distributed as dist
+    return (repr(reducer.treespec), tuple(
+        (n, tuple((s.dim, dist.get_world_size(s.group)) for s in shards))
+        for n, shards in zip(reducer._ndims or (), reducer.flat_specs)))
+
+
+def _agree_on_specs(reducer: ShardedReducer) -> None:
+    """Raise the same ``ValueError`` on every rank when the ranks' trees or specs differ (an
+    empty tree on one rank would hang the others in the size all-reduce; Shard dims that
+    differ would give wrong statistics silently). One ``all_gather_object``, at init."""
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, _fingerprint(reducer))
+    for r, theirs in enumerate(every):
+        if theirs != every[0]:
+            ours = every[0]
+            if ours[0] != theirs[0]:
+                what = f"the parameter trees differ ({ours[0]} on rank 0, {theirs[0]} on rank {r})"
+            else:
+                paths = tree_paths(reducer.treespec.unflatten(list(range(len(ours[1])))))
+                i = next(i for i, (a, b) in enumerate(zip(ours[1], theirs[1])) if a != b)
+                what = (f"{paths[i]}: (ndim, ((shard dim, group size), ...)) is {ours[1][i]} "
+                        f"on rank 0, {theirs[1][i]} on rank {r}")
+            raise ValueError("opttx.distributed.sharded: the ranks passed different parameter "
+                             f"trees or specs to init: {what}. Every rank must pass the same "
+                             "tree and the same specs (its own shards of every leaf).")
 
 
 def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
@@ -74,7 +108,10 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
 
     ``init`` checks the specs on every rank (tree structure, dims, group membership) and agrees
     on the outcome with one all-reduce over the default group, so a bad spec on one rank raises
-    a ``ValueError`` on all of them instead of hanging the others in a collective.
+    a ``ValueError`` on all of them instead of hanging the others in a collective; then one
+    ``all_gather_object`` checks that all ranks passed the same tree structure and the same
+    shard dims and group sizes (an empty tree on one rank, or Shard(0) here and Shard(1)
+    there, raises on every rank).
 
     Returns:
       A `GradientTransformation` whose state is ``tx``'s state on the local shards. The specs
@@ -135,6 +172,7 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
         except (ValueError, TypeError) as e:
             error = e
         raise_on_every_rank(error)        # one rank's bad spec must not leave the others hanging
+        _agree_on_specs(reducer)
         resolved[:] = [resolve_shapes(reducer, params)]
         local, _ = _to_local(params)
         with reducer_during_init(reducer):    # init has no extra_args (on_owners, factoring)

@@ -10,7 +10,6 @@ all-gathered per chunk. `zero_plan` shows the layout without a process group.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -23,7 +22,7 @@ from ..base import REDUCER_KEY, TOTALS_KEY, GradientTransformation, Params, Stat
 from ..tree import (MaskedNode, PyTree, assert_same_structure, tree_flatten, tree_leaves,
                     tree_map, tree_paths, tree_unflatten)
 from .reducer import CollectiveStats, collective_device
-from .shapes import raise_on_every_rank
+from .shapes import agree_on_tree, raise_on_every_rank, require_member
 
 __all__ = ["ZeroChunk", "ZeroPlan", "state_costs", "zero", "zero_plan"]
 
@@ -364,38 +363,6 @@ class _Resolved:
     control_device: torch.device
 
 
-def _digest(params: Params) -> int:
-    """A hash of the tree structure, shapes and dtypes, the same on every rank alike."""
-    leaves, treespec = tree_flatten(params)
-    text = repr(treespec) + repr([(tuple(x.shape), str(x.dtype)) for x in leaves])
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
-
-
-def _agree_on_tree(params: Params, group: Any, device: torch.device) -> None:
-    """Raise the same ``ValueError`` on every rank when the ranks' parameter trees differ
-    (different plans would pair mismatched collectives: a hang or an abort)."""
-    h = _digest(params)
-    both = torch.tensor([h, -h], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    if int(both[0]) == -int(both[1]):
-        return
-    mine = [f"{p}: {tuple(x.shape)} {x.dtype}" for p, x in
-            zip(tree_paths(params), tree_leaves(params))]
-    every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    detail = ""
-    for r, theirs in enumerate(every):
-        if theirs != every[0]:
-            diff = next((f"{a!r} on rank 0 vs {b!r} on rank {r}" for a, b in
-                         zip(every[0], theirs) if a != b),
-                        f"{len(every[0])} leaves on rank 0 vs {len(theirs)} on rank {r}")
-            detail = f" First difference: {diff}."
-            break
-    raise ValueError("opttx.distributed.zero: the ranks passed different parameter trees to "
-                     "init (structure, shapes or dtypes); every rank must pass the same full "
-                     f"(replicated) parameter tree.{detail}")
-
-
 def _to_host(state: State, pin: bool) -> State:
     """The state's tensors on the CPU: one blocking copy each, straight into pinned memory
     when ``pin`` (so the next update's copy to the GPU can be asynchronous)."""
@@ -511,8 +478,6 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
     def resolve(tree: PyTree) -> _Resolved:
         g = group if group is not None else dist.group.WORLD
         world, rank = dist.get_world_size(g), dist.get_rank(g)
-        if rank < 0:
-            raise ValueError("opttx.distributed.zero: this rank is not in the given group.")
         costs = state_costs(tx, tree) if balance == "state" else None
         plan = zero_plan(tree, world, chunk_size_mb, min_chunk_size_mb=min_chunk_size_mb,
                          search_range_mb=search_range_mb, costs=costs)
@@ -524,6 +489,8 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
                                for x, r in zip(leaves, res.plan.owners)], res.treespec)
 
     def init(params: Params) -> State:
+        # before any collective on the group: the ranks of the group go on without this one
+        require_member(group, "opttx.distributed.zero")
         error, res = None, None
         try:
             res = resolve(params)
@@ -537,7 +504,10 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
                 raise
             raise ValueError(f"opttx.distributed.zero: another rank rejected its parameter "
                              f"tree at init ({e})") from None
-        _agree_on_tree(params, g, res.control_device)
+        agree_on_tree(params, g, res.control_device,
+                      "opttx.distributed.zero: the ranks passed different parameter trees to "
+                      "init (structure, shapes or dtypes); every rank must pass the same full "
+                      "(replicated) parameter tree.")
         resolved[:] = [res]
         state = tx.init(mask(params, res))
         return _to_host(state, pin) if offload else state
@@ -558,6 +528,7 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
     def update(updates: Updates, state: State, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, State]:
         if not resolved:
+            require_member(group, "opttx.distributed.zero")
             resolved[:] = [resolve(updates)]
         res = resolved[0]
         plan, g, rank, world = res.plan, res.group, res.rank, res.world
