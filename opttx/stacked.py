@@ -35,8 +35,8 @@ Random numbers (stochastic rounding) are drawn independently per slice
 (``randomness="different"``).
 
 torch has no vmap rule for its grouped ``_foreach_*`` kernels, which opttx's transforms use;
-the first `stacked` call registers one for each that lacks it, which runs the per-tensor op on
-each tensor of the group (inside `stacked` a group holds one tensor per shape group, so this
+importing this module registers one for each that lacks it (once, never during ``init`` or
+``update``), which runs the per-tensor op on each tensor of the group (inside `stacked` a group holds one tensor per shape group, so this
 costs nothing measurable). The registration only adds rules where torch raises "Batching rule
 not implemented"; it changes no existing behaviour.
 
@@ -52,8 +52,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.func import vmap
 
-from .base import (Role, declare_roles, REDUCER_KEY, TOTALS_KEY, GradientTransformation, check_init_params,
-                   current_reducer)
+from .base import (REDUCER_KEY, TOTALS_KEY, GradientTransformation, Role, Traits,
+                   check_init_params, current_reducer, declare_roles, traits_of)
 from .tree import MaskedNode, PyTree, tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["StackedParams", "StackedState", "stacked"]
@@ -121,7 +121,7 @@ def _per_tensor_kernel(name: str, inplace: bool, scalar_other: bool):
 
 def install_foreach_vmap_rules() -> None:
     """Give every ``torch._foreach_<op>`` in ``_PER_TENSOR`` that has no vmap rule one that runs
-    the per-tensor op on each tensor. Idempotent; `stacked` calls it."""
+    the per-tensor op on each tensor. Idempotent; run once when this module is imported."""
     if _LIBRARY:
         return
     lib = torch.library.Library("aten", "IMPL")
@@ -142,6 +142,13 @@ def install_foreach_vmap_rules() -> None:
                 if kernel is not None:
                     lib.impl(qualname.split("::")[1], kernel, "FuncTorchBatched")
     _LIBRARY.append(lib)
+
+
+# Registered once, here, rather than inside `stacked`'s init/update: dispatcher registration is
+# global state and must not happen while a step is traced or while another thread dispatches.
+# It only fills rules torch lacks (the per-tensor fallback above), so importing opttx changes
+# nothing for code that never vmaps a grouped kernel.
+install_foreach_vmap_rules()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,11 +342,13 @@ def stacked(inner: GradientTransformation) -> GradientTransformation:
       models.
     """
 
+    if traits_of(inner).across_leaves:
+        _across_slices(torch.zeros(()))        # refused when built: see _across_slices
+
     def init(params: PyTree) -> StackedState:
         check_init_params(params)
         if current_reducer() is not None:
             raise NotImplementedError(_NOT_DISTRIBUTED)
-        install_foreach_vmap_rules()
         init_one = vmap(inner.init, randomness="different")
         return StackedState(tuple(_unbatch_shared(init_one(_part(params, idx)))
                                   for idx in _lengths(params)))
@@ -348,7 +357,6 @@ def stacked(inner: GradientTransformation) -> GradientTransformation:
                **extra_args: Any) -> tuple[PyTree, StackedState]:
         if extra_args.get(REDUCER_KEY) is not None or extra_args.get(TOTALS_KEY) is not None:
             raise NotImplementedError(_NOT_DISTRIBUTED)
-        install_foreach_vmap_rules()
         inner_args = {**extra_args, TOTALS_KEY: _across_slices}
         leaves, spec = tree_flatten(updates)
         parts = _lengths(updates)
@@ -376,6 +384,8 @@ def stacked(inner: GradientTransformation) -> GradientTransformation:
             new_states.append(s)
         return tree_unflatten(out, spec), StackedState(tuple(new_states))
 
-    return GradientTransformation(init, update)
+    inner_traits = traits_of(inner)
+    return GradientTransformation(init, update, Traits(elementwise=inner_traits.elementwise,
+                                                       per_leaf=True))
 
 

@@ -111,14 +111,19 @@ def test_global_norm_outside_stacked_equals_per_leaf_and_inside_is_refused() -> 
             opttx.clip_by_global_norm(0.5), opttx.stacked(opttx.sgd(1e-1))))
     assert_trees_close(from_stacks, per_leaf, rtol=1e-6)
 
+    # refused when built, from the declared traits (Traits.across_leaves) ...
+    with pytest.raises(NotImplementedError, match="across leaves"):
+        opttx.stacked(outside())
+    with pytest.raises(NotImplementedError, match="across leaves"):
+        opttx.stacked(opttx.apply_if_finite(opttx.adam(1e-3), 3))
+    # ... and, for a transform that declares nothing, when it asks for a total across leaves
+    undeclared = opttx.clip_by_global_norm(0.5)
+    undeclared = opttx.GradientTransformation(undeclared.init, undeclared.update)
     stack = opttx.StackedParams(params)
     grads = gradient_stream(params, 1, seed=1)
-    inside = opttx.stacked(outside())
+    inside = opttx.stacked(undeclared)
     with pytest.raises(NotImplementedError, match="across leaves"):
         inside.update(stack.stack(grads[0]), inside.init(stack.buffers), stack.buffers)
-    guarded = opttx.stacked(opttx.apply_if_finite(opttx.adam(1e-3), 3))
-    with pytest.raises(NotImplementedError, match="across leaves"):
-        guarded.update(stack.stack(grads[0]), guarded.init(stack.buffers), stack.buffers)
 
 
 def test_stacked_refuses_distributed_wrappers_and_scalars() -> None:
