@@ -160,7 +160,8 @@ def coefficient(value: Any, tensors: Sequence[torch.Tensor], op: str | None = No
     if op in _LIST_OVERLOADS and value.device.type not in HOST_READABLE_DEVICES:
         return [value] * len(tensors)
     if value.device.type == "cpu" and all(t.dtype != torch.float64 for t in tensors):
-        return torch._foreach_add([value.new_zeros(())], value * 1)[0]
+        # (the list form: the Tensor-scalar overload breaks the graph outside fullgraph)
+        return torch._foreach_add([value.new_zeros(())], [value * 1])[0]
     return value
 
 

@@ -12,7 +12,7 @@ from .base import (GradientTransformation, _foreach_add, _kind, _stochastic_pair
                    round_stochastic_, traits_of)
 from .distributed.checkpoint_keys import (dtensor_placement, keyed_state,
                                           local_entries_as_dtensors, param_paths)
-from .kernels import donating
+from .kernels import donating, foreach
 from .tree import PyTree, tree_leaves
 from .wrappers import find_injected_states, inject_hyperparams
 
@@ -566,7 +566,7 @@ class Optimizer(torch.optim.Optimizer):
                 [p for p, g in zip(params, has_grad) if g],
                 [u for u, g in zip(tree_leaves(updates), has_grad) if g])
             if isinstance(factor, torch.Tensor):
-                deltas = list(torch._foreach_mul(deltas, factor))
+                deltas = foreach("mul", deltas, factor)
                 factor = 1.0
             if self.stochastic_rounding:
                 sr_p, sr_u, moved, deltas = _stochastic_pairs(moved, deltas, factor)

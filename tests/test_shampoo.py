@@ -359,3 +359,17 @@ def test_meta_options_compile_to_one_graph_and_equal_eager() -> None:
     assert counter.frame_count == 1
     assert_trees_close(params, eager_params, rtol=1e-6)
     torch._dynamo.reset()
+
+
+def test_graft_refuses_a_transform_that_ignores_the_filtered_gradient() -> None:
+    """With beta1 > 0 graft preconditions the filtered gradient, passed as
+    PRECONDITION_INPUT: a transform without Traits(takes_precondition_input=True) would
+    precondition the raw gradient silently, so it is refused; with beta1 = 0 the two are the
+    same tensor and any transform is accepted."""
+    with pytest.raises(ValueError, match="takes_precondition_input"):
+        opttx.graft(opttx.scale_by_adam(), opttx.precondition_shampoo(), beta1=0.9)
+    with pytest.raises(ValueError, match="direction"):
+        opttx.graft(None, opttx.scale_by_adam(), beta1=0.9)
+    opttx.graft(opttx.scale_by_adam(), opttx.precondition_shampoo(), beta1=0.0)
+    blocked = opttx.block_by_dims(opttx.precondition_shampoo(), 4)
+    opttx.graft(opttx.scale_by_rms(), blocked, beta1=0.9)      # blocking keeps the trait

@@ -56,7 +56,7 @@ from ..base import (PRECONDITION_INPUT, PRECONDITIONER, GradientTransformation, 
                     Traits, Updates, advance_counts, check_init_params, combine_traits,
                     declare_roles, precondition_target, reduce_statistics, require_whole_leaves,
                     safe_increment, traits_of, zero_count)
-from ..kernels import cast_like, foreach_ema, foreach_sum_of_squares
+from ..kernels import cast_like, foreach, foreach_, foreach_ema, foreach_sum_of_squares
 from ..tree import (PyTree, flatten_matching, state_dtype, stats_like, tree_cond, tree_flatten,
                     tree_map, tree_structure, tree_unflatten)
 
@@ -180,7 +180,8 @@ def block_by_dims(inner: GradientTransformation,
         return tree_unflatten(merged, spec), state
 
     return GradientTransformation(init, update, combine_traits(
-        (inner,), elementwise=False, per_leaf=traits_of(inner).per_leaf, whole_leaves=True))
+        (inner,), elementwise=False, per_leaf=traits_of(inner).per_leaf, whole_leaves=True,
+        takes_precondition_input=traits_of(inner).takes_precondition_input))
 
 
 def _chunks(flat: list, counts: list[int], who: str) -> list[list]:
@@ -650,6 +651,17 @@ def graft(magnitude: GradientTransformation | None, direction: GradientTransform
     b3 = beta1 if beta3 is None else beta3
     check_unit_interval("beta3", b3)
     check_nonnegative("start_preconditioning_step", start_preconditioning_step)
+    if beta1:
+        # with a filter, the preconditioned input differs from the raw gradient: a transform
+        # that does not read PRECONDITION_INPUT would silently precondition the raw gradient
+        for role, tx in (("magnitude", magnitude), ("direction", direction)):
+            if tx is not None and not traits_of(tx).takes_precondition_input:
+                raise ValueError(
+                    f"graft: the {role} transform does not declare "
+                    "Traits(takes_precondition_input=True), so with beta1 > 0 it would "
+                    "precondition the raw gradient instead of the filtered one. Use a "
+                    "transform that reads opttx.precondition_leaves(updates, extra_args) (and "
+                    "declares the trait), or beta1=0.")
 
     def init(params: Params) -> GraftState:
         count = zero_count(params)
@@ -667,14 +679,12 @@ def graft(magnitude: GradientTransformation | None, direction: GradientTransform
         filtered = state.filtered
         if beta1:
             _, m = flatten_matching(updates, state.filtered)[1:]
-            bar = list(torch._foreach_lerp(m, cast_like(g, m), 1 - b3)) if b3 != beta1 \
-                else None
+            bar = foreach("lerp", m, cast_like(g, m), 1 - b3) if b3 != beta1 else None
             m = foreach_ema(m, g, beta1)
             filtered = tree_unflatten(m, spec)
             bar = list(m) if bar is None else bar
             if use_bias_correction:
-                bar = list(torch._foreach_div(
-                    bar, meta_bias_correction(beta1, count, shift=1, scale=b3)))
+                bar = foreach("div", bar, meta_bias_correction(beta1, count, shift=1, scale=b3))
         else:
             bar = list(g)
         bar_tree = tree_unflatten(bar, spec)
@@ -745,13 +755,12 @@ def scale_by_grafted_diagonal(beta2: float = 1.0, epsilon: float = 1e-10,
             return updates, advance_counts(state)
         nu = flatten_matching(updates, state.nu)[2]
         count = safe_increment(state.count)
-        nu = torch._foreach_mul(nu, beta2) if beta2 != 1 else list(nu)
-        nu = list(torch._foreach_addcmul(nu, cast_like(g, nu), cast_like(g, nu),
-                                         value=weighting_factor))
-        denom = torch._foreach_div(nu, meta_bias_correction(beta2, count)) if correct \
+        nu = foreach("mul", nu, beta2) if beta2 != 1 else list(nu)
+        nu = foreach("addcmul", nu, cast_like(g, nu), cast_like(g, nu), value=weighting_factor)
+        denom = foreach("div", nu, meta_bias_correction(beta2, count)) if correct \
             else [torch.div(v, 1.0) for v in nu]
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, epsilon)
+        foreach_("sqrt", denom)
+        foreach_("add", denom, epsilon)
         x = flatten_matching(precondition_target(updates, extra_args))[1]
         out = [(xi.to(d.dtype) / d).to(gi.dtype) for xi, d, gi in zip(x, denom, g)]
         return tree_unflatten(out, spec), DiagonalGraftState(count=count,
