@@ -9,7 +9,7 @@ import torch
 
 from ._checks import check_positive_int
 from .base import (GradientTransformation, Params, Role, State, Updates, combine_traits,
-                   declare_roles, reduce_across_leaves, reduce_statistics, safe_increment,
+                   current_reducer, declare_roles, reduce_across_leaves, safe_increment,
                    zero_count)
 from .kernels import foreach, foreach_axpy
 from .tree import (PyTree, flatten_matching, stats_like, tree_cond, tree_leaves, tree_map,
@@ -187,16 +187,39 @@ def all_finite(tree: PyTree) -> torch.Tensor:
 
 
 def _all_finite_everywhere(updates: Updates, extra_args: dict[str, Any]) -> torch.Tensor:
-    """`all_finite` over the whole tree even when it is spread over ranks: the count of
-    non-finite elements per leaf is a statistic like any other (summed over the shards of a
-    leaf by `reduce_statistics`, over the leaves held by other ranks by
-    `reduce_across_leaves`), so every rank takes the same decision (and the same branch,
-    with the same collectives inside it)."""
+    """`all_finite` over the whole tree even when it is spread over ranks, so that every rank
+    takes the same decision (and the same branch, with the same collectives inside it).
+
+    On local shards (`opttx.distributed.sharded`, whose reducer is in ``extra_args``) a leaf
+    replicated over some ranks (`Replicated`, or a leaf sharded over one group and replicated
+    over another) may hold a NaN on one rank only, and a statistic of the leaf would not be
+    reduced over those ranks: the count of non-finite elements is summed over every rank that
+    runs the chain (``sharded`` runs on all ranks of the default group), one collective. With
+    whole leaves spread over owner ranks (``zero``, ``on_owners``) the per-rank counts are
+    combined by `reduce_across_leaves`."""
     spec, leaves = flatten_matching(updates)
     counts = [(~torch.isfinite(x)).sum().to(torch.float32) for x in leaves]
-    counts = flatten_matching(reduce_statistics(tree_unflatten(counts, spec), extra_args))[1]
     total = torch.stack(counts).sum() if counts else torch.zeros(())
+    reducer = current_reducer(extra_args)
+    if reducer is not None:
+        return _sum_over_every_rank(total, bool(leaves), reducer) == 0
     return reduce_across_leaves(total, extra_args) == 0
+
+
+def _sum_over_every_rank(total: torch.Tensor, on_leaf_device: bool, reducer: Any
+                         ) -> torch.Tensor:
+    """``total`` summed over all ranks of the default group (one functional all-reduce,
+    traced by ``torch.compile`` without a graph break); the identity on one process."""
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return total
+    import torch.distributed._functional_collectives as funcol
+    if not on_leaf_device and dist.get_backend() == "nccl":
+        total = total.to(torch.device("cuda", torch.cuda.current_device()))
+    stats = getattr(reducer, "stats", None)
+    if stats is not None:
+        stats.record(dist.group.WORLD, total)
+    return funcol.wait_tensor(funcol.all_reduce(total, "sum", dist.group.WORLD))
 
 
 def apply_if_finite(inner: GradientTransformation,

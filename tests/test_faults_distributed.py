@@ -158,9 +158,6 @@ def _errors(results: list[dict], case: str, key: str | None = None) -> list[str 
     return [g["error"] for g in got]
 
 
-@pytest.mark.xfail(strict=True, reason="apply_if_finite decides per rank for Replicated leaves "
-                   "under sharded (issue 19 item 3): the non-finite count of a leaf no group "
-                   "shards is not reduced across ranks (needs a global decision in wrappers.py)")
 def test_apply_if_finite_skips_on_every_rank_for_a_replicated_leaf(results: list[dict]) -> None:
     got = [r["replicated_nan"] for r in results]
     assert all("crash" not in g for g in got), got
