@@ -17,8 +17,11 @@ from . import schedules, transforms, tree
 from .aliases import (adafactor, adagrad, adalomo, adam, adamw, adamw_8bit, came, galore_adamw,
                       galore_adamw_8bit, lamb, lars, lion, nadam, rmsprop, sgd, shampoo)
 from .backward import FusedBackward
-from .base import (EmptyState, GradientTransformation, apply_updates, apply_updates_, identity,
-                   round_stochastic_, set_to_zero, stateless, stateless_with_tree_map)
+from .base import (ELEMENTWISE, LEAFWISE, PRECONDITIONER, EmptyState, GradientTransformation,
+                   Role, Traits, apply_updates, apply_updates_, check_init_params,
+                   combine_traits, declare_roles, identity, leafwise, round_stochastic_,
+                   set_to_zero, state_roles, stateless, stateless_with_tree_map, traits_of,
+                   zero_count)
 from .combine import (MaskedState, PartitionState, chain, freeze, masked, multi_transform,
                       named_chain, partition)
 from .layout import FlatParams, FlattenState, flatten
@@ -50,4 +53,7 @@ __all__ = [
     "rmsprop", "round_stochastic_", "schedules", "set_hyperparams_", "set_to_zero", "sgd", "shampoo", "stateless",
     "stateless_with_tree_map", "transforms", "tree", "tree_copy_", "warmup_constant_schedule",
     "warmup_cosine_decay_schedule", "warmup_stable_decay_schedule", *_transforms_all,
+    # the vocabulary for writing a transform (docs/guide/writing.md)
+    "ELEMENTWISE", "LEAFWISE", "PRECONDITIONER", "Role", "Traits", "check_init_params",
+    "combine_traits", "declare_roles", "leafwise", "state_roles", "traits_of", "zero_count",
 ]

@@ -628,6 +628,12 @@ def galore_adamw_8bit(learning_rate: ScalarOrSchedule, rank: int = 128,
 # ---------------------------------------------------------------------------------------------
 
 
+def _nonzero(value: Any) -> bool:
+    """Whether an optional term is present: a 0-dim tensor (an injected hyperparameter, whose
+    value may change between steps) always is; a number when it is not 0."""
+    return isinstance(value, torch.Tensor) or value != 0
+
+
 def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] = (0.9, 1.0),
             epsilon: float = 1e-12, momentum: float = 0.0, nesterov: bool = False,
             weight_decay: float = 0.0, use_decoupled_weight_decay: bool = True,
@@ -738,12 +744,12 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
     links: list[GradientTransformation] = [
         graft(magnitudes[grafting](), direction, start, beta1, use_bias_correction,
               rescale=grafting is not None, beta3=beta3)]
-    if weight_decay and use_decoupled_weight_decay:
+    if _nonzero(weight_decay) and use_decoupled_weight_decay:
         links.append(add_decayed_weights(weight_decay))
-    if momentum:
+    if _nonzero(momentum):
         links.append(trace(momentum, nesterov=nesterov))
     links.append(scale_by_learning_rate(learning_rate))
     body = block_by_dims(chain(*links), max_preconditioner_dim)
-    if weight_decay and not use_decoupled_weight_decay:
+    if _nonzero(weight_decay) and not use_decoupled_weight_decay:
         return chain(add_decayed_weights(weight_decay), body)
     return body

@@ -22,6 +22,10 @@ Updates = PyTree
 State = PyTree
 
 __all__ = [
+    "ELEMENTWISE",
+    "LEAFWISE",
+    "PRECONDITIONER",
+    "PRECONDITION_INPUT",
     "EmptyState",
     "GradientTransformation",
     "Role",
@@ -35,7 +39,11 @@ __all__ = [
     "REDUCER_KEY",
     "TOTALS_KEY",
     "advance_counts",
+    "check_init_params",
+    "combine_traits",
     "current_reducer",
+    "precondition_leaves",
+    "precondition_target",
     "State",
     "Updates",
     "apply_updates",
@@ -166,7 +174,7 @@ class Traits:
 
     The defaults claim nothing: a transform built as ``GradientTransformation(init, update)``
     runs wherever no claim is needed, and is refused with a clear error where one is (for
-    example inside `opttx.FusedBackward`, which needs ``per_leaf``)."""
+    example by `opttx.stacked`, which needs ``per_leaf``)."""
 
     elementwise: bool = False
     """Each output element depends only on the same element of the updates, params and state
@@ -244,7 +252,7 @@ def stateless_with_extra_args(fn: Callable[[Updates, Params | None, dict[str, An
     Its state is `EmptyState`, as that of every stateless transform."""
 
     def init(params: Params) -> EmptyState:
-        del params
+        check_init_params(params)
         return EmptyState()
 
     def update(updates: Updates, state: EmptyState, params: Params | None = None,

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .base import Role, declare_roles, GradientTransformation, check_init_params
+from .base import GradientTransformation, Role, check_init_params, combine_traits, declare_roles
 from .tree import PyTree, tree_flatten, tree_unflatten
 
 __all__ = ["FlatParams", "FlattenState", "flatten"]
@@ -108,7 +108,7 @@ def flatten(inner: GradientTransformation) -> GradientTransformation:
                 out[i] = piece.view(leaves[i].shape)
         return tree_unflatten(out, spec), FlattenState(inner_state)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, combine_traits((inner,)))
 
 
 class FlatParams:

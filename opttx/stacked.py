@@ -344,6 +344,12 @@ def stacked(inner: GradientTransformation) -> GradientTransformation:
 
     if traits_of(inner).across_leaves:
         _across_slices(torch.zeros(()))        # refused when built: see _across_slices
+    if not traits_of(inner).per_leaf:
+        raise NotImplementedError(
+            "opttx.stacked runs its inner transform on each slice, so the transform must "
+            "declare Traits(per_leaf=True): each leaf's update depends on that leaf only (no "
+            "statistic across leaves). This one declares no such trait; declare it on a "
+            "transform of your own that is per-leaf, or run it on the separate leaves.")
 
     def init(params: PyTree) -> StackedState:
         check_init_params(params)

@@ -47,6 +47,21 @@ def _is_injectable(value: Any) -> bool:
     return isinstance(value, float)
 
 
+def _is_schedule(value: Any) -> bool:
+    """A function of the step count alone: callable with one positional argument. Callables
+    that need more stay Python values (Adafactor's ``decay_rate_fn(step, exponent)``). A mask
+    or label function of the params also takes one argument: name it in ``static_args``."""
+    if not callable(value) or isinstance(value, GradientTransformation):
+        return False
+    try:
+        inspect.signature(value).bind(0)
+    except TypeError:
+        return False
+    except ValueError:          # no signature (a builtin): assume a schedule
+        return True
+    return True
+
+
 def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
                        static_args: str | tuple[str, ...] = (),
                        hyperparam_dtype: torch.dtype | None = None
@@ -63,9 +78,10 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
 
     Args:
       inner_factory: a function returning a `GradientTransformation` (an alias or transform).
-      static_args: names of float arguments to keep as Python values. Booleans, ints (sizes,
-        step counts, offsets: unlike optax, which injects ints too), dtypes, masks and None
-        are kept as Python values anyway.
+      static_args: names of arguments to keep as Python values. Booleans, ints (sizes,
+        step counts, offsets: unlike optax, which injects ints too), dtypes, trees (masks)
+        and None are kept as Python values anyway; a function of one argument is taken as a
+        schedule of the step count, so name a mask or label function here.
       hyperparam_dtype: dtype of the injected values (default float64, so that they equal
         the Python floats they replace).
 
@@ -84,7 +100,7 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
         for name, value in bound.arguments.items():
             if name in static or isinstance(value, bool):
                 other[name] = value
-            elif callable(value) and not isinstance(value, GradientTransformation):
+            elif _is_schedule(value):
                 schedules[name] = value
             elif _is_injectable(value):
                 numeric[name] = value

@@ -21,8 +21,8 @@ import torch
 
 from .._checks import check_number, check_positive_int
 from ..base import (PRECONDITION_INPUT, GradientTransformation, Params, Role, State, Updates,
-                    check_init_params, declare_roles, require_whole_leaves, safe_increment,
-                    zero_count)
+                    check_init_params, combine_traits, declare_roles, require_whole_leaves,
+                    safe_increment, traits_of, zero_count)
 from ..kernels import mark_scratch
 from ..tree import (MaskedNode, PyTree, flatten_matching, leaf_labels, mask_leaves, tree_cond,
                     tree_flatten, tree_leaves, tree_paths, tree_structure, tree_unflatten)
@@ -603,4 +603,7 @@ def project_lowrank(inner: GradientTransformation, rank: int, update_proj_gap: i
             count=safe_increment(state.count), left=tree_unflatten(lefts, spec),
             right=tree_unflatten(rights, spec), inner_state=inner_state)
 
-    return GradientTransformation(init, update)
+    # an SVD of each whole leaf; per leaf as the inner transform is
+    return GradientTransformation(init, update, combine_traits(
+        (inner,), elementwise=False, whole_leaves=True,
+        takes_precondition_input=traits_of(inner).takes_precondition_input))

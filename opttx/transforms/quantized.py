@@ -14,7 +14,6 @@ block's absmax) compile with the rest of the step to one graph.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import OrderedDict
 from typing import Any, Callable, NamedTuple
@@ -23,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ..base import (EmptyState, GradientTransformation, Params, Role, State, Updates,
-                    check_init_params, declare_roles, require_whole_leaves, state_roles)
+                    check_init_params, combine_traits, declare_roles, require_whole_leaves,
+                    state_roles)
 from ..kernels import is_donating
 from ..tree import flatten_matching, tree_flatten, tree_unflatten
 
@@ -134,10 +134,20 @@ def quantization_map(values: torch.Tensor) -> QuantizationMap:
     return QuantizationMap(values=values, midpoints=midpoints, cells=cells.to(torch.uint8))
 
 
-@functools.lru_cache(maxsize=None)
+_MAPS: dict[tuple[bool, int], QuantizationMap] = {}
+
+
 def _dynamic_quantization_map(signed: bool, bits: int) -> QuantizationMap:
-    """`quantization_map` of `dynamic_map`, built once per process (copied into each state)."""
-    return quantization_map(dynamic_map(signed, bits))
+    """`quantization_map` of `dynamic_map`, built once per process (copied into each state).
+
+    A plain dict rather than ``functools.lru_cache``: the map is built by the first
+    (eager) construction, and a factory called again inside a compiled step
+    (`opttx.inject_hyperparams` rebuilds its inner transform there) reads the dict, which
+    Dynamo traces, instead of rebuilding the map with host-side ``tolist`` calls."""
+    key = (signed, bits)
+    if key not in _MAPS:
+        _MAPS[key] = quantization_map(dynamic_map(signed, bits))
+    return _MAPS[key]
 
 
 def _round_to_map(v: torch.Tensor, qmap: QuantizationMap) -> torch.Tensor:
@@ -523,4 +533,6 @@ def quantize_state(inner: GradientTransformation, bits: int = 8, block_size: int
             dense=dense, quantized=tuple(quantized), signed_map=state.signed_map,
             unsigned_map=state.unsigned_map)
 
-    return GradientTransformation(init, update)
+    # blocks of each whole leaf (a shard would cut them elsewhere); per leaf as the inner is
+    return GradientTransformation(init, update, combine_traits((inner,), elementwise=False,
+                                                               whole_leaves=True))

@@ -60,6 +60,7 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
         raise TypeError("step_size_fn must be a schedule: a function of the step count.")
 
     def init(params: Params) -> ScaleByScheduleState:
+        check_init_params(params)
         return ScaleByScheduleState(count=zero_count(params))
 
     def update(updates: Updates, state: ScaleByScheduleState, params: Params | None = None,

@@ -257,7 +257,10 @@ def matrix_inverse_root(a: torch.Tensor, root: float, epsilon: float = 0.0,
             raise ValueError("rank_deficient must be 'perturb_before', 'perturb_after' or "
                              f"'pseudo_inverse', got {rank_deficient!r}.")
         before = rank_deficient == "perturb_before"
-        ridge = a.add(eye, alpha=epsilon) if (epsilon and before) else a
+        if isinstance(epsilon, torch.Tensor):       # injected: may change, always added
+            ridge = a + epsilon.to(a.dtype) * eye if before else a
+        else:
+            ridge = a.add(eye, alpha=epsilon) if (epsilon and before) else a
         eigenvalues, eigenvectors = torch.linalg.eigh(ridge)
         smallest = eigenvalues.min()
         if before:
@@ -660,8 +663,8 @@ def graft(magnitude: GradientTransformation | None, direction: GradientTransform
                     f"graft: the {role} transform does not declare "
                     "Traits(takes_precondition_input=True), so with beta1 > 0 it would "
                     "precondition the raw gradient instead of the filtered one. Use a "
-                    "transform that reads opttx.precondition_leaves(updates, extra_args) (and "
-                    "declares the trait), or beta1=0.")
+                    "transform that reads opttx.base.precondition_target(updates, "
+                    "extra_args) (and declares the trait), or beta1=0.")
 
     def init(params: Params) -> GraftState:
         count = zero_count(params)

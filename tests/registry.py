@@ -1,0 +1,175 @@
+"""The conformance registry: every public transform and alias of opttx, with a small case.
+
+`tests/test_conformance.py` runs each property of the transform contract (docs/design.md,
+section 5) over every entry here; `test_every_public_transform_is_registered` fails when a
+name in ``opttx.__all__`` that builds a `GradientTransformation` has no entry. Adding an
+optimizer to opttx is one line here::
+
+    case("adopt", opttx.adopt, learning_rate=1e-2),
+
+`case` keeps the factory and its keyword arguments, so the registry can also build the
+transform with its numeric hyperparameters injected (`opttx.inject_hyperparams`) and check
+that changing them recompiles nothing. Combinators and wrappers, whose arguments are
+transforms, use `built` with a function that builds them.
+
+What the machinery needs from a transform is read from its declared `Traits`; an entry only
+says what the traits cannot: that a transform does not run under `opttx.stacked` (and why),
+or that it is not run distributed (and why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import opttx
+
+LR = 1e-2
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    """A unique name; the first word before ``/`` is the public name it covers."""
+    make: Callable[[], opttx.GradientTransformation]
+    """Builds the transform (a fresh one per call)."""
+    factory: Callable[..., opttx.GradientTransformation] | None = None
+    """The public factory, when the case is ``factory(**kwargs)`` (hyperparameters injectable)."""
+    kwargs: dict = field(default_factory=dict)
+    stacked: str | None = None
+    """None: ``stacked(tx)`` on stacked leaves equals ``tx`` per leaf (if the traits say
+    per-leaf). A string: why it does not run under `opttx.stacked` (it must raise)."""
+    distributed: str | None = None
+    """None: ``sharded(tx)`` and ``zero(tx)`` on 2 ranks equal one device (with
+    ``on_owners=True`` when the traits say it needs whole leaves, and then plain ``sharded``
+    refuses it). A string: why it is not run distributed."""
+    covers: tuple[str, ...] = ()
+    """Other public names this case exercises (a factory that returns a factory, a class)."""
+    known_bugs: tuple[tuple[str, str], ...] = ()
+    """(property, why): a property this entry fails today, run as a strict xfail (it
+    fails the suite once fixed, so the entry is updated)."""
+
+    @property
+    def public_name(self) -> str:
+        return self.name.split("/")[0]
+
+
+def case(name: str, factory: Callable[..., opttx.GradientTransformation], /,
+         stacked: str | None = None, distributed: str | None = None, covers: tuple = (),
+         known_bugs: tuple = (), **kwargs: Any) -> Case:
+    """``factory(**kwargs)``, whose numeric keyword arguments may be injected."""
+    return Case(name, lambda: factory(**kwargs), factory, dict(kwargs), stacked, distributed,
+                covers, known_bugs)
+
+
+def built(name: str, make: Callable[[], opttx.GradientTransformation], /,
+          stacked: str | None = None, distributed: str | None = None,
+          covers: tuple = ()) -> Case:
+    """A transform built by ``make`` (combinators and wrappers, whose arguments are
+    transforms)."""
+    return Case(name, make, None, {}, stacked, distributed, covers)
+
+
+def _is_matrix(tree: Any) -> Any:
+    return opttx.tree.tree_map(lambda x: x.ndim >= 2, tree)
+
+
+def _labels(tree: Any) -> Any:
+    return opttx.tree.tree_map(lambda x: "matrix" if x.ndim >= 2 else "vector", tree)
+
+
+_VMAP_COND = "data-dependent control flow on per-slice values (vmap refuses it)"
+
+CASES: list[Case] = [
+    # --- aliases --------------------------------------------------------------------------
+    case("sgd", opttx.sgd, learning_rate=LR, momentum=0.9, nesterov=True),
+    case("adam", opttx.adam, learning_rate=LR),
+    case("adamw", opttx.adamw, learning_rate=LR, weight_decay=0.1),
+    case("nadam", opttx.nadam, learning_rate=LR, momentum_decay=4e-3),
+    case("rmsprop", opttx.rmsprop, learning_rate=LR, centered=True, momentum=0.5),
+    case("adagrad", opttx.adagrad, learning_rate=LR),
+    case("lion", opttx.lion, learning_rate=1e-3, weight_decay=0.1),
+    case("adafactor", opttx.adafactor, learning_rate=LR, min_dim_size_to_factor=2,
+         momentum=0.9, weight_decay_rate=0.01),
+    case("came", opttx.came, learning_rate=1e-3, min_dim_size_to_factor=2, weight_decay=0.01),
+    case("lamb", opttx.lamb, learning_rate=LR, weight_decay=0.01),
+    case("lars", opttx.lars, learning_rate=0.1, weight_decay=1e-4),
+    case("adalomo", opttx.adalomo, learning_rate=LR, weight_decay=0.01),
+    case("shampoo", opttx.shampoo, learning_rate=LR, max_preconditioner_dim=4,
+         stacked=_VMAP_COND),
+    case("galore_adamw", opttx.galore_adamw, learning_rate=LR, rank=2, update_proj_gap=2),
+    case("galore_adamw_8bit", opttx.galore_adamw_8bit, learning_rate=LR, rank=2,
+         update_proj_gap=2, min_size=8, block_size=8,
+         known_bugs=(("checkpoint", "the checkpoint keys match quantize_state's per-leaf "
+                      "states to parameters by the shape of their codes; inside "
+                      "project_lowrank the codes have the projected shapes, so the keys "
+                      "cannot be built (a clear ValueError, no wrong keys)"),)),
+    case("adamw_8bit", opttx.adamw_8bit, learning_rate=LR, min_size=8, block_size=8),
+    # --- transforms -----------------------------------------------------------------------
+    case("scale_by_adam", opttx.scale_by_adam, b1=0.8, b2=0.99),
+    case("scale_by_adam/nesterov", opttx.scale_by_adam, b1=0.9, nesterov=True),
+    case("scale_by_nadam", opttx.scale_by_nadam, b1=0.9, momentum_decay=4e-3),
+    case("scale_by_lion", opttx.scale_by_lion, b1=0.9, b2=0.99),
+    case("scale_by_rms", opttx.scale_by_rms, decay=0.9),
+    case("scale_by_rss", opttx.scale_by_rss, initial_accumulator_value=0.1),
+    case("scale_by_stddev", opttx.scale_by_stddev, decay=0.9),
+    case("ema", opttx.ema, decay=0.9),
+    case("trace", opttx.trace, decay=0.9, nesterov=True),
+    case("scale", opttx.scale, step_size=-0.5),
+    case("scale_by_learning_rate", opttx.scale_by_learning_rate, learning_rate=LR),
+    built("scale_by_schedule", lambda: opttx.scale_by_schedule(
+        opttx.warmup_cosine_decay_schedule(0.0, 1.0, 2, 10))),
+    built("scale_by_sign", opttx.scale_by_sign),
+    case("add_decayed_weights", opttx.add_decayed_weights, weight_decay=0.1),
+    case("clip", opttx.clip, max_delta=0.5),
+    case("clip_by_block_rms", opttx.clip_by_block_rms, threshold=0.5),
+    case("clip_by_global_norm", opttx.clip_by_global_norm, max_norm=0.5),
+    built("zero_nans", opttx.zero_nans,
+          stacked="its per-leaf 0-dim flags are taken for shared 0-dim state (vmap refuses)"),
+    case("scale_by_factored_rms", opttx.scale_by_factored_rms, min_dim_size_to_factor=2),
+    case("scale_by_came", opttx.scale_by_came, min_dim_size_to_factor=2),
+    case("clip_by_rms", opttx.clip_by_rms, threshold=1.0),
+    built("clip_by_rms_and_scale_by_param_rms", opttx.clip_by_rms_and_scale_by_param_rms),
+    built("scale_by_param_block_rms", opttx.scale_by_param_block_rms),
+    built("scale_by_trust_ratio", opttx.scale_by_trust_ratio),
+    case("add_step_scaled_decayed_weights", opttx.add_step_scaled_decayed_weights,
+         weight_decay=0.1, learning_rate=LR),
+    built("precondition_shampoo", lambda: opttx.precondition_shampoo(epsilon=1e-6),
+          stacked=_VMAP_COND),
+    built("block_by_dims", lambda: opttx.block_by_dims(opttx.precondition_shampoo(
+        epsilon=1e-6), 4), stacked=_VMAP_COND),
+    built("graft", lambda: opttx.graft(opttx.scale_by_rms(), opttx.precondition_shampoo(
+        epsilon=1e-6), beta1=0.9), stacked=_VMAP_COND),
+    built("scale_by_grafted_diagonal", opttx.scale_by_grafted_diagonal),
+    built("project_lowrank", lambda: opttx.project_lowrank(opttx.scale_by_adam(), rank=2,
+                                                           update_proj_gap=2)),
+    built("quantize_state", lambda: opttx.quantize_state(opttx.scale_by_adam(), min_size=8,
+                                                         block_size=8)),
+    # --- combinators and wrappers ---------------------------------------------------------
+    built("identity", opttx.identity),
+    built("set_to_zero", opttx.set_to_zero),
+    built("stateless", lambda: opttx.stateless(
+        lambda u, p: opttx.tree.tree_map(lambda x: 2 * x, u))),
+    built("stateless_with_tree_map", lambda: opttx.stateless_with_tree_map(
+        lambda u, p: -u)),
+    built("chain", lambda: opttx.chain(opttx.clip(1.0), opttx.scale_by_adam(),
+                                       opttx.scale(-LR))),
+    built("named_chain", lambda: opttx.named_chain(("adam", opttx.scale_by_adam()),
+                                                   ("lr", opttx.scale(-LR)))),
+    built("masked", lambda: opttx.masked(opttx.adam(LR), _is_matrix)),
+    built("freeze", lambda: opttx.freeze(_is_matrix)),
+    built("partition", lambda: opttx.partition({"matrix": opttx.adafactor(
+        LR, min_dim_size_to_factor=2), "vector": opttx.adamw(LR)}, _labels)),
+    built("multi_transform", lambda: opttx.multi_transform(
+        {"matrix": opttx.sgd(LR), "vector": opttx.adam(LR)}, _labels)),
+    built("inject_hyperparams", lambda: opttx.inject_hyperparams(opttx.adamw)(
+        learning_rate=opttx.linear_schedule(LR, LR / 10, 5), weight_decay=0.1)),
+    built("apply_if_finite", lambda: opttx.apply_if_finite(opttx.adam(LR), 3)),
+    built("MultiSteps", lambda: opttx.MultiSteps(opttx.adam(LR), 2).gradient_transformation()),
+    built("flatten", lambda: opttx.flatten(opttx.adamw(LR, weight_decay=0.1))),
+    built("stacked", lambda: opttx.stacked(opttx.adam(LR)),
+          stacked="already stacked", distributed="needs stacked leaves, not a plain tree"),
+]
+
+BY_NAME: dict[str, Case] = {c.name: c for c in CASES}
+assert len(BY_NAME) == len(CASES), "registry names must be unique"

@@ -1,0 +1,354 @@
+"""The transform contract (docs/design.md, section 5), checked for every entry of the
+conformance registry (tests/registry.py): purity, trees without leaves, state dtypes and
+shapes, float64 determinism, one compiled graph with no recompile when injected
+hyperparameters change, compiled equal to eager, `stacked` equal to per-leaf (or refused),
+checkpoint keys and a save/load round trip, clear errors on integer leaves and mismatched
+trees; and, on 2 gloo ranks in one spawn, `sharded` and `zero` equal to one device."""
+
+from __future__ import annotations
+
+import inspect
+import io
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+import opttx
+from opttx.testing import assert_trees_close, gradient_stream
+from opttx.tree import tree_flatten, tree_leaves, tree_map
+
+from registry import CASES, Case
+
+IDS = [c.name for c in CASES]
+STEPS = 3
+
+
+def cases_for(prop: str, cases: list[Case] = CASES) -> list:
+    """The cases as pytest params, those with a known bug of ``prop`` as strict xfails."""
+    out = []
+    for c in cases:
+        reasons = [why for p, why in c.known_bugs if p == prop]
+        marks = [pytest.mark.xfail(strict=True, reason=reasons[0])] if reasons else []
+        out.append(pytest.param(c, id=c.name, marks=marks))
+    return out
+
+
+def params_of(dtype: torch.dtype = torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A matrix, a vector, a 3-D leaf and a second matrix of the first one's shape (so that
+    `stacked` has a stack of two)."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"w": (6, 5), "b": (5,), "t": (2, 3, 4), "v": (6, 5)}
+    return {k: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype)
+            for k, s in shapes.items()}
+
+
+def run(tx: opttx.GradientTransformation, params, grads, state=None):
+    state = tx.init(params) if state is None else state
+    for g in grads:
+        updates, state = tx.update(g, state, params)
+        params = opttx.apply_updates(params, updates)
+    return params, state
+
+
+def clone(tree):
+    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
+
+
+def public_transform_names() -> set[str]:
+    """Every name in ``opttx.__all__`` that builds a transform: functions annotated to return
+    a `GradientTransformation` (or a factory of them), and `MultiSteps`."""
+    names = set()
+    for name in opttx.__all__:
+        obj = getattr(opttx, name)
+        if isinstance(obj, type):
+            if hasattr(obj, "gradient_transformation"):
+                names.add(name)
+            continue
+        if not callable(obj):
+            continue
+        try:
+            annotation = inspect.signature(obj).return_annotation
+        except (TypeError, ValueError):
+            continue
+        if "GradientTransformation" in str(annotation):
+            names.add(name)
+    return names
+
+
+def test_every_public_transform_is_registered() -> None:
+    covered = {c.public_name for c in CASES} | {n for c in CASES for n in c.covers}
+    missing = sorted(public_transform_names() - covered)
+    assert not missing, f"add a line to tests/registry.py for: {missing}"
+    assert len(public_transform_names()) >= 60
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_update_leaves_its_inputs_untouched(case: Case) -> None:
+    """Purity: ``update`` writes into none of the updates, state or params it is given."""
+    tx = case.make()
+    params = params_of()
+    grads = gradient_stream(params, STEPS, seed=1)
+    state = tx.init(params)
+    for g in grads:
+        before = clone((g, state, params))
+        updates, new_state = tx.update(g, state, params)
+        assert_trees_close((g, state, params), before, rtol=0.0, what=f"{case.name} inputs")
+        state, params = new_state, opttx.apply_updates(params, updates)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_a_tree_without_leaves(case: Case) -> None:
+    """A rank with no leaf of its own (zero, on_owners): init and update run, nothing to
+    compute, the result keeps the tree."""
+    if case.name == "stacked":
+        pytest.skip("stacked needs at least one stacked leaf (it says so: tested in "
+                    "test_stacked)")
+    empty = {"w": opttx.MaskedNode()}
+    tx = case.make()
+    state = tx.init(empty)
+    for _ in range(2):
+        updates, state = tx.update(empty, state, empty)
+        assert list(updates) == ["w"] and not tree_leaves(updates)
+
+
+def _signature(tree):
+    leaves, spec = tree_flatten(tree)
+    return spec, [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x)
+                  for x in leaves]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_state_keeps_its_structure_shapes_and_dtypes(case: Case) -> None:
+    """The state after steps has the structure, shapes and dtypes of the state at init (a
+    compiled step, donation and checkpoints rely on it); with bfloat16 params, the
+    floating-point statistics are float32 (docs/design.md, rule 3) and the updates come
+    back in the params' dtype."""
+    for dtype in (torch.float32, torch.bfloat16):
+        tx = case.make()
+        params = params_of(dtype)
+        state0 = tx.init(params)
+        updates, state = None, state0
+        for g in gradient_stream(params, STEPS, seed=2):
+            updates, state = tx.update(g, state, params)
+        assert _signature(state) == _signature(state0), case.name
+        for p, u in zip(tree_leaves(params), tree_leaves(updates)):
+            assert u.dtype == p.dtype and u.shape == p.shape, (case.name, u.dtype, u.shape)
+        if dtype == torch.bfloat16:
+            low = [x for x in tree_leaves(state) if isinstance(x, torch.Tensor)
+                   and x.dtype in (torch.bfloat16, torch.float16)]
+            assert not low, f"{case.name}: 16-bit state tensors {[x.shape for x in low]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_float64_runs_are_bitwise_reproducible(case: Case) -> None:
+    params = params_of(torch.float64)
+    grads = gradient_stream(params, STEPS, seed=3)
+    a = run(case.make(), params, grads)
+    b = run(case.make(), params, grads)
+    assert_trees_close(a, b, rtol=0.0, what=case.name)
+
+
+def _compiled_run(tx, params, grads, hyper=None):
+    """``tx``'s steps in one compiled function (Dynamo only: the property is one graph and
+    the numbers of the traced program); ``hyper(state, i)`` changes injected values."""
+    counter = CompileCounter()
+
+    def step(params, state, g):
+        updates, state = tx.update(g, state, params)
+        return opttx.apply_updates(params, updates), state
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    state = tx.init(params)
+    eager_params, eager_state = params, tx.init(params)
+    for i, g in enumerate(grads):
+        if hyper is not None:
+            hyper(state, i)
+            hyper(eager_state, i)
+        params, state = compiled(params, state, g)
+        eager_params, eager_state = step(eager_params, eager_state, g)
+    return counter, (params, state), (eager_params, eager_state)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@torch._dynamo.config.patch(error_on_recompile=True)
+def test_compiles_to_one_graph_and_equals_eager(case: Case, fresh_dynamo) -> None:
+    params = params_of()
+    grads = gradient_stream(params, STEPS, seed=4)
+    counter, compiled, eager = _compiled_run(case.make(), params, grads)
+    assert counter.frame_count == 1, f"{case.name}: {counter.frame_count} graphs"
+    assert_trees_close(compiled, eager, rtol=1e-6, what=case.name)
+
+
+INJECTABLE = [c for c in CASES if c.factory is not None]
+
+
+@pytest.mark.parametrize("case", INJECTABLE, ids=[c.name for c in INJECTABLE])
+@torch._dynamo.config.patch(error_on_recompile=True)
+def test_changing_injected_hyperparameters_recompiles_nothing(case: Case,
+                                                              fresh_dynamo) -> None:
+    tx = opttx.inject_hyperparams(case.factory)(**case.kwargs)
+    params = params_of()
+    injected = list(tx.init(params).hyperparams)
+    if not injected:
+        pytest.skip(f"{case.name} has no numeric hyperparameter to inject")
+
+    def hyper(state, i):
+        for name in injected:
+            value = state.hyperparams[name]
+            state.hyperparams[name].copy_(value * (1 - 0.01 * (i + 1)))
+
+    counter, compiled, eager = _compiled_run(tx, params, gradient_stream(params, STEPS, 5),
+                                             hyper)
+    assert counter.frame_count == 1, f"{case.name}: {counter.frame_count} graphs"
+    assert_trees_close(compiled, eager, rtol=1e-6, what=case.name)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_stacked_equals_per_leaf_or_is_refused(case: Case) -> None:
+    """Per-leaf transforms (declared ``Traits.per_leaf``, no statistic across leaves) give
+    their per-leaf numbers on stacked slices; the others are refused when ``stacked`` is
+    built; the entries with a reason raise (vmap's own error)."""
+    traits = opttx.base.traits_of(case.make())
+    params = params_of()
+    stack = opttx.StackedParams(params)
+    grads = gradient_stream(params, STEPS, seed=6)
+    if not traits.per_leaf or traits.across_leaves:
+        with pytest.raises(NotImplementedError, match="per_leaf|across leaves"):
+            opttx.stacked(case.make())
+        return
+    if case.stacked is not None:
+        with pytest.raises((NotImplementedError, ValueError, RuntimeError)):
+            run(opttx.stacked(case.make()), stack.buffers, [stack.stack(g) for g in grads])
+        return
+    per_leaf, _ = run(case.make(), params, grads)
+    buffers, _ = run(opttx.stacked(case.make()), stack.buffers, [stack.stack(g) for g in grads])
+    assert_trees_close(stack.unstack(buffers), per_leaf, rtol=1e-6, atol=1e-7, what=case.name)
+
+
+@pytest.mark.parametrize("case", cases_for("checkpoint"))
+def test_checkpoint_round_trip_resumes_bitwise(case: Case) -> None:
+    """Checkpoint keys are the same for a fresh state and a trained one; saved with
+    ``torch.save`` and loaded with ``weights_only=True`` into a fresh state, training goes on
+    bit-identically."""
+    params = params_of()
+    grads = gradient_stream(params, 2 * STEPS, seed=7)
+    tx = case.make()
+    mid_params, mid_state = run(tx, params, grads[:STEPS])
+    keys = set(opttx.distributed.state_dict(tx.init(params), params))
+    saved = opttx.distributed.state_dict(mid_state, mid_params)
+    assert set(saved) == keys, case.name
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    resumed_state = opttx.distributed.load_state_dict(tx.init(params), loaded, mid_params)
+    expected = run(tx, mid_params, grads[STEPS:], mid_state)
+    got = run(tx, mid_params, grads[STEPS:], resumed_state)
+    assert_trees_close(got, expected, rtol=0.0, what=case.name)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_integer_leaves_and_mismatched_trees_raise(case: Case) -> None:
+    """Integer parameters are refused at init; updates whose tree differs from the params'
+    raise before a parameter moves: in ``update`` when the state is laid out like the
+    params, at the latest in ``apply_updates`` (a stateless transform has nothing to compare
+    with)."""
+    tx = case.make()
+    with pytest.raises((TypeError, ValueError), match="float|integer|dtype"):
+        tx.init({"w": torch.ones(3, 2, dtype=torch.int64)})
+    params = params_of()
+    state = tx.init(params)
+    grads = gradient_stream(params, 1, seed=8)[0]
+    missing = {k: v for k, v in grads.items() if k != "b"}
+    with pytest.raises((TypeError, ValueError)):
+        updates, _ = tx.update(missing, state, params)
+        opttx.apply_updates(params, updates)
+
+
+# ---------------------------------------------------------------------------------------------
+# sharded and zero on 2 gloo ranks: every entry in one spawn
+# ---------------------------------------------------------------------------------------------
+
+DISTRIBUTED = [c for c in CASES if c.distributed is None]
+
+
+def _specs():
+    from opttx.distributed import Replicated, Shard
+    # dim 0 and dim 1 shards, uneven (5 = 3 + 2, 3 = 2 + 1), and a replicated vector
+    return {"w": Shard(0), "b": Replicated(), "t": Shard(1), "v": Shard(1)}
+
+
+def _distributed_worker(rank: int, world: int) -> dict[str, str]:
+    """On each rank, for every entry: ``sharded`` on this rank's shards and ``zero`` on the
+    whole (replicated) tree, each against the single-device run of the same steps. Returns
+    ``{entry/mode: error}`` for what failed (empty when all agree)."""
+    from opttx.distributed import local_shard, sharded, zero
+    errors: dict[str, str] = {}
+    specs = _specs()
+    for case in DISTRIBUTED:
+        params = params_of(seed=11)
+        grads = gradient_stream(params, STEPS, seed=12)
+        expected, _ = run(case.make(), params, grads)
+        on_owners = opttx.base.traits_of(case.make()).whole_leaves
+        local = {k: local_shard(v, specs[k]) for k, v in params.items()}
+        local_grads = [{k: local_shard(v, specs[k]) for k, v in g.items()} for g in grads]
+        if on_owners:     # a transform that needs whole leaves is refused on local shards
+            try:
+                run(sharded(case.make(), specs), local, local_grads[:1])
+                errors[f"{case.name}/refused"] = "plain sharded ran on local shards"
+            except ValueError as e:
+                if "on_owners" not in str(e):
+                    errors[f"{case.name}/refused"] = f"unclear refusal: {e}"
+        try:
+            got, _ = run(sharded(case.make(), specs, on_owners=on_owners), local, local_grads)
+            want = {k: local_shard(v, specs[k]) for k, v in expected.items()}
+            assert_trees_close(got, want, rtol=1e-5, atol=1e-7, what=f"rank {rank} params")
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            errors[f"{case.name}/sharded"] = f"{type(e).__name__}: {e}"
+        try:
+            got, _ = run(zero(case.make()), params, grads)
+            assert_trees_close(got, expected, rtol=1e-5, atol=1e-7, what=f"rank {rank} params")
+        except Exception as e:  # noqa: BLE001
+            errors[f"{case.name}/zero"] = f"{type(e).__name__}: {e}"
+    return errors
+
+
+@pytest.fixture(scope="module")
+def distributed_errors() -> list[dict[str, str]]:
+    from opttx.testing import spawn_ranks
+    return spawn_ranks(_distributed_worker, world_size=2, timeout=600)
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("mode", ["sharded", "zero"])
+@pytest.mark.parametrize("case", DISTRIBUTED, ids=[c.name for c in DISTRIBUTED])
+def test_sharded_and_zero_equal_one_device(case: Case, mode: str,
+                                           distributed_errors: list[dict[str, str]]) -> None:
+    """On 2 gloo ranks, params sharded on dim 0 and dim 1 (uneven) with a replicated leaf:
+    ``sharded(tx)`` (``on_owners=True`` for transforms that need whole leaves) gives every
+    rank its piece of the single-device result, and ``zero(tx)`` the whole of it."""
+    for rank, errors in enumerate(distributed_errors):
+        assert f"{case.name}/{mode}" not in errors, \
+            f"rank {rank}: {errors[f'{case.name}/{mode}']}"
+
+
+WHOLE_LEAVES = [c for c in DISTRIBUTED if opttx.base.traits_of(c.make()).whole_leaves]
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("case", WHOLE_LEAVES, ids=[c.name for c in WHOLE_LEAVES])
+def test_whole_leaf_transforms_are_refused_on_local_shards(
+        case: Case, distributed_errors: list[dict[str, str]]) -> None:
+    """Plain ``sharded`` refuses, naming ``on_owners``, a transform whose traits say it needs
+    whole leaves (an SVD, an eigendecomposition, quantization blocks)."""
+    for rank, errors in enumerate(distributed_errors):
+        assert f"{case.name}/refused" not in errors, \
+            f"rank {rank}: {errors[f'{case.name}/refused']}"
