@@ -637,6 +637,7 @@ def reduce_across_leaves(total: torch.Tensor, extra_args: dict[str, Any],
                          op: ReduceOp = "sum") -> torch.Tensor:
     """Step (c') of a statistic taken across leaves (a global norm): combine this rank's
     ``total`` over the leaves it holds with the totals of the ranks holding the others.
+    ``total`` is a tensor of any shape (one total, or several stacked: one collective).
 
     Call it after `reduce_statistics` and the local sum over leaves, on every rank, even one
     that holds no leaf (its total is zero): when whole leaves are spread over owner ranks

@@ -19,6 +19,11 @@ or that it is not run distributed (and why).
 
 from __future__ import annotations
 
+import functools
+import pathlib
+import re
+import sys
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -76,6 +81,18 @@ def _is_matrix(tree: Any) -> Any:
 
 def _labels(tree: Any) -> Any:
     return opttx.tree.tree_map(lambda x: "matrix" if x.ndim >= 2 else "vector", tree)
+
+
+@functools.cache
+def guide() -> dict[str, Any]:
+    """The namespace of docs/guide/writing.md's examples, executed as written: its
+    transforms are registry entries like opttx's own."""
+    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "guide" / "writing.md"
+    module = types.ModuleType("writing_guide")      # a real module: Dynamo looks functions'
+    sys.modules[module.__name__] = module           # globals up by module name
+    for i, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S)):
+        exec(compile(block, f"docs/guide/writing.md[block {i}]", "exec"), module.__dict__)
+    return module.__dict__
 
 
 _VMAP_COND = "data-dependent control flow on per-slice values (vmap refuses it)"
@@ -169,6 +186,9 @@ CASES: list[Case] = [
     built("flatten", lambda: opttx.flatten(opttx.adamw(LR, weight_decay=0.1))),
     built("stacked", lambda: opttx.stacked(opttx.adam(LR)),
           stacked="already stacked", distributed="needs stacked leaves, not a plain tree"),
+    # --- the worked examples of "Writing a transform" -------------------------------------
+    built("guide/scale_by_sign_momentum", lambda: guide()["scale_by_sign_momentum"](0.9)),
+    built("guide/scale_to_global_rms", lambda: guide()["scale_to_global_rms"](2.0)),
 ]
 
 BY_NAME: dict[str, Case] = {c.name: c for c in CASES}

@@ -25,7 +25,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCUMENTED_MODULES = ["opttx", "opttx.distributed", "opttx.testing"]
 # pages whose examples run in one process (the distributed guide needs process groups)
-RUNNABLE_PAGES = ["index.md", "guide/composing.md", "guide/compiled.md"]
+RUNNABLE_PAGES = ["index.md", "guide/composing.md", "guide/compiled.md", "guide/writing.md"]
 
 
 def needs_mkdocs() -> None:

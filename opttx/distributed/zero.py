@@ -562,11 +562,11 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
         def combine(total: torch.Tensor, op: str = "sum") -> torch.Tensor:
             if op not in ("sum", "max"):
                 raise ValueError(f"reduce_across_leaves: op must be 'sum' or 'max', got {op!r}.")
-            buf = total.reshape(1).to(res.control_device)
+            buf = total.reshape(-1).to(res.control_device)   # one total, or several stacked
             if stats is not None:
                 stats.record(g, buf)
             out = funcol.wait_tensor(funcol.all_reduce(buf, op, g))
-            return out.reshape(()).to(total.device)
+            return out.reshape(total.shape).to(total.device)
 
         inner_args = {k: v for k, v in extra_args.items() if k != REDUCER_KEY}
         inner_args[TOTALS_KEY] = combine
