@@ -91,18 +91,19 @@ def _first_difference(a: PyTree, b: PyTree, path: str = "") -> str:
     return ""
 
 
+def _one_level(node: Any) -> Any:
+    """``node`` flattened one level: its children are the leaves (public pytree API only)."""
+    return lambda x: x is not node
+
+
 def _node_children(node: Any) -> tuple[list, Any]:
-    handler = _pytree.SUPPORTED_NODES[_pytree._get_node_type(node)]
-    children, context = handler.flatten_fn(node)
-    return list(children), context
+    children, spec = tree_flatten(node, is_leaf=_one_level(node))
+    return list(children), spec.context
 
 
 def _node_keys(node: Any) -> list[str]:
-    handler = _pytree.SUPPORTED_NODES[_pytree._get_node_type(node)]
-    if handler.flatten_with_keys_fn is None:
-        return [f"[{i}]" for i in range(len(_node_children(node)[0]))]
-    entries, _ = handler.flatten_with_keys_fn(node)
-    return [keystr((k,)) for k, _ in entries]
+    entries, _ = tree_flatten_with_path(node, is_leaf=_one_level(node))
+    return [keystr(path) for path, _ in entries]
 
 
 def assert_same_structure(a: PyTree, b: PyTree, what: str = "trees") -> None:
@@ -253,11 +254,14 @@ def leaf_labels(labels: PyTree | Callable[[PyTree], PyTree], tree: PyTree,
     # for every position, then drop those of the masked ones
     positions = _pytree.tree_map(lambda x: _MASKED if is_masked(x) else x, tree,
                                  is_leaf=is_masked)
-    spec = tree_structure(positions)
+    # each value of ``labels`` (a prefix of the tree) covers the leaves of its subtree
+    values, value_spec = tree_flatten(labels, is_leaf=is_leaf)
     try:
-        flat = _pytree._broadcast_to_and_flatten(labels, spec, is_leaf=is_leaf)
-    except Exception:
+        subtrees = value_spec.flatten_up_to(positions)
+    except (ValueError, TypeError, RuntimeError):
         flat = None
+    else:
+        flat = [v for v, sub in zip(values, subtrees) for _ in tree_leaves(sub)]
     if flat is None:
         where = _first_difference(labels, tree) or "the structures differ"
         raise ValueError(f"The {what} do not match the parameter tree: {where}. Give one "
