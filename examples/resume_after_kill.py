@@ -3,15 +3,16 @@ resume, and end bit-identical to a run that was never interrupted.
 
 Run (CPU, gloo):
 
-    # an uninterrupted run: its final parameters go to /tmp/ref/final.pt
-    torchrun --standalone --nproc_per_node 2 examples/resume_after_kill.py --dir /tmp/ref
+    RUNS=$(mktemp -d)     # a directory of your own (a fixed /tmp path is shared by all users)
+    # an uninterrupted run: its final parameters go to $RUNS/ref/final.pt
+    torchrun --standalone --nproc_per_node 2 examples/resume_after_kill.py --dir $RUNS/ref
     # rank 1 SIGKILLs itself at step 7; torchrun tears the group down and (--max-restarts 1)
     # starts it again; every rank resumes from the last complete checkpoint (step 4)
     torchrun --standalone --nproc_per_node 2 --max-restarts 1 examples/resume_after_kill.py \\
-        --dir /tmp/run --kill-at 7 --check /tmp/ref/final.pt
+        --dir $RUNS/run --kill-at 7 --check $RUNS/ref/final.pt
     # resume the same checkpoints at another world size (a new run directory seeded with them)
-    torchrun --standalone --nproc_per_node 4 examples/resume_after_kill.py --dir /tmp/run4 \\
-        --resume-from /tmp/run/step_8
+    torchrun --standalone --nproc_per_node 4 examples/resume_after_kill.py --dir $RUNS/run4 \\
+        --resume-from $RUNS/run/step_8
 
 What it shows:
 
@@ -21,7 +22,10 @@ What it shows:
   "optim": opttx.distributed.state_dict(state, params)})``: the moments are keyed by
   parameter name and field (``optim.state.2.weight.0.mu``), so every rank writes exactly the
   leaves it owns and the step count once; rank 0 then records the step in ``latest`` (a
-  checkpoint half-written when a rank dies is never read);
+  checkpoint half-written when a rank dies is never read). ``latest`` is read back only if it
+  names a ``step_N`` directory of the run directory itself that holds DCP's ``.metadata``:
+  a corrupted or planted marker stops the run with a clear error instead of loading
+  something else (DCP unpickles ``.metadata``: load checkpoints from trusted places only);
 * on start, a run finding ``latest`` rebuilds its optimizer state with ``tx.init`` (at the
   current world size, so the owners may differ from the saved run's), checks the checkpoint
   against it (`opttx.distributed.check_checkpoint`: a checkpoint of another model or chain is
@@ -40,6 +44,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -94,9 +99,30 @@ def init_process_group() -> None:
                             world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step of a ``step_N`` checkpoint directory; refuses any other path (a corrupted or
+    planted name) and a directory without DCP's ``.metadata`` (an incomplete checkpoint)."""
+    if re.fullmatch(r"step_[0-9]+", path.name) is None:
+        raise SystemExit(f"{path}: not a checkpoint of this script (expected a step_N "
+                         "directory).")
+    if not (path / ".metadata").is_file():
+        raise SystemExit(f"{path}: no .metadata in it, so not a complete DCP checkpoint.")
+    return int(path.name[len("step_"):])
+
+
 def latest(directory: Path) -> Path | None:
+    """The checkpoint the ``latest`` marker of ``directory`` names, validated: the marker
+    must hold one ``step_N`` name of a complete checkpoint directly inside ``directory``."""
     marker = directory / "latest"
-    return directory / marker.read_text().strip() if marker.exists() else None
+    if not marker.exists():
+        return None
+    name = marker.read_text().strip()
+    if re.fullmatch(r"step_[0-9]+", name) is None:
+        raise SystemExit(f"{marker} holds {name[:60]!r}, not a step_N name: the marker is "
+                         "corrupt; remove it (or the run directory) to start afresh.")
+    path = directory / name
+    checkpoint_step(path)
+    return path
 
 
 def save(directory: Path, step: int, params: dict, state: object) -> None:
@@ -119,7 +145,7 @@ def restore(path: Path, tx: opttx.GradientTransformation, params: dict
     check_checkpoint(sd["optim"], dcp.FileSystemReader(str(path)).read_metadata(), "optim")
     dcp.load(sd, checkpoint_id=str(path))
     state = load_state_dict(state, sd["optim"], params)
-    return params, state, int(path.name.split("_")[-1])
+    return params, state, checkpoint_step(path)
 
 
 def main() -> int:
@@ -175,7 +201,7 @@ def main() -> int:
     if rank == 0:
         torch.save(params, args.dir / "final.pt")
         if args.check is not None:
-            ref = torch.load(args.check)
+            ref = torch.load(args.check, weights_only=True)
             same = all(torch.equal(params[k], ref[k]) for k in ref) and set(ref) == set(params)
             print(("MATCH" if same else "MISMATCH") + f": final parameters vs {args.check}",
                   flush=True)

@@ -40,6 +40,11 @@ from .wrappers import (ApplyIfFiniteState, InjectHyperparamsState, MultiSteps, M
 
 __version__ = "0.1.0"
 
+# opttx's state NamedTuples load with torch.load(weights_only=True) (see register_safe_globals)
+from .base import register_safe_globals as _register_safe_globals  # noqa: E402
+
+_register_safe_globals()
+
 __all__ = [
     "ApplyIfFiniteState", "EmptyState", "FlatParams", "FlattenState", "FusedBackward",
     "GradientTransformation", "StackedParams", "StackedState", "stacked",

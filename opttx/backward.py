@@ -255,13 +255,32 @@ class FusedBackward:
                          "clip_coef": self.clip_coef})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a `state_dict` (copies into the existing buffers)."""
+        """Load a `state_dict` (copies into the existing buffers). Everything is checked
+        first (parameter names, tree structures, shapes and dtypes of every tensor): a state
+        dict that does not match leaves this runner as it was."""
+        missing = [k for k in ("states", "steps", "scale", "good_steps", "prev_norm",
+                               "clip_coef") if k not in state_dict]
+        if missing:
+            raise ValueError(f"not a FusedBackward state_dict: missing {missing}.")
         missing = set(self.states) ^ set(state_dict["states"])
         if missing:
             raise KeyError(f"state_dict parameters differ from this runner's: {sorted(missing)}")
         for name, state in state_dict["states"].items():
-            if tree_flatten(state)[1] != tree_flatten(self.states[name])[1]:
+            theirs, spec = tree_flatten(state)
+            mine, my_spec = tree_flatten(self.states[name])
+            if spec != my_spec:
                 raise ValueError(f"state of {name!r} has a different structure.")
+            for a, b in zip(theirs, mine):
+                if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+                    got = (f"{tuple(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor)
+                           else type(a).__name__)
+                    raise ValueError(f"state of {name!r} holds {got} where this runner's has "
+                                     f"{tuple(b.shape)} {b.dtype}.")
+        for key in ("scale", "good_steps", "prev_norm", "clip_coef"):
+            value, mine = state_dict[key], getattr(self, key)
+            if not isinstance(value, torch.Tensor) or value.shape != mine.shape:
+                raise ValueError(f"state_dict[{key!r}] must be a 0-dim tensor, got {value!r}.")
+        for name, state in state_dict["states"].items():
             tree_copy_(self.states[name], state)
         self.steps = int(state_dict["steps"])
         for key in ("scale", "good_steps", "prev_norm", "clip_coef"):

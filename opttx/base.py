@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Literal, NamedTuple, Protocol
 
 import torch
 
-from ._checks import check_floating
+from ._checks import check_floating, check_gradient_leaves
 from .kernels import foreach, foreach_
 from .tree import (MaskedNode, PyTree, assert_same_structure, tree_flatten, tree_leaves, tree_map,
                    tree_paths, tree_unflatten)
@@ -300,6 +300,33 @@ def set_to_zero() -> GradientTransformation:
     return stateless(lambda updates, params: tree_map(torch.zeros_like, updates), ELEMENTWISE)
 
 
+def register_safe_globals() -> list[type]:
+    """Allow opttx's state types in ``torch.load(path, weights_only=True)``.
+
+    Functional states are trees of NamedTuples (`EmptyState`, ``ScaleByAdamState``,
+    `opttx.MaskedNode`, ``QuantizedTensor``, ...); ``weights_only`` unpickling refuses any
+    class it was not told about. ``import opttx`` calls this once, registering (with
+    ``torch.serialization.add_safe_globals``) every public NamedTuple class of the opttx
+    modules imported so far: plain containers of tensors whose reconstruction runs no code of
+    the checkpoint's choosing. A state class of your own needs
+    ``torch.serialization.add_safe_globals([MyState])``. Returns the classes registered.
+    """
+    import sys
+    found: list[type] = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "opttx" or name.startswith("opttx.")):
+            continue
+        for attr, obj in list(vars(module).items()):
+            if (isinstance(obj, type) and obj.__module__ == name and issubclass(obj, tuple)
+                    and hasattr(obj, "_fields") and not attr.startswith("_")
+                    and obj is not GradientTransformation and obj not in found):
+                found.append(obj)
+    add = getattr(getattr(torch, "serialization", None), "add_safe_globals", None)
+    if add is not None:
+        add(found)
+    return found
+
+
 # ---------------------------------------------------------------------------------------------
 # applying updates
 # ---------------------------------------------------------------------------------------------
@@ -326,6 +353,11 @@ def _paired_leaves(params: Params, updates: Updates) -> tuple[list, list, Any]:
             got = tuple(u.shape) if isinstance(u, torch.Tensor) else type(u).__name__
             raise ValueError(f"update for parameter {path!r} has shape {got}, expected "
                              f"{tuple(p.shape)}: updates must have the shapes of the params.")
+        if u.is_complex() and not p.is_complex():
+            path = tree_paths(params)[i]
+            raise TypeError(f"update for parameter {path!r} is complex ({u.dtype}) but the "
+                            f"parameter is {p.dtype}: casting would drop the imaginary part. "
+                            "Optimize complex parameters as real views (torch.view_as_real).")
     return p_leaves, u_leaves, spec
 
 
@@ -395,18 +427,37 @@ def _foreach_add(p_leaves: list[torch.Tensor], u_leaves: list[torch.Tensor],
 
 
 def apply_updates(params: Params, updates: Updates, *, stochastic_rounding: bool = False,
-                  generator: torch.Generator | None = None) -> Params:
+                  generator: torch.Generator | None = None,
+                  differentiable: bool = False) -> Params:
     """``params + updates``, leaf by leaf, as a new tree (pure).
 
     Updates are cast to each parameter's dtype. One grouped kernel for all leaves. With
     ``stochastic_rounding=True`` bfloat16 parameters are added in float32 and rounded
     stochastically (`round_stochastic_`); other dtypes are unaffected.
 
+    The functional API is differentiable, as optax is under ``jax.grad``: with grad mode on,
+    parameters that require grad (``model.parameters()``) make the new parameters (and,
+    through weight decay, the optimizer state) part of the autograd graph, which then grows
+    by one step per step. So, unless ``differentiable=True`` says that this is meant (for
+    example to differentiate through an update, as in meta-learning), parameters that
+    require grad in grad mode are refused: train with detached parameters
+    (``{k: p.detach() for k, p in model.named_parameters()}``), under ``torch.no_grad()``,
+    or with `apply_updates_` / `opttx.Optimizer`, which write in place without a graph.
+
     Example:
       >>> updates, state = tx.update(grads, state, params)
       >>> params = opttx.apply_updates(params, updates)
     """
     p_leaves, u_leaves, spec = _paired_leaves(params, updates)
+    if not differentiable and torch.is_grad_enabled():
+        for i, p in enumerate(p_leaves):
+            if p.requires_grad:
+                raise ValueError(
+                    f"apply_updates: parameter {tree_paths(params)[i]} requires grad and grad "
+                    "mode is on, so the new parameters would extend its autograd graph (one "
+                    "step deeper every step). Pass detached parameters ({k: p.detach() ...}), "
+                    "call it under torch.no_grad(), use apply_updates_ (in place), or pass "
+                    "differentiable=True to differentiate through the update on purpose.")
     if stochastic_rounding:
         out = []
         for p, u in zip(p_leaves, u_leaves):
@@ -546,12 +597,18 @@ def leafwise(state_type: type, step: LeafwiseStep, *, needs_params: str | None =
     def update(updates: Updates, state: Any, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, Any]:
         from .tree import flatten_matching
+        if not isinstance(state, state_type):
+            raise TypeError(f"{state_type.__name__[:-5] or 'transform'}.update got a state of "
+                            f"type {type(state).__name__}, expected {state_type.__name__}: "
+                            "pass the state made by this transform's init (a state of "
+                            "another optimizer or configuration cannot be used).")
         trees = [getattr(state, f) for f in tree_fields]
         if needs_params is not None:
             trees.append(require_params(params, needs_params))
         spec, g, *leaves = flatten_matching(updates, *trees)
         if not g:             # a tree without leaves: only the step counters move
             return updates, advance_counts(state)
+        check_gradient_leaves(g, leaves[0] if leaves else None, updates, state_type.__name__)
         p = leaves.pop() if needs_params is not None else None
         fields = dict(zip(tree_fields, leaves))
         fields.update({f: safe_increment(getattr(state, f)) for f in counters})

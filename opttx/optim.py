@@ -338,6 +338,10 @@ class Optimizer(torch.optim.Optimizer):
         self._recipe: tuple[Callable[..., GradientTransformation], dict, torch.dtype] | None = \
             None
         params = list(params) if params is not None else params   # torch's error on None
+        if params:                # a group's params given as a generator are read once, here
+            kept = (torch.Tensor, list, tuple, set, frozenset)   # sets: torch's error
+            params = [dict(g, params=list(g["params"])) if isinstance(g, dict) and
+                      not isinstance(g.get("params", []), kept) else g for g in params]
         if isinstance(tx, GradientTransformation):
             if hyperparameters:
                 raise TypeError(f"Hyperparameter keywords {sorted(hyperparameters)} are for a "
@@ -498,9 +502,24 @@ class Optimizer(torch.optim.Optimizer):
         return float(factor)
 
     @torch.no_grad()
+    def _check_hyperparameter(self, slot: int, key: str, value: Any) -> None:
+        """Refuse a value of a live group key (``lr``, ``betas``, ...) that is not a number
+        or a real tensor, naming the key (before: a bare error from ``float()`` or
+        ``fill_``)."""
+        if key in self._live[slot] or (key == "lr" and self._lr_is_scale[slot]):
+            for v in (tuple(value) if key == "betas" and isinstance(value, (tuple, list))
+                      else (value,)):
+                number = isinstance(v, (int, float)) and not isinstance(v, bool)
+                real = isinstance(v, torch.Tensor) and not v.is_complex() and \
+                    v.dtype != torch.bool
+                if not (number or real):
+                    raise TypeError(f"param group {key!r} must be a number or a 0-dim tensor, "
+                                    f"got {type(v).__name__} {v!r:.40}.")
+
     def _write_hyperparameter(self, slot: int, key: str, value: Any) -> None:
         """Apply ``group[key] = value`` to the transform state of group ``slot`` (called by
         the group as it is written)."""
+        self._check_hyperparameter(slot, key, value)
         if key in self._live[slot]:
             places = _live_hyperparameters(self._tx_states[slot])[key]
             values = tuple(value) if key == "betas" else (value,)
@@ -674,20 +693,34 @@ class Optimizer(torch.optim.Optimizer):
         ``state_dict["state"]`` may be keyed by parameter index (as `state_dict` makes it) or
         by any other key listed in the groups' ``"params"`` (DCP's fully qualified names).
 
+        Everything is checked before anything is written: a state dict that does not match
+        (any group) leaves this optimizer as it was.
+
         Raises:
-          ValueError: another number of groups or parameters, or entries missing, unexpected
-            or of another shape (the message names them).
+          ValueError: not a state dict, another number of groups or parameters, or entries
+            missing, unexpected, not tensors, or of another shape or dtype (the message names
+            them; dtypes must match exactly, as for `opttx.distributed.load_state_dict`: an
+            integer moment or a floating-point step count is refused, never cast).
         """
+        if not isinstance(state_dict, Mapping):
+            raise ValueError("load_state_dict expects a dict with 'state' and 'param_groups' "
+                             "(as Optimizer.state_dict() makes it), got "
+                             f"{type(state_dict).__name__}.")
         state_dict = dict(state_dict)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        if "param_groups" not in state_dict or "state" not in state_dict:
+            raise ValueError("load_state_dict expects a dict with 'state' and 'param_groups' "
+                             "(as Optimizer.state_dict() makes it), got keys "
+                             f"{sorted(map(str, state_dict))}.")
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"state_dict has {len(groups)} param groups, this optimizer has "
                              f"{len(self.param_groups)}.")
         done: set[int] = set()
+        checked = []                          # first check every group, then write
         for index, (group, saved) in enumerate(zip(self.param_groups, groups)):
             if group._slot in done:
                 continue                      # a group listed twice: loaded once
@@ -715,10 +748,19 @@ class Optimizer(torch.optim.Optimizer):
             for j, (mine, theirs) in enumerate(zip(current, given)):
                 for key, leaf in mine.items():
                     value = theirs[key]
-                    if tuple(value.shape) != tuple(leaf.shape):
-                        raise ValueError(f"state {names[j]}: {key} of param group {index} has "
-                                         f"shape {tuple(value.shape)}, expected "
-                                         f"{tuple(leaf.shape)}.")
+                    if not isinstance(value, torch.Tensor):
+                        raise ValueError(f"state {names[j]}: {key} of param group {index} is "
+                                         f"a {type(value).__name__}, expected a tensor of "
+                                         f"shape {tuple(leaf.shape)} and dtype {leaf.dtype}.")
+                    if tuple(value.shape) != tuple(leaf.shape) or value.dtype != leaf.dtype:
+                        raise ValueError(f"state {names[j]}: {key} of param group {index} is "
+                                         f"{tuple(value.shape)} {value.dtype}, expected "
+                                         f"{tuple(leaf.shape)} {leaf.dtype}.")
+            for key, value in saved.items():
+                if key not in ("params", "tx", "param_names"):
+                    self._check_hyperparameter(group._slot, key, value)
+            checked.append((group, saved, current, given))
+        for group, saved, current, given in checked:
             for mine, theirs in zip(current, given):
                 for key, leaf in mine.items():
                     value = theirs[key]

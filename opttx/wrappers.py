@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any, Callable, NamedTuple
 
@@ -11,7 +12,7 @@ from ._checks import check_positive_int
 from .base import (GradientTransformation, Params, Role, State, Updates, combine_traits,
                    current_reducer, declare_roles, reduce_across_leaves, safe_increment,
                    zero_count)
-from .kernels import foreach, foreach_axpy
+from .kernels import donating, foreach, foreach_axpy
 from .tree import (PyTree, flatten_matching, stats_like, tree_cond, tree_leaves, tree_map,
                    tree_unflatten)
 
@@ -238,18 +239,35 @@ def _sum_over_every_rank(total: torch.Tensor, on_leaf_device: bool, reducer: Any
     return funcol.wait_tensor(funcol.all_reduce(total, "sum", dist.group.WORLD))
 
 
-def apply_if_finite(inner: GradientTransformation,
-                    max_consecutive_errors: int) -> GradientTransformation:
+def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, *,
+                    check_state: bool = False) -> GradientTransformation:
     """Skip steps whose incoming updates hold an inf or NaN: zero updates, state kept.
 
     After more than ``max_consecutive_errors`` consecutive bad steps the update is applied
     anyway (so a run that has truly diverged is not silently frozen). Counts of skipped steps
     are in the state. Under ``torch.compile`` the skip is a ``torch.cond`` in one graph. Under
     `opttx.distributed.sharded`, ``zero`` or ``on_owners`` the decision is global: one
-    non-finite element on any rank skips the step on every rank (one collective per group).
+    non-finite element on any rank skips the step on every rank (one collective).
+
+    What the default cannot see: only the *incoming* updates are tested. Finite gradients
+    can still overflow inside the inner transform's statistics: squares of gradients above
+    about 1e19 are inf in float32 (Adam's and RMSprop's ``nu``, Adafactor's and CAME's row and
+    column means, NAdam's products, the block scales of 8-bit states, GaLore's projections),
+    after which the state holds inf or NaN and the updates of those elements are 0 or NaN
+    for good; an inf or NaN already in the state (loaded from a checkpoint) is not seen
+    either. ``check_state=True`` also tests the inner transform's new updates and every
+    floating-point leaf of its new state, and keeps the old state when any is not finite.
+    It runs the inner update on every step (also on the skipped ones, whose result is then
+    dropped) and holds the old and the new state at once (no donation of the old buffers).
+
+    Args:
+      inner: the wrapped transform.
+      max_consecutive_errors: bad steps in a row skipped before one is applied anyway.
+      check_state: also require the inner transform's new updates and state to be finite.
 
     Example:
       >>> tx = opttx.apply_if_finite(opttx.adam(1e-3), max_consecutive_errors=5)
+      >>> tx = opttx.apply_if_finite(opttx.adafactor(1e-2), 5, check_state=True)
     """
     if not isinstance(max_consecutive_errors, int) or max_consecutive_errors < 0:
         raise ValueError("max_consecutive_errors must be an integer >= 0, got "
@@ -261,20 +279,41 @@ def apply_if_finite(inner: GradientTransformation,
                                   dtype=torch.bool), total_notfinite=zero.clone(),
                                   inner_state=inner.init(params))
 
-    def update(updates: Updates, state: ApplyIfFiniteState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, ApplyIfFiniteState]:
-        finite = _all_finite_everywhere(updates, extra_args).to(state.last_finite.device)
+    def decide(finite: torch.Tensor, state: ApplyIfFiniteState
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         notfinite_count = torch.where(finite, torch.zeros_like(state.notfinite_count),
                                       safe_increment(state.notfinite_count))
-        apply = finite | (notfinite_count > max_consecutive_errors)
+        return notfinite_count, finite | (notfinite_count > max_consecutive_errors)
 
-        def do_update(u: Updates, s: State) -> tuple[Updates, State]:
-            return inner.update(u, s, params, **extra_args)
+    def update(updates: Updates, state: ApplyIfFiniteState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, ApplyIfFiniteState]:
+        if check_state:
+            # the old state must survive a rejected step (a compiled step never donates)
+            with contextlib.nullcontext() if torch.compiler.is_compiling() else donating(False):
+                new_updates, new_inner = inner.update(updates, state.inner_state, params,
+                                                      **extra_args)
+            floating = [x for x in tree_leaves(new_inner)
+                        if isinstance(x, torch.Tensor) and x.is_floating_point()]
+            finite = _all_finite_everywhere((updates, new_updates, floating), extra_args)
+            finite = finite.to(state.last_finite.device)
+            notfinite_count, apply = decide(finite, state)
+            # both branches return the operands' structure (tree_cond's contract)
+            updates, inner_state, _ = tree_cond(
+                apply, lambda u, new, old: (u, new, old),
+                lambda u, new, old: (tree_map(torch.zeros_like, u), old, old),
+                (new_updates, new_inner, state.inner_state))
+        else:
+            finite = _all_finite_everywhere(updates, extra_args).to(state.last_finite.device)
+            notfinite_count, apply = decide(finite, state)
 
-        def skip(u: Updates, s: State) -> tuple[Updates, State]:
-            return tree_map(torch.zeros_like, u), s
+            def do_update(u: Updates, s: State) -> tuple[Updates, State]:
+                return inner.update(u, s, params, **extra_args)
 
-        updates, inner_state = tree_cond(apply, do_update, skip, (updates, state.inner_state))
+            def skip(u: Updates, s: State) -> tuple[Updates, State]:
+                return tree_map(torch.zeros_like, u), s
+
+            updates, inner_state = tree_cond(apply, do_update, skip,
+                                             (updates, state.inner_state))
         total = state.total_notfinite + (~finite).to(state.total_notfinite.dtype)
         return updates, ApplyIfFiniteState(notfinite_count=notfinite_count, last_finite=finite,
                                            total_notfinite=total, inner_state=inner_state)
