@@ -50,13 +50,19 @@ def test_scratch_buffers_are_per_thread() -> None:
     assert not is_scratch([x])
 
 
-def _train(make_tx, seed: int, steps: int, barrier: threading.Barrier | None = None):
+def _setup(make_tx, seed: int, steps: int):
+    """A model, its optimizer and its batches (built in the calling thread: the global RNG
+    that initialises modules is shared by threads)."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    opt = opttx.Optimizer(model.parameters(), make_tx())
     gen = torch.Generator().manual_seed(seed + 1)
-    for _ in range(steps):
-        x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 2, generator=gen)
+    batches = [(torch.randn(5, 6, generator=gen), torch.randn(5, 2, generator=gen))
+               for _ in range(steps)]
+    return model, opttx.Optimizer(model.parameters(), make_tx()), batches
+
+
+def _train(model, opt, batches, barrier: threading.Barrier | None = None):
+    for x, y in batches:
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         if barrier is not None:
@@ -71,12 +77,13 @@ def test_two_optimizers_in_two_threads_give_their_results_alone() -> None:
     two of them stepping at once in two threads give bitwise the results they give alone."""
     makes = [lambda: opttx.adamw(1e-2, weight_decay=0.1),
              lambda: opttx.chain(opttx.clip_by_global_norm(0.5), opttx.lion(1e-3))]
-    alone = [_train(make, seed, 8) for seed, make in enumerate(makes)]
+    alone = [_train(*_setup(make, seed, 8)) for seed, make in enumerate(makes)]
+    runs = [_setup(make, seed, 8) for seed, make in enumerate(makes)]
     barrier = threading.Barrier(2)
     together: list = [None, None]
 
     def run(i: int) -> None:
-        together[i] = _train(makes[i], i, 8, barrier)
+        together[i] = _train(*runs[i], barrier)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
