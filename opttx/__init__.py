@@ -16,6 +16,7 @@ Example:
 from . import schedules, transforms, tree
 from .aliases import (adafactor, adagrad, adalomo, adam, adamw, adamw_8bit, came, galore_adamw,
                       galore_adamw_8bit, lamb, lars, lion, nadam, rmsprop, sgd, shampoo)
+from .aliases import adabelief, adamax, radam
 from .backward import FusedBackward
 from .base import (ELEMENTWISE, LEAFWISE, PRECONDITIONER, EmptyState, GradientTransformation,
                    Role, Traits, apply_updates, apply_updates_, check_init_params,
@@ -61,4 +62,6 @@ __all__ = [
     # the vocabulary for writing a transform (docs/guide/writing.md)
     "ELEMENTWISE", "LEAFWISE", "PRECONDITIONER", "Role", "Traits", "check_init_params",
     "combine_traits", "declare_roles", "leafwise", "state_roles", "traits_of", "zero_count",
+    # torch.optim's remaining first-order set (issue 17)
+    "adabelief", "adamax", "radam",
 ]

@@ -18,9 +18,9 @@ from .transforms.factored import (FactorAxes, add_step_scaled_decayed_weights, c
                                   clip_by_rms_and_scale_by_param_rms, relative_step_schedule, scale_by_came, scale_by_factored_rms,
                                   scale_by_param_block_rms, scale_by_trust_ratio)
 from .transforms.lowrank import MatrixAxes, ProjType, project_lowrank
-from .transforms.moments import (debias_factor, ema, scale_by_adam, scale_by_lion,
-                                 scale_by_nadam, scale_by_rms, scale_by_rss, scale_by_stddev,
-                                 trace)
+from .transforms.moments import (debias_factor, ema, scale_by_adam, scale_by_adamax,
+                                 scale_by_belief, scale_by_lion, scale_by_nadam, scale_by_radam,
+                                 scale_by_rms, scale_by_rss, scale_by_stddev, trace)
 from .transforms.quantized import quantize_state
 from .transforms.scaling import add_decayed_weights, scale, scale_by_learning_rate
 from .transforms.scaling import scale as scale_transform, scale_by_schedule
@@ -28,7 +28,8 @@ from .transforms.shampoo import (block_by_dims, graft, precondition_shampoo,
                                  scale_by_grafted_diagonal)
 from .tree import PyTree
 
-__all__ = ["adafactor", "adagrad", "adalomo", "adam", "adamw", "adamw_8bit", "came",
+__all__ = ["adabelief", "adafactor", "adagrad", "adalomo", "adam", "adamax", "radam",
+           "adamw", "adamw_8bit", "came",
            "galore_adamw", "galore_adamw_8bit", "lamb", "lars", "lion", "nadam", "rmsprop",
            "sgd", "shampoo"]
 
@@ -37,15 +38,18 @@ Mask = PyTree | Callable[[PyTree], PyTree] | None
 
 
 def sgd(learning_rate: ScalarOrSchedule, momentum: float | None = None, nesterov: bool = False,
-        accumulator_dtype: torch.dtype | None = None) -> GradientTransformation:
+        accumulator_dtype: torch.dtype | None = None, *,
+        dampening: float = 0.0) -> GradientTransformation:
     r"""Stochastic gradient descent, with optional (Nesterov) momentum.
 
     .. math::
         m_t = g_t + \mu m_{t-1}, \qquad x_{t+1} = x_t - \eta\, m_t
         \quad(\text{Nesterov: } x_{t+1} = x_t - \eta (g_t + \mu m_t))
 
-    Same numbers as ``torch.optim.SGD(lr, momentum, nesterov=...)`` (dampening 0). torch's
-    ``weight_decay`` (L2) is ``chain(add_decayed_weights(wd), sgd(...))``.
+    Same numbers as ``torch.optim.SGD(lr, momentum, dampening, nesterov=...)``: with a
+    ``dampening`` :math:`d`, :math:`m_t = \mu m_{t-1} + (1-d) g_t` after the first step
+    (see `trace`). torch's ``weight_decay`` (L2) is
+    ``chain(add_decayed_weights(wd), sgd(...))``.
 
     Example:
       >>> tx = opttx.sgd(0.1, momentum=0.9, nesterov=True)
@@ -56,37 +60,44 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: float | None = None, nesterov
     links = []
     if momentum is not None:
         links.append(trace(decay=momentum, nesterov=nesterov,
-                           accumulator_dtype=accumulator_dtype))
+                           accumulator_dtype=accumulator_dtype, dampening=dampening))
+    elif isinstance(dampening, (int, float)) and dampening != 0:
+        raise ValueError("sgd: dampening applies to the momentum buffer; give a momentum too "
+                         "(torch.optim.SGD ignores dampening without momentum).")
     links.append(scale_by_learning_rate(learning_rate))
     return chain(*links)
 
 
 def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
          eps_root: float = 0.0, mu_dtype: torch.dtype | None = None, *,
-         nesterov: bool = False, nu_dtype: torch.dtype | None = None) -> GradientTransformation:
+         nesterov: bool = False, nu_dtype: torch.dtype | None = None,
+         amsgrad: bool = False) -> GradientTransformation:
     r"""Adam: `scale_by_adam` then `scale_by_learning_rate`.
 
     .. math::
         x_{t+1} = x_t - \eta\, \frac{\hat m_t}{\sqrt{\hat v_t + \epsilon_{root}} + \epsilon}
 
-    Same numbers as ``torch.optim.Adam(lr, betas=(b1, b2), eps)``; torch's L2
+    Same numbers as ``torch.optim.Adam(lr, betas=(b1, b2), eps, amsgrad=amsgrad)`` (AMSGrad
+    keeps the running maximum of the raw second moment, see `scale_by_adam`); torch's L2
     ``weight_decay`` is ``chain(add_decayed_weights(wd), adam(...))``.
 
     Example:
       >>> tx = opttx.adam(1e-3)
+      >>> tx = opttx.adam(1e-3, amsgrad=True)
 
     References:
       Kingma and Ba, Adam (arXiv 1412.6980).
     """
     return chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
-                               nu_dtype=nu_dtype),
+                               nu_dtype=nu_dtype, amsgrad=amsgrad),
                  scale_by_learning_rate(learning_rate))
 
 
 def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: torch.dtype | None = None,
           weight_decay: float = 1e-4, mask: Mask = None, *,
-          nesterov: bool = False, nu_dtype: torch.dtype | None = None) -> GradientTransformation:
+          nesterov: bool = False, nu_dtype: torch.dtype | None = None,
+          amsgrad: bool = False) -> GradientTransformation:
     r"""Adam with decoupled weight decay.
 
     .. math::
@@ -103,6 +114,7 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
         parameters keep fp32 moments unless ``mu_dtype``/``nu_dtype`` say otherwise).
       weight_decay: :math:`\lambda`.
       mask: where to apply the decay (tree of booleans or a function of the params).
+      amsgrad: AMSGrad, as ``torch.optim.AdamW(amsgrad=True)`` (see `scale_by_adam`).
 
     Example:
       >>> tx = opttx.adamw(3e-4, weight_decay=0.1,
@@ -112,7 +124,7 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
       Loshchilov and Hutter, Decoupled Weight Decay Regularization (arXiv 1711.05101).
     """
     return chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
-                               nu_dtype=nu_dtype),
+                               nu_dtype=nu_dtype, amsgrad=amsgrad),
                  add_decayed_weights(weight_decay, mask),
                  scale_by_learning_rate(learning_rate))
 
@@ -186,6 +198,94 @@ def nadam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
     else:
         direction = scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=True)
     return chain(direction, scale_by_learning_rate(learning_rate))
+
+
+def radam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
+          eps: float = 1e-8, eps_root: float = 0.0, threshold: float = 5.0, *,
+          nesterov: bool = False, weight_decay: float = 0.0,
+          decoupled_weight_decay: bool = False, mask: Mask = None,
+          eps_before_debias: bool = False) -> GradientTransformation:
+    r"""RAdam: `scale_by_radam` then `scale_by_learning_rate`, with optional weight decay.
+
+    .. math::
+        x_{t+1} = x_t - \eta \left(u_t + \lambda x_t \right)
+        \quad\text{(decoupled)}, \qquad
+        u_t = \text{RAdam}(g_t + \lambda x_t) \quad\text{(L2, the default)}
+
+    with :math:`u_t` the rectified step of `scale_by_radam`. optax's signature and defaults
+    (no weight decay, ``eps`` added after the bias correction). ``torch.optim.RAdam(lr,
+    betas=(b1, b2), eps, weight_decay, decoupled_weight_decay)`` is ``radam(lr, b1, b2, eps,
+    weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
+    eps_before_debias=True)``: same numbers.
+
+    Args:
+      learning_rate: :math:`\eta`, a number or a schedule.
+      b1, b2, eps, eps_root, threshold, nesterov, eps_before_debias: see `scale_by_radam`.
+      weight_decay: :math:`\lambda`.
+      decoupled_weight_decay: decay the weights by :math:`\eta\lambda x_t` (AdamW-style)
+        instead of adding :math:`\lambda x_t` to the gradient (torch's flag of that name).
+      mask: where the decay applies (tree of booleans or a function of the params).
+
+    Example:
+      >>> tx = opttx.radam(1e-3, weight_decay=0.01, decoupled_weight_decay=True)
+
+    References:
+      Liu et al., On the Variance of the Adaptive Learning Rate and Beyond
+      (arXiv 1908.03265).
+    """
+    decays = not (isinstance(weight_decay, (int, float)) and weight_decay == 0)
+    links: list[GradientTransformation] = []
+    if decays and not decoupled_weight_decay:
+        links.append(add_decayed_weights(weight_decay, mask))
+    links.append(scale_by_radam(b1, b2, eps, eps_root, threshold, nesterov=nesterov,
+                                eps_before_debias=eps_before_debias))
+    if decays and decoupled_weight_decay:
+        links.append(add_decayed_weights(weight_decay, mask))
+    links.append(scale_by_learning_rate(learning_rate))
+    return chain(*links)
+
+
+def adamax(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
+           eps: float = 1e-8) -> GradientTransformation:
+    r"""Adamax: `scale_by_adamax` then `scale_by_learning_rate`.
+
+    .. math::
+        v_t = \max(\beta_2 v_{t-1}, |g_t| + \epsilon), \qquad
+        x_{t+1} = x_t - \eta\, \frac{m_t}{(1-\beta_1^t)\, v_t}
+
+    Same numbers as ``optax.adamax`` and ``torch.optim.Adamax(lr, betas=(b1, b2), eps)``
+    (torch's default ``lr`` is 2e-3); torch's L2 ``weight_decay`` is
+    ``chain(add_decayed_weights(wd), adamax(...))``.
+
+    Example:
+      >>> tx = opttx.adamax(2e-3)
+
+    References:
+      Kingma and Ba, Adam (arXiv 1412.6980), section 7.
+    """
+    return chain(scale_by_adamax(b1, b2, eps), scale_by_learning_rate(learning_rate))
+
+
+def adabelief(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
+              eps: float = 1e-16, eps_root: float = 1e-16, *,
+              nesterov: bool = False) -> GradientTransformation:
+    r"""AdaBelief: `scale_by_belief` then `scale_by_learning_rate`.
+
+    .. math::
+        s_t = \beta_2 s_{t-1} + (1-\beta_2)(g_t - m_t)^2 + \epsilon_{root}, \qquad
+        x_{t+1} = x_t - \eta\, \frac{\hat m_t}{\sqrt{\hat s_t} + \epsilon}
+
+    Same numbers and defaults as ``optax.adabelief`` (the paper uses ``eps=1e-8,
+    eps_root=0``).
+
+    Example:
+      >>> tx = opttx.adabelief(1e-3)
+
+    References:
+      Zhuang et al., AdaBelief Optimizer (arXiv 2010.07468).
+    """
+    return chain(scale_by_belief(b1, b2, eps, eps_root, nesterov=nesterov),
+                 scale_by_learning_rate(learning_rate))
 
 
 def adagrad(learning_rate: ScalarOrSchedule, initial_accumulator_value: float = 0.1,

@@ -7,10 +7,12 @@ from .factored import (FactoredState, ScaleByCameState, add_step_scaled_decayed_
                        relative_step_schedule, scale_by_came, scale_by_factored_rms,
                        scale_by_param_block_rms, scale_by_trust_ratio)
 from .lowrank import ProjectLowrankState, project_lowrank
-from .moments import (EmaState, ScaleByAdamState, ScaleByLionState, ScaleByNadamState,
-                      ScaleByRmsState, ScaleByRssState, ScaleByStddevState, TraceState, ema,
-                      scale_by_adam, scale_by_lion, scale_by_nadam, scale_by_rms, scale_by_rss,
-                      scale_by_stddev, trace)
+from .moments import (DampedTraceState, EmaState, ScaleByAdamState, ScaleByAdamaxState,
+                      ScaleByAmsgradState, ScaleByBeliefState, ScaleByLionState,
+                      ScaleByNadamState, ScaleByRadamState, ScaleByRmsState, ScaleByRssState,
+                      ScaleByStddevState, TraceState, ema, scale_by_adam, scale_by_adamax,
+                      scale_by_belief, scale_by_lion, scale_by_nadam, scale_by_radam,
+                      scale_by_rms, scale_by_rss, scale_by_stddev, trace)
 from .quantized import (QuantizationMap, QuantizedState, QuantizedTensor, dequantize_blockwise,
                         dynamic_map, quantization_map, quantize_blockwise, quantize_state)
 from .scaling import (ScaleByScheduleState, add_decayed_weights, scale, scale_by_learning_rate,
@@ -37,4 +39,6 @@ __all__ = [
     "ema", "global_norm", "scale", "scale_by_adam", "scale_by_learning_rate", "scale_by_lion",
     "scale_by_nadam", "scale_by_rms", "scale_by_rss", "scale_by_schedule", "scale_by_sign",
     "scale_by_stddev", "trace", "zero_nans",
+    "DampedTraceState", "ScaleByAdamaxState", "ScaleByAmsgradState", "ScaleByBeliefState",
+    "ScaleByRadamState", "scale_by_adamax", "scale_by_belief", "scale_by_radam",
 ]

@@ -19,12 +19,18 @@ from ..base import (ELEMENTWISE, PRECONDITIONER, GradientTransformation, Params,
                     check_init_params, declare_roles, leafwise, precondition_leaves,
                     safe_increment, zero_count)
 from ..kernels import (Scalar, cast_like, foreach, foreach_, foreach_accumulate_sq, foreach_ema,
-                       foreach_ema_sq, foreach_op_, foreach_scale_add, mark_scratch)
+                       foreach_ema_sq, foreach_op_, foreach_scale_add, mark_scratch,
+                       new_buffers)
 from ..tree import stats_like
 
 __all__ = [
+    "DampedTraceState",
     "EmaState",
     "ScaleByAdamState",
+    "ScaleByAdamaxState",
+    "ScaleByAmsgradState",
+    "ScaleByBeliefState",
+    "ScaleByRadamState",
     "ScaleByLionState",
     "ScaleByNadamState",
     "ScaleByRmsState",
@@ -33,8 +39,11 @@ __all__ = [
     "TraceState",
     "ema",
     "scale_by_adam",
+    "scale_by_adamax",
+    "scale_by_belief",
     "scale_by_lion",
     "scale_by_nadam",
+    "scale_by_radam",
     "scale_by_rms",
     "scale_by_rss",
     "scale_by_stddev",
@@ -54,6 +63,13 @@ def _pow(base: Scalar, exponent: torch.Tensor) -> torch.Tensor:
     if isinstance(base, torch.Tensor):
         base = base.to(torch.float64)
     return torch.pow(base, exponent)
+
+
+def _as_float64(value: Scalar, like: torch.Tensor) -> torch.Tensor:
+    """``value`` (a number or 0-dim tensor) as a float64 0-dim tensor on ``like``'s device."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=like.device, dtype=torch.float64)
+    return torch.tensor(value, dtype=torch.float64, device=like.device)
 
 
 def debias_factor(decay: Scalar, count: torch.Tensor) -> torch.Tensor:
@@ -93,42 +109,79 @@ class TraceState(NamedTuple):
     __roles__ = declare_roles(trace=Role.FIRST_MOMENT)
 
 
+class DampedTraceState(NamedTuple):
+    """State of `trace` with a ``dampening``."""
+    count: torch.Tensor  # shape (), int32: steps taken (the first step is not dampened)
+    trace: Updates       # like params (fp32 for 16-bit leaves): the momentum buffer
+    __roles__ = declare_roles(count=Role.COUNT, trace=Role.FIRST_MOMENT)
+
+
 def trace(decay: float, nesterov: bool = False,
-          accumulator_dtype: torch.dtype | None = None) -> GradientTransformation:
-    r"""Momentum (heavy ball, or Nesterov's variant).
+          accumulator_dtype: torch.dtype | None = None, *,
+          dampening: float = 0.0) -> GradientTransformation:
+    r"""Momentum (heavy ball, or Nesterov's variant), with torch.optim.SGD's dampening.
 
     .. math::
-        m_t = g_t + \beta m_{t-1}, \qquad
+        m_1 = g_1, \qquad m_t = \beta m_{t-1} + (1 - d)\, g_t, \qquad
         u_t = m_t \quad(\text{or } g_t + \beta m_t \text{ with } \texttt{nesterov})
 
-    With ``m_0 = 0`` this equals ``torch.optim.SGD``'s momentum buffer (dampening 0).
+    With the default ``dampening`` :math:`d = 0` this is :math:`m_t = g_t + \beta m_{t-1}`
+    from :math:`m_0 = 0` (optax's ``trace``); with :math:`d \neq 0` the first step takes the
+    gradient undampened, as ``torch.optim.SGD`` initialises its buffer, and the state counts
+    steps (`DampedTraceState`). Either way the numbers are ``torch.optim.SGD``'s momentum
+    buffer for the same ``momentum``, ``dampening`` and ``nesterov`` (torch refuses Nesterov
+    with dampening; here it is allowed and means the formula above).
 
     Args:
       decay: the momentum coefficient :math:`\beta` (>= 0).
       nesterov: use Nesterov momentum.
       accumulator_dtype: dtype of the buffer (default: the parameter's, fp32 for 16-bit).
+      dampening: :math:`d`, the fraction of the gradient left out of the buffer after the
+        first step (torch.optim.SGD's ``dampening``).
 
     Example:
       >>> tx = opttx.chain(opttx.trace(0.9), opttx.scale_by_learning_rate(0.1))
+      >>> tx = opttx.chain(opttx.trace(0.9, dampening=0.9), opttx.scale_by_learning_rate(0.1))
 
     References:
       Polyak (1964); Sutskever et al., ICML 2013.
     """
     check_nonnegative("decay", decay)
+    check_unit_interval("dampening", dampening, closed_right=True)
+    damped = not (isinstance(dampening, (int, float)) and dampening == 0)
 
-    def init(params: Params) -> TraceState:
-        check_init_params(params)
-        return TraceState(trace=stats_like(params, accumulator_dtype))
-
-    def step(g, state, params, extra_args):
-        buf = foreach_scale_add(state.trace, decay, cast_like(g, state.trace))
+    def nesterov_out(g, buf):
         if nesterov:
-            out = _fresh(foreach("add", cast_like(g, buf), foreach("mul", buf, decay)), g)
-        else:
-            out = cast_like(buf, g)      # aliases the state: not a temporary
-        return out, state._replace(trace=buf)
+            return _fresh(foreach("add", cast_like(g, buf), foreach("mul", buf, decay)), g)
+        return cast_like(buf, g)      # aliases the state: not a temporary
 
-    return GradientTransformation(init, leafwise(TraceState, step), ELEMENTWISE)
+    if not damped:
+        def init(params: Params) -> TraceState:
+            check_init_params(params)
+            return TraceState(trace=stats_like(params, accumulator_dtype))
+
+        def step(g, state, params, extra_args):
+            buf = foreach_scale_add(state.trace, decay, cast_like(g, state.trace))
+            return nesterov_out(g, buf), state._replace(trace=buf)
+
+        return GradientTransformation(init, leafwise(TraceState, step), ELEMENTWISE)
+
+    def damped_init(params: Params) -> DampedTraceState:
+        check_init_params(params)
+        return DampedTraceState(count=zero_count(params),
+                                trace=stats_like(params, accumulator_dtype))
+
+    def damped_step(g, state, params, extra_args):
+        # the buffer is 0 before the first step, so m_1 = β·0 + 1·g_1 = g_1 exactly
+        keep = torch.where(state.count == 1, torch.ones((), dtype=torch.float64,
+                                                        device=state.count.device),
+                           _as_float64(1 - dampening, state.count))
+        buf = foreach_scale_add(state.trace, decay,
+                                foreach("mul", cast_like(g, state.trace), keep))
+        return nesterov_out(g, buf), state._replace(trace=buf)
+
+    return GradientTransformation(damped_init, leafwise(DampedTraceState, damped_step),
+                                  ELEMENTWISE)
 
 
 class EmaState(NamedTuple):
@@ -179,10 +232,21 @@ class ScaleByAdamState(NamedTuple):
     __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT, nu=Role.SECOND_MOMENT)
 
 
+class ScaleByAmsgradState(NamedTuple):
+    """State of `scale_by_adam` with ``amsgrad=True``."""
+    count: torch.Tensor  # shape (), int32: steps taken
+    mu: Updates          # like params, mu_dtype (fp32 for 16-bit leaves): first moment
+    nu: Updates          # like params (fp32 for 16-bit leaves): second moment
+    nu_max: Updates      # like params, nu's dtype: running maximum of nu (not bias-corrected)
+    __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT, nu=Role.SECOND_MOMENT,
+                              nu_max=Role.SECOND_MOMENT)
+
+
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
                   mu_dtype: torch.dtype | None = None, *,
                   nesterov: bool = False, bias_correction: bool = True,
-                  nu_dtype: torch.dtype | None = None) -> GradientTransformation:
+                  nu_dtype: torch.dtype | None = None,
+                  amsgrad: bool = False) -> GradientTransformation:
     r"""Rescale updates by Adam's bias-corrected moment estimates.
 
     .. math::
@@ -193,6 +257,13 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
 
     With ``nesterov=True`` (NAdam as in optax),
     :math:`\hat m_t = \beta_1 m_t / (1-\beta_1^{t+1}) + (1-\beta_1) g_t / (1-\beta_1^t)`.
+
+    With ``amsgrad=True`` (AMSGrad) the denominator uses the running maximum of the raw
+    second moment, :math:`\bar v_t = \max(\bar v_{t-1}, v_t)` and
+    :math:`\hat v_t = \bar v_t / (1-\beta_2^t)`: ``torch.optim.Adam(amsgrad=True)``'s
+    ``max_exp_avg_sq``, same numbers. (optax's ``scale_by_amsgrad`` takes the maximum of the
+    bias-corrected :math:`\hat v` instead, which differs while :math:`1-\beta_2^t` grows.)
+    The state is then a `ScaleByAmsgradState` (one more buffer like the params).
 
     Args:
       b1: decay of the first moment, in [0, 1).
@@ -206,37 +277,53 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
       nu_dtype: dtype of the second moment (same default). ``mu_dtype=nu_dtype=torch.bfloat16``
         halves the state (4 instead of 8 bytes per parameter); the moments are then updated
         and used at bfloat16 precision.
+      amsgrad: keep the running maximum of the second moment (torch's semantics, above).
 
     Returns:
-      A `GradientTransformation`; same numbers as ``optax.scale_by_adam``.
+      A `GradientTransformation`; same numbers as ``optax.scale_by_adam`` (and, with
+      ``amsgrad=True``, as ``torch.optim.Adam(amsgrad=True)``).
 
     Example:
       >>> tx = opttx.chain(opttx.scale_by_adam(), opttx.scale_by_learning_rate(1e-3))
+      >>> tx = opttx.chain(opttx.scale_by_adam(amsgrad=True), opttx.scale_by_learning_rate(1e-3))
 
     References:
-      Kingma and Ba, Adam (arXiv 1412.6980); Dozat, NAdam (ICLR 2016 workshop).
+      Kingma and Ba, Adam (arXiv 1412.6980); Dozat, NAdam (ICLR 2016 workshop);
+      Reddi, Kale and Kumar, On the Convergence of Adam and Beyond (ICLR 2018) for AMSGrad.
     """
     check_unit_interval("b1", b1)
     check_unit_interval("b2", b2)
     check_nonnegative("eps", eps)
     check_nonnegative("eps_root", eps_root)
+    if not isinstance(amsgrad, bool):
+        raise TypeError(f"amsgrad must be a bool, got {amsgrad!r}.")
     fast_path = not nesterov and isinstance(eps_root, (int, float)) and eps_root == 0
+    state_type = ScaleByAmsgradState if amsgrad else ScaleByAdamState
 
-    def init(params: Params) -> ScaleByAdamState:
+    def init(params: Params) -> ScaleByAdamState | ScaleByAmsgradState:
         check_init_params(params)
-        return ScaleByAdamState(count=zero_count(params), mu=stats_like(params, mu_dtype),
-                                nu=stats_like(params, nu_dtype))
+        moments = dict(count=zero_count(params), mu=stats_like(params, mu_dtype),
+                       nu=stats_like(params, nu_dtype))
+        if amsgrad:
+            return ScaleByAmsgradState(**moments, nu_max=stats_like(params, nu_dtype))
+        return ScaleByAdamState(**moments)
 
     def step(g, state, params, extra_args):
         mu = foreach_ema(state.mu, g, b1)
         nu = foreach_ema_sq(state.nu, g, b2)
+        new_state = state._replace(mu=mu, nu=nu)
+        if amsgrad:
+            nu_max = new_buffers(state.nu_max, foreach("maximum", state.nu_max, nu))
+            new_state = new_state._replace(nu_max=nu_max)
+        else:
+            nu_max = nu
         if bias_correction:
             bc1, bc2 = debias_factor(b1, state.count), debias_factor(b2, state.count)
         else:
             bc1 = bc2 = torch.ones((), dtype=torch.float64, device=state.count.device)
         if fast_path:
             # m̂ / (sqrt(v̂) + eps) == m / (sqrt(v) · bc1/sqrt(bc2) + eps · bc1): four passes.
-            denom = foreach_op_("mul", foreach("sqrt", nu), bc1 / torch.sqrt(bc2))
+            denom = foreach_op_("mul", foreach("sqrt", nu_max), bc1 / torch.sqrt(bc2))
             denom = foreach_op_("add", denom, eps * bc1)
             out = _divide(cast_like(mu, nu), denom)
         else:
@@ -247,12 +334,12 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
                                  foreach("mul", cast_like(g, mu), (1 - b1) / bc1))
             else:
                 mu_hat = _div_by(mu, bc1)
-            denom = foreach_op_("add", _div_by(nu, bc2), eps_root)
+            denom = foreach_op_("add", _div_by(nu_max, bc2), eps_root)
             denom = foreach_op_("add", foreach_op_("sqrt", denom), eps)
             out = _divide(cast_like(mu_hat, nu), denom)
-        return _fresh(out, g), state._replace(mu=mu, nu=nu)
+        return _fresh(out, g), new_state
 
-    return GradientTransformation(init, leafwise(ScaleByAdamState, step), ELEMENTWISE)
+    return GradientTransformation(init, leafwise(state_type, step), ELEMENTWISE)
 
 
 class ScaleByNadamState(NamedTuple):
@@ -317,6 +404,231 @@ def scale_by_nadam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         return _fresh(out, g), state._replace(mu_product=mu_product, mu=mu, nu=nu)
 
     return GradientTransformation(init, leafwise(ScaleByNadamState, step), ELEMENTWISE)
+
+
+def _nesterov_or_debiased(mu: list[torch.Tensor], g: list[torch.Tensor], b1: Scalar,
+                          count: torch.Tensor, nesterov: bool) -> list[torch.Tensor]:
+    r""":math:`\hat m_t = m_t / (1-\beta_1^t)`, or with ``nesterov`` optax's
+    :math:`\beta_1 m_t / (1-\beta_1^{t+1}) + (1-\beta_1) g_t / (1-\beta_1^t)`."""
+    bc1 = debias_factor(b1, count)
+    if not nesterov:
+        return _div_by(mu, bc1)
+    c_mu = b1 / debias_factor(b1, safe_increment(count))
+    return foreach("add", foreach("mul", mu, c_mu),
+                   foreach("mul", cast_like(g, mu), (1 - b1) / bc1))
+
+
+# ---------------------------------------------------------------------------------------------
+# RAdam, Adamax, AdaBelief
+# ---------------------------------------------------------------------------------------------
+
+
+class ScaleByRadamState(NamedTuple):
+    """State of `scale_by_radam`."""
+    count: torch.Tensor  # shape (), int32: steps taken
+    mu: Updates          # like params (fp32 for 16-bit leaves): first moment
+    nu: Updates          # like params (fp32 for 16-bit leaves): second moment
+    __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT, nu=Role.SECOND_MOMENT)
+
+
+def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                   eps_root: float = 0.0, threshold: float = 5.0, *, nesterov: bool = False,
+                   eps_before_debias: bool = False) -> GradientTransformation:
+    r"""Rectified Adam: Adam's step where the variance of its adaptive rate is tractable,
+    momentum alone before.
+
+    .. math::
+        \rho_\infty = \frac{2}{1-\beta_2} - 1, \quad
+        \rho_t = \rho_\infty - \frac{2 t \beta_2^t}{1 - \beta_2^t}, \quad
+        r_t = \sqrt{\frac{(\rho_t-4)(\rho_t-2)\rho_\infty}{(\rho_\infty-4)(\rho_\infty-2)\rho_t}}
+
+    .. math::
+        u_t = \begin{cases} r_t\, \hat m_t / (\sqrt{\hat v_t + \epsilon_{root}} + \epsilon)
+        & \rho_t \ge \text{threshold} \\ \hat m_t & \text{otherwise} \end{cases}
+
+    with :math:`\hat m_t, \hat v_t` Adam's bias-corrected moments (see `scale_by_adam`;
+    ``nesterov`` as there). With ``eps_before_debias=True`` the adaptive factor is
+    :math:`r_t \sqrt{1-\beta_2^t} / (\sqrt{v_t} + \epsilon)`, :math:`\epsilon` added before
+    the bias correction, as ``torch.optim.RAdam`` computes it (it also compares
+    :math:`\rho_t > 5` strictly; :math:`\rho_t` is never exactly 5 in floating point).
+
+    Args:
+      b1, b2: decays of the moments, in [0, 1).
+      eps: added to the denominator outside the square root.
+      eps_root: added inside the square root.
+      threshold: the :math:`\rho_t` from which the rectified step is taken (5, as the paper).
+      nesterov: use Nesterov momentum (optax's NAdam-style :math:`\hat m_t`).
+      eps_before_debias: torch.optim.RAdam's placement of ``eps`` (needs ``eps_root=0``).
+
+    Returns:
+      A `GradientTransformation`; same numbers as ``optax.scale_by_radam`` (and with
+      ``eps_before_debias=True``, as ``torch.optim.RAdam``).
+
+    Example:
+      >>> tx = opttx.chain(opttx.scale_by_radam(), opttx.scale_by_learning_rate(1e-3))
+
+    References:
+      Liu et al., On the Variance of the Adaptive Learning Rate and Beyond
+      (arXiv 1908.03265).
+    """
+    check_unit_interval("b1", b1)
+    check_unit_interval("b2", b2)
+    check_nonnegative("eps", eps)
+    check_nonnegative("eps_root", eps_root)
+    check_nonnegative("threshold", threshold)
+    if eps_before_debias and not (isinstance(eps_root, (int, float)) and eps_root == 0):
+        raise ValueError("scale_by_radam: eps_before_debias=True (torch.optim.RAdam's form) "
+                         "has no eps_root; pass eps_root=0.")
+
+    def init(params: Params) -> ScaleByRadamState:
+        check_init_params(params)
+        return ScaleByRadamState(count=zero_count(params), mu=stats_like(params),
+                                 nu=stats_like(params))
+
+    def step(g, state, params, extra_args):
+        mu = foreach_ema(state.mu, g, b1)
+        nu = foreach_ema_sq(state.nu, g, b2)
+        t = _float64(state.count)
+        b2_64 = b2.to(torch.float64) if isinstance(b2, torch.Tensor) else b2
+        b2t = _pow(b2_64, t)
+        bc2 = 1 - b2t
+        rho_inf = 2 / (1 - b2_64) - 1
+        rho = rho_inf - 2 * t * b2t / bc2
+        tractable = rho >= threshold
+        # r_t where the rectified step is taken, 0 elsewhere (no NaN from sqrt of a negative)
+        ratio = (rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho)
+        rect = torch.where(tractable, torch.sqrt(torch.clamp(ratio, min=0)),
+                           torch.zeros_like(ratio))
+        mu_hat = _nesterov_or_debiased(mu, g, b1, state.count, nesterov)
+        if eps_before_debias:
+            denom = foreach_op_("add", foreach("sqrt", nu), eps)
+            adaptive = foreach("mul", cast_like(mu_hat, nu), rect * torch.sqrt(bc2))
+        else:
+            denom = foreach_op_("add", _div_by(nu, bc2), eps_root)
+            denom = foreach_op_("add", foreach_op_("sqrt", denom), eps)
+            adaptive = foreach("mul", cast_like(mu_hat, nu), rect)
+        adaptive = _divide(adaptive, denom)
+        out = [torch.where(tractable, a, m.to(a.dtype)) for a, m in zip(adaptive, mu_hat)]
+        return _fresh(out, g), state._replace(mu=mu, nu=nu)
+
+    return GradientTransformation(init, leafwise(ScaleByRadamState, step), ELEMENTWISE)
+
+
+class ScaleByAdamaxState(NamedTuple):
+    """State of `scale_by_adamax`."""
+    count: torch.Tensor  # shape (), int32: steps taken
+    mu: Updates          # like params (fp32 for 16-bit leaves): first moment
+    nu: Updates          # like params (fp32 for 16-bit leaves): decayed maximum of |g| + eps
+    __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT, nu=Role.SECOND_MOMENT)
+
+
+def scale_by_adamax(b1: float = 0.9, b2: float = 0.999,
+                    eps: float = 1e-8) -> GradientTransformation:
+    r"""Adamax: Adam with the infinity norm in place of the second moment.
+
+    .. math::
+        m_t = \beta_1 m_{t-1} + (1-\beta_1) g_t, \quad
+        v_t = \max(\beta_2 v_{t-1},\ |g_t| + \epsilon), \quad
+        u_t = \frac{m_t}{(1-\beta_1^t)\, v_t}
+
+    (:math:`v_t` needs no bias correction.)
+
+    Args:
+      b1: decay of the first moment, in [0, 1).
+      b2: decay of the infinity norm, in [0, 1).
+      eps: added to :math:`|g_t|` (keeps :math:`v_t > 0`).
+
+    Returns:
+      A `GradientTransformation`; same numbers as ``optax.scale_by_adamax`` and
+      ``torch.optim.Adamax``.
+
+    Example:
+      >>> tx = opttx.chain(opttx.scale_by_adamax(), opttx.scale_by_learning_rate(2e-3))
+
+    References:
+      Kingma and Ba, Adam (arXiv 1412.6980), section 7.
+    """
+    check_unit_interval("b1", b1)
+    check_unit_interval("b2", b2)
+    check_nonnegative("eps", eps)
+
+    def init(params: Params) -> ScaleByAdamaxState:
+        check_init_params(params)
+        return ScaleByAdamaxState(count=zero_count(params), mu=stats_like(params),
+                                  nu=stats_like(params))
+
+    def step(g, state, params, extra_args):
+        mu = foreach_ema(state.mu, g, b1)
+        magnitude = foreach_op_("add", foreach("abs", cast_like(g, state.nu)), eps)
+        nu = new_buffers(state.nu, foreach("maximum", foreach("mul", state.nu, b2),
+                                           magnitude))
+        out = _div_by(foreach("div", cast_like(mu, nu), nu), debias_factor(b1, state.count))
+        return _fresh(out, g), state._replace(mu=mu, nu=nu)
+
+    return GradientTransformation(init, leafwise(ScaleByAdamaxState, step), ELEMENTWISE)
+
+
+class ScaleByBeliefState(NamedTuple):
+    """State of `scale_by_belief`."""
+    count: torch.Tensor  # shape (), int32: steps taken
+    mu: Updates          # like params (fp32 for 16-bit leaves): first moment
+    nu: Updates          # like params (fp32 for 16-bit leaves): EMA of (g - m)² (+ eps_root)
+    __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT, nu=Role.SECOND_MOMENT)
+
+
+def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16,
+                    eps_root: float = 1e-16, *, nesterov: bool = False
+                    ) -> GradientTransformation:
+    r"""AdaBelief: Adam whose second moment is the EMA of the squared prediction error
+    :math:`g_t - m_t` (the "belief" in the observed gradient).
+
+    .. math::
+        m_t = \beta_1 m_{t-1} + (1-\beta_1) g_t, \quad
+        s_t = \beta_2 s_{t-1} + (1-\beta_2) (g_t - m_t)^2 + \epsilon_{root}, \quad
+        u_t = \frac{\hat m_t}{\sqrt{s_t / (1-\beta_2^t)} + \epsilon}
+
+    (:math:`\epsilon_{root}` is added to the stored :math:`s_t`, as optax does;
+    :math:`\hat m_t` as in `scale_by_adam`, ``nesterov`` included.)
+
+    Args:
+      b1, b2: decays of the moments, in [0, 1).
+      eps: added to the denominator outside the square root.
+      eps_root: added to the second moment every step.
+      nesterov: use Nesterov momentum.
+
+    Returns:
+      A `GradientTransformation`; same numbers and defaults as ``optax.scale_by_belief``
+      (the paper's are ``eps=1e-8, eps_root=0``).
+
+    Example:
+      >>> tx = opttx.chain(opttx.scale_by_belief(), opttx.scale_by_learning_rate(1e-3))
+
+    References:
+      Zhuang et al., AdaBelief Optimizer (arXiv 2010.07468).
+    """
+    check_unit_interval("b1", b1)
+    check_unit_interval("b2", b2)
+    check_nonnegative("eps", eps)
+    check_nonnegative("eps_root", eps_root)
+
+    def init(params: Params) -> ScaleByBeliefState:
+        check_init_params(params)
+        return ScaleByBeliefState(count=zero_count(params), mu=stats_like(params),
+                                  nu=stats_like(params))
+
+    def step(g, state, params, extra_args):
+        mu = foreach_ema(state.mu, g, b1)
+        error = foreach("sub", cast_like(g, mu), mu)
+        nu = foreach_ema_sq(state.nu, error, b2)
+        if not (isinstance(eps_root, (int, float)) and eps_root == 0):
+            nu = foreach_op_("add", nu, eps_root)
+        mu_hat = _nesterov_or_debiased(mu, g, b1, state.count, nesterov)
+        denom = foreach_op_("sqrt", _div_by(nu, debias_factor(b2, state.count)))
+        denom = foreach_op_("add", denom, eps)
+        out = _divide(cast_like(mu_hat, nu), denom)
+        return _fresh(out, g), state._replace(mu=mu, nu=nu)
+
+    return GradientTransformation(init, leafwise(ScaleByBeliefState, step), ELEMENTWISE)
 
 
 # ---------------------------------------------------------------------------------------------
