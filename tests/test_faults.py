@@ -113,6 +113,15 @@ def test_gradients_that_are_not_dense_real_floats_are_refused(name: str, kind: s
     assert text in str(info.value)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.complex64])
+def test_shampoo_refuses_int_and_complex_gradients(dtype: torch.dtype) -> None:
+    """An int gradient gave a zero update of dtype int64, a complex one a complex update."""
+    params = {"w": torch.zeros(4, 3)}
+    tx = opttx.shampoo(1e-2)
+    with pytest.raises(TypeError, match=r"graft: the gradient\['w'\]\[0\]"):
+        tx.update({"w": torch.ones(4, 3, dtype=dtype)}, tx.init(params), params)
+
+
 @pytest.mark.parametrize("make", [
     lambda: opttx.adam(math.inf), lambda: opttx.sgd(math.inf),
     lambda: opttx.adamw(1e-3, weight_decay=math.inf), lambda: opttx.lion(1e-3, weight_decay=math.inf),

@@ -51,7 +51,8 @@ from typing import Any, Literal, NamedTuple, Sequence
 
 import torch
 
-from .._checks import check_nonnegative, check_positive_int, check_unit_interval
+from .._checks import (check_gradient_leaves, check_nonnegative, check_positive_int,
+                       check_unit_interval)
 from ..base import (PRECONDITION_INPUT, PRECONDITIONER, GradientTransformation, Params, Role,
                     Traits, Updates, advance_counts, check_init_params, combine_traits,
                     declare_roles, precondition_target, reduce_statistics, require_whole_leaves,
@@ -678,6 +679,8 @@ def graft(magnitude: GradientTransformation | None, direction: GradientTransform
         spec, g = flatten_matching(updates)
         if not g:             # a tree without leaves: only the step counters move
             return updates, advance_counts(state)
+        # an int gradient would give zero updates; complex, sparse or None ones torch errors
+        check_gradient_leaves(g, None, updates, "graft")
         count = safe_increment(state.count)
         filtered = state.filtered
         if beta1:
