@@ -147,6 +147,11 @@ class FusedBackward:
 
     def _consume(self, name: str, p: torch.Tensor, box: list[torch.Tensor]) -> None:
         grad = box.pop()
+        if grad.layout != torch.strided:
+            raise TypeError(f"FusedBackward: the gradient of {name!r} is a {grad.layout} tensor "
+                            "(an nn.Embedding(sparse=True)?); its transforms take dense "
+                            "gradients only. Use sparse=False, or torch.optim.SparseAdam for "
+                            "that parameter.")
         g = grad.to(self.compute_dtype) if grad.dtype in (torch.float16, torch.bfloat16) \
             else grad
         del grad

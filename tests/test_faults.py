@@ -271,6 +271,13 @@ def test_fused_backward_previous_clipping_survives_a_nan_step() -> None:
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_fused_backward_refuses_a_sparse_gradient() -> None:
+    model = torch.nn.Embedding(5, 3, sparse=True)
+    runner = opttx.FusedBackward(model, opttx.adalomo(1e-3))
+    with pytest.raises(TypeError, match="gradient of 'weight' is a torch.sparse_coo tensor"):
+        runner.backward(model(torch.tensor([0, 2])).sum())
+
+
 def test_fused_backward_state_dict_is_a_snapshot() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
