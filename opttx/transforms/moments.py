@@ -448,8 +448,9 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
     with :math:`\hat m_t, \hat v_t` Adam's bias-corrected moments (see `scale_by_adam`;
     ``nesterov`` as there). With ``eps_before_debias=True`` the adaptive factor is
-    :math:`r_t \sqrt{1-\beta_2^t} / (\sqrt{v_t} + \epsilon)`, :math:`\epsilon` added before
-    the bias correction, as ``torch.optim.RAdam`` computes it (it also compares
+    :math:`r_t \sqrt{1-\beta_2^t} / (\sqrt{v_t + \epsilon_{root}} + \epsilon)`:
+    :math:`\epsilon` added before the bias correction, as ``torch.optim.RAdam`` computes it
+    (it also compares
     :math:`\rho_t > 5` strictly; :math:`\rho_t` is never exactly 5 in floating point).
 
     Args:
@@ -458,7 +459,7 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       eps_root: added inside the square root.
       threshold: the :math:`\rho_t` from which the rectified step is taken (5, as the paper).
       nesterov: use Nesterov momentum (optax's NAdam-style :math:`\hat m_t`).
-      eps_before_debias: torch.optim.RAdam's placement of ``eps`` (needs ``eps_root=0``).
+      eps_before_debias: torch.optim.RAdam's placement of ``eps``.
 
     Returns:
       A `GradientTransformation`; same numbers as ``optax.scale_by_radam`` (and with
@@ -476,9 +477,6 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     check_nonnegative("eps", eps)
     check_nonnegative("eps_root", eps_root)
     check_nonnegative("threshold", threshold)
-    if eps_before_debias and not (isinstance(eps_root, (int, float)) and eps_root == 0):
-        raise ValueError("scale_by_radam: eps_before_debias=True (torch.optim.RAdam's form) "
-                         "has no eps_root; pass eps_root=0.")
 
     def init(params: Params) -> ScaleByRadamState:
         check_init_params(params)
@@ -501,7 +499,7 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                            torch.zeros_like(ratio))
         mu_hat = _nesterov_or_debiased(mu, g, b1, state.count, nesterov)
         if eps_before_debias:
-            denom = foreach_op_("add", foreach("sqrt", nu), eps)
+            denom = foreach_op_("add", foreach_op_("sqrt", foreach("add", nu, eps_root)), eps)
             adaptive = foreach("mul", cast_like(mu_hat, nu), rect * torch.sqrt(bc2))
         else:
             denom = foreach_op_("add", _div_by(nu, bc2), eps_root)
