@@ -54,6 +54,24 @@ def _replicated_nan(rank: int) -> dict:
     return {"b": params["b"].tolist(), "moved": bool((updates["w"] != 0).any())}
 
 
+def _replicated_overflow(rank: int) -> dict:
+    """apply_if_finite(adam, check_state=True) under sharded: a finite 1e30 in a Replicated
+    leaf's gradient on rank 1 only overflows Adam's second moment there; every rank skips."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(2, 3), "b": torch.randn(3)}
+    tx = sharded(opttx.apply_if_finite(opttx.adam(1e-1), 3, check_state=True),
+                 {"w": Shard(0), "b": Replicated()})
+    state = tx.init(params)
+    grads = {"w": torch.ones(2, 3), "b": torch.ones(3)}
+    if rank == 1:
+        grads["b"][0] = 1e30
+    updates, state = tx.update(grads, state, params)
+    return {"moved": bool(any((u != 0).any() for u in updates.values())),
+            "skipped": int(state.total_notfinite),
+            "nu_finite": all(bool(torch.isfinite(x).all()) for x in tree_leaves(state)
+                             if x.is_floating_point())}
+
+
 def _empty_tree_on_one_rank(rank: int) -> dict:
     params = {"w": torch.ones(2, 3)} if rank == 0 else {}
     specs = {"w": Shard(0)} if rank == 0 else {}
@@ -127,6 +145,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
     results: dict[str, Any] = {}
     cases: dict[str, Callable[[], Any]] = {
         "replicated_nan": lambda: _replicated_nan(rank),
+        "replicated_overflow": lambda: _replicated_overflow(rank),
         "empty_tree": lambda: _empty_tree_on_one_rank(rank),
         "shard_dims": lambda: _different_shard_dims(rank),
         "owners_shape": lambda: _on_owners_wrong_shape(rank),
@@ -163,6 +182,12 @@ def test_apply_if_finite_skips_on_every_rank_for_a_replicated_leaf(results: list
     assert all("crash" not in g for g in got), got
     assert not any(g["moved"] for g in got), got
     assert got[0]["b"] == got[1]["b"], got
+
+
+def test_apply_if_finite_check_state_skips_on_every_rank(results: list[dict]) -> None:
+    got = [r["replicated_overflow"] for r in results]
+    assert all("crash" not in g for g in got), got
+    assert got == [{"moved": False, "skipped": 1, "nu_finite": True}] * 2, got
 
 
 def test_sharded_refuses_an_empty_tree_on_one_rank(results: list[dict]) -> None:
