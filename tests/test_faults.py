@@ -166,6 +166,12 @@ def test_state_of_another_optimizer_is_refused() -> None:
         tx.update({"w": torch.ones(4, 3)}, opttx.adam(0.1).init(params), params)
 
 
+def test_state_none_is_refused_by_a_moment_transform() -> None:
+    params = {"w": torch.zeros(4, 3)}
+    with pytest.raises(TypeError, match="got a state of type NoneType, expected ScaleByAdamState"):
+        opttx.scale_by_adam().update({"w": torch.ones(4, 3)}, None, params)
+
+
 def test_state_for_other_shapes_is_refused() -> None:
     params = {"w": torch.zeros(4, 3)}
     tx = opttx.adam(0.1)
