@@ -12,6 +12,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import opttx
 from opttx.tree import tree_flatten, tree_leaves
@@ -90,6 +92,30 @@ def test_gradient_of_a_broadcastable_shape_is_refused(name: str) -> None:
     state = tx.init(params)
     with pytest.raises(ValueError, match=r"gradient\['w'\] has shape \(1, 3\), expected \(4, 3\)"):
         tx.update({"b": torch.ones(3), "w": torch.ones(1, 3)}, state, params)
+
+
+@st.composite
+def broadcastable_wrong_shapes(draw) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A parameter shape and a different shape that broadcasts to it (some dims of size
+    > 1 set to 1, or leading dims dropped)."""
+    shape = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
+    assume(any(d > 1 for d in shape) or len(shape) > 1)
+    ones = draw(st.lists(st.booleans(), min_size=len(shape), max_size=len(shape)))
+    wrong = tuple(1 if o else d for d, o in zip(shape, ones))
+    wrong = wrong[draw(st.integers(0, len(wrong) - 1)):]
+    assume(wrong != shape)
+    return shape, wrong
+
+
+@settings(max_examples=15, deadline=None)
+@given(shapes=broadcastable_wrong_shapes(), name=st.sampled_from(sorted(ALIASES_WITH_STATE)))
+def test_any_broadcastable_wrong_shape_is_refused(shapes, name: str) -> None:
+    shape, wrong = shapes
+    assert torch.broadcast_shapes(shape, wrong) == shape
+    params = {"w": torch.zeros(shape)}
+    tx = ALIASES_WITH_STATE[name]()
+    with pytest.raises(ValueError, match=r"gradient\['w'\] has shape"):
+        tx.update({"w": torch.ones(wrong)}, tx.init(params), params)
 
 
 BAD_GRADIENTS = {
