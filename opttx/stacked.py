@@ -174,19 +174,12 @@ class StackedParams:
     first appearance; it is the tree a step differentiates with respect to and hands to
     `stacked` transforms. ``unstack(buffers)`` gives the parameter tree back as views.
 
-    Example:
+    Example (the compiled step is that of `opttx.FlatParams`, with ``stack.unstack`` in
+    place of ``flat.unflatten``):
       >>> stack = opttx.StackedParams.of_module(model)   # parameters now view the buffers
       >>> tx = opttx.chain(opttx.clip_by_global_norm(1.0), opttx.stacked(opttx.adafactor(1e-2)))
       >>> state = tx.init(stack.buffers)
-      >>> def loss_fn(buffers, x, y):
-      ...     return loss(functional_call(model, stack.unstack(buffers), (x,)), y)
-      >>> @torch.compile(fullgraph=True)
-      ... def step(buffers, state, x, y):
-      ...     grads, value = grad_and_value(loss_fn)(buffers, x, y)
-      ...     updates, new_state = tx.update(grads, state, buffers)
-      ...     opttx.apply_updates_(buffers, updates)
-      ...     opttx.tree_copy_(state, new_state)
-      ...     return value
+      >>> params = stack.unstack(stack.buffers)          # the parameter tree, as views
     """
 
     def __init__(self, params: PyTree) -> None:

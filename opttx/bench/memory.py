@@ -24,20 +24,11 @@ def tensor_bytes(tree: Any) -> int:
     """
     seen: set[tuple[int, int, torch.dtype]] = set()
     total = 0
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, torch.Tensor):
-            key = (node.data_ptr(), node.numel(), node.dtype)
-            if key not in seen:
-                seen.add(key)
-                total += node.numel() * node.element_size()
-        elif isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, (list, tuple)):
-            stack.extend(node)
-        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
-            stack.extend(getattr(node, f.name) for f in dataclasses.fields(node))
+    for node in iter_tensors(tree):
+        key = (node.data_ptr(), node.numel(), node.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += node.numel() * node.element_size()
     return total
 
 

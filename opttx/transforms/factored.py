@@ -447,6 +447,26 @@ def _leaf_rms(leaves: list[torch.Tensor], spec: Any, extra_args: dict) -> list[t
     return foreach("sqrt", means)
 
 
+def _stateless_with_params(name: str, fn: Callable[[Any, list, list, dict], list]
+                           ) -> GradientTransformation:
+    """A stateless per-leaf transform that reads the params: ``fn(spec, updates, params,
+    extra_args)`` maps the lists of leaves to the new update leaves."""
+
+    def init(params: Params) -> EmptyState:
+        check_init_params(params)
+        return EmptyState()
+
+    def update(updates: Updates, state: EmptyState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, EmptyState]:
+        params = require_params(params, name)
+        spec, g, p = flatten_matching(updates, params, what="updates and params")
+        if not g:
+            return updates, state
+        return tree_unflatten(fn(spec, g, p, extra_args), spec), state
+
+    return GradientTransformation(init, update, LEAFWISE)
+
+
 def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
     r"""Scale each leaf's update by its parameter's RMS: :math:`u \cdot \max(\epsilon_2,
     \mathrm{RMS}(x))` (Adafactor's ``scale_parameter``; optax's name and default).
@@ -456,21 +476,12 @@ def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
     """
     check_nonnegative("min_scale", min_scale)
 
-    def init(params: Params) -> EmptyState:
-        check_init_params(params)
-        return EmptyState()
-
-    def update(updates: Updates, state: EmptyState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, EmptyState]:
-        params = require_params(params, "scale_by_param_block_rms")
-        spec, g, p = flatten_matching(updates, params, what="updates and params")
-        if not g:
-            return updates, state
+    def scaled(spec: Any, g: list, p: list, extra_args: dict) -> list:
         # grouped passes over the 0-dim RMS values, then one grouped multiply
         scales = foreach("clamp_min", _leaf_rms(p, spec, extra_args), min_scale)
-        return tree_unflatten(foreach("mul", g, cast_like(scales, g)), spec), state
+        return foreach("mul", g, cast_like(scales, g))
 
-    return GradientTransformation(init, update, LEAFWISE)
+    return _stateless_with_params("scale_by_param_block_rms", scaled)
 
 
 def clip_by_rms_and_scale_by_param_rms(threshold: float = 1.0, min_scale: float = 1e-3
@@ -496,16 +507,7 @@ def clip_by_rms_and_scale_by_param_rms(threshold: float = 1.0, min_scale: float 
     check_positive("threshold", threshold)
     check_nonnegative("min_scale", min_scale)
 
-    def init(params: Params) -> EmptyState:
-        check_init_params(params)
-        return EmptyState()
-
-    def update(updates: Updates, state: EmptyState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, EmptyState]:
-        params = require_params(params, "clip_by_rms_and_scale_by_param_rms")
-        spec, g, p = flatten_matching(updates, params, what="updates and params")
-        if not g:
-            return updates, state
+    def clipped_and_scaled(spec: Any, g: list, p: list, extra_args: dict) -> list:
         n = len(g)
         sq = foreach_sum_of_squares(g) + foreach_sum_of_squares(p)          # (a)
         counts = [float(x.numel()) for x in g] * 2
@@ -516,9 +518,9 @@ def clip_by_rms_and_scale_by_param_rms(threshold: float = 1.0, min_scale: float 
         p_scale = foreach("clamp_min", foreach("sqrt", p_means), min_scale)
         u_clip = foreach("clamp_min", foreach("div", foreach("sqrt", u_means), threshold), 1.0)
         factors = foreach("div", p_scale, u_clip)
-        return tree_unflatten(foreach("mul", g, cast_like(factors, g)), spec), state
+        return foreach("mul", g, cast_like(factors, g))
 
-    return GradientTransformation(init, update, LEAFWISE)
+    return _stateless_with_params("clip_by_rms_and_scale_by_param_rms", clipped_and_scaled)
 
 
 def relative_step_schedule(max_learning_rate: float = 1e-2,
