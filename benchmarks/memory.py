@@ -7,7 +7,7 @@ float32), one batch of 1 x 128 random tokens. Optimizers, each in a fresh subpro
   torch AdamW          torch.optim.AdamW(lr=1e-3, weight_decay=0.01), torch's default
                        implementation for the device (for-loop on CPU, foreach on CUDA)
   torch AdamW foreach  the same with foreach=True
-  torch AdamW fused    the same with fused=True (the reference of DESIGN.md's rule 5)
+  torch AdamW fused    the same with fused=True (the reference of docs/design.md, rule 5)
   opttx adamw          opttx.Optimizer(named params, opttx.adamw(1e-3, weight_decay=0.01))
   adafactor            opttx.adafactor(1e-2)           (optax's defaults: no momentum)
   came                 opttx.came(1e-3)

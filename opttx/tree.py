@@ -139,7 +139,7 @@ def tree_cast(tree: PyTree, dtype: torch.dtype | None) -> PyTree:
 
 def state_dtype(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.dtype:
     """The dtype of optimizer statistics for a leaf: ``dtype`` if given, else fp32 for
-    16-bit floats (DESIGN.md rule 3), else the leaf's own dtype."""
+    16-bit floats (docs/design.md, rule 3), else the leaf's own dtype."""
     if dtype is not None:
         return dtype
     if x.dtype in (torch.float16, torch.bfloat16):

@@ -1,4 +1,4 @@
-"""Bad input gets a clear error, early (DESIGN.md rule 7)."""
+"""Bad input gets a clear error, early (docs/design.md, rule 7)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The reducer that `sharded` passes to every transform of a chain.
 
 Every layer-wise statistic in opttx goes through `opttx.base.reduce_statistics(partials,
-extra_args, op, dims)` (DESIGN.md rule 6). Under `opttx.distributed.sharded`, that call lands
+extra_args, op, dims)` (docs/design.md, rule 6). Under `opttx.distributed.sharded`, that call lands
 in `ShardedReducer.__call__`, which decides per leaf which process groups shard the dims the
 statistic was reduced over, packs all leaves bound for the same group into one flat buffer and
 issues one functional all-reduce per (group, op) per call.

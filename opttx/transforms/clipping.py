@@ -1,7 +1,7 @@
 """Clipping transforms: elementwise, by global norm, by block RMS, and NaN zeroing.
 
-The norm-based ones are layer-wise reductions written in the three steps of DESIGN.md rule 6:
-(a) local partial statistics of every leaf, (b) one call to `opttx.base.reduce_statistics`
+The norm-based ones are layer-wise reductions written in the three steps of docs/design.md,
+rule 6: (a) local partial statistics of every leaf, (b) one call to `opttx.base.reduce_statistics`
 (a no-op unless the chain runs under `opttx.distributed.sharded`), (c) finish.
 """
 

@@ -7,8 +7,8 @@ and column means over two chosen axes ``(d0, d1)``: :math:`R` (mean over ``d1``)
 :math:`\\hat v^{-1/2} = (R / \\mathrm{mean}(R))^{-1/2} \\otimes C^{-1/2}`, never materialised.
 
 Every mean here is a reduction over a tensor, so it is written in the three steps of
-DESIGN.md rule 6: (a) local partial sums and element counts of every leaf, (b) one call to
-`opttx.base.reduce_statistics` for all leaves (sums over the reduced dims; the identity on one
+docs/design.md, rule 6: (a) local partial sums and element counts of every leaf, (b) one
+call to `opttx.base.reduce_statistics` for all leaves (sums over the reduced dims; the identity on one
 device), (c) finish (divide). A sharded run then gets exact row and column means.
 """
 
