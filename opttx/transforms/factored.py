@@ -8,8 +8,8 @@ and column means over two chosen axes ``(d0, d1)``: :math:`R` (mean over ``d1``)
 
 Every mean here is a reduction over a tensor, so it is written in the three steps of
 docs/design.md, rule 6: (a) local partial sums and element counts of every leaf, (b) one
-call to `opttx.base.reduce_statistics` for all leaves (sums over the reduced dims; the identity on one
-device), (c) finish (divide). A sharded run then gets exact row and column means.
+call to `opttx.base.reduce_statistics` for all leaves (sums over the reduced dims; the
+identity on one device), (c) finish (divide). A sharded run then gets exact row and column means.
 """
 
 from __future__ import annotations
@@ -331,7 +331,8 @@ class FactoredState(NamedTuple):
     v_row: Updates       # per leaf: EMA of the means of g² + ε over d1 (empty if unfactored)
     v_col: Updates       # per leaf: EMA of the means of g² + ε over d0 (empty if unfactored)
     v: Updates           # per leaf: EMA of g² + ε for unfactored leaves (empty if factored)
-    __roles__ = declare_roles(count=Role.COUNT, v_row=Role.FACTORED_MOMENT, v_col=Role.FACTORED_MOMENT,
+    __roles__ = declare_roles(count=Role.COUNT, v_row=Role.FACTORED_MOMENT,
+                              v_col=Role.FACTORED_MOMENT,
                            v=Role.SECOND_MOMENT)
 
 
