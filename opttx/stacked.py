@@ -36,8 +36,8 @@ Random numbers (stochastic rounding) are drawn independently per slice
 
 torch has no vmap rule for its grouped ``_foreach_*`` kernels, which opttx's transforms use;
 importing this module registers one for each that lacks it (once, never during ``init`` or
-``update``), which runs the per-tensor op on each tensor of the group (inside `stacked` a group holds one tensor per shape group, so this
-costs nothing measurable). The registration only adds rules where torch raises "Batching rule
+``update``), which runs the per-tensor op on each tensor of the group (inside `stacked` a
+group holds one tensor per shape group, so this costs nothing measurable). The registration only adds rules where torch raises "Batching rule
 not implemented"; it changes no existing behaviour.
 
 References:

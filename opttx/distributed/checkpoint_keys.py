@@ -181,9 +181,10 @@ def _quantized_leaves(present: list[int], shapes: Sequence[tuple[int, ...]],
     """The present leaves that the per-leaf states ``per_leaf`` belong to, in leaf order: each
     state's quantized codes have its leaf's shape, so each is matched to the next present
     leaf of that shape (refused when fewer states than present leaves have a shape: which of
-    them was quantized is not written anywhere). A state holding no quantized tensor says no shape; then the leaves are
-    those of `quantize_state`'s rule (every leaf with at least one dim and at least
-    ``min_size`` elements), the one such set with ``len(per_leaf)`` leaves."""
+    them was quantized is not written anywhere). A state holding no quantized tensor says no
+    shape; then the leaves are those of `quantize_state`'s rule (every leaf with at least one
+    dim and at least ``min_size`` elements), the one such set with ``len(per_leaf)``
+    leaves."""
     said = [_quantized_shapes(s) for s in per_leaf]
     if not per_leaf:
         return []

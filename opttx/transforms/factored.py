@@ -332,8 +332,7 @@ class FactoredState(NamedTuple):
     v_col: Updates       # per leaf: EMA of the means of g² + ε over d0 (empty if unfactored)
     v: Updates           # per leaf: EMA of g² + ε for unfactored leaves (empty if factored)
     __roles__ = declare_roles(count=Role.COUNT, v_row=Role.FACTORED_MOMENT,
-                              v_col=Role.FACTORED_MOMENT,
-                           v=Role.SECOND_MOMENT)
+                              v_col=Role.FACTORED_MOMENT, v=Role.SECOND_MOMENT)
 
 
 def _decay_rate_pow(step: torch.Tensor, exponent: float) -> torch.Tensor:
