@@ -16,7 +16,7 @@ Example:
 from . import schedules, transforms, tree
 from .aliases import (adafactor, adagrad, adalomo, adam, adamw, adamw_8bit, came, galore_adamw,
                       galore_adamw_8bit, lamb, lars, lion, nadam, rmsprop, sgd, shampoo)
-from .aliases import adabelief, adamax, radam
+from .aliases import adabelief, adamax, muon, muon_hidden_matrices, radam
 from .backward import FusedBackward
 from .base import (ELEMENTWISE, LEAFWISE, PRECONDITIONER, EmptyState, GradientTransformation,
                    Role, Traits, apply_updates, apply_updates_, check_init_params,
@@ -64,4 +64,6 @@ __all__ = [
     "combine_traits", "declare_roles", "leafwise", "state_roles", "traits_of", "zero_count",
     # torch.optim's remaining first-order set (issue 17)
     "adabelief", "adamax", "radam",
+    # Muon (issue 17)
+    "muon", "muon_hidden_matrices",
 ]

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from .base import GradientTransformation
-from .combine import chain, masked
+from .combine import chain, masked, partition
 from .schedules import Schedule
 from .transforms.factored import (FactorAxes, add_step_scaled_decayed_weights, clip_by_rms,
                                   clip_by_rms_and_scale_by_param_rms, relative_step_schedule, scale_by_came, scale_by_factored_rms,
@@ -21,15 +21,16 @@ from .transforms.lowrank import MatrixAxes, ProjType, project_lowrank
 from .transforms.moments import (debias_factor, ema, scale_by_adam, scale_by_adamax,
                                  scale_by_belief, scale_by_lion, scale_by_nadam, scale_by_radam,
                                  scale_by_rms, scale_by_rss, scale_by_stddev, trace)
+from .transforms.orthogonalize import NS_COEFFS, Method, orthogonalize, scale_by_shape
 from .transforms.quantized import quantize_state
 from .transforms.scaling import add_decayed_weights, scale, scale_by_learning_rate
 from .transforms.scaling import scale as scale_transform, scale_by_schedule
 from .transforms.shampoo import (block_by_dims, graft, precondition_shampoo,
                                  scale_by_grafted_diagonal)
-from .tree import PyTree
+from .tree import PyTree, mask_leaves, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = ["adabelief", "adafactor", "adagrad", "adalomo", "adam", "adamax", "radam",
-           "adamw", "adamw_8bit", "came",
+           "adamw", "adamw_8bit", "came", "muon", "muon_hidden_matrices",
            "galore_adamw", "galore_adamw_8bit", "lamb", "lars", "lion", "nadam", "rmsprop",
            "sgd", "shampoo"]
 
@@ -853,3 +854,124 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
     if _nonzero(weight_decay) and not use_decoupled_weight_decay:
         return chain(add_decayed_weights(weight_decay), body)
     return body
+
+
+# ---------------------------------------------------------------------------------------------
+# Muon
+# ---------------------------------------------------------------------------------------------
+
+_NOT_HIDDEN_WORDS = ("head", "wte", "wpe", "classifier")
+
+
+def _path_words(path: str) -> list[str]:
+    for sep in "[]'\".,_-/:":
+        path = path.replace(sep, " ")
+    return path.lower().split()
+
+
+def muon_hidden_matrices(params: PyTree) -> PyTree:
+    """The default rule of `muon`: a tree of booleans like ``params``, True for the hidden
+    weight matrices that Muon updates.
+
+    A leaf is a hidden matrix when it has exactly 2 dims and no word of its path (the path
+    split at ``. _ - / [ ] '``, lower-cased) contains ``embed`` or is ``head``, ``wte``,
+    ``wpe`` or ``classifier``: ``layers.0.mlp.fc1.weight`` is one; ``embed_tokens.weight``,
+    ``lm_head.weight``, ``transformer.wte.weight``, biases, norm scales and conv kernels are
+    not (they go to AdamW). Pass ``muon_mask=`` to `muon` for any other rule (for example to
+    add 3-D conv or stacked-expert weights, with ``matrix_axes``).
+    """
+    leaves, spec = tree_flatten(params)
+    paths = tree_paths(params)
+    return tree_unflatten(
+        [x.dim() == 2 and not any("embed" in w or w in _NOT_HIDDEN_WORDS
+                                  for w in _path_words(path))
+         for x, path in zip(leaves, paths)], spec)
+
+
+def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS, ns_steps: int = 5,
+         beta: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.0,
+         weight_decay_mask: Mask = None, mu_dtype: torch.dtype | None = None, *,
+         nesterov: bool = True, bias_correction: bool = True,
+         ns_dtype: torch.dtype | None = None, method: Method = "newton_schulz",
+         consistent_rms: float | None = None, matrix_axes: MatrixAxes = (-2, -1),
+         muon_mask: Mask = None, adam_b1: float = 0.9, adam_b2: float = 0.999,
+         adam_eps_root: float = 0.0, adam_weight_decay: float = 0.0,
+         adam_learning_rate: ScalarOrSchedule | None = None) -> GradientTransformation:
+    r"""Muon: momentum orthogonalized by Newton–Schulz on hidden matrices, AdamW elsewhere.
+
+    .. math::
+        m_t = \beta m_{t-1} + (1-\beta) g_t, \quad
+        \tilde m_t = \beta \hat m_t + (1-\beta) \hat g_t \ (\text{Nesterov}), \quad
+        O_t = \mathrm{NS}_K(\tilde m_t), \quad
+        x_{t+1} = x_t - \eta \left(s(m, n)\, O_t + \lambda x_t\right)
+
+    on the leaves that ``muon_mask`` selects, composed as ``chain(ema(beta, bias_correction,
+    mu_dtype, nesterov=nesterov), orthogonalize(ns_steps, ns_coeffs, eps, method,
+    matrix_axes, ns_dtype=ns_dtype), scale_by_shape(consistent_rms, matrix_axes),
+    add_decayed_weights(weight_decay, weight_decay_mask), scale_by_learning_rate(lr))``
+    (hats: divided by :math:`1-\beta^t`, :math:`1-\beta^{t+1}` as in `ema`; none with
+    ``bias_correction=False``). Every other leaf runs ``adamw(adam_learning_rate or lr,
+    adam_b1, adam_b2, eps, adam_eps_root, mu_dtype, adam_weight_decay, nesterov=nesterov)``.
+    The two groups are a `partition`, labels ``"muon"`` and ``"adam"``.
+
+    Which leaves are Muon's: ``muon_mask`` (a tree of booleans like the params, or a
+    function of them), by default `muon_hidden_matrices` (2-D weights whose path names no
+    embedding or head). Muon is for hidden layers; embeddings, output heads, biases and
+    norm scales do better with AdamW. Weights of 3 or more dims (convolutions, stacked
+    experts) that the mask selects are orthogonalized per matrix over ``matrix_axes``.
+
+    Defaults and numbers of ``optax.contrib.muon`` (for its (in, out) weight layout pass
+    ``matrix_axes=(-1, -2)``; its ``muon_weight_dimension_numbers`` is ``muon_mask`` plus
+    ``matrix_axes``). ``torch.optim.Muon(lr, weight_decay, momentum, nesterov,
+    ns_coefficients, eps, ns_steps, adjust_lr_fn)`` on 2-D weights is
+    ``muon(lr, ns_coefficients, ns_steps, beta=momentum, eps=eps, weight_decay=weight_decay,
+    nesterov=nesterov, bias_correction=False, ns_dtype=torch.bfloat16,
+    consistent_rms=None if adjust_lr_fn in (None, "original") else 0.2)`` with every
+    leaf selected: same numbers (torch clamps the norm at ``eps`` where this adds it, a
+    difference below bfloat16's resolution).
+
+    Args:
+      learning_rate: :math:`\eta`, a number or a schedule.
+      ns_coeffs, ns_steps, method, ns_dtype: see `orthogonalize`.
+      beta: the momentum :math:`\beta`, in [0, 1).
+      eps: added to the Frobenius norm before Newton–Schulz, and AdamW's :math:`\epsilon`.
+      weight_decay: :math:`\lambda` of the Muon group (decoupled, scaled by :math:`\eta`);
+        ``weight_decay_mask`` says where it applies.
+      mu_dtype: dtype of the momentum (and of AdamW's first moment).
+      nesterov: Nesterov momentum (both groups, as optax).
+      bias_correction: debias the momentum (optax); off for torch.optim.Muon's numbers.
+      consistent_rms: see `scale_by_shape` (None: :math:`\sqrt{\max(1, m/n)}`; 0.2: Moonlight's
+        and torch's ``"match_rms_adamw"``).
+      matrix_axes: the (row, column) axes of each matrix, rows being the fan-out.
+      muon_mask: which leaves Muon updates (default `muon_hidden_matrices`).
+      adam_b1, adam_b2, adam_eps_root, adam_weight_decay, adam_learning_rate: the AdamW of
+        the other leaves (its learning rate defaults to ``learning_rate``).
+
+    Example:
+      >>> tx = opttx.muon(0.02, weight_decay=0.01, adam_learning_rate=3e-4)
+      >>> tx = opttx.muon(0.02, consistent_rms=0.2,            # Moonlight's scaling
+      ...                 muon_mask=lambda p: {k: v.ndim >= 2 and "embed" not in k
+      ...                                      for k, v in p.items()})
+
+    References:
+      Jordan et al., Muon: An optimizer for hidden layers in neural networks (2024),
+      https://kellerjordan.github.io/posts/muon/; Liu et al., Muon is Scalable for LLM
+      Training (arXiv 2502.16982).
+    """
+    selected = muon_hidden_matrices if muon_mask is None else muon_mask
+
+    def labels(params: PyTree) -> PyTree:
+        leaves, spec = tree_flatten(params)
+        return tree_unflatten(["muon" if keep else "adam"
+                               for keep in mask_leaves(selected, params)], spec)
+
+    muon_group = chain(
+        ema(beta, debias=bias_correction, accumulator_dtype=mu_dtype, nesterov=nesterov),
+        orthogonalize(ns_steps, ns_coeffs, eps, method, matrix_axes, ns_dtype=ns_dtype),
+        scale_by_shape(consistent_rms, matrix_axes),
+        add_decayed_weights(weight_decay, weight_decay_mask),
+        scale_by_learning_rate(learning_rate))
+    adam_group = adamw(learning_rate if adam_learning_rate is None else adam_learning_rate,
+                       adam_b1, adam_b2, eps, adam_eps_root, mu_dtype, adam_weight_decay,
+                       nesterov=nesterov)
+    return partition({"muon": muon_group, "adam": adam_group}, labels)

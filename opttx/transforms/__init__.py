@@ -13,6 +13,7 @@ from .moments import (DampedTraceState, EmaState, ScaleByAdamState, ScaleByAdama
                       ScaleByStddevState, TraceState, ema, scale_by_adam, scale_by_adamax,
                       scale_by_belief, scale_by_lion, scale_by_nadam, scale_by_radam,
                       scale_by_rms, scale_by_rss, scale_by_stddev, trace)
+from .orthogonalize import newton_schulz, orthogonalize, polar_factor, scale_by_shape
 from .quantized import (QuantizationMap, QuantizedState, QuantizedTensor, dequantize_blockwise,
                         dynamic_map, quantization_map, quantize_blockwise, quantize_state)
 from .scaling import (ScaleByScheduleState, add_decayed_weights, scale, scale_by_learning_rate,
@@ -41,4 +42,5 @@ __all__ = [
     "scale_by_stddev", "trace", "zero_nans",
     "DampedTraceState", "ScaleByAdamaxState", "ScaleByAmsgradState", "ScaleByBeliefState",
     "ScaleByRadamState", "scale_by_adamax", "scale_by_belief", "scale_by_radam",
+    "newton_schulz", "orthogonalize", "polar_factor", "scale_by_shape",
 ]

@@ -192,17 +192,28 @@ class EmaState(NamedTuple):
 
 
 def ema(decay: float, debias: bool = True,
-        accumulator_dtype: torch.dtype | None = None) -> GradientTransformation:
-    r"""Exponential moving average of the updates.
+        accumulator_dtype: torch.dtype | None = None, *,
+        nesterov: bool = False) -> GradientTransformation:
+    r"""Exponential moving average of the updates, optionally with a Nesterov look-ahead.
 
     .. math::
         a_t = \beta a_{t-1} + (1 - \beta) g_t, \qquad
         u_t = a_t / (1 - \beta^t) \quad(\text{or } a_t \text{ without debiasing})
 
+    With ``nesterov=True`` the output looks one step ahead:
+    :math:`u_t = \beta a_t + (1-\beta) g_t` without debiasing (``torch.optim.Muon``'s
+    ``grad.lerp(buf, momentum)``), and with it optax's
+    :math:`u_t = \beta a_t / (1-\beta^{t+1}) + (1-\beta) g_t / (1-\beta^t)`
+    (``optax.contrib.scale_by_muon``'s momentum).
+
     Args:
       decay: :math:`\beta` in [0, 1).
       debias: divide by :math:`1 - \beta^t` to remove the bias of the zero start.
       accumulator_dtype: dtype of the average (default: the parameter's, fp32 for 16-bit).
+      nesterov: output the Nesterov look-ahead instead of the average.
+
+    Example:
+      >>> tx = opttx.chain(opttx.ema(0.95, debias=False, nesterov=True), opttx.orthogonalize())
     """
     check_unit_interval("decay", decay)
 
@@ -212,8 +223,14 @@ def ema(decay: float, debias: bool = True,
 
     def step(g, state, params, extra_args):
         avg = foreach_ema(state.ema, g, decay)
-        out = _fresh(_div_by(avg, debias_factor(decay, state.count)), g) if debias else \
-            cast_like(avg, g)
+        if nesterov and debias:
+            out = _fresh(_nesterov_or_debiased(avg, g, decay, state.count, True), g)
+        elif nesterov:
+            out = _fresh(foreach("lerp", cast_like(g, avg), avg, decay), g)
+        elif debias:
+            out = _fresh(_div_by(avg, debias_factor(decay, state.count)), g)
+        else:
+            out = cast_like(avg, g)
         return out, state._replace(ema=avg)
 
     return GradientTransformation(init, leafwise(EmaState, step), ELEMENTWISE)
