@@ -40,6 +40,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     def update(updates: Updates, state: tuple, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, tuple]:
+        if not isinstance(state, tuple):
+            raise TypeError(f"chain of {len(transforms)} transforms got a state of type "
+                            f"{type(state).__name__}, expected the tuple its init returns "
+                            "(state = tx.init(params)).")
         if len(state) != len(transforms):
             raise ValueError(f"chain of {len(transforms)} transforms got a state of "
                              f"{len(state)} entries; was it built by this chain's init?")

@@ -81,6 +81,11 @@ ALIASES_WITH_STATE = {
     "rmsprop": lambda: opttx.rmsprop(1e-2),
     "adagrad": lambda: opttx.adagrad(1e-2),
     "sgd_momentum": lambda: opttx.sgd(1e-2, momentum=0.9),
+    # factored and layer-wise: checked against their state or the params
+    "adafactor": lambda: opttx.adafactor(1e-2, min_dim_size_to_factor=2),
+    "came": lambda: opttx.came(1e-3, min_dim_size_to_factor=2),
+    "lars": lambda: opttx.lars(0.1),
+    "adalomo": lambda: opttx.adalomo(1e-2),
 }
 
 
@@ -190,6 +195,12 @@ def test_state_of_another_optimizer_is_refused() -> None:
     tx = opttx.sgd(0.1, momentum=0.9)
     with pytest.raises(TypeError, match="ScaleByAdamState, expected TraceState"):
         tx.update({"w": torch.ones(4, 3)}, opttx.adam(0.1).init(params), params)
+
+
+def test_state_none_is_refused_by_a_chain() -> None:
+    params = {"w": torch.zeros(4, 3)}
+    with pytest.raises(TypeError, match="got a state of type NoneType, expected the tuple"):
+        opttx.adamw(1e-2).update({"w": torch.ones(4, 3)}, None, params)
 
 
 def test_state_none_is_refused_by_a_moment_transform() -> None:

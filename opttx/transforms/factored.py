@@ -19,7 +19,8 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import torch
 
-from .._checks import check_nonnegative, check_positive, check_unit_interval
+from .._checks import (check_gradient_leaves, check_nonnegative, check_positive,
+                       check_unit_interval)
 from ..base import (LEAFWISE, REDUCER_KEY, EmptyState, GradientTransformation, Params, Role,
                     Updates, advance_counts, check_init_params, current_reducer, declare_roles,
                     reduce_statistics, require_params, safe_increment, zero_count)
@@ -409,6 +410,9 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
                                                       state.v)
         if not g:             # a tree without leaves: only the step counters move
             return updates, advance_counts(state)
+        like = (flatten_matching(updates, params, what="updates and params")[2]
+                if params is not None else None)
+        check_gradient_leaves(g, like, updates, "scale_by_factored_rms")
         layout = layout_of(updates, extra_args)
         beta = decay_rate_fn(state.count - step_offset, decay_rate)
         q = [x.to(s.dtype if s.numel() else r.dtype) for x, s, r in zip(g, fulls, rows)]
@@ -462,6 +466,7 @@ def _stateless_with_params(name: str, fn: Callable[[Any, list, list, dict], list
         spec, g, p = flatten_matching(updates, params, what="updates and params")
         if not g:
             return updates, state
+        check_gradient_leaves(g, p, updates, name)
         return tree_unflatten(fn(spec, g, p, extra_args), spec), state
 
     return GradientTransformation(init, update, LEAFWISE)
@@ -557,6 +562,7 @@ def add_step_scaled_decayed_weights(weight_decay: float, learning_rate: float | 
                **extra_args: Any) -> tuple[Updates, torch.Tensor]:
         params = require_params(params, "add_step_scaled_decayed_weights")
         spec, g, p = flatten_matching(updates, params, what="updates and params")
+        check_gradient_leaves(g, p, updates, "add_step_scaled_decayed_weights")
         keep = leaf_labels(mask, params, "mask values") if mask is not None else [True] * len(g)
         lr = learning_rate(state) if callable(learning_rate) else learning_rate
         scales = ([torch.clamp(r, min=min_scale) for r in _leaf_rms(p, spec, extra_args)]
@@ -636,6 +642,7 @@ def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
             updates, state.mu, state.v_row, state.v_col, state.v, state.r_row, state.r_col)
         if not g:             # a tree without leaves: only the step counters move
             return updates, advance_counts(state)
+        check_gradient_leaves(g, mu, updates, "scale_by_came")
         layout = layout_of(updates, extra_args)
         g32 = cast_like(g, mu)
         q = foreach("add", foreach("mul", g32, g32), eps1)
@@ -714,6 +721,7 @@ def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,
                **extra_args: Any) -> tuple[Updates, EmptyState]:
         params = require_params(params, "scale_by_trust_ratio")
         spec, g, p = flatten_matching(updates, params, what="updates and params")
+        check_gradient_leaves(g, p, updates, "scale_by_trust_ratio")
         keep = leaf_labels(mask, params, "mask values") if mask is not None else [True] * len(g)
         if not g:
             return updates, state

@@ -6,7 +6,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .._checks import check_learning_rate, check_nonnegative, check_number
+from .._checks import (check_gradient_leaves, check_learning_rate, check_nonnegative,
+                       check_number)
 from ..base import (ELEMENTWISE, EmptyState, GradientTransformation, Params, Role, Traits, Updates,
                     check_init_params, declare_roles, require_params, safe_increment, stateless,
                     zero_count)
@@ -121,6 +122,7 @@ def add_decayed_weights(weight_decay: float = 0.0,
         del extra_args
         params = require_params(params, "add_decayed_weights")
         spec, g, p = flatten_matching(updates, params, what="updates and params")
+        check_gradient_leaves(g, p, updates, "add_decayed_weights")
         selected = mask_leaves(mask, params) if mask is not None else [True] * len(g)
         idx = [i for i, keep in enumerate(selected) if keep]
         if not idx:
