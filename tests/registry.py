@@ -50,6 +50,9 @@ class Case:
     refuses it). A string: why it is not run distributed."""
     covers: tuple[str, ...] = ()
     """Other public names this case exercises (a factory that returns a factory, a class)."""
+    matrices_only: bool = False
+    """True for transforms of matrices (Muon's orthogonalization): the cases' trees hold no
+    1-D leaf, which they refuse."""
     known_bugs: tuple[tuple[str, str], ...] = ()
     """(property, why): a property this entry fails today, run as a strict xfail (it
     fails the suite once fixed, so the entry is updated)."""
@@ -61,18 +64,18 @@ class Case:
 
 def case(name: str, factory: Callable[..., opttx.GradientTransformation], /,
          stacked: str | None = None, distributed: str | None = None, covers: tuple = (),
-         known_bugs: tuple = (), **kwargs: Any) -> Case:
+         matrices_only: bool = False, known_bugs: tuple = (), **kwargs: Any) -> Case:
     """``factory(**kwargs)``, whose numeric keyword arguments may be injected."""
     return Case(name, lambda: factory(**kwargs), factory, dict(kwargs), stacked, distributed,
-                covers, known_bugs)
+                covers, matrices_only, known_bugs)
 
 
 def built(name: str, make: Callable[[], opttx.GradientTransformation], /,
           stacked: str | None = None, distributed: str | None = None,
-          covers: tuple = ()) -> Case:
+          covers: tuple = (), matrices_only: bool = False) -> Case:
     """A transform built by ``make`` (combinators and wrappers, whose arguments are
     transforms)."""
-    return Case(name, make, None, {}, stacked, distributed, covers)
+    return Case(name, make, None, {}, stacked, distributed, covers, matrices_only)
 
 
 def _is_matrix(tree: Any) -> Any:
@@ -122,10 +125,22 @@ CASES: list[Case] = [
                       "project_lowrank the codes have the projected shapes, so the keys "
                       "cannot be built (a clear ValueError, no wrong keys)"),)),
     case("adamw_8bit", opttx.adamw_8bit, learning_rate=LR, min_size=8, block_size=8),
+    case("radam", opttx.radam, learning_rate=LR, weight_decay=0.01,
+         decoupled_weight_decay=True),
+    case("adamax", opttx.adamax, learning_rate=LR),
+    case("adam/amsgrad", opttx.adam, learning_rate=LR, amsgrad=True),
+    case("adabelief", opttx.adabelief, learning_rate=LR),
+    case("muon", opttx.muon, learning_rate=LR, weight_decay=0.01),
     # --- transforms -----------------------------------------------------------------------
     case("scale_by_adam", opttx.scale_by_adam, b1=0.8, b2=0.99),
     case("scale_by_adam/nesterov", opttx.scale_by_adam, b1=0.9, nesterov=True),
     case("scale_by_nadam", opttx.scale_by_nadam, b1=0.9, momentum_decay=4e-3),
+    case("scale_by_radam", opttx.scale_by_radam, threshold=2.0),
+    case("scale_by_adamax", opttx.scale_by_adamax, b1=0.8),
+    case("scale_by_belief", opttx.scale_by_belief, eps=1e-8),
+    case("orthogonalize", opttx.orthogonalize, ns_steps=5, matrices_only=True),
+    built("orthogonalize/svd", lambda: opttx.orthogonalize(method="svd"), matrices_only=True),
+    case("scale_by_shape", opttx.scale_by_shape, consistent_rms=0.2, matrices_only=True),
     case("scale_by_lion", opttx.scale_by_lion, b1=0.9, b2=0.99),
     case("scale_by_rms", opttx.scale_by_rms, decay=0.9),
     case("scale_by_rss", opttx.scale_by_rss, initial_accumulator_value=0.1),
