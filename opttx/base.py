@@ -52,6 +52,7 @@ __all__ = [
     "reduce_across_leaves",
     "reduce_statistics",
     "reducer_during_init",
+    "register_safe_globals",
     "require_whole_leaves",
     "round_stochastic_",
     "require_params",

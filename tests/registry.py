@@ -197,6 +197,8 @@ CASES: list[Case] = [
     built("inject_hyperparams", lambda: opttx.inject_hyperparams(opttx.adamw)(
         learning_rate=opttx.linear_schedule(LR, LR / 10, 5), weight_decay=0.1)),
     built("apply_if_finite", lambda: opttx.apply_if_finite(opttx.adam(LR), 3)),
+    built("apply_if_finite/check_state", lambda: opttx.apply_if_finite(opttx.adam(LR), 3,
+                                                                       check_state=True)),
     built("MultiSteps", lambda: opttx.MultiSteps(opttx.adam(LR), 2).gradient_transformation()),
     built("flatten", lambda: opttx.flatten(opttx.adamw(LR, weight_decay=0.1))),
     built("stacked", lambda: opttx.stacked(opttx.adam(LR)),

@@ -276,6 +276,9 @@ def check_checkpoint(state_dict: Mapping[str, Any], metadata: Any, prefix: str =
     first missing or unexpected entries, or a shape mismatch, named on every rank, instead of
     DCP's error on one rank (or a silent partial load).
 
+    DCP's metadata is unpickled by torch when read (``read_metadata()``): load checkpoints
+    only from sources you trust.
+
     Args:
       state_dict: this rank's `state_dict` of the template state.
       metadata: the checkpoint's ``Metadata`` (``dcp.FileSystemReader(path).read_metadata()``)
