@@ -129,7 +129,8 @@ def run_optax(tx, tree: dict, grads: list[dict]) -> dict:
 optax_hparams = st.fixed_dictionaries({
     "beta": st.floats(0.5, 0.99), "nesterov": st.booleans(), "ns_steps": st.integers(3, 6),
     "weight_decay": st.sampled_from([0.0, 0.1]), "consistent_rms": st.sampled_from([None, 0.2]),
-    "adam_weight_decay": st.sampled_from([0.0, 0.01])})
+    "adam_weight_decay": st.sampled_from([0.0, 0.01]),
+    "adam_learning_rate": st.sampled_from([None, 1e-3])})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
