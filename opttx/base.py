@@ -582,9 +582,12 @@ def leafwise(state_type: type, step: LeafwiseStep, *, needs_params: str | None =
     lists of leaves in the same order and whose counters already count this step. ``step``
     returns lists in the same places; they are unflattened back into trees.
 
-    Example (the whole update of `opttx.scale_by_lion`):
+    Example (the whole update of a Lion-like transform):
+      >>> from opttx.kernels import foreach, foreach_ema
+      >>> from opttx.transforms.moments import ScaleByLionState
+      >>> b1, b2 = 0.9, 0.99
       >>> def step(g, state, params, extra_args):
-      ...     out = ...                             # sign(b1·mu + (1-b1)·g)
+      ...     out = foreach("sign", foreach_ema(state.mu, g, b1))   # sign(b1·mu + (1-b1)·g)
       ...     return out, state._replace(mu=foreach_ema(state.mu, g, b2))
       >>> update = leafwise(ScaleByLionState, step)
     """

@@ -314,17 +314,20 @@ class Optimizer(torch.optim.Optimizer):
       ...     loss_fn(model(x), y).backward()
       ...     opt.step(); opt.zero_grad(); sched.step()
 
-      With FSDP2 (here CPU and gloo; ``"cuda"`` and NCCL alike):
+      With FSDP2 (here CPU and gloo; ``"cuda"`` and NCCL alike), on every rank of an
+      initialised process group:
 
-      >>> from torch.distributed.fsdp import fully_shard
-      >>> mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world_size,))
-      >>> for block in model.blocks:
-      ...     fully_shard(block, mesh=mesh)
-      >>> fully_shard(model, mesh=mesh)
-      >>> opt = opttx.Optimizer(model.named_parameters(), opttx.distributed.sharded(
-      ...     opttx.adafactor(1e-2)))
-      >>> shampoo = opttx.Optimizer(model.parameters(), opttx.distributed.sharded(
-      ...     opttx.shampoo(1e-3), on_owners=True))
+      ```python
+      from torch.distributed.fsdp import fully_shard
+      mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world_size,))
+      for block in model.blocks:
+          fully_shard(block, mesh=mesh)
+      fully_shard(model, mesh=mesh)
+      opt = opttx.Optimizer(model.named_parameters(), opttx.distributed.sharded(
+          opttx.adafactor(1e-2)))
+      shampoo = opttx.Optimizer(model.parameters(), opttx.distributed.sharded(
+          opttx.shampoo(1e-3), on_owners=True))
+      ```
     """
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict] |
