@@ -159,7 +159,8 @@ def newton_schulz(x: torch.Tensor, coefficients: Sequence[tuple[float, float, fl
     steps the singular values of the result lie in about [0.7, 1.2] (not exactly 1: the
     coefficients buy speed at the cost of exactness, see `orthogonalize`). Written with
     ``addmm``/``baddbmm`` as torch.optim.Muon writes it: with ``dtype=torch.bfloat16`` its
-    numbers bit for bit on a 2-D matrix.
+    numbers bit for bit on a 2-D matrix in eager mode (Inductor computes fused bfloat16
+    element-wise work in float32, so a compiled step agrees to bfloat16's resolution).
 
     Args:
       x: a tensor of 2 or more dims.
