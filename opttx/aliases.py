@@ -961,7 +961,7 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS, ns_steps: 
     selected = muon_hidden_matrices if muon_mask is None else muon_mask
 
     def labels(params: PyTree) -> PyTree:
-        leaves, spec = tree_flatten(params)
+        spec = tree_flatten(params)[1]
         return tree_unflatten(["muon" if keep else "adam"
                                for keep in mask_leaves(selected, params)], spec)
 

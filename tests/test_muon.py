@@ -327,7 +327,7 @@ def test_train_step_compiles_to_one_graph(variant: str) -> None:
     x, y = torch.randn(5, 8), torch.randn(5, 4)
 
     def step(p, s):
-        g, loss = grad_and_value(
+        g, _ = grad_and_value(
             lambda q: ((functional_call(model, q, (x,)) - y) ** 2).mean())(p)
         u, s = tx.update(g, s, p)
         return opttx.apply_updates(p, u), s
