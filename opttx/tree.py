@@ -245,7 +245,18 @@ def leaf_labels(labels: PyTree | Callable[[PyTree], PyTree], tree: PyTree,
     that are containers in pytree terms (a tuple of axes) as single values."""
     is_masked = lambda x: isinstance(x, MaskedNode)  # noqa: E731
     if callable(labels):
-        labels = labels(tree)
+        fn = labels
+        try:
+            labels = fn(tree)       # a tree_map keeps the masked positions (MaskedNode)
+        except (AttributeError, TypeError):
+            # a function that reads the leaves directly (``{k: v.ndim > 1 for k, v in
+            # p.items()}``) fails on a MaskedNode (a rank's part under zero or on_owners):
+            # masked positions get a 0-dim meta tensor instead; their values are dropped below
+            if not any(is_masked(x) for x in _pytree.tree_leaves(tree, is_leaf=is_masked)):
+                raise
+            labels = fn(_pytree.tree_map(
+                lambda x: torch.empty((), device="meta") if is_masked(x) else x, tree,
+                is_leaf=is_masked))
     # labels made from a tree with masked positions (by a function of it, as any tree_map
     # keeps them; by `partition` for its groups) hold MaskedNode there: no value
     labels = _pytree.tree_map(lambda x: _MASKED if is_masked(x) else x, labels,

@@ -105,6 +105,9 @@ CASES: list[Case] = [
     case("sgd", opttx.sgd, learning_rate=LR, momentum=0.9, nesterov=True),
     case("adam", opttx.adam, learning_rate=LR),
     case("adamw", opttx.adamw, learning_rate=LR, weight_decay=0.1),
+    # a mask function written as the docs write it: a dict comprehension over the leaves
+    case("adamw/mask_function", opttx.adamw, learning_rate=LR, weight_decay=0.1,
+         mask=lambda p: {k: v.ndim > 1 for k, v in p.items()}),
     case("nadam", opttx.nadam, learning_rate=LR, momentum_decay=4e-3),
     case("rmsprop", opttx.rmsprop, learning_rate=LR, centered=True, momentum=0.5),
     case("adagrad", opttx.adagrad, learning_rate=LR),

@@ -82,7 +82,7 @@ def test_inject_hyperparams_state_and_schedules() -> None:
     sched = opttx.linear_schedule(1.0, 0.0, 4)
     tx = opttx.inject_hyperparams(opttx.sgd)(learning_rate=sched, momentum=0.5)
     state = tx.init(params)
-    assert set(state.hyperparams) == {"learning_rate", "momentum"}
+    assert set(state.hyperparams) == {"learning_rate", "momentum", "dampening"}   # floats
     seen = []
     for _ in range(3):
         updates, state = tx.update({"w": torch.ones(2, 2)}, state, params)
@@ -265,3 +265,15 @@ def test_masks_and_labels_given_as_functions_see_masked_positions() -> None:
     assert torch.equal(part["b"], params["b"])                       # "v": set to zero
     assert torch.equal(part["c"], params["c"] + grads[0]["c"])      # masked out: passed on
     assert torch.equal(part["w"], params["w"] - grads[0]["w"])
+
+
+def test_a_mask_function_reading_leaves_directly_works_on_masked_positions() -> None:
+    """The docs' mask, a dict comprehension over the leaves (``v.ndim > 1``), fails on a
+    MaskedNode; on a tree with masked positions (a rank's part under zero or on_owners, a
+    partition group) it gets 0-dim meta tensors there, whose values are dropped."""
+    mask = lambda p: {k: v.ndim > 1 for k, v in p.items()}  # noqa: E731
+    tree = {"w": opttx.MaskedNode(), "b": torch.zeros(3), "c": torch.zeros(2, 2)}
+    assert opttx.tree.leaf_labels(mask, tree, "mask values") == [False, True]
+    with pytest.raises(AttributeError):       # a real error on real leaves is not hidden
+        opttx.tree.leaf_labels(lambda p: {k: v.no_such for k, v in p.items()},
+                               {"b": torch.zeros(3)})
