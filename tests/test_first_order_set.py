@@ -247,7 +247,10 @@ def test_equals_optax(name: str, dtype: torch.dtype) -> None:
     optax = pytest.importorskip("optax")
     jax.config.update("jax_enable_x64", True)
     theirs, ours = OPTAX_CASES[name]
-    hparams = st.fixed_dictionaries({"lr": lr, "b1": beta, "b2": beta2,
+    # b1 >= 0.5: with b1 near 0 AdaBelief's prediction error g - m is a cancellation (m is
+    # almost g), and optax's (1-b1)·g + b1·m and torch's lerp round it differently; the
+    # belief then sits at eps_root and the step at g / 1e-8, amplifying that last-bit noise
+    hparams = st.fixed_dictionaries({"lr": lr, "b1": st.floats(0.5, 0.99), "b2": beta2,
                                      "nesterov": st.booleans()})
 
     @settings(max_examples=5, deadline=None)
