@@ -51,13 +51,13 @@ def _is_injectable(value: Any) -> bool:
 def _is_schedule(value: Any, name: str | None = None) -> bool:
     """A function of the step count alone: callable with one positional argument. Callables
     that need more stay Python values (Adafactor's ``decay_rate_fn(step, exponent)``), and so
-    do functions passed as an argument whose ``name`` says it is a mask or labels (functions
-    of the params); another function of one argument that is not a schedule is named in
+    do functions passed as an argument whose ``name`` says it is a mask, labels or axes
+    (functions of the params); another function of one argument that is not a schedule is named in
     ``static_args``."""
     if not callable(value) or isinstance(value, GradientTransformation):
         return False
-    if name is not None and ("mask" in name or "label" in name):
-        return False            # a function of the params (opttx.adamw's mask=...)
+    if name is not None and any(word in name for word in ("mask", "label", "axes")):
+        return False            # a function of the params (adamw's mask=, muon's matrix_axes=)
     try:
         inspect.signature(value).bind(0)
     except TypeError:
@@ -86,7 +86,7 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
       static_args: names of arguments to keep as Python values. Booleans, ints (sizes,
         step counts, offsets: unlike optax, which injects ints too), dtypes, trees (masks)
         and None are kept as Python values anyway, as are functions passed for an argument
-        named like a mask or labels; any other function of one argument is taken as a
+        named like a mask, labels or axes; any other function of one argument is taken as a
         schedule of the step count (name it here if it is not one).
       hyperparam_dtype: dtype of the injected values (default float64, so that they equal
         the Python floats they replace).

@@ -133,7 +133,12 @@ CASES: list[Case] = [
     case("adamax", opttx.adamax, learning_rate=LR),
     case("adam/amsgrad", opttx.adam, learning_rate=LR, amsgrad=True),
     case("adabelief", opttx.adabelief, learning_rate=LR),
-    case("muon", opttx.muon, learning_rate=LR, weight_decay=0.01),
+    case("muon", opttx.muon, learning_rate=LR, weight_decay=0.01, consistent_rms=0.2),
+    built("muon/3d", lambda: opttx.muon(LR, muon_mask=_is_matrix, bias_correction=False)),
+    case("adamw/amsgrad", opttx.adamw, learning_rate=LR, weight_decay=0.1, amsgrad=True),
+    case("sgd/dampening", opttx.sgd, learning_rate=LR, momentum=0.9, dampening=0.5),
+    case("radam/torch", opttx.radam, learning_rate=LR, weight_decay=0.01,
+         eps_before_debias=True),
     # --- transforms -----------------------------------------------------------------------
     case("scale_by_adam", opttx.scale_by_adam, b1=0.8, b2=0.99),
     case("scale_by_adam/nesterov", opttx.scale_by_adam, b1=0.9, nesterov=True),
@@ -150,6 +155,9 @@ CASES: list[Case] = [
     case("scale_by_stddev", opttx.scale_by_stddev, decay=0.9),
     case("ema", opttx.ema, decay=0.9),
     case("trace", opttx.trace, decay=0.9, nesterov=True),
+    case("trace/dampening", opttx.trace, decay=0.9, dampening=0.5),
+    case("ema/nesterov", opttx.ema, decay=0.9, nesterov=True),
+    case("scale_by_adam/amsgrad", opttx.scale_by_adam, b1=0.9, amsgrad=True),
     case("scale", opttx.scale, step_size=-0.5),
     case("scale_by_learning_rate", opttx.scale_by_learning_rate, learning_rate=LR),
     built("scale_by_schedule", lambda: opttx.scale_by_schedule(
