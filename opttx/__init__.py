@@ -17,6 +17,7 @@ from . import schedules, transforms, tree
 from .aliases import (adafactor, adagrad, adalomo, adam, adamw, adamw_8bit, came, galore_adamw,
                       galore_adamw_8bit, lamb, lars, lion, nadam, rmsprop, sgd, shampoo)
 from .aliases import adabelief, adamax, muon, muon_hidden_matrices, radam
+from .aliases import prodigy, schedule_free_adamw, schedule_free_sgd
 from .backward import FusedBackward
 from .base import (ELEMENTWISE, LEAFWISE, PRECONDITIONER, EmptyState, GradientTransformation,
                    Role, Traits, apply_updates, apply_updates_, check_init_params,
@@ -66,4 +67,6 @@ __all__ = [
     "adabelief", "adamax", "radam",
     # Muon (issue 17)
     "muon", "muon_hidden_matrices",
+    # Schedule-Free and Prodigy (issue 17)
+    "prodigy", "schedule_free_adamw", "schedule_free_sgd",
 ]

@@ -23,6 +23,8 @@ from .transforms.moments import (debias_factor, ema, scale_by_adam, scale_by_ada
                                  scale_by_rms, scale_by_rss, scale_by_stddev, trace)
 from .transforms.orthogonalize import NS_COEFFS, Method, orthogonalize, scale_by_shape
 from .transforms.quantized import quantize_state
+from .transforms.prodigy import scale_by_prodigy
+from .transforms.schedule_free import schedule_free
 from .transforms.scaling import add_decayed_weights, scale, scale_by_learning_rate
 from .transforms.scaling import scale as scale_transform, scale_by_schedule
 from .transforms.shampoo import (block_by_dims, graft, precondition_shampoo,
@@ -32,7 +34,7 @@ from .tree import PyTree, mask_leaves, tree_flatten, tree_paths, tree_unflatten
 __all__ = ["adabelief", "adafactor", "adagrad", "adalomo", "adam", "adamax", "radam",
            "adamw", "adamw_8bit", "came", "muon", "muon_hidden_matrices",
            "galore_adamw", "galore_adamw_8bit", "lamb", "lars", "lion", "nadam", "rmsprop",
-           "sgd", "shampoo"]
+           "sgd", "shampoo", "prodigy", "schedule_free_adamw", "schedule_free_sgd"]
 
 ScalarOrSchedule = float | torch.Tensor | Schedule
 Mask = PyTree | Callable[[PyTree], PyTree] | None
@@ -975,3 +977,89 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS, ns_steps: 
                        adam_b1, adam_b2, eps, adam_eps_root, mu_dtype, adam_weight_decay,
                        nesterov=nesterov)
     return partition({"muon": muon_group, "adam": adam_group}, labels)
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedule-Free and Prodigy (issue 17)
+# ---------------------------------------------------------------------------------------------
+
+
+def schedule_free_adamw(learning_rate: float = 0.0025, warmup_steps: int = 0, b1: float = 0.9,
+                        b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+                        weight_lr_power: float = 2.0, r: float = 0.0,
+                        state_dtype: torch.dtype | None = None) -> GradientTransformation:
+    r"""Schedule-Free AdamW: `schedule_free` around Adam without momentum.
+
+    .. math::
+        v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2, \qquad
+        z_{t+1} = z_t - \gamma_t \left(\frac{g_t}{\sqrt{v_t / (1-\beta_2^t)} + \epsilon}
+        + \lambda y_t\right)
+
+    with :math:`y_t` the parameters, :math:`\gamma_t` the warmed-up learning rate, and the
+    interpolation and averaging of `schedule_free`. Same numbers as
+    ``schedulefree.AdamWScheduleFree(lr, betas=(b1, b2), eps, weight_decay, warmup_steps, r,
+    weight_lr_power)`` (weight decay at :math:`y`, scaled by the warmed-up learning rate),
+    and as ``optax.contrib.schedule_free_adamw`` without warmup. With ``warmup_steps`` optax
+    scales the :math:`z` step by its warm-up schedule at the 0-based step and the averaging
+    weight at the 1-based one; this alias (as ``schedulefree``) uses the 1-based step for
+    both (optax's numbers: `schedule_free` around ``chain(scale_by_rms(b2, eps,
+    eps_in_sqrt=False, bias_correction=True), add_decayed_weights(wd),
+    scale_by_learning_rate(sched))`` with ``learning_rate=sched``).
+
+    Evaluate at `schedule_free_eval_params`, or call `opttx.Optimizer.eval` /
+    ``train`` as with ``schedulefree``'s optimizers.
+
+    Example:
+      >>> tx = opttx.schedule_free_adamw(1e-3, warmup_steps=100, weight_decay=0.01)
+
+    References:
+      Defazio et al., The Road Less Scheduled (arXiv 2405.15682).
+    """
+    inner = chain(scale_by_rms(b2, eps, eps_in_sqrt=False, bias_correction=True),
+                  add_decayed_weights(weight_decay), scale_by_learning_rate(learning_rate))
+    return schedule_free(inner, learning_rate, b1, weight_lr_power, warmup_steps, r,
+                         state_dtype)
+
+
+def schedule_free_sgd(learning_rate: float = 1.0, warmup_steps: int = 0, b1: float = 0.9,
+                      weight_decay: float = 0.0, weight_lr_power: float = 2.0, r: float = 0.0,
+                      state_dtype: torch.dtype | None = None) -> GradientTransformation:
+    r"""Schedule-Free SGD: `schedule_free` around SGD,
+    :math:`z_{t+1} = z_t - \gamma_t (g_t + \lambda y_t)`.
+
+    Same numbers as ``schedulefree.SGDScheduleFree(lr, momentum=b1, weight_decay,
+    warmup_steps, r, weight_lr_power)`` and, without warmup, as
+    ``optax.contrib.schedule_free_sgd`` (see `schedule_free_adamw` for the warmup).
+
+    Example:
+      >>> tx = opttx.schedule_free_sgd(1.0, warmup_steps=50)
+
+    References:
+      Defazio et al., The Road Less Scheduled (arXiv 2405.15682).
+    """
+    inner = chain(add_decayed_weights(weight_decay), scale_by_learning_rate(learning_rate))
+    return schedule_free(inner, learning_rate, b1, weight_lr_power, warmup_steps, r,
+                         state_dtype)
+
+
+def prodigy(learning_rate: ScalarOrSchedule = 1.0, betas: tuple[float, float] = (0.9, 0.999),
+            beta3: float | None = None, eps: float = 1e-8, estim_lr0: float = 1e-6,
+            estim_lr_coef: float = 1.0, weight_decay: float = 0.0,
+            safeguard_warmup: bool = False, growth_rate: float = float("inf")
+            ) -> GradientTransformation:
+    r"""Prodigy: learning-rate-free AdamW (`scale_by_prodigy`, as a descent step).
+
+    Same signature, defaults and numbers as ``optax.contrib.prodigy`` (plus
+    ``prodigyopt``'s ``growth_rate``). ``learning_rate`` multiplies the estimated step size
+    and enters the estimate; use a schedule with peak 1.0 (for example a linear decay to 0).
+    Its sums over all leaves are reduced over shards and ranks, so it is exact under
+    `opttx.distributed`.
+
+    Example:
+      >>> tx = opttx.prodigy(weight_decay=0.01)
+
+    References:
+      Mishchenko and Defazio, Prodigy (arXiv 2306.06101).
+    """
+    return scale_by_prodigy(learning_rate, betas, beta3, eps, estim_lr0, estim_lr_coef,
+                            weight_decay, safeguard_warmup, growth_rate, flip_sign=True)

@@ -14,6 +14,7 @@ from .distributed.checkpoint_keys import (dtensor_placement, keyed_state,
                                           local_entries_as_dtensors, param_paths)
 from .kernels import donating, foreach
 from .tree import PyTree, tree_leaves
+from .transforms.schedule_free import find_schedule_free_states, schedule_free_params_
 from .wrappers import find_injected_states, inject_hyperparams
 
 __all__ = ["Optimizer"]
@@ -486,6 +487,8 @@ class Optimizer(torch.optim.Optimizer):
         self._lr_values.append(torch.tensor(float(group["lr"]) if lr_is_scale else 0.0,
                                             dtype=torch.float32))
         group._owner, group._slot = self, slot
+        if find_schedule_free_states(state):
+            dict.__setitem__(group, "train_mode", True)    # see `train` and `eval`
         for key in given & set(initial):
             self._write_hyperparameter(slot, key, group[key])
 
@@ -549,11 +552,51 @@ class Optimizer(torch.optim.Optimizer):
         elif key in _HYPERPARAMETER_KEYS:
             raise ValueError(self._not_live(key))
 
+    # -- Schedule-Free: train() and eval() ------------------------------------------------------
+
+    @torch.no_grad()
+    def train(self, mode: bool = True) -> Optimizer:
+        """Put the parameters of Schedule-Free groups (`opttx.schedule_free`,
+        `opttx.schedule_free_adamw`, ...) at the training point :math:`y`, where gradients are
+        taken, as ``schedulefree``'s ``optimizer.train()``; ``train(False)`` is `eval`.
+
+        Call it with ``model.train()``; groups of other transforms are unaffected, and a
+        group already in training mode is left as it is. The mode is the group's
+        ``"train_mode"`` key, saved in `state_dict`: save checkpoints in either mode (with
+        the model's parameters of the same moment) and they load right. Groups start in
+        training mode (:math:`x = y = z` before the first step).
+        """
+        if not mode:
+            return self.eval()
+        self._schedule_free_mode(True)
+        return self
+
+    @torch.no_grad()
+    def eval(self) -> Optimizer:
+        """Put the parameters of Schedule-Free groups at the evaluation point :math:`x` (the
+        average; `opttx.schedule_free_eval_params`), as ``schedulefree``'s
+        ``optimizer.eval()``: call it with ``model.eval()``, and `train` before the next
+        `step` (which refuses to run in evaluation mode)."""
+        self._schedule_free_mode(False)
+        return self
+
+    def _schedule_free_mode(self, train: bool) -> None:
+        for slot, group in enumerate(self._slot_groups):
+            if bool(group.get("train_mode", train)) == train:
+                continue
+            schedule_free_params_(self._tx_states[slot], list(group["params"]),
+                                  to_eval=not train)
+            dict.__setitem__(group, "train_mode", train)
+
     # -- the step ----------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Apply one update to every parameter that has a gradient; returns ``closure()``."""
+        if not all(bool(group.get("train_mode", True)) for group in self._slot_groups):
+            raise RuntimeError("Optimizer.step: a Schedule-Free group is in evaluation mode "
+                               "(its parameters hold the average x); call optimizer.train() "
+                               "before training steps.")
         # What a torch LR scheduler's wrapper of ``step`` records (see `_opt_called`); a
         # tensor, since Dynamo drops attribute writes on a torch.optim.Optimizer
         self._steps_called.fill_(1)

@@ -14,6 +14,9 @@ from .moments import (DampedTraceState, EmaState, ScaleByAdamState, ScaleByAdama
                       scale_by_belief, scale_by_lion, scale_by_nadam, scale_by_radam,
                       scale_by_rms, scale_by_rss, scale_by_stddev, trace)
 from .orthogonalize import newton_schulz, orthogonalize, polar_factor, scale_by_shape
+from .prodigy import ProdigyState, scale_by_prodigy
+from .schedule_free import (ScheduleFreeState, schedule_free, schedule_free_eval_params,
+                            schedule_free_train_params)
 from .quantized import (QuantizationMap, QuantizedState, QuantizedTensor, dequantize_blockwise,
                         dynamic_map, quantization_map, quantize_blockwise, quantize_state)
 from .scaling import (ScaleByScheduleState, add_decayed_weights, scale, scale_by_learning_rate,
@@ -43,4 +46,7 @@ __all__ = [
     "DampedTraceState", "ScaleByAdamaxState", "ScaleByAmsgradState", "ScaleByBeliefState",
     "ScaleByRadamState", "scale_by_adamax", "scale_by_belief", "scale_by_radam",
     "newton_schulz", "orthogonalize", "polar_factor", "scale_by_shape",
+    "ProdigyState", "scale_by_prodigy",
+    "ScheduleFreeState", "schedule_free", "schedule_free_eval_params",
+    "schedule_free_train_params",
 ]
