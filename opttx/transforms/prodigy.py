@@ -155,16 +155,19 @@ def scale_by_prodigy(learning_rate: float | Schedule = 1.0,
         dlr = (d * _as(sched, d) * bc).to(dtype)
         d_over_d0 = d / _as(estim_lr0, d)
 
-        gs = cast_like(g, m)
-        dg = foreach("mul", gs, d)
-        m = foreach_ema(m, dg, b1)
-        v = foreach_ema_sq(v, dg, b2)
-        s = foreach_scale_add(s, beta3, foreach_("mul", dg, d_over_d0 if safeguard_warmup
-                                                 else dlr / _as(estim_lr0, d)))
-        # (a) local partial sums per leaf: <g, x0 - x> and ||s||_1
-        diff = foreach("sub", p0, cast_like(p, p0))
-        dots = [torch.sum(a.to(dtype) * b.to(dtype)) for a, b in zip(gs, diff)]
-        l1 = [x.to(dtype) for x in foreach_norm(s, 1, dtype=dtype)] if s else []
+        dots: list[torch.Tensor] = []
+        l1: list[torch.Tensor] = []
+        if g:      # (a rank holding no leaf still takes part in the reductions below)
+            gs = cast_like(g, m)
+            dg = foreach("mul", gs, d)
+            m = foreach_ema(m, dg, b1)
+            v = foreach_ema_sq(v, dg, b2)
+            s = foreach_scale_add(s, beta3, foreach_("mul", dg, d_over_d0 if safeguard_warmup
+                                                     else dlr / _as(estim_lr0, d)))
+            # (a) local partial sums per leaf: <g, x0 - x> and ||s||_1
+            diff = foreach("sub", p0, cast_like(p, p0))
+            dots = [torch.sum(a.to(dtype) * b.to(dtype)) for a, b in zip(gs, diff)]
+            l1 = [x.to(dtype) for x in foreach_norm(s, 1, dtype=dtype)]
         # (b) over the shards of sharded leaves
         dots, l1 = reduce_statistics((tree_unflatten(dots, spec), tree_unflatten(l1, spec)),
                                      extra_args)
