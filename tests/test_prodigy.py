@@ -77,8 +77,11 @@ def test_prodigy_equals_optax_contrib_prodigy(dtype: torch.dtype) -> None:
         h = dict(h)
         theirs_lr = ours_lr = 1.0
         if h.pop("schedule"):     # a linear decay, computed in float64 on both sides
-            theirs_lr = lambda c: 1.0 - jnp.asarray(c, jnp.float64) / 40   # noqa: E731
-            ours_lr = lambda c: 1.0 - c.to(torch.float64) / 40             # noqa: E731
+            def theirs_lr(c):
+                return 1.0 - jnp.asarray(c, jnp.float64) / 40
+
+            def ours_lr(c):
+                return 1.0 - c.to(torch.float64) / 40
         grads = drifting_gradients(drawn.tree, drawn.seed + 1)
         expected, d_expected = run_optax(optax.contrib.prodigy(theirs_lr, **h), drawn.tree,
                                          grads)

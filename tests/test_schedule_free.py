@@ -115,8 +115,8 @@ def run_optax(tx, tree: dict, grads: list[dict]) -> tuple[dict, dict]:
                                 params)
         params = optax.apply_updates(params, updates)
     x = optax.contrib.schedule_free_eval_params(state, params)
-    back = lambda t: {k: torch.from_numpy(np.array(v)) for k, v in t.items()}  # noqa: E731
-    return back(params), back(x)
+    return ({k: torch.from_numpy(np.array(v)) for k, v in params.items()},
+            {k: torch.from_numpy(np.array(v)) for k, v in x.items()})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
@@ -141,8 +141,12 @@ def test_equal_optax_contrib_schedule_free(dtype: torch.dtype) -> None:
             "sgd": (optax.contrib.schedule_free_sgd(lr, None, b1, weight_decay=wd),
                     opttx.schedule_free_sgd(lr, 0, b1, weight_decay=wd))}
         # a linear warm-up in float64 on both sides (opttx's schedules compute in float32)
-        theirs_sched = lambda c: lr * jnp.minimum(jnp.asarray(c, jnp.float64) / warmup, 1.0)  # noqa: E731,E501
-        ours_sched = lambda c: lr * torch.clamp(c.to(torch.float64) / warmup, max=1.0)  # noqa: E731,E501
+        def theirs_sched(c):
+            return lr * jnp.minimum(jnp.asarray(c, jnp.float64) / warmup, 1.0)
+
+        def ours_sched(c):
+            return lr * torch.clamp(c.to(torch.float64) / warmup, max=1.0)
+
         theirs = optax.contrib.schedule_free(optax.chain(
             optax.scale_by_rms(b2, 1e-8, eps_in_sqrt=False, bias_correction=True),
             optax.add_decayed_weights(wd), optax.scale_by_learning_rate(theirs_sched)),

@@ -194,7 +194,10 @@ def scale_by_prodigy(learning_rate: float | Schedule = 1.0,
             if sign < 0:
                 out = foreach_("neg", out)
             out = mark_scratch(cast_like(out, g))
-        as_tree = lambda leaves: tree_unflatten(list(leaves), spec)  # noqa: E731
+
+        def as_tree(leaves: list[torch.Tensor]) -> Updates:
+            return tree_unflatten(list(leaves), spec)
+
         return as_tree(out), ProdigyState(
             count=count, exp_avg=as_tree(m), exp_avg_sq=as_tree(v), grad_sum=as_tree(s),
             params0=state.params0, estim_lr=new_d, numerator_weighted=numerator)

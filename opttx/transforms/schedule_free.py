@@ -37,7 +37,7 @@ __all__ = [
 class ScheduleFreeState(NamedTuple):
     """State of `schedule_free`."""
     count: torch.Tensor        # shape (), int32: steps taken
-    b1: torch.Tensor           # shape (), float64: the beta_1 of the last step (y = (1-b1) z + b1 x)
+    b1: torch.Tensor           # shape (), float64: beta_1 of the last step, y = (1-b1) z + b1 x
     weight_sum: torch.Tensor   # shape (), float64: sum of the averaging weights so far
     max_lr: torch.Tensor       # shape (), float64: largest (warmed-up) learning rate so far
     z: Updates                 # like params (fp32 for 16-bit leaves): the base iterate z
@@ -68,7 +68,7 @@ def schedule_free(inner: GradientTransformation, learning_rate: float | Schedule
 
     .. math::
         s_t = \min(1, t / T_{warmup}), \quad \gamma_t = s_t\,\eta(t), \quad
-        w_t = t^r \,(\max_{k \le t} \gamma_k)^{p}, \quad c_{t+1} = w_t / \textstyle\sum_{k\le t} w_k
+        w_t = t^r (\max_{k \le t} \gamma_k)^{p}, \quad c_{t+1} = w_t / \textstyle\sum_{k\le t} w_k
 
     with :math:`t` the 1-based step and :math:`p` = ``weight_lr_power``. :math:`x` is not
     stored: the returned update is
@@ -109,7 +109,8 @@ def schedule_free(inner: GradientTransformation, learning_rate: float | Schedule
       >>> tx = opttx.schedule_free(inner, 1e-3, b1=0.9, warmup_steps=100)
       >>> state = tx.init(params)
       >>> updates, state = tx.update(grads, state, params)
-      >>> eval_params = opttx.schedule_free_eval_params(state, opttx.apply_updates(params, updates))
+      >>> params = opttx.apply_updates(params, updates)
+      >>> eval_params = opttx.schedule_free_eval_params(state, params)
 
     References:
       Defazio, Yang, Mehta, Mishchenko, Khaled and Cutkosky, The Road Less Scheduled
@@ -260,17 +261,16 @@ def schedule_free_params_(state: PyTree, params: list[torch.Tensor], to_eval: bo
     `ScheduleFreeState` in ``state`` (what `opttx.Optimizer.train`/``eval`` do). The
     coefficient is computed in double precision from the state's :math:`\\beta_1`, as
     ``schedulefree`` computes it from its Python float."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
     for sf in find_schedule_free_states(state):
-        z = tree_flatten(sf.z)[0]
-        if len(z) != len(params) or any(a.shape != b.shape for a, b in zip(z, params)):
+        z = [x.to_local() if hasattr(x, "to_local") else x for x in tree_flatten(sf.z)[0]]
+        if len(z) != len(local) or any(a.shape != b.shape for a, b in zip(z, local)):
             raise ValueError("Optimizer.train()/eval(): the schedule-free state does not hold "
                              "one z per parameter of its group (schedule_free nested inside "
                              "partition/masked or a distributed wrapper); swap the parameters "
                              "with opttx.schedule_free_eval_params on the tree it was built on.")
         b1 = float(sf.b1)
         weight = (1 - 1 / b1) if to_eval else (1 - b1)
-        if weight == 0 or not params:
+        if weight == 0 or not local:
             continue
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
-        zl = [x.to_local() if hasattr(x, "to_local") else x for x in z]
-        foreach_("lerp", local, cast_like(zl, local), weight)
+        foreach_("lerp", local, cast_like(z, local), weight)
