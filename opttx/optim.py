@@ -584,8 +584,8 @@ class Optimizer(torch.optim.Optimizer):
         for slot, group in enumerate(self._slot_groups):
             if bool(group.get("train_mode", train)) == train:
                 continue
-            schedule_free_params_(self._tx_states[slot], list(group["params"]),
-                                  to_eval=not train)
+            leaves = tree_leaves(self._tree(group, list(group["params"])))   # z's order
+            schedule_free_params_(self._tx_states[slot], leaves, to_eval=not train)
             dict.__setitem__(group, "train_mode", train)
 
     # -- the step ----------------------------------------------------------------------------

@@ -252,20 +252,21 @@ def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
-@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "sgd_named"])
 def test_optimizer_train_eval_follows_schedulefree(kind: str) -> None:
     """Interleaved, repeated train()/eval() calls: parameters equal schedulefree's in both
-    modes at every step."""
+    modes at every step (also with the group built from ``named_parameters()``)."""
     ref_model, model = make_model(), make_model()
+    given = model.named_parameters() if kind.endswith("named") else model.parameters()
     if kind == "adamw":
         ref = schedulefree.AdamWScheduleFree(ref_model.parameters(), lr=1e-2, warmup_steps=3,
                                              weight_decay=0.01, betas=(0.8, 0.99))
-        opt = opttx.Optimizer(model.parameters(), opttx.schedule_free_adamw, lr=1e-2,
+        opt = opttx.Optimizer(given, opttx.schedule_free_adamw, lr=1e-2,
                               warmup_steps=3, weight_decay=0.01, betas=(0.8, 0.99))
     else:
         ref = schedulefree.SGDScheduleFree(ref_model.parameters(), lr=0.1, momentum=0.8,
                                            warmup_steps=3)
-        opt = opttx.Optimizer(model.parameters(), opttx.schedule_free_sgd, lr=0.1, b1=0.8,
+        opt = opttx.Optimizer(given, opttx.schedule_free_sgd, lr=0.1, b1=0.8,
                               warmup_steps=3)
     assert opt.param_groups[0]["train_mode"] is True
     for i, (x, y) in enumerate(batches(12)):
@@ -286,7 +287,10 @@ def test_optimizer_train_eval_follows_schedulefree(kind: str) -> None:
     # eval moved the parameters to x: what schedule_free_eval_params computes
     opt.train()
     y_params = [p.detach().clone() for p in model.parameters()]
-    expected = opttx.schedule_free_eval_params(opt.tx_states[0], y_params)
+    if kind.endswith("named"):
+        y_params = dict(zip([n for n, _ in model.named_parameters()], y_params))
+    expected = opttx.tree.tree_leaves(
+        opttx.schedule_free_eval_params(opt.tx_states[0], y_params))
     opt.eval()
     assert_trees_close([p.detach() for p in model.parameters()], expected, rtol=1e-6)
 
