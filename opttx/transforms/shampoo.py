@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal, NamedTuple, Sequence
 
@@ -435,6 +436,58 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
       Gupta, Koren and Singer, Shampoo (arXiv 1802.09568); Shi et al., A Distributed
       Data-Parallel PyTorch Implementation of Shampoo (arXiv 2309.06497).
     """
+    cfg = _shampoo_config(
+        beta2=beta2, epsilon=epsilon, precondition_frequency=precondition_frequency,
+        start_preconditioning_step=start_preconditioning_step, root_method=root_method,
+        inverse_exponent_override=inverse_exponent_override,
+        preconditioner_dtype=preconditioner_dtype, use_bias_correction=use_bias_correction,
+        max_consecutive_failures=max_consecutive_failures,
+        inv_factor_matrix_dtype=inv_factor_matrix_dtype, use_trace_scaling=use_trace_scaling,
+        trace_scaling_exponent=trace_scaling_exponent,
+        drop_weighting_factor_on_gsquare=drop_weighting_factor_on_gsquare,
+        rank_deficient=rank_deficient, rank_atol=rank_atol, rank_rtol=rank_rtol)
+
+    def init(params: Params) -> ShampooState:
+        check_init_params(params)
+        return _init_shampoo(params, cfg)
+
+    def update(updates: Updates, state: ShampooState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, ShampooState]:
+        require_whole_leaves(updates, extra_args, "precondition_shampoo")
+        return _update_shampoo(updates, state, precondition_target(updates, extra_args), cfg)
+
+    return GradientTransformation(init, update, Traits(per_leaf=True, whole_leaves=True,
+                                                       takes_precondition_input=True))
+
+
+@dataclass(frozen=True, eq=False)
+class _ShampooConfig:
+    """The static settings of one `precondition_shampoo`, validated and resolved (plain data)."""
+    beta2: float
+    epsilon: float
+    precondition_frequency: int
+    start: int                          # first step that uses the roots
+    root_method: str
+    inverse_exponent_override: Any      # None, a number, or Meta's dict of exponents
+    preconditioner_dtype: torch.dtype   # of the factors
+    root_dtype: torch.dtype             # of the roots and of the preconditioning product
+    bias_correction: bool               # divide the factors by 1 - beta2^t before the root
+    weight: float                       # w in L <- beta2 L + w G (x)_k G
+    max_consecutive_failures: int
+    use_trace_scaling: bool
+    trace_scaling_exponent: float
+    rank_options: dict                  # matrix_inverse_root's rank_deficient/atol/rtol
+
+
+def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int,
+                    start_preconditioning_step: int | None, root_method: str,
+                    inverse_exponent_override: float | dict | None,
+                    preconditioner_dtype: torch.dtype, use_bias_correction: bool,
+                    max_consecutive_failures: int, inv_factor_matrix_dtype: torch.dtype | None,
+                    use_trace_scaling: bool, trace_scaling_exponent: float,
+                    drop_weighting_factor_on_gsquare: bool, rank_deficient: str,
+                    rank_atol: float, rank_rtol: float | None) -> _ShampooConfig:
+    """Validate `precondition_shampoo`'s arguments and resolve them into a `_ShampooConfig`."""
     check_unit_interval("beta2", beta2, closed_right=True)
     check_nonnegative("epsilon", epsilon)
     check_positive_int("precondition_frequency", precondition_frequency)
@@ -460,138 +513,181 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
     if rank_deficient not in ("perturb_before", "perturb_after", "pseudo_inverse"):
         raise ValueError("rank_deficient must be 'perturb_before', 'perturb_after' or "
                          f"'pseudo_inverse', got {rank_deficient!r}.")
-    rank_options = dict(rank_deficient=rank_deficient, rank_atol=rank_atol,
-                        rank_rtol=rank_rtol)
-    weight = 1.0 if beta2 == 1 or drop_weighting_factor_on_gsquare else 1 - beta2
-    root_dtype = preconditioner_dtype if inv_factor_matrix_dtype is None \
-        else inv_factor_matrix_dtype
+    return _ShampooConfig(
+        beta2=beta2, epsilon=epsilon, precondition_frequency=precondition_frequency,
+        start=start, root_method=root_method,
+        inverse_exponent_override=inverse_exponent_override,
+        preconditioner_dtype=preconditioner_dtype,
+        root_dtype=preconditioner_dtype if inv_factor_matrix_dtype is None
+        else inv_factor_matrix_dtype,
+        bias_correction=not (beta2 == 1 or not use_bias_correction
+                             or drop_weighting_factor_on_gsquare),
+        weight=1.0 if beta2 == 1 or drop_weighting_factor_on_gsquare else 1 - beta2,
+        max_consecutive_failures=max_consecutive_failures, use_trace_scaling=use_trace_scaling,
+        trace_scaling_exponent=trace_scaling_exponent,
+        rank_options=dict(rank_deficient=rank_deficient, rank_atol=rank_atol,
+                          rank_rtol=rank_rtol))
 
-    def roots_of(order: int) -> list[float | None]:
-        """The root p of every dim of a block of this order (None: not preconditioned)."""
-        default = 1 / (2 * max(order, 1))         # Meta's inverse exponent
-        if isinstance(inverse_exponent_override, dict):
-            given = inverse_exponent_override.get(order, {})
-            exps = [given.get(d, default) if isinstance(given, dict) else given
-                    for d in range(order)]
-            return [None if e == 0 else 1 / e for e in exps]
-        if inverse_exponent_override is not None:
-            return [inverse_exponent_override] * order
-        return [1 / default] * order               # Meta's root: 1 / its inverse exponent
 
-    def init(params: Params) -> ShampooState:
-        check_init_params(params)
+def _roots_of_order(order: int, override: float | dict | None) -> list[float | None]:
+    """The root p of every dim of a block of this order (None: not preconditioned)."""
+    default = 1 / (2 * max(order, 1))         # Meta's inverse exponent
+    if isinstance(override, dict):
+        given = override.get(order, {})
+        exps = [given.get(d, default) if isinstance(given, dict) else given
+                for d in range(order)]
+        return [None if e == 0 else 1 / e for e in exps]
+    if override is not None:
+        return [override] * order
+    return [1 / default] * order               # Meta's root: 1 / its inverse exponent
 
-        # a dim that is not preconditioned keeps an empty (0, 0) factor and root
-        def factors_of(x: torch.Tensor) -> tuple:
-            x = x.reshape(x.shape or (1,))
-            return tuple(torch.zeros((d, d) if p else (0, 0), dtype=preconditioner_dtype,
-                                     device=x.device)
-                         for d, p in zip(x.shape, roots_of(x.dim())))
 
-        def eyes_of(x: torch.Tensor) -> tuple:
-            x = x.reshape(x.shape or (1,))
-            return tuple(torch.eye(d if p else 0, dtype=root_dtype, device=x.device)
-                         for d, p in zip(x.shape, roots_of(x.dim())))
+def _zero_factors(x: torch.Tensor, cfg: _ShampooConfig) -> tuple:
+    """The initial factors of one block: zeros, (0, 0) for a dim not preconditioned."""
+    x = x.reshape(x.shape or (1,))
+    return tuple(torch.zeros((d, d) if p else (0, 0), dtype=cfg.preconditioner_dtype,
+                             device=x.device)
+                 for d, p in zip(x.shape, _roots_of_order(x.dim(), cfg.inverse_exponent_override)))
 
-        count = zero_count(params)
-        return ShampooState(count=count, failures=torch.zeros_like(count),
-                            factors=tree_map(factors_of, params), roots=tree_map(eyes_of, params))
 
-    def compute_roots(factors: list[tuple], old_roots: list[tuple], count: torch.Tensor
-                      ) -> tuple[list[tuple], torch.Tensor]:
-        """New roots of every factor; a factor whose root is not finite in
-        ``preconditioner_dtype`` is retried in float64, and keeps its old root when that fails
-        too. Returns the roots and whether any factor kept its old root."""
-        scale = None if (beta2 == 1 or not use_bias_correction
-                         or drop_weighting_factor_on_gsquare) else \
-            meta_bias_correction(beta2, count)
-        inputs, exps, ok = [], [], []
-        for block_factors in factors:
-            for f, p in zip(block_factors, roots_of(len(block_factors))):
-                a = f if scale is None else f / scale
-                if use_trace_scaling:
-                    trace = torch.clamp(torch.trace(a), min=epsilon)
-                    a = a * torch.pow(trace, -trace_scaling_exponent)
-                finite_in = torch.isfinite(a).all()
-                inputs.append((torch.where(finite_in, a, torch.zeros_like(a)), finite_in))
-                exps.append(p or 1.0)
-        fresh = []
-        for (a, finite_in), p in zip(inputs, exps):
-            r = _from_upper(matrix_inverse_root(a, p, epsilon, root_method,
-                                                **rank_options).to(root_dtype))
-            fresh.append(r)
-            ok.append(finite_in & torch.isfinite(r).all())
-        flat_old = [r for rs in old_roots for r in rs]
-        if preconditioner_dtype != torch.float64 and fresh:
-            # float64 retry of the failed factors only: in eager mode a Python branch per
-            # factor, compiled one torch.cond that runs when any factor failed
-            def retry(roots: list[torch.Tensor], oks: list[torch.Tensor]) -> tuple:
-                out_r, out_ok = [], []
-                for (a, finite_in), p, r, good in zip(inputs, exps, roots, oks):
-                    if not torch.compiler.is_compiling() and bool(good):
-                        out_r.append(r)
-                        out_ok.append(good)
-                        continue
-                    r64 = _from_upper(matrix_inverse_root(a.double(), p, epsilon, root_method,
-                                                          **rank_options).to(r.dtype))
-                    good64 = finite_in & torch.isfinite(r64).all()
-                    out_r.append(torch.where(good, r, r64))
-                    out_ok.append(good | good64)
-                return out_r, out_ok
+def _identity_roots(x: torch.Tensor, cfg: _ShampooConfig) -> tuple:
+    """The initial roots of one block: identities, (0, 0) for a dim not preconditioned."""
+    x = x.reshape(x.shape or (1,))
+    return tuple(torch.eye(d if p else 0, dtype=cfg.root_dtype, device=x.device)
+                 for d, p in zip(x.shape, _roots_of_order(x.dim(), cfg.inverse_exponent_override)))
 
-            all_ok = torch.stack(ok).all()
-            fresh, ok = tree_cond(~all_ok, retry, lambda r, o: (r, o), (fresh, ok))
-        kept = [torch.where(good, new, old) for good, new, old in zip(ok, fresh, flat_old)]
-        any_failed = ~torch.stack(ok).all() if ok else torch.zeros((), dtype=torch.bool)
-        return _chunks(kept, [len(rs) for rs in old_roots], "precondition_shampoo"), any_failed
 
-    def update(updates: Updates, state: ShampooState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, ShampooState]:
-        require_whole_leaves(updates, extra_args, "precondition_shampoo")
-        spec, g = flatten_matching(updates)
-        x = flatten_matching(precondition_target(updates, extra_args))[1]
-        orders = [max(x.dim(), 1) for x in g]
-        factors = [tuple(c) for c in _chunks(tree_flatten(state.factors)[0], orders,
-                                             "precondition_shampoo")]
-        roots = [tuple(c) for c in _chunks(tree_flatten(state.roots)[0], orders,
-                                           "precondition_shampoo")]
-        count = safe_increment(state.count)
-        new_factors = []
-        for gi, fs in zip(g, factors):
-            # Meta contracts in the gradient's dtype (float32 at least here, for 16-bit
-            # gradients), then L *= beta2 (when beta2 != 1), L += w * outer in L's dtype
-            gi = gi.reshape(gi.shape or (1,)).to(state_dtype(gi))
-            new_factors.append(tuple(
-                f if f.shape[0] != gi.shape[k] else       # a dim not preconditioned
-                torch.add(f * beta2 if beta2 != 1 else f, _contract_factor(gi, k),
-                          alpha=weight).to(f.dtype)
-                for k, f in enumerate(fs)))
-        due = ((count % precondition_frequency == 0) & (count > start)) | (count == start)
+def _init_shampoo(params: Params, cfg: _ShampooConfig) -> ShampooState:
+    """The state of `precondition_shampoo` for ``params``: zero factors, identity roots."""
+    count = zero_count(params)
+    return ShampooState(count=count, failures=torch.zeros_like(count),
+                        factors=tree_map(lambda x: _zero_factors(x, cfg), params),
+                        roots=tree_map(lambda x: _identity_roots(x, cfg), params))
 
-        def recompute(flat_roots: list[tuple], failures: torch.Tensor) -> tuple:
-            fresh, failed = compute_roots(new_factors, flat_roots, count)
-            failures = torch.where(failed, failures + 1, torch.zeros_like(failures))
-            if not torch.compiler.is_compiling() and int(failures) > max_consecutive_failures:
-                raise RuntimeError(f"precondition_shampoo: the root computation failed "
-                                   f"{int(failures)} times in a row (limit "
-                                   f"{max_consecutive_failures}); the factors are not usable. "
-                                   "Raise epsilon or use preconditioner_dtype=torch.float64.")
-            return [tuple(rs) for rs in fresh], failures
 
-        def keep(flat_roots: list[tuple], failures: torch.Tensor) -> tuple:
-            return flat_roots, failures
+def _update_factors(g: torch.Tensor, factors: tuple, cfg: _ShampooConfig) -> tuple:
+    """One block's factors after the gradient ``g``: L_k <- beta2 L_k + w G (x)_k G."""
+    # Meta contracts in the gradient's dtype (float32 at least here, for 16-bit gradients),
+    # then L *= beta2 (when beta2 != 1), L += w * outer in L's dtype
+    g = g.reshape(g.shape or (1,)).to(state_dtype(g))
+    return tuple(
+        f if f.shape[0] != g.shape[k] else       # a dim not preconditioned
+        torch.add(f * cfg.beta2 if cfg.beta2 != 1 else f, _contract_factor(g, k),
+                  alpha=cfg.weight).to(f.dtype)
+        for k, f in enumerate(factors))
 
-        roots, failures = tree_cond(due, recompute, keep, (roots, state.failures))
-        out = [_apply_roots(xi.reshape(xi.shape or (1,)).to(root_dtype), rs)
-               .reshape(xi.shape).to(xi.dtype) for xi, rs in zip(x, roots)]
-        factor_spec = tree_structure(state.factors)
-        return tree_unflatten(out, spec), ShampooState(
-            count=count, failures=failures,
-            factors=tree_unflatten([m for fs in new_factors for m in fs], factor_spec),
-            roots=tree_unflatten([m for rs in roots for m in rs], factor_spec))
 
-    return GradientTransformation(init, update, Traits(per_leaf=True, whole_leaves=True,
-                                                       takes_precondition_input=True))
+def _root_inputs(factors: list[tuple], count: torch.Tensor, cfg: _ShampooConfig
+                 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[float]]:
+    """The matrices to take roots of (bias-corrected, trace-scaled, zeroed when not finite)
+    with their finiteness, and the root of each, for every factor of every block."""
+    scale = meta_bias_correction(cfg.beta2, count) if cfg.bias_correction else None
+    inputs, exps = [], []
+    for block_factors in factors:
+        for f, p in zip(block_factors,
+                        _roots_of_order(len(block_factors), cfg.inverse_exponent_override)):
+            a = f if scale is None else f / scale
+            if cfg.use_trace_scaling:
+                trace = torch.clamp(torch.trace(a), min=cfg.epsilon)
+                a = a * torch.pow(trace, -cfg.trace_scaling_exponent)
+            finite_in = torch.isfinite(a).all()
+            inputs.append((torch.where(finite_in, a, torch.zeros_like(a)), finite_in))
+            exps.append(p or 1.0)
+    return inputs, exps
+
+
+def _root_of(a: torch.Tensor, p: float, dtype: torch.dtype, cfg: _ShampooConfig
+             ) -> torch.Tensor:
+    """The inverse ``p``-th root of ``a``, cast to ``dtype``, read from its upper triangle."""
+    return _from_upper(matrix_inverse_root(a, p, cfg.epsilon, cfg.root_method,
+                                           **cfg.rank_options).to(dtype))
+
+
+def _retry_in_float64(inputs: list[tuple[torch.Tensor, torch.Tensor]], exps: list[float],
+                      roots: list[torch.Tensor], oks: list[torch.Tensor],
+                      cfg: _ShampooConfig) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The roots with each failed one (``oks`` false) recomputed in float64, and which are
+    finite now; in eager mode only the failed ones are recomputed."""
+    out_r, out_ok = [], []
+    for (a, finite_in), p, r, good in zip(inputs, exps, roots, oks):
+        if not torch.compiler.is_compiling() and bool(good):
+            out_r.append(r)
+            out_ok.append(good)
+            continue
+        r64 = _root_of(a.double(), p, r.dtype, cfg)
+        good64 = finite_in & torch.isfinite(r64).all()
+        out_r.append(torch.where(good, r, r64))
+        out_ok.append(good | good64)
+    return out_r, out_ok
+
+
+def _compute_roots(factors: list[tuple], old_roots: list[tuple], count: torch.Tensor,
+                   cfg: _ShampooConfig) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+    """New roots of every factor; a factor whose root is not finite in
+    ``preconditioner_dtype`` is retried in float64, and keeps its old root when that fails
+    too. Returns the roots (per block) and whether any factor kept its old root."""
+    inputs, exps = _root_inputs(factors, count, cfg)
+    fresh, ok = [], []
+    for (a, finite_in), p in zip(inputs, exps):
+        r = _root_of(a, p, cfg.root_dtype, cfg)
+        fresh.append(r)
+        ok.append(finite_in & torch.isfinite(r).all())
+    flat_old = [r for rs in old_roots for r in rs]
+    if cfg.preconditioner_dtype != torch.float64 and fresh:
+        # float64 retry of the failed factors only: in eager mode a Python branch per
+        # factor, compiled one torch.cond that runs when any factor failed
+        all_ok = torch.stack(ok).all()
+        fresh, ok = tree_cond(~all_ok, lambda r, o: _retry_in_float64(inputs, exps, r, o, cfg),
+                              lambda r, o: (r, o), (fresh, ok))
+    kept = [torch.where(good, new, old) for good, new, old in zip(ok, fresh, flat_old)]
+    any_failed = ~torch.stack(ok).all() if ok else torch.zeros((), dtype=torch.bool)
+    return _chunks(kept, [len(rs) for rs in old_roots], "precondition_shampoo"), any_failed
+
+
+def _recompute_roots(factors: list[tuple], roots: list[tuple], failures: torch.Tensor,
+                     count: torch.Tensor, cfg: _ShampooConfig) -> tuple[list[tuple], torch.Tensor]:
+    """The roots of ``factors`` and the count of consecutive failed recomputations; raises
+    (eager mode) when it exceeds ``max_consecutive_failures``."""
+    fresh, failed = _compute_roots(factors, roots, count, cfg)
+    failures = torch.where(failed, failures + 1, torch.zeros_like(failures))
+    if not torch.compiler.is_compiling() and int(failures) > cfg.max_consecutive_failures:
+        raise RuntimeError(f"precondition_shampoo: the root computation failed "
+                           f"{int(failures)} times in a row (limit "
+                           f"{cfg.max_consecutive_failures}); the factors are not usable. "
+                           "Raise epsilon or use preconditioner_dtype=torch.float64.")
+    return [tuple(rs) for rs in fresh], failures
+
+
+def _precondition(x: torch.Tensor, roots: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """One block ``x`` multiplied by its roots along every dim, computed in ``dtype``."""
+    return _apply_roots(x.reshape(x.shape or (1,)).to(dtype), roots) \
+        .reshape(x.shape).to(x.dtype)
+
+
+def _update_shampoo(updates: Updates, state: ShampooState, target: Updates,
+                    cfg: _ShampooConfig) -> tuple[Updates, ShampooState]:
+    """One step of `precondition_shampoo`: the factors take in ``updates``, the roots are
+    recomputed when due, and ``target`` is preconditioned with them."""
+    spec, g = flatten_matching(updates)
+    x = flatten_matching(target)[1]
+    orders = [max(x.dim(), 1) for x in g]
+    factors = [tuple(c) for c in _chunks(tree_flatten(state.factors)[0], orders,
+                                         "precondition_shampoo")]
+    roots = [tuple(c) for c in _chunks(tree_flatten(state.roots)[0], orders,
+                                       "precondition_shampoo")]
+    count = safe_increment(state.count)
+    new_factors = [_update_factors(gi, fs, cfg) for gi, fs in zip(g, factors)]
+    due = ((count % cfg.precondition_frequency == 0) & (count > cfg.start)) \
+        | (count == cfg.start)
+    roots, failures = tree_cond(
+        due, lambda r, f: _recompute_roots(new_factors, r, f, count, cfg),
+        lambda r, f: (r, f), (roots, state.failures))
+    out = [_precondition(xi, rs, cfg.root_dtype) for xi, rs in zip(x, roots)]
+    factor_spec = tree_structure(state.factors)
+    return tree_unflatten(out, spec), ShampooState(
+        count=count, failures=failures,
+        factors=tree_unflatten([m for fs in new_factors for m in fs], factor_spec),
+        roots=tree_unflatten([m for rs in roots for m in rs], factor_spec))
 
 
 # ---------------------------------------------------------------------------------------------
