@@ -11,7 +11,7 @@ all-gathered per chunk. `zero_plan` shows the layout without a process group.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -461,6 +461,47 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
       (arXiv 1910.02054); Fang et al., PatrickStar: Parallel Training of Pre-trained Models via
       Chunk-based Memory Management (arXiv 2108.05818), the chunks of ColossalAI's Gemini.
     """
+    cfg = _zero_config(tx, group, stage, chunk_size_mb, offload,
+                       min_chunk_size_mb=min_chunk_size_mb, search_range_mb=search_range_mb,
+                       balance=balance, stats=stats)
+    resolved: list[_Resolved] = []
+
+    def init(params: Params) -> State:
+        res = _resolve_at_init(params, cfg)
+        resolved[:] = [res]
+        state = cfg.tx.init(_mask(params, res))
+        return _to_host(state, cfg.pin) if cfg.offload else state
+
+    def update(updates: Updates, state: State, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, State]:
+        if not resolved:
+            require_member(cfg.group, "opttx.distributed.zero")
+            resolved[:] = [_resolve(updates, cfg)]
+        return _zero_update(updates, state, params, extra_args, resolved[0], cfg)
+
+    return GradientTransformation(init, update)
+
+
+@dataclass(frozen=True, eq=False)
+class _ZeroConfig:
+    """The static settings of one `zero` transform, validated (plain data)."""
+    tx: GradientTransformation
+    group: Any                          # as given (None: the default group)
+    stage: int
+    chunk_size_mb: float | None
+    offload: bool
+    pin: bool                           # offloaded state in pinned memory (CUDA available)
+    min_chunk_size_mb: float
+    search_range_mb: float
+    balance: str
+    stats: CollectiveStats | None
+
+
+def _zero_config(tx: GradientTransformation, group: Any, stage: int,
+                 chunk_size_mb: float | None, offload: bool, *, min_chunk_size_mb: float,
+                 search_range_mb: float, balance: str, stats: CollectiveStats | None
+                 ) -> _ZeroConfig:
+    """Validate `zero`'s arguments into a `_ZeroConfig`."""
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"zero needs a GradientTransformation, got a {type(tx).__name__} (did "
                         "you forget to call the factory?).")
@@ -472,137 +513,167 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
         check_positive("chunk_size_mb", chunk_size_mb)
     check_positive("min_chunk_size_mb", min_chunk_size_mb)
     check_nonnegative("search_range_mb", search_range_mb)
-    pin = bool(offload) and torch.cuda.is_available()
-    resolved: list[_Resolved] = []
+    return _ZeroConfig(tx=tx, group=group, stage=stage, chunk_size_mb=chunk_size_mb,
+                       offload=bool(offload), pin=bool(offload) and torch.cuda.is_available(),
+                       min_chunk_size_mb=min_chunk_size_mb, search_range_mb=search_range_mb,
+                       balance=balance, stats=stats)
 
-    def resolve(tree: PyTree) -> _Resolved:
-        g = group if group is not None else dist.group.WORLD
-        world, rank = dist.get_world_size(g), dist.get_rank(g)
-        costs = state_costs(tx, tree) if balance == "state" else None
-        plan = zero_plan(tree, world, chunk_size_mb, min_chunk_size_mb=min_chunk_size_mb,
-                         search_range_mb=search_range_mb, costs=costs)
-        return _Resolved(plan, tree_flatten(tree)[1], g, rank, world, collective_device(g))
 
-    def mask(tree: PyTree, res: _Resolved) -> PyTree:
-        leaves = res.treespec.flatten_up_to(tree)
-        return tree_unflatten([x if r == res.rank else MaskedNode()
-                               for x, r in zip(leaves, res.plan.owners)], res.treespec)
+def _resolve(tree: PyTree, cfg: _ZeroConfig) -> _Resolved:
+    """The plan and the group's coordinates for this parameter (or gradient) tree."""
+    g = cfg.group if cfg.group is not None else dist.group.WORLD
+    world, rank = dist.get_world_size(g), dist.get_rank(g)
+    costs = state_costs(cfg.tx, tree) if cfg.balance == "state" else None
+    plan = zero_plan(tree, world, cfg.chunk_size_mb, min_chunk_size_mb=cfg.min_chunk_size_mb,
+                     search_range_mb=cfg.search_range_mb, costs=costs)
+    return _Resolved(plan, tree_flatten(tree)[1], g, rank, world, collective_device(g))
 
-    def init(params: Params) -> State:
-        # before any collective on the group: the ranks of the group go on without this one
-        require_member(group, "opttx.distributed.zero")
-        error, res = None, None
-        try:
-            res = resolve(params)
-        except (ValueError, TypeError) as e:
-            error = e
-        g = group if group is not None else dist.group.WORLD
-        try:                              # one rank's bad tree must not leave the others hanging
-            raise_on_every_rank(error, g)
-        except ValueError as e:
-            if error is not None:
-                raise
-            raise ValueError(f"opttx.distributed.zero: another rank rejected its parameter "
-                             f"tree at init ({e})") from None
-        agree_on_tree(params, g, res.control_device,
-                      "opttx.distributed.zero: the ranks passed different parameter trees to "
-                      "init (structure, shapes or dtypes); every rank must pass the same full "
-                      "(replicated) parameter tree.")
-        resolved[:] = [res]
-        state = tx.init(mask(params, res))
-        return _to_host(state, pin) if offload else state
 
-    def check_tree(tree: PyTree, res: _Resolved, what: str) -> list[torch.Tensor]:
-        leaves, treespec = tree_flatten(tree)
-        if treespec != res.treespec:
-            template = tree_unflatten([0] * len(res.plan.owners), res.treespec)
-            assert_same_structure(tree, template, f"{what} and the params given to zero's init")
-        for i, x in enumerate(leaves):
-            if not isinstance(x, torch.Tensor) or tuple(x.shape) != res.plan.shapes[i]:
-                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ValueError(f"opttx.distributed.zero: {what}{res.plan.paths[i]} has shape "
-                                 f"{got}, but the parameter given to init has shape "
-                                 f"{res.plan.shapes[i]}.")
-        return leaves
+def _resolve_at_init(params: Params, cfg: _ZeroConfig) -> _Resolved:
+    """`_resolve` at init, with the ranks agreeing on the tree: an error on one rank is
+    raised on every rank, and different trees on different ranks are refused."""
+    # before any collective on the group: the ranks of the group go on without this one
+    require_member(cfg.group, "opttx.distributed.zero")
+    error, res = None, None
+    try:
+        res = _resolve(params, cfg)
+    except (ValueError, TypeError) as e:
+        error = e
+    g = cfg.group if cfg.group is not None else dist.group.WORLD
+    try:                              # one rank's bad tree must not leave the others hanging
+        raise_on_every_rank(error, g)
+    except ValueError as e:
+        if error is not None:
+            raise
+        raise ValueError(f"opttx.distributed.zero: another rank rejected its parameter "
+                         f"tree at init ({e})") from None
+    agree_on_tree(params, g, res.control_device,
+                  "opttx.distributed.zero: the ranks passed different parameter trees to "
+                  "init (structure, shapes or dtypes); every rank must pass the same full "
+                  "(replicated) parameter tree.")
+    return res
 
-    def update(updates: Updates, state: State, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, State]:
-        if not resolved:
-            require_member(group, "opttx.distributed.zero")
-            resolved[:] = [resolve(updates)]
-        res = resolved[0]
-        plan, g, rank, world = res.plan, res.group, res.rank, res.world
-        grads = check_tree(updates, res, "updates")
-        if params is not None:
-            check_tree(params, res, "params")
-        device = grads[0].device if grads else res.control_device
 
-        # 1. reduce the gradients per chunk; keep the owned ones (views of this rank's segment)
-        owned: list[Any] = [MaskedNode()] * len(grads)
-        for c in plan.chunks:
-            mine = c.members(rank)
-            if c.segment == 0:         # only empty parameters: nothing to communicate
-                for i, _, _ in mine:
-                    owned[i] = grads[i].to(c.dtype)
-                continue
-            flat = _flat_with_gaps([(grads[i], off) for i, off in zip(c.leaves, c.offsets)],
-                                   c.numel, c.dtype, device)
-            if stats is not None:
-                stats.record(g, flat)
-            if stage == 2:
-                seg = funcol.wait_tensor(_reduce_scatter(flat, "sum", 0, g))
-            else:
-                full = funcol.wait_tensor(funcol.all_reduce(flat, "sum", g))
-                seg = full[rank * c.segment:(rank + 1) * c.segment]
-            seg = seg / world
-            for i, off, n in mine:
-                owned[i] = seg[off:off + n].view(plan.shapes[i])
+def _mask(tree: PyTree, res: _Resolved) -> PyTree:
+    """``tree`` with the leaves other ranks own replaced by `MaskedNode`."""
+    leaves = res.treespec.flatten_up_to(tree)
+    return tree_unflatten([x if r == res.rank else MaskedNode()
+                           for x, r in zip(leaves, res.plan.owners)], res.treespec)
 
-        # 2. the owners' update on whole leaves; statistics across leaves combined over g
-        def combine(total: torch.Tensor, op: str = "sum") -> torch.Tensor:
-            if op not in ("sum", "max"):
-                raise ValueError(f"reduce_across_leaves: op must be 'sum' or 'max', got {op!r}.")
-            buf = total.reshape(-1).to(res.control_device)   # one total, or several stacked
-            if stats is not None:
-                stats.record(g, buf)
-            out = funcol.wait_tensor(funcol.all_reduce(buf, op, g))
-            return out.reshape(total.shape).to(total.device)
 
-        inner_args = {k: v for k, v in extra_args.items() if k != REDUCER_KEY}
-        inner_args[TOTALS_KEY] = combine
-        masked_updates = tree_unflatten(owned, res.treespec)
-        masked_params = None if params is None else mask(params, res)
-        if offload:
-            state = _to_device(state, device)
-        new, new_state = tx.update(masked_updates, state, masked_params, **inner_args)
-        if offload:
-            new_state = _to_host(new_state, pin and not torch.compiler.is_compiling())
-        new_leaves = tree_leaves(new)
-        mine_all = plan.owned(rank)
-        if len(new_leaves) != len(mine_all):
-            raise ValueError(f"opttx.distributed.zero: the inner transform returned "
-                             f"{len(new_leaves)} updates for the {len(mine_all)} leaves this "
-                             "rank owns; it must keep the structure of its input.")
-        new_of = dict(zip(mine_all, new_leaves))
+def _check_tree(tree: PyTree, res: _Resolved, what: str) -> list[torch.Tensor]:
+    """The leaves of ``tree``, checked against the structure and shapes given to init."""
+    leaves, treespec = tree_flatten(tree)
+    if treespec != res.treespec:
+        template = tree_unflatten([0] * len(res.plan.owners), res.treespec)
+        assert_same_structure(tree, template, f"{what} and the params given to zero's init")
+    for i, x in enumerate(leaves):
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != res.plan.shapes[i]:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"opttx.distributed.zero: {what}{res.plan.paths[i]} has shape "
+                             f"{got}, but the parameter given to init has shape "
+                             f"{res.plan.shapes[i]}.")
+    return leaves
 
-        # 3. all-gather the updates per chunk
-        out: list[Any] = [None] * len(grads)
-        for c in plan.chunks:
-            if c.segment == 0:
-                for i in c.leaves:
-                    out[i] = torch.zeros_like(grads[i])
-                continue
-            seg = _flat_with_gaps([(new_of[i], off) for i, off, _ in c.members(rank)],
-                                  c.segment, c.dtype, device)
-            if stats is not None:
-                stats.record(g, seg)
-            full = funcol.wait_tensor(_all_gather(seg, 0, g))
-            for i, off, n in zip(c.leaves, c.offsets, c.sizes):
-                out[i] = full[off:off + n].view(plan.shapes[i]).to(grads[i].dtype)
-        missing = [plan.paths[i] for i, x in enumerate(out) if x is None]
-        if missing:                    # static: a plan that skipped a leaf is a bug, not a no-op
-            raise ValueError(f"opttx.distributed.zero: {missing[0]} is not covered by any "
-                             "chunk of the plan.")
-        return tree_unflatten(out, res.treespec), new_state
 
-    return GradientTransformation(init, update)
+def _zero_update(updates: Updates, state: State, params: Params | None,
+                 extra_args: dict[str, Any], res: _Resolved, cfg: _ZeroConfig
+                 ) -> tuple[Updates, State]:
+    """One step of `zero`: reduce the gradients, the owners' update, gather the updates."""
+    grads = _check_tree(updates, res, "updates")
+    if params is not None:
+        _check_tree(params, res, "params")
+    device = grads[0].device if grads else res.control_device
+    owned = _reduce_gradients(grads, res, cfg.stage, cfg.stats, device)
+    new_of, new_state = _owners_update(owned, state, params, extra_args, res, cfg, device)
+    out = _gather_updates(new_of, grads, res, cfg.stats, device)
+    return tree_unflatten(out, res.treespec), new_state
+
+
+def _reduce_gradients(grads: list[torch.Tensor], res: _Resolved, stage: int,
+                      stats: CollectiveStats | None, device: torch.device) -> list[Any]:
+    """The mean gradients this rank owns (views of its segment of each reduced chunk),
+    `MaskedNode` for the others: a reduce-scatter per chunk (stage 2) or an all-reduce."""
+    plan, g, rank = res.plan, res.group, res.rank
+    owned: list[Any] = [MaskedNode()] * len(grads)
+    for c in plan.chunks:
+        mine = c.members(rank)
+        if c.segment == 0:         # only empty parameters: nothing to communicate
+            for i, _, _ in mine:
+                owned[i] = grads[i].to(c.dtype)
+            continue
+        flat = _flat_with_gaps([(grads[i], off) for i, off in zip(c.leaves, c.offsets)],
+                               c.numel, c.dtype, device)
+        if stats is not None:
+            stats.record(g, flat)
+        if stage == 2:
+            seg = funcol.wait_tensor(_reduce_scatter(flat, "sum", 0, g))
+        else:
+            full = funcol.wait_tensor(funcol.all_reduce(flat, "sum", g))
+            seg = full[rank * c.segment:(rank + 1) * c.segment]
+        seg = seg / res.world
+        for i, off, n in mine:
+            owned[i] = seg[off:off + n].view(plan.shapes[i])
+    return owned
+
+
+def _combiner(res: _Resolved, stats: CollectiveStats | None) -> Callable[..., torch.Tensor]:
+    """The ``TOTALS_KEY`` hook: a statistic across leaves all-reduced over the group."""
+    def combine(total: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if op not in ("sum", "max"):
+            raise ValueError(f"reduce_across_leaves: op must be 'sum' or 'max', got {op!r}.")
+        buf = total.reshape(-1).to(res.control_device)   # one total, or several stacked
+        if stats is not None:
+            stats.record(res.group, buf)
+        out = funcol.wait_tensor(funcol.all_reduce(buf, op, res.group))
+        return out.reshape(total.shape).to(total.device)
+    return combine
+
+
+def _owners_update(owned: list[Any], state: State, params: Params | None,
+                   extra_args: dict[str, Any], res: _Resolved, cfg: _ZeroConfig,
+                   device: torch.device) -> tuple[dict[int, torch.Tensor], State]:
+    """``tx`` on the owned whole leaves (others masked), the state moved to ``device`` and
+    back when offloaded; returns the update of every owned leaf (by index) and the state."""
+    inner_args = {k: v for k, v in extra_args.items() if k != REDUCER_KEY}
+    inner_args[TOTALS_KEY] = _combiner(res, cfg.stats)
+    masked_updates = tree_unflatten(owned, res.treespec)
+    masked_params = None if params is None else _mask(params, res)
+    if cfg.offload:
+        state = _to_device(state, device)
+    new, new_state = cfg.tx.update(masked_updates, state, masked_params, **inner_args)
+    if cfg.offload:
+        new_state = _to_host(new_state, cfg.pin and not torch.compiler.is_compiling())
+    new_leaves = tree_leaves(new)
+    mine_all = res.plan.owned(res.rank)
+    if len(new_leaves) != len(mine_all):
+        raise ValueError(f"opttx.distributed.zero: the inner transform returned "
+                         f"{len(new_leaves)} updates for the {len(mine_all)} leaves this "
+                         "rank owns; it must keep the structure of its input.")
+    return dict(zip(mine_all, new_leaves)), new_state
+
+
+def _gather_updates(new_of: dict[int, torch.Tensor], grads: list[torch.Tensor],
+                    res: _Resolved, stats: CollectiveStats | None, device: torch.device
+                    ) -> list[torch.Tensor]:
+    """Every leaf's update, in its gradient's dtype: an all-gather of the owners' segments
+    per chunk."""
+    plan = res.plan
+    out: list[Any] = [None] * len(grads)
+    for c in plan.chunks:
+        if c.segment == 0:
+            for i in c.leaves:
+                out[i] = torch.zeros_like(grads[i])
+            continue
+        seg = _flat_with_gaps([(new_of[i], off) for i, off, _ in c.members(res.rank)],
+                              c.segment, c.dtype, device)
+        if stats is not None:
+            stats.record(res.group, seg)
+        full = funcol.wait_tensor(_all_gather(seg, 0, res.group))
+        for i, off, n in zip(c.leaves, c.offsets, c.sizes):
+            out[i] = full[off:off + n].view(plan.shapes[i]).to(grads[i].dtype)
+    missing = [plan.paths[i] for i, x in enumerate(out) if x is None]
+    if missing:                    # static: a plan that skipped a leaf is a bug, not a no-op
+        raise ValueError(f"opttx.distributed.zero: {missing[0]} is not covered by any "
+                         "chunk of the plan.")
+    return out
