@@ -441,84 +441,113 @@ def on_owners(tx: GradientTransformation, owner_group: Any = None,
       (arXiv 2309.06497), section 4 (blocks assigned to ranks); Rajbhandari et al., ZeRO
       (arXiv 1910.02054) for partitioning optimizer state by owner.
     """
-    plans: dict[tuple[bool, ...], OwnerPlan] = {}
-
-    def split_tree(reducer: ShardedReducer, tree: PyTree) -> list[torch.Tensor | None]:
-        flat = reducer.treespec.flatten_up_to(tree)
-        return [x if isinstance(x, torch.Tensor) else None for x in flat]
-
-    def plan_for(reducer: ShardedReducer, present: list[torch.Tensor | None],
-                 params_tree: PyTree) -> OwnerPlan:
-        key = tuple(x is not None for x in present)
-        if key not in plans:
-            try:
-                paths = tree_paths(params_tree)
-            except Exception:  # noqa: BLE001 - only for messages
-                paths = [f"leaf {i}" for i in range(len(present))]
-            if len(paths) != len(present):
-                paths = [f"leaf {i}" for i in range(len(present))]
-            plans[key] = make_plan(reducer, present, owner_group, cost, paths)
-        return plans[key]
-
-    def masked(reducer: ShardedReducer, leaves: list[torch.Tensor | None],
-               keep: list[bool]) -> PyTree:
-        return reducer.treespec.unflatten(
-            [x if k and x is not None else MaskedNode() for x, k in zip(leaves, keep)])
-
-    def reducer_of(where: str, extra_args: dict[str, Any] | None) -> ShardedReducer:
-        # init has no extra_args: `sharded` makes its reducer current around tx.init
-        reducer = current_reducer(extra_args)
-        if not isinstance(reducer, ShardedReducer):
-            raise ValueError(f"on_owners: {where} outside opttx.distributed.sharded; wrap the "
-                             "chain: sharded(on_owners(tx), specs) or sharded(tx, specs, "
-                             "on_owners=True).")
-        return reducer
-
-    checked: set[int] = set()
-
-    def agree_on_pieces(plan: OwnerPlan, trees: list, updates: PyTree) -> None:
-        # static shapes: a Python check, also when compiled; at the first eager update of a
-        # plan every rank agrees on it (one all-reduce), so a wrong shape on one rank raises
-        # on all of them rather than leave the others waiting in the all_to_all
-        error = check_pieces(plan, trees, lambda: tree_paths(updates), ("updates", "params"))
-        if id(plan) not in checked and not torch.compiler.is_compiling():
-            from .shapes import raise_on_every_rank
-            raise_on_every_rank(error, plan.group)
-            checked.add(id(plan))
-        if error is not None:
-            raise error
+    cfg = _OwnersConfig(tx, owner_group, cost, stats)
+    plans: dict[tuple[bool, ...], OwnerPlan] = {}     # by which leaves are present
+    checked: set[int] = set()                         # plans whose pieces the ranks agreed on
 
     def init(params: Params) -> State:
-        reducer = reducer_of("init", None)
-        local = split_tree(reducer, params)
-        plan = plan_for(reducer, local, params)
-        whole = gather_to_owners(plan, [local], stats or reducer.stats)[0]
+        reducer = _reducer_of("init", None)
+        local = _split_tree(reducer, params)
+        plan = _plan_for(reducer, local, params, plans, cfg)
+        whole = gather_to_owners(plan, [local], cfg.stats or reducer.stats)[0]
         with reducer_during_init(None):          # tx sees whole leaves, as in update
-            return tx.init(masked(reducer, whole, plan.owned()))
+            return cfg.tx.init(_masked(reducer, whole, plan.owned()))
 
     def update(updates: Updates, state: State, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, State]:
-        reducer = reducer_of("update", extra_args)
-        counter = stats or reducer.stats
-        grads = split_tree(reducer, updates)
-        plan = plan_for(reducer, grads, updates)
-        trees = [grads]
-        if params is not None:
-            local_params = split_tree(reducer, params)
-            trees.append([p if g is not None else None for g, p in zip(grads, local_params)])
-        agree_on_pieces(plan, trees, updates)
-        whole = gather_to_owners(plan, trees, counter)
-        keep = plan.owned()
-        inner_extra = {k: v for k, v in extra_args.items() if k != REDUCER_KEY}
-        inner_extra[TOTALS_KEY] = _totals(plan, counter)
-        out, new_state = tx.update(masked(reducer, whole[0], keep), state,
-                                   masked(reducer, whole[1], keep) if params is not None
-                                   else None, **inner_extra)
-        computed = reducer.treespec.flatten_up_to(out)
-        whole_updates = [x if k else None for x, k in zip(computed, keep)]
-        mine = scatter_from_owners(plan, whole_updates, grads, counter)
-        flat = reducer.treespec.flatten_up_to(updates)
-        return reducer.treespec.unflatten(
-            [m if m is not None else x for m, x in zip(mine, flat)]), new_state
+        return _on_owners_update(updates, state, params, extra_args, cfg, plans, checked)
 
     return GradientTransformation(init, update)
+
+
+@dataclass(frozen=True, eq=False)
+class _OwnersConfig:
+    """The static settings of one `on_owners` transform (plain data)."""
+    tx: GradientTransformation
+    owner_group: Any                          # None: the group that shards the leaves
+    cost: Callable[[Sequence[int]], float]
+    stats: CollectiveStats | None
+
+
+def _split_tree(reducer: ShardedReducer, tree: PyTree) -> list[torch.Tensor | None]:
+    """The leaves of ``tree`` in the reducer's order, None where masked."""
+    flat = reducer.treespec.flatten_up_to(tree)
+    return [x if isinstance(x, torch.Tensor) else None for x in flat]
+
+
+def _plan_for(reducer: ShardedReducer, present: list[torch.Tensor | None],
+              params_tree: PyTree, plans: dict[tuple[bool, ...], OwnerPlan],
+              cfg: _OwnersConfig) -> OwnerPlan:
+    """The plan for the leaves in ``present``, made once per set of present leaves."""
+    key = tuple(x is not None for x in present)
+    if key not in plans:
+        try:
+            paths = tree_paths(params_tree)
+        except Exception:  # noqa: BLE001 - only for messages
+            paths = [f"leaf {i}" for i in range(len(present))]
+        if len(paths) != len(present):
+            paths = [f"leaf {i}" for i in range(len(present))]
+        plans[key] = make_plan(reducer, present, cfg.owner_group, cfg.cost, paths)
+    return plans[key]
+
+
+def _masked(reducer: ShardedReducer, leaves: list[torch.Tensor | None],
+            keep: list[bool]) -> PyTree:
+    """The tree of ``leaves`` with those not kept (or absent) as `MaskedNode`."""
+    return reducer.treespec.unflatten(
+        [x if k and x is not None else MaskedNode() for x, k in zip(leaves, keep)])
+
+
+def _reducer_of(where: str, extra_args: dict[str, Any] | None) -> ShardedReducer:
+    """The enclosing `sharded`'s reducer; raises outside `sharded`."""
+    # init has no extra_args: `sharded` makes its reducer current around tx.init
+    reducer = current_reducer(extra_args)
+    if not isinstance(reducer, ShardedReducer):
+        raise ValueError(f"on_owners: {where} outside opttx.distributed.sharded; wrap the "
+                         "chain: sharded(on_owners(tx), specs) or sharded(tx, specs, "
+                         "on_owners=True).")
+    return reducer
+
+
+def _agree_on_pieces(plan: OwnerPlan, trees: list, updates: PyTree, checked: set[int]) -> None:
+    """Raise when a piece of ``trees`` has the wrong shape, on every rank at a plan's first
+    eager update."""
+    # static shapes: a Python check, also when compiled; at the first eager update of a
+    # plan every rank agrees on it (one all-reduce), so a wrong shape on one rank raises
+    # on all of them rather than leave the others waiting in the all_to_all
+    error = check_pieces(plan, trees, lambda: tree_paths(updates), ("updates", "params"))
+    if id(plan) not in checked and not torch.compiler.is_compiling():
+        from .shapes import raise_on_every_rank
+        raise_on_every_rank(error, plan.group)
+        checked.add(id(plan))
+    if error is not None:
+        raise error
+
+
+def _on_owners_update(updates: Updates, state: State, params: Params | None,
+                      extra_args: dict[str, Any], cfg: _OwnersConfig,
+                      plans: dict[tuple[bool, ...], OwnerPlan], checked: set[int]
+                      ) -> tuple[Updates, State]:
+    """One step of `on_owners`: pieces to the owners, ``tx`` on whole leaves, pieces back."""
+    reducer = _reducer_of("update", extra_args)
+    counter = cfg.stats or reducer.stats
+    grads = _split_tree(reducer, updates)
+    plan = _plan_for(reducer, grads, updates, plans, cfg)
+    trees = [grads]
+    if params is not None:
+        local_params = _split_tree(reducer, params)
+        trees.append([p if g is not None else None for g, p in zip(grads, local_params)])
+    _agree_on_pieces(plan, trees, updates, checked)
+    whole = gather_to_owners(plan, trees, counter)
+    keep = plan.owned()
+    inner_extra = {k: v for k, v in extra_args.items() if k != REDUCER_KEY}
+    inner_extra[TOTALS_KEY] = _totals(plan, counter)
+    out, new_state = cfg.tx.update(_masked(reducer, whole[0], keep), state,
+                                   _masked(reducer, whole[1], keep) if params is not None
+                                   else None, **inner_extra)
+    computed = reducer.treespec.flatten_up_to(out)
+    whole_updates = [x if k else None for x, k in zip(computed, keep)]
+    mine = scatter_from_owners(plan, whole_updates, grads, counter)
+    flat = reducer.treespec.flatten_up_to(updates)
+    return reducer.treespec.unflatten(
+        [m if m is not None else x for m, x in zip(mine, flat)]), new_state
