@@ -114,7 +114,6 @@ class _Leaf:
 
     def split(self, whole: torch.Tensor) -> list[torch.Tensor]:
         """Every owner-group rank's piece of ``whole`` (the inverse of `assemble`)."""
-        sizes = self._group_sizes()
         out: dict[Coords, torch.Tensor] = {}
 
         def cut(x: torch.Tensor, prefix: Coords) -> None:

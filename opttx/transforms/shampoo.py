@@ -302,7 +302,8 @@ class ShampooState(NamedTuple):
     failures: torch.Tensor  # shape (), int32: consecutive root computations that failed
     factors: PyTree         # per block: tuple of (d_k, d_k) Kronecker factors, one per dim
     roots: PyTree           # per block: tuple of (d_k, d_k) inverse roots of the factors
-    __roles__ = declare_roles(count=Role.COUNT, factors=Role.FACTOR_MATRIX, roots=Role.FACTOR_MATRIX)
+    __roles__ = declare_roles(count=Role.COUNT, factors=Role.FACTOR_MATRIX,
+                              roots=Role.FACTOR_MATRIX)
 
 
 def _contract_factor(g: torch.Tensor, k: int) -> torch.Tensor:
