@@ -121,20 +121,7 @@ def scale_by_prodigy(learning_rate: float | Schedule = 1.0,
     sign = -1.0 if flip_sign else 1.0
 
     def init(params: Params) -> ProdigyState:
-        check_init_params(params)
-        leaves = tree_flatten(params)[0]
-        count = zero_count(params)
-        dtype = _scalar_dtype(leaves)
-        return ProdigyState(
-            count=count, exp_avg=stats_like(params), exp_avg_sq=stats_like(params),
-            grad_sum=stats_like(params),
-            params0=tree_map(lambda p: p.detach().to(
-                torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype,
-                copy=True), params),
-            estim_lr=torch.tensor(estim_lr0, dtype=dtype, device=count.device)
-            if not isinstance(estim_lr0, torch.Tensor) else
-            estim_lr0.detach().to(count.device, dtype).clone(),
-            numerator_weighted=torch.zeros((), dtype=dtype, device=count.device))
+        return _init_prodigy(params, estim_lr0)
 
     def update(updates: Updates, state: ProdigyState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, ProdigyState]:
@@ -158,16 +145,9 @@ def scale_by_prodigy(learning_rate: float | Schedule = 1.0,
         dots: list[torch.Tensor] = []
         l1: list[torch.Tensor] = []
         if g:      # (a rank holding no leaf still takes part in the reductions below)
-            gs = cast_like(g, m)
-            dg = foreach("mul", gs, d)
-            m = foreach_ema(m, dg, b1)
-            v = foreach_ema_sq(v, dg, b2)
-            s = foreach_scale_add(s, beta3, foreach_("mul", dg, d_over_d0 if safeguard_warmup
-                                                     else dlr / _as(estim_lr0, d)))
-            # (a) local partial sums per leaf: <g, x0 - x> and ||s||_1
-            diff = foreach("sub", p0, cast_like(p, p0))
-            dots = [torch.sum(a.to(dtype) * b.to(dtype)) for a, b in zip(gs, diff)]
-            l1 = [x.to(dtype) for x in foreach_norm(s, 1, dtype=dtype)]
+            s_scale = d_over_d0 if safeguard_warmup else dlr / _as(estim_lr0, d)
+            m, v, s, dots, l1 = _moments_and_partials(g, m, v, s, p0, p, d, (b1, b2, beta3),
+                                                      s_scale)
         # (b) over the shards of sharded leaves
         dots, l1 = reduce_statistics((tree_unflatten(dots, spec), tree_unflatten(l1, spec)),
                                      extra_args)
@@ -184,16 +164,8 @@ def scale_by_prodigy(learning_rate: float | Schedule = 1.0,
         # all gradients zero so far (or no leaf anywhere): keep d (optax's 0/0 gives NaN)
         new_d = torch.where(denominator > 0, torch.maximum(d, d_hat), d)
 
-        out: list[torch.Tensor] = []
-        if g:
-            denom = foreach_("add", foreach("sqrt", v), new_d * _as(eps, d))
-            out = foreach_("mul", foreach("div", m, denom), dlr)
-            if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
-                out = foreach_("add", out, foreach("mul", cast_like(p, out),
-                                                   dlr * _as(weight_decay, d)))
-            if sign < 0:
-                out = foreach_("neg", out)
-            out = mark_scratch(cast_like(out, g))
+        out = _prodigy_updates(g, m, v, p, new_d, dlr, _as(eps, d), weight_decay, sign) \
+            if g else []
 
         def as_tree(leaves: list[torch.Tensor]) -> Updates:
             return tree_unflatten(list(leaves), spec)
@@ -203,6 +175,53 @@ def scale_by_prodigy(learning_rate: float | Schedule = 1.0,
             params0=state.params0, estim_lr=new_d, numerator_weighted=numerator)
 
     return GradientTransformation(init, update, Traits(across_leaves=True))
+
+
+def _init_prodigy(params: Params, estim_lr0: Scalar) -> ProdigyState:
+    """The state at step 0: zero moments and sum, the initial parameters, d = d0."""
+    check_init_params(params)
+    count = zero_count(params)
+    dtype = _scalar_dtype(tree_flatten(params)[0])
+    return ProdigyState(
+        count=count, exp_avg=stats_like(params), exp_avg_sq=stats_like(params),
+        grad_sum=stats_like(params),
+        params0=tree_map(lambda p: p.detach().to(
+            torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype,
+            copy=True), params),
+        estim_lr=torch.tensor(estim_lr0, dtype=dtype, device=count.device)
+        if not isinstance(estim_lr0, torch.Tensor) else
+        estim_lr0.detach().to(count.device, dtype).clone(),
+        numerator_weighted=torch.zeros((), dtype=dtype, device=count.device))
+
+
+def _moments_and_partials(g: list, m: list, v: list, s: list, p0: list, p: list,
+                          d: torch.Tensor, betas: tuple, s_scale: Any) -> tuple:
+    """The EMAs of d·g and (d·g)², the weighted sum s, and step (a) of the two global sums:
+    per leaf <g, x0 − x> and ‖s‖₁."""
+    b1, b2, beta3 = betas
+    dtype = d.dtype
+    gs = cast_like(g, m)
+    dg = foreach("mul", gs, d)
+    m = foreach_ema(m, dg, b1)
+    v = foreach_ema_sq(v, dg, b2)
+    s = foreach_scale_add(s, beta3, foreach_("mul", dg, s_scale))
+    diff = foreach("sub", p0, cast_like(p, p0))
+    dots = [torch.sum(a.to(dtype) * b.to(dtype)) for a, b in zip(gs, diff)]
+    l1 = [x.to(dtype) for x in foreach_norm(s, 1, dtype=dtype)]
+    return m, v, s, dots, l1
+
+
+def _prodigy_updates(g: list, m: list, v: list, p: list, new_d: torch.Tensor,
+                     dlr: torch.Tensor, eps: Any, weight_decay: Scalar, sign: float) -> list:
+    """dlr · m / (√v + d·eps) (+ dlr · wd · x), negated for the alias, in the grads' dtype."""
+    denom = foreach_("add", foreach("sqrt", v), new_d * eps)
+    out = foreach_("mul", foreach("div", m, denom), dlr)
+    if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
+        out = foreach_("add", out, foreach("mul", cast_like(p, out),
+                                           dlr * _as(weight_decay, new_d)))
+    if sign < 0:
+        out = foreach_("neg", out)
+    return mark_scratch(cast_like(out, g))
 
 
 def _pow(base: Scalar, exponent: torch.Tensor) -> torch.Tensor:
