@@ -771,67 +771,77 @@ class Optimizer(torch.optim.Optimizer):
             if group._slot in done:
                 continue                      # a group listed twice: loaded once
             done.add(group._slot)
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(f"param group {index} has {len(group['params'])} params, "
-                                 f"the state_dict {len(saved['params'])}.")
-            current = self._group_entries(group._slot)
-            given = [dict(state_dict["state"].get(key, {})) for key in saved["params"]]
-            if given and current:
-                # the shared entries may sit on any one parameter of the group
-                shared = {k: v for g in given for k, v in g.items() if k.startswith(SHARED)}
-                given = [{k: v for k, v in g.items() if not k.startswith(SHARED)}
-                         for g in given]
-                given[0].update(shared)
-            names = list(saved["params"])
-            have = {(j, k) for j, e in enumerate(current) for k in e}
-            got = {(j, k) for j, e in enumerate(given) for k in e}
-            if have != got:
-                missing = sorted(f"{names[j]}: {k}" for j, k in have - got)[:3]
-                extra = sorted(f"{names[j]}: {k}" for j, k in got - have)[:3]
-                raise ValueError(f"state_dict of param group {index} does not match this "
-                                 f"optimizer's transform: missing {missing}, unexpected "
-                                 f"{extra}.")
-            for j, (mine, theirs) in enumerate(zip(current, given)):
-                for key, leaf in mine.items():
-                    value = theirs[key]
-                    if not isinstance(value, torch.Tensor):
-                        raise ValueError(f"state {names[j]}: {key} of param group {index} is "
-                                         f"a {type(value).__name__}, expected a tensor of "
-                                         f"shape {tuple(leaf.shape)} and dtype {leaf.dtype}.")
-                    if tuple(value.shape) != tuple(leaf.shape) or value.dtype != leaf.dtype:
-                        raise ValueError(f"state {names[j]}: {key} of param group {index} is "
-                                         f"{tuple(value.shape)} {value.dtype}, expected "
-                                         f"{tuple(leaf.shape)} {leaf.dtype}.")
-            for key, value in saved.items():
-                if key not in ("params", "tx", "param_names"):
-                    self._check_hyperparameter(group._slot, key, value)
-            checked.append((group, saved, current, given))
+            checked.append(self._checked_group(index, group, saved, state_dict["state"]))
         for group, saved, current, given in checked:
-            for mine, theirs in zip(current, given):
-                for key, leaf in mine.items():
-                    value = theirs[key]
-                    dst = leaf.to_local() if hasattr(leaf, "to_local") else leaf
-                    src = value.to_local() if hasattr(value, "to_local") else value
-                    if src is not dst:
-                        dst.copy_(src)
-            live = _live_hyperparameters(self._tx_states[group._slot])
-            for key, value in saved.items():
-                if key in ("params", "tx", "param_names"):
-                    continue
-                if _OPTTX_NAMES.get(key) in live:
-                    continue        # an older state dict's opttx name of a live torch key
-                group[key] = value
-            for key, places in live.items():
-                if key not in saved:        # the state just loaded holds its value
-                    dict.__setitem__(group, key, _group_value(places[0]))
-            if "param_names" in saved and "param_names" not in group:
-                group["param_names"] = list(saved["param_names"])   # as torch keeps them
+            self._write_group(group, saved, current, given)
         listed = {key for saved in groups for key in saved["params"]}
         for key, value in state_dict["state"].items():
             if key not in listed:
                 self._state_extras[key] = value    # entries not keyed by a parameter
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _checked_group(self, index: int, group: Any, saved: dict, state: Mapping) -> tuple:
+        """One group's part of a state dict, checked against this optimizer (nothing
+        written): ``(group, saved group, live entries, saved entries)``."""
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(f"param group {index} has {len(group['params'])} params, "
+                             f"the state_dict {len(saved['params'])}.")
+        current = self._group_entries(group._slot)
+        given = [dict(state.get(key, {})) for key in saved["params"]]
+        if given and current:
+            # the shared entries may sit on any one parameter of the group
+            shared = {k: v for g in given for k, v in g.items() if k.startswith(SHARED)}
+            given = [{k: v for k, v in g.items() if not k.startswith(SHARED)}
+                     for g in given]
+            given[0].update(shared)
+        names = list(saved["params"])
+        have = {(j, k) for j, e in enumerate(current) for k in e}
+        got = {(j, k) for j, e in enumerate(given) for k in e}
+        if have != got:
+            missing = sorted(f"{names[j]}: {k}" for j, k in have - got)[:3]
+            extra = sorted(f"{names[j]}: {k}" for j, k in got - have)[:3]
+            raise ValueError(f"state_dict of param group {index} does not match this "
+                             f"optimizer's transform: missing {missing}, unexpected "
+                             f"{extra}.")
+        for j, (mine, theirs) in enumerate(zip(current, given)):
+            for key, leaf in mine.items():
+                value = theirs[key]
+                if not isinstance(value, torch.Tensor):
+                    raise ValueError(f"state {names[j]}: {key} of param group {index} is "
+                                     f"a {type(value).__name__}, expected a tensor of "
+                                     f"shape {tuple(leaf.shape)} and dtype {leaf.dtype}.")
+                if tuple(value.shape) != tuple(leaf.shape) or value.dtype != leaf.dtype:
+                    raise ValueError(f"state {names[j]}: {key} of param group {index} is "
+                                     f"{tuple(value.shape)} {value.dtype}, expected "
+                                     f"{tuple(leaf.shape)} {leaf.dtype}.")
+        for key, value in saved.items():
+            if key not in ("params", "tx", "param_names"):
+                self._check_hyperparameter(group._slot, key, value)
+        return group, saved, current, given
+
+    def _write_group(self, group: Any, saved: dict, current: list, given: list) -> None:
+        """Copy a checked group's saved entries into the live buffers and its hyperparameters
+        into the group."""
+        for mine, theirs in zip(current, given):
+            for key, leaf in mine.items():
+                value = theirs[key]
+                dst = leaf.to_local() if hasattr(leaf, "to_local") else leaf
+                src = value.to_local() if hasattr(value, "to_local") else value
+                if src is not dst:
+                    dst.copy_(src)
+        live = _live_hyperparameters(self._tx_states[group._slot])
+        for key, value in saved.items():
+            if key in ("params", "tx", "param_names"):
+                continue
+            if _OPTTX_NAMES.get(key) in live:
+                continue        # an older state dict's opttx name of a live torch key
+            group[key] = value
+        for key, places in live.items():
+            if key not in saved:        # the state just loaded holds its value
+                dict.__setitem__(group, key, _group_value(places[0]))
+        if "param_names" in saved and "param_names" not in group:
+            group["param_names"] = list(saved["param_names"])   # as torch keeps them
 
 
 # torch.optim.lr_scheduler wraps ``optimizer.step`` to record ``_opt_called`` (for its
