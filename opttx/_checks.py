@@ -7,7 +7,7 @@ Hyperparameters may be Python numbers, 0-dim tensors (injected with
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -160,3 +160,16 @@ def _gradient_error(grads: list, like: list | None, tree: PyTree, i: int, what: 
                      f"{tuple(like[i].shape)}: gradients must have the shapes of the params, "
                      "and the state must come from init on these params (a broadcastable shape "
                      "is not accepted: it would silently update every row alike).")
+
+
+def matrix_axes_of(axes: tuple[int, int], shape: Sequence[int], where: str) -> tuple[int, int]:
+    """The two axes of a leaf of ``shape`` that hold its matrices, as non-negative indices;
+    ``ValueError`` naming ``where`` when they are out of range or the same axis."""
+    a, b = axes
+    n = len(shape)
+    if not (-n <= a < n and -n <= b < n):
+        raise ValueError(f"{where}: matrix_axes {axes} out of range for shape {tuple(shape)}.")
+    a, b = a % n, b % n
+    if a == b:
+        raise ValueError(f"{where}: matrix_axes {axes} names the same axis twice.")
+    return a, b

@@ -28,6 +28,7 @@ __all__ = [
     "MaskedNode",
     "PyTree",
     "assert_same_structure",
+    "find_instances",
     "mark_static_",
     "tree_cast",
     "tree_cond",
@@ -104,6 +105,25 @@ def _node_children(node: Any) -> tuple[list, Any]:
 def _node_keys(node: Any) -> list[str]:
     entries, _ = tree_flatten_with_path(node, is_leaf=_one_level(node))
     return [keystr(path) for path, _ in entries]
+
+
+def find_instances(tree: Any, cls: type) -> list[Any]:
+    """Every instance of ``cls`` in a nested state (dicts, tuples, lists, NamedTuples), outermost
+    first; an instance's own fields are searched too (a wrapper state around another)."""
+    found: list[Any] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, cls):
+            found.append(node)
+        if isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, (tuple, list)):
+            for v in node:
+                walk(v)
+
+    walk(tree)
+    return found
 
 
 def assert_same_structure(a: PyTree, b: PyTree, what: str = "trees") -> None:

@@ -13,8 +13,8 @@ from .base import (GradientTransformation, Params, Role, State, Updates, combine
                    current_reducer, declare_roles, reduce_across_leaves, safe_increment,
                    zero_count)
 from .kernels import donating, foreach, foreach_axpy
-from .tree import (PyTree, flatten_matching, stats_like, tree_cond, tree_leaves, tree_map,
-                   tree_unflatten)
+from .tree import (PyTree, find_instances, flatten_matching, stats_like, tree_cond,
+                   tree_leaves, tree_map, tree_unflatten)
 
 __all__ = [
     "ApplyIfFiniteState",
@@ -152,21 +152,7 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
 
 def find_injected_states(state: PyTree) -> list[InjectHyperparamsState]:
     """Every `InjectHyperparamsState` in ``state`` (outermost first)."""
-    found: list[InjectHyperparamsState] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, InjectHyperparamsState):
-            found.append(node)
-            walk(node.inner_state)
-        elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, (tuple, list)):
-            for v in node:
-                walk(v)
-
-    walk(state)
-    return found
+    return find_instances(state, InjectHyperparamsState)
 
 
 @torch.no_grad()

@@ -378,11 +378,6 @@ def load_checkpoint(state_dict: dict[str, Any], checkpoint_id: Any = None, *,
     except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - re-raised here,
         error = e                                             # agreed on by the others
         # (DCP's CheckpointException derives from BaseException)
-    try:
-        raise_on_every_rank(error, group)
-    except ValueError as e:
-        if error is not None:
-            raise
-        raise ValueError(f"load_checkpoint: another rank failed to read the checkpoint "
-                         f"({e}); nothing was loaded.") from None
+    raise_on_every_rank(error, group, "load_checkpoint: rank {rank} failed to read the "
+                                      "checkpoint (see its error); nothing was loaded.")
     _copy_back(state_dict, fresh)

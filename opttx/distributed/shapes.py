@@ -66,11 +66,13 @@ def agree_on_tree(tree: PyTree, group: Any, device: torch.device, message: str) 
     raise ValueError(message + detail)
 
 
-def raise_on_every_rank(error: BaseException | None, group: Any = None) -> None:
+def raise_on_every_rank(error: BaseException | None, group: Any = None,
+                        others: str | None = None) -> None:
     """Raise on every rank of ``group`` (default: all) if any rank has an ``error``.
 
     One all-reduce (max) of a flag: the rank that found the error raises it; the others raise a
-    ``ValueError`` that points to it. Call it where all ranks arrive (``init``).
+    ``ValueError`` that points to it (``others``, with ``{rank}`` for that rank, when given).
+    Call it where all ranks arrive (``init``).
     """
     if not dist.is_initialized():
         if error is not None:
@@ -82,6 +84,8 @@ def raise_on_every_rank(error: BaseException | None, group: Any = None) -> None:
     if error is not None:
         raise error
     if flag.item():
+        if others is not None:
+            raise ValueError(others.format(rank=flag.item() - 1))
         raise ValueError(f"opttx.distributed: rank {flag.item() - 1} rejected its sharding "
                          "specs (see its error); no rank went on.")
 

@@ -540,13 +540,9 @@ def _resolve_at_init(params: Params, cfg: _ZeroConfig) -> _Resolved:
     except (ValueError, TypeError) as e:
         error = e
     g = cfg.group if cfg.group is not None else dist.group.WORLD
-    try:                              # one rank's bad tree must not leave the others hanging
-        raise_on_every_rank(error, g)
-    except ValueError as e:
-        if error is not None:
-            raise
-        raise ValueError(f"opttx.distributed.zero: another rank rejected its parameter "
-                         f"tree at init ({e})") from None
+    # one rank's bad tree must not leave the others hanging
+    raise_on_every_rank(error, g, "opttx.distributed.zero: rank {rank} rejected its parameter "
+                                  "tree at init (see its error); no rank went on.")
     agree_on_tree(params, g, res.control_device,
                   "opttx.distributed.zero: the ranks passed different parameter trees to "
                   "init (structure, shapes or dtypes); every rank must pass the same full "

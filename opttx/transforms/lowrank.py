@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import torch
 
-from .._checks import check_number, check_positive_int
+from .._checks import check_number, check_positive_int, matrix_axes_of
 from ..base import (PRECONDITION_INPUT, GradientTransformation, Params, Role, State, Updates,
                     check_init_params, combine_traits, declare_roles, require_whole_leaves,
                     safe_increment, traits_of, zero_count)
@@ -118,14 +118,7 @@ def _plans(tree: PyTree, rank: int, proj_type: str, mask: Any, matrix_axes: Matr
         if axes is None or not _is_axes(axes):
             raise ValueError(f"project_lowrank: params{path} is projected but its matrix_axes "
                              f"is {axes!r}; give a pair of axes such as (0, 1).")
-        a, b = axes
-        if not (-x.dim() <= a < x.dim() and -x.dim() <= b < x.dim()):
-            raise ValueError(f"project_lowrank: matrix_axes {axes} out of range for "
-                             f"params{path} of shape {tuple(x.shape)}.")
-        a, b = a % x.dim(), b % x.dim()
-        if a == b:
-            raise ValueError(f"project_lowrank: matrix_axes for params{path} names the same "
-                             f"axis twice: {axes}.")
+        a, b = matrix_axes_of(axes, x.shape, f"project_lowrank, params{path}")
         rows, cols = x.shape[a], x.shape[b]
         batch = tuple(s for i, s in enumerate(x.shape) if i not in (a, b))
         plans.append(_Plan(axes=(a, b), side=_side(proj_type, rows, cols), batch=batch,

@@ -72,6 +72,25 @@ def _as_float64(value: Scalar, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float64, device=like.device)
 
 
+def _check_adam_args(b1: float, b2: float, eps: float, eps_root: float = 0.0) -> None:
+    """The checks every Adam-like transform makes of its decays and epsilons."""
+    check_unit_interval("b1", b1)
+    check_unit_interval("b2", b2)
+    check_nonnegative("eps", eps)
+    check_nonnegative("eps_root", eps_root)
+
+
+def _moments_init(state_type: type) -> Any:
+    """The ``init`` of a transform whose state is (count, mu, nu): a zero count and two zero
+    moments like the params (float32 for 16-bit params)."""
+
+    def init(params: Params) -> Any:
+        check_init_params(params)
+        return state_type(count=zero_count(params), mu=stats_like(params),
+                          nu=stats_like(params))
+    return init
+
+
 def debias_factor(decay: Scalar, count: torch.Tensor) -> torch.Tensor:
     """``1 − decay^count`` in float64 (``count`` the 1-based step)."""
     return 1 - _pow(decay, _float64(count))
@@ -308,10 +327,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
       Kingma and Ba, Adam (arXiv 1412.6980); Dozat, NAdam (ICLR 2016 workshop);
       Reddi, Kale and Kumar, On the Convergence of Adam and Beyond (ICLR 2018) for AMSGrad.
     """
-    check_unit_interval("b1", b1)
-    check_unit_interval("b2", b2)
-    check_nonnegative("eps", eps)
-    check_nonnegative("eps_root", eps_root)
+    _check_adam_args(b1, b2, eps, eps_root)
     if not isinstance(amsgrad, bool):
         raise TypeError(f"amsgrad must be a bool, got {amsgrad!r}.")
     fast_path = not nesterov and isinstance(eps_root, (int, float)) and eps_root == 0
@@ -391,9 +407,7 @@ def scale_by_nadam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     References:
       Dozat, Incorporating Nesterov Momentum into Adam (ICLR 2016 workshop).
     """
-    check_unit_interval("b1", b1)
-    check_unit_interval("b2", b2)
-    check_nonnegative("eps", eps)
+    _check_adam_args(b1, b2, eps)
     check_nonnegative("momentum_decay", momentum_decay)
 
     def init(params: Params) -> ScaleByNadamState:
@@ -489,16 +503,10 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       Liu et al., On the Variance of the Adaptive Learning Rate and Beyond
       (arXiv 1908.03265).
     """
-    check_unit_interval("b1", b1)
-    check_unit_interval("b2", b2)
-    check_nonnegative("eps", eps)
-    check_nonnegative("eps_root", eps_root)
+    _check_adam_args(b1, b2, eps, eps_root)
     check_nonnegative("threshold", threshold)
 
-    def init(params: Params) -> ScaleByRadamState:
-        check_init_params(params)
-        return ScaleByRadamState(count=zero_count(params), mu=stats_like(params),
-                                 nu=stats_like(params))
+    init = _moments_init(ScaleByRadamState)
 
     def step(g, state, params, extra_args):
         mu = foreach_ema(state.mu, g, b1)
@@ -563,14 +571,9 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999,
     References:
       Kingma and Ba, Adam (arXiv 1412.6980), section 7.
     """
-    check_unit_interval("b1", b1)
-    check_unit_interval("b2", b2)
-    check_nonnegative("eps", eps)
+    _check_adam_args(b1, b2, eps)
 
-    def init(params: Params) -> ScaleByAdamaxState:
-        check_init_params(params)
-        return ScaleByAdamaxState(count=zero_count(params), mu=stats_like(params),
-                                  nu=stats_like(params))
+    init = _moments_init(ScaleByAdamaxState)
 
     def step(g, state, params, extra_args):
         mu = foreach_ema(state.mu, g, b1)
@@ -621,15 +624,9 @@ def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16,
     References:
       Zhuang et al., AdaBelief Optimizer (arXiv 2010.07468).
     """
-    check_unit_interval("b1", b1)
-    check_unit_interval("b2", b2)
-    check_nonnegative("eps", eps)
-    check_nonnegative("eps_root", eps_root)
+    _check_adam_args(b1, b2, eps, eps_root)
 
-    def init(params: Params) -> ScaleByBeliefState:
-        check_init_params(params)
-        return ScaleByBeliefState(count=zero_count(params), mu=stats_like(params),
-                                  nu=stats_like(params))
+    init = _moments_init(ScaleByBeliefState)
 
     def step(g, state, params, extra_args):
         mu = foreach_ema(state.mu, g, b1)

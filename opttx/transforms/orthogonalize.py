@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 
-from .._checks import check_nonnegative, check_positive_int
+from .._checks import check_nonnegative, check_positive_int, matrix_axes_of
 from ..base import (EmptyState, GradientTransformation, Params, Traits, Updates,
                     check_init_params, require_whole_leaves)
 from ..kernels import foreach, mark_scratch
@@ -85,15 +85,7 @@ def _matrix_axes_of(tree: PyTree, matrix_axes: MatrixAxes, name: str
             raise ValueError(f"{name}: matrix_axes for updates{tree_paths(tree)[i]} is "
                              f"{axes!r}; give a pair of axes such as (-2, -1), or None to leave "
                              "the leaf unchanged.")
-        a, b = axes
-        if not (-x.dim() <= a < x.dim() and -x.dim() <= b < x.dim()):
-            raise ValueError(f"{name}: matrix_axes {axes} out of range for "
-                             f"updates{tree_paths(tree)[i]} of shape {tuple(x.shape)}.")
-        a, b = a % x.dim(), b % x.dim()
-        if a == b:
-            raise ValueError(f"{name}: matrix_axes for updates{tree_paths(tree)[i]} names the "
-                             f"same axis twice: {axes}.")
-        out.append((a, b))
+        out.append(matrix_axes_of(axes, x.shape, f"{name}, updates{tree_paths(tree)[i]}"))
     return out
 
 

@@ -22,7 +22,8 @@ from ..base import (GradientTransformation, Params, Role, State, Updates, check_
                     combine_traits, declare_roles, require_params, safe_increment, zero_count)
 from ..kernels import Scalar, cast_like, foreach, foreach_, is_donating, mark_scratch
 from ..schedules import Schedule
-from ..tree import PyTree, flatten_matching, tree_flatten, tree_map, tree_unflatten
+from ..tree import (PyTree, find_instances, flatten_matching, tree_flatten, tree_map,
+                    tree_unflatten)
 
 __all__ = [
     "ScheduleFreeState",
@@ -195,21 +196,7 @@ def _z_dtype(p: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
 def find_schedule_free_states(state: PyTree) -> list[ScheduleFreeState]:
     """Every `ScheduleFreeState` in ``state`` (outermost first), at any depth (inside
     `opttx.inject_hyperparams`, a chain, ...)."""
-    found: list[ScheduleFreeState] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, ScheduleFreeState):
-            found.append(node)
-            walk(node.inner_state)
-        elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, (tuple, list)):
-            for v in node:
-                walk(v)
-
-    walk(state)
-    return found
+    return find_instances(state, ScheduleFreeState)
 
 
 def _the_state(state: PyTree, name: str) -> ScheduleFreeState:
