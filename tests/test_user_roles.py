@@ -1,8 +1,10 @@
 """A user's transform, written without knowing opttx's field names, works wherever opttx reads
 state roles: an Adam whose state is ``MyAdamState(step, exp_avg, exp_avg_sq)`` with declared
-roles gets the unsigned 8-bit map for its second moment under `quantize_state` and is rotated
-like opttx's own Adam under `project_lowrank(reproject_moments=True)`; the same class without
-``__roles__`` is refused with a clear error there (and still works where roles are not read)."""
+roles gets the unsigned 8-bit map for its second moment under `quantize_state`, is rotated
+like opttx's own Adam under `project_lowrank(reproject_moments=True)`, equals one device under
+`zero` and `on_owners`, and its checkpoint saved under `zero` at world 2 loads on one device;
+the same class without ``__roles__`` is refused with a clear error where roles are read (and
+still works where they are not)."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def my_adam(state_type: type = MyAdamState, b1: float = 0.9, b2: float = 0.999,
         return state_type(torch.zeros((), dtype=torch.int32), zeros,
                           tree_map(torch.zeros_like, params))
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, **extra_args):
         t = state.step + 1
         exp_avg = tree_map(lambda m, g: b1 * m + (1 - b1) * g, state.exp_avg, updates)
         exp_avg_sq = tree_map(lambda v, g: b2 * v + (1 - b2) * g * g, state.exp_avg_sq, updates)
@@ -174,3 +176,62 @@ def test_project_lowrank_refuses_a_state_without_roles_only_when_reprojecting() 
     assert_trees_close(
         run_transform(opttx.project_lowrank(my_adam(MyBareAdamState), **kw), params, grads)[0],
         run_transform(opttx.project_lowrank(my_adam(), **kw), params, grads)[0], rtol=0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# under zero and on_owners (2 gloo ranks), and a checkpoint saved at world 2 loaded on one
+# device: the checkpoint keys and the owners' masks read the declared roles
+# ---------------------------------------------------------------------------------------------
+
+
+def _distributed(rank: int, world: int, path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from opttx.distributed import Replicated, Shard, local_shard, sharded, state_dict, zero
+    params = tree()
+    grads = gradient_stream(params, 6, seed=3)
+    expected, _ = run_transform(lr(my_adam()), params, grads[:3])
+    tx = zero(lr(my_adam()))
+    got, state = run_transform(tx, params, grads[:3])
+    zero_error = max(float((got[k] - expected[k]).abs().max()) for k in params)
+    dcp.save({"optim": state_dict(state, got)}, checkpoint_id=path)
+    specs = {k: Shard(0) if v.shape[0] > 1 else Replicated() for k, v in params.items()}
+    local = {k: local_shard(v, specs[k]) for k, v in params.items()}
+    local_grads = [{k: local_shard(v, specs[k]) for k, v in g.items()} for g in grads[:3]]
+    owned, _ = run_transform(sharded(lr(my_adam()), specs, on_owners=True), local, local_grads)
+    owners_error = max(float((owned[k] - local_shard(expected[k], specs[k])).abs().max())
+                       for k in params)
+    return {"zero": zero_error, "owners": owners_error}
+
+
+@pytest.mark.timeout(300)
+def test_my_adam_under_zero_and_on_owners_and_a_resharded_checkpoint(tmp_path) -> None:
+    """Equal to one device under zero and on_owners at world 2; the state zero saved at
+    world 2 loads into the one-device state (by the declared roles of exp_avg/exp_avg_sq)
+    and training goes on bit-identically."""
+    import torch.distributed.checkpoint as dcp
+
+    from opttx.distributed import load_state_dict, state_dict
+    from opttx.testing import spawn_ranks
+    path = str(tmp_path / "ck")
+    results = spawn_ranks(_distributed, world_size=2, args=(path,), timeout=240)
+    for res in results:
+        assert res["zero"] <= 1e-6 and res["owners"] <= 1e-6, res
+    params = tree()
+    grads = gradient_stream(params, 6, seed=3)
+    tx = lr(my_adam())
+    mid, mid_state = run_transform(tx, params, grads[:3])
+    resumed = tx.init(params)
+    sd = {"optim": state_dict(resumed, mid)}
+    dcp.load(sd, checkpoint_id=path)
+    resumed = load_state_dict(resumed, sd["optim"], mid)
+    assert_trees_close(resumed, mid_state, rtol=1e-6, what="state loaded at world 1")
+    params_b, state_b = mid, resumed
+    for g in grads[3:]:
+        u, state_b = tx.update(g, state_b, params_b)
+        params_b = opttx.apply_updates(params_b, u)
+    params_a, state_a = mid, mid_state
+    for g in grads[3:]:
+        u, state_a = tx.update(g, state_a, params_a)
+        params_a = opttx.apply_updates(params_a, u)
+    assert_trees_close(params_b, params_a, rtol=1e-6, what="resumed training")
