@@ -16,6 +16,7 @@ Example:
 from . import schedules, transforms, tree
 from .aliases import (adafactor, adagrad, adalomo, adam, adamw, adamw_8bit, came, galore_adamw,
                       galore_adamw_8bit, lamb, lars, lion, nadam, rmsprop, sgd, shampoo)
+from .aliases import adopt
 from .aliases import adabelief, adamax, muon, muon_hidden_matrices, radam
 from .aliases import prodigy, schedule_free_adamw, schedule_free_sgd
 from .backward import FusedBackward
@@ -65,6 +66,8 @@ __all__ = [
     "combine_traits", "declare_roles", "leafwise", "state_roles", "traits_of", "zero_count",
     # torch.optim's remaining first-order set (issue 17)
     "adabelief", "adamax", "radam",
+    # ADOPT and AdEMAMix (issue 17)
+    "adopt",
     # Muon (issue 17)
     "muon", "muon_hidden_matrices",
     # Schedule-Free and Prodigy (issue 17)

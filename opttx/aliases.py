@@ -25,6 +25,7 @@ from .transforms.orthogonalize import NS_COEFFS, Method, orthogonalize, scale_by
 from .transforms.quantized import quantize_state
 from .transforms.prodigy import scale_by_prodigy
 from .transforms.schedule_free import schedule_free
+from .transforms.adopt import scale_by_adopt
 from .transforms.scaling import add_decayed_weights, scale, scale_by_learning_rate
 from .transforms.scaling import scale as scale_transform, scale_by_schedule
 from .transforms.shampoo import (block_by_dims, graft, precondition_shampoo,
@@ -42,6 +43,7 @@ Mask = PyTree | Callable[[PyTree], PyTree] | None
 
 def sgd(learning_rate: ScalarOrSchedule, momentum: float | None = None, nesterov: bool = False,
         accumulator_dtype: torch.dtype | None = None, *,
+__all__ += ["adopt"]   # ADOPT (issue 17)
         dampening: float = 0.0) -> GradientTransformation:
     r"""Stochastic gradient descent, with optional (Nesterov) momentum.
 
@@ -1063,3 +1065,42 @@ def prodigy(learning_rate: ScalarOrSchedule = 1.0, betas: tuple[float, float] = 
     """
     return scale_by_prodigy(learning_rate, betas, beta3, eps, estim_lr0, estim_lr_coef,
                             weight_decay, safeguard_warmup, growth_rate, flip_sign=True)
+def adopt(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9999,
+          eps: float = 1e-6, mu_dtype: torch.dtype | None = None, weight_decay: float = 0.0,
+          mask: Mask = None, *, nesterov: bool = False, use_clipping: bool = True,
+          clip_value_fn: Callable[[torch.Tensor], Any] | None = None
+          ) -> GradientTransformation:
+    r"""ADOPT (`scale_by_adopt`), with decoupled weight decay (ADOPTW).
+
+    .. math::
+        x_{t+1} = x_t - \eta \left(u_t + \lambda x_t\right)
+
+    with :math:`u_t` the output of `scale_by_adopt` (0 at the first step). Positional
+    arguments, defaults and numbers are ``optax.contrib.adopt``'s (which has no weight decay:
+    ``weight_decay=0``, the default, is exactly it). The decay is decoupled and scaled by the
+    learning rate, as ``torch.optim.AdamW`` and the ADOPT authors' ``decouple=True``: the
+    same numbers as ``pytorch_optimizer.ADOPT(weight_decouple=True)`` (which multiplies
+    ``p`` by :math:`1 - \eta\lambda` first, the first step included) when its
+    ``clip_lambda`` is given the 0-based step (see ``clip_value_fn``).
+
+    Args:
+      learning_rate: :math:`\eta`, a number or a schedule.
+      b1, b2, eps, mu_dtype, nesterov, use_clipping: as in `scale_by_adopt`.
+      weight_decay: :math:`\lambda` >= 0.
+      mask: where to apply the decay (tree of booleans or a function of the params).
+      clip_value_fn: the clipping bound as a function of the 0-based step (default
+        :math:`t^{1/4}`, optax's; see `scale_by_adopt`).
+
+    Example:
+      >>> tx = opttx.adopt(1e-3, weight_decay=0.01)
+
+    References:
+      Taniguchi et al., ADOPT (arXiv 2411.02853).
+    """
+    clip = {} if clip_value_fn is None else {"clip_value_fn": clip_value_fn}
+    return chain(scale_by_adopt(b1, b2, eps, mu_dtype, nesterov=nesterov,
+                                use_clipping=use_clipping, **clip),
+                 add_decayed_weights(weight_decay, mask),
+                 scale_by_learning_rate(learning_rate))
+
+

@@ -146,6 +146,7 @@ CASES: list[Case] = [
     case("prodigy", opttx.prodigy, learning_rate=1.0, weight_decay=0.01, estim_lr0=1e-3),
     # --- transforms -----------------------------------------------------------------------
     case("scale_by_adam", opttx.scale_by_adam, b1=0.8, b2=0.99),
+    case("adopt", opttx.adopt, learning_rate=LR, weight_decay=0.01),
     case("scale_by_adam/nesterov", opttx.scale_by_adam, b1=0.9, nesterov=True),
     case("scale_by_nadam", opttx.scale_by_nadam, b1=0.9, momentum_decay=4e-3),
     case("scale_by_radam", opttx.scale_by_radam, threshold=2.0),
@@ -158,6 +159,7 @@ CASES: list[Case] = [
     built("schedule_free", lambda: opttx.schedule_free(opttx.adam(LR, b1=0.0), LR, b1=0.9,
                                                        warmup_steps=2)),
     case("scale_by_lion", opttx.scale_by_lion, b1=0.9, b2=0.99),
+    case("scale_by_adopt", opttx.scale_by_adopt, b1=0.8, nesterov=True),
     case("scale_by_rms", opttx.scale_by_rms, decay=0.9),
     case("scale_by_rss", opttx.scale_by_rss, initial_accumulator_value=0.1),
     case("scale_by_stddev", opttx.scale_by_stddev, decay=0.9),

@@ -16,6 +16,7 @@ from .moments import (DampedTraceState, EmaState, ScaleByAdamState, ScaleByAdama
 from .orthogonalize import newton_schulz, orthogonalize, polar_factor, scale_by_shape
 from .prodigy import ProdigyState, scale_by_prodigy
 from .schedule_free import (ScheduleFreeState, schedule_free, schedule_free_eval_params,
+from .adopt import ScaleByAdoptState, scale_by_adopt
                             schedule_free_train_params)
 from .quantized import (QuantizationMap, QuantizedState, QuantizedTensor, dequantize_blockwise,
                         dynamic_map, quantization_map, quantize_blockwise, quantize_state)
@@ -50,3 +51,4 @@ __all__ = [
     "ScheduleFreeState", "schedule_free", "schedule_free_eval_params",
     "schedule_free_train_params",
 ]
+    "ScaleByAdoptState", "scale_by_adopt",
