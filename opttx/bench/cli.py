@@ -14,9 +14,10 @@ import torch
 from .data import VOCAB_SIZE, Corpus
 from .model import GPTConfig
 from .optimizers import DEFAULT_OPTIMIZERS, build, hyperparams, split_available
-from .parallel import MODES, setup
+from .parallel import MODES, Parallel, setup
+from .references import select_references
 from .report import text_table, write_report
-from .train import RunConfig, train
+from .train import WARMUP_STEPS, Builder, RunConfig, train_all
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -35,7 +36,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(DEFAULT_OPTIMIZERS),
         help="comma-separated opttx alias names; names opttx does not provide are skipped",
     )
-    p.add_argument("--steps", type=int, default=150, help="training steps per optimizer")
+    p.add_argument("--steps", type=int, default=150,
+                   help=f"training steps per optimizer (the first {WARMUP_STEPS} untimed)")
+    p.add_argument("--block", type=int, default=10,
+                   help="timed steps each optimizer runs per round of the round-robin")
+    p.add_argument(
+        "--references",
+        action="store_true",
+        help="also run the other libraries' counterparts of the chosen optimizers "
+        "(torch.optim AdamW and Muon, transformers Adafactor, heavyball Muon and SOAP; "
+        "eagerly; a library not installed is skipped with the reason printed)",
+    )
     p.add_argument("--batch-size", type=int, default=16, help="sequences per batch")
     p.add_argument("--seq-len", type=int, default=128, help="context length in bytes")
     p.add_argument("--d-model", type=int, default=128, help="model width")
@@ -55,7 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="train with a torch.compile'd functional step (tx.update + apply_updates_) "
         "instead of the eager opttx.Optimizer loop",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed for initialisation and batch sampling")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed for initialisation and batch sampling")
     p.add_argument(
         "--parallel",
         choices=MODES,
@@ -66,9 +78,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=Path("report"), help="report folder")
     args = p.parse_args(argv)
-    for flag in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "corpus_bytes"):
+    for flag in ("steps", "block", "batch_size", "seq_len", "eval_every", "eval_batches",
+                 "corpus_bytes"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be positive")
+    if args.steps <= WARMUP_STEPS:
+        p.error(f"--steps must exceed the {WARMUP_STEPS} untimed warm-up steps")
     if not 0.0 < args.heldout_fraction < 1.0:
         p.error("--heldout-fraction must be between 0 and 1")
     return args
@@ -100,28 +115,30 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         seed=args.seed,
         device=torch.device(args.device),
         compile=args.compile,
+        block=args.block,
     )
     par = setup(args.parallel, cfg.device, cfg.batch_size)
     if par.is_main:
         print(
             f"corpus: {len(corpus.train):,} train / {len(corpus.heldout):,} held-out bytes; "
             f"{'compiled' if args.compile else 'eager'} on {cfg.device}; "
-            + (f"{par.mode} over {par.world} ranks; " if par.world > 1 else "")
-            + f"optimizers: {', '.join(names)}",
+            + (f"{par.mode} over {par.world} ranks" if par.world > 1 else "single process"),
             file=sys.stderr,
         )
 
-    results: dict[str, dict[str, Any]] = {}
+    builders, hyper = _builders(names, requested, args.references, par)
+    if par.is_main:
+        print(f"optimizers: {', '.join(builders)}", file=sys.stderr)
+
+    def on_error(name: str, exc: Exception) -> None:
+        traceback.print_exc()
+        if par.world > 1:     # the other ranks may be waiting in a collective: stop
+            raise exc
+
     start = time.perf_counter()
-    for name in names:
-        results[name] = {"hyperparams": hyperparams(name)}
-        try:
-            results[name].update(train(name, build(name), corpus, cfg, par))
-        except Exception as exc:  # report the failure and carry on with the other optimizers
-            traceback.print_exc()
-            results[name]["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            if par.world > 1:     # the other ranks may be waiting in a collective: stop
-                raise
+    results = train_all(builders, corpus, cfg, par, on_error)
+    for name, r in results.items():
+        r["hyperparams"] = hyper[name]
     elapsed = time.perf_counter() - start
     par.close()
     if not par.is_main:
@@ -137,3 +154,28 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         print(f"note: {note}", file=sys.stderr)
     print(f"report written to {args.out}/ in {elapsed:.1f}s", file=sys.stderr)
     return results
+
+
+def _builders(names: list[str], requested: list[str], references: bool, par: Parallel
+              ) -> tuple[dict[str, Builder], dict[str, dict[str, Any]]]:
+    """What each run trains with (name -> opttx transformation or reference builder), each
+    reference right after its opttx counterpart, and each run's hyper-parameters."""
+    builders: dict[str, Builder] = {}
+    hyper: dict[str, dict[str, Any]] = {}
+    refs = []
+    if references and par.world > 1:
+        if par.is_main:
+            print("skipping --references: they run in a single process only", file=sys.stderr)
+    elif references:
+        refs, skipped = select_references(requested)
+        for reason in skipped:
+            print(f"skipping reference {reason}", file=sys.stderr)
+    for name in names + [n for n in requested if n not in names]:
+        if name in names:
+            builders[name], hyper[name] = build(name), hyperparams(name)
+        for ref in refs:
+            if ref.counterpart == name:
+                builders[ref.name] = ref.build
+                hyper[ref.name] = {**ref.hyperparams, "reference_for": name,
+                                   **({"note": ref.note} if ref.note else {})}
+    return builders, hyper

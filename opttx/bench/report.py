@@ -1,4 +1,7 @@
-"""Comparison table, ``report.md``, ``results.json`` and optional plots."""
+"""Comparison table, ``report.md``, ``results.json`` and, with matplotlib, the plots
+``loss.png`` (smoothed training loss; held-out loss in its own panel), ``step_time.png`` (the
+per-step times of every optimizer) and ``memory.png`` (parameters, optimizer state and peak
+live tensor bytes)."""
 
 from __future__ import annotations
 
@@ -7,39 +10,46 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .train import FINAL_LOSS_WINDOW, WARMUP_STEPS
+from .train import FINAL_LOSS_WINDOW, PROCESS_WARMUP_STEPS, TRACKED_STEPS, WARMUP_STEPS
 
 MB = 1024 * 1024
+# The training-loss plot shows an exponential moving average of the per-step losses, with
+# this coefficient (debiased, so its first points are not pulled towards zero).
+SMOOTHING = 0.9
 
 Results = dict[str, dict[str, Any]]
 
 
 def _columns(results: Results) -> tuple[list[str], list[list[str]]]:
     """Header and formatted rows of the comparison table."""
-    kinds = {r["peak_memory_kind"] for r in results.values() if "error" not in r}
     header = [
         "optimizer",
         "final train loss",
         "held-out loss",
+        "step time ms (median)",
+        "step time ms (quartiles)",
+        "timed steps",
         "tokens/s",
-        "step time ms",
         "optimizer state MB",
-        f"peak memory MB ({', '.join(sorted(kinds)) or 'n/a'})",
+        "peak live tensors MB",
     ]
     rows = []
     for name, r in results.items():
         if "error" in r:
             rows.append([name, f"failed: {r['error']}"] + [""] * (len(header) - 2))
             continue
+        q1, q3 = r["step_time_quartiles_ms"]
         rows.append(
             [
                 name,
                 f"{r['final_train_loss']:.4f}",
                 f"{r['final_eval_loss']:.4f}",
-                f"{r['tokens_per_s']:,.0f}",
                 f"{r['step_time_ms']:.1f}",
+                f"{q1:.1f}-{q3:.1f}",
+                str(r["timed_steps"]),
+                f"{r['tokens_per_s']:,.0f}",
                 f"{r['state_bytes'] / MB:.2f}",
-                f"{r['peak_memory_bytes'] / MB:.0f}",
+                f"{r['peak_live_bytes'] / MB:.1f}",
             ]
         )
     return header, rows
@@ -75,6 +85,32 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def method(settings: dict[str, Any]) -> str:
+    """How the table's figures were measured, for ``report.md``."""
+    compiled = settings.get("compile") == "True"
+    return (
+        f"**Loss.** Final train loss is the mean of the last {FINAL_LOSS_WINDOW} steps; "
+        "held-out loss is the mean over fixed windows of the corpus's held-out tail.\n\n"
+        f"**Timing.** Before the first optimizer, {PROCESS_WARMUP_STEPS} untimed steps of a "
+        "throw-away model warm the process up. Each optimizer then runs its first "
+        f"{WARMUP_STEPS} steps untimed (state creation"
+        + (", compilation" if compiled else "")
+        + "), and the timed steps run round-robin: in each round every optimizer runs its "
+        f"next {settings.get('block', '?')} steps, starting from a different optimizer each "
+        "round, so that the machine's load falls on all of them alike. Each step (forward, "
+        "backward, optimizer step, reading the loss) is timed alone; the table gives the "
+        "median and the quartiles, tokens/s follows from the median."
+        + (" Under --compile the opttx rows time a torch.compile'd functional step; the "
+           "references always run eagerly." if compiled else "")
+        + "\n\n**Memory.** Optimizer state counts every distinct tensor in the optimizer's "
+        "state. Peak live tensors is this optimizer's own peak of live tensor bytes "
+        "(parameters, gradients, optimizer state, activations and the batch) over its first "
+        f"{TRACKED_STEPS} steps, run eagerly under `opttx.bench.memory.LiveTensorTracker`: "
+        "exact at the granularity of ATen ops, blind to a kernel's own scratch memory and the "
+        "allocator's caching, and independent of the other optimizers and of the process."
+    )
+
+
 def write_report(results: Results, out_dir: Path, settings: dict[str, Any]) -> list[str]:
     """Write ``report.md``, ``results.json`` and, with matplotlib, the plots.
 
@@ -90,10 +126,10 @@ def write_report(results: Results, out_dir: Path, settings: dict[str, Any]) -> l
         "Byte-level GPT trained on the Python standard library's source.",
         "## Results",
         markdown_table(results),
-        f"Final train loss is the mean of the last {FINAL_LOSS_WINDOW} steps; held-out loss is the "
-        "mean over fixed windows of the corpus's held-out tail; step time and tokens/s exclude "
-        f"the first {WARMUP_STEPS} (warm-up and compilation) steps; optimizer state counts every "
-        "distinct tensor in the opttx state.",
+        ("Plots: `loss.png` (training loss smoothed, held-out loss), `step_time.png`, "
+         "`memory.png`."),
+        "## How it was measured",
+        method(settings),
         "## Settings",
         "\n".join(setting_lines),
         "## Hyper-parameters",
@@ -105,35 +141,76 @@ def write_report(results: Results, out_dir: Path, settings: dict[str, Any]) -> l
     return notes
 
 
+def smoothed(values: list[float], beta: float = SMOOTHING) -> list[float]:
+    """Debiased exponential moving average of ``values``."""
+    out, avg = [], 0.0
+    for t, v in enumerate(values, start=1):
+        avg = beta * avg + (1 - beta) * v
+        out.append(avg / (1 - beta**t))
+    return out
+
+
 def write_plots(results: Results, out_dir: Path) -> list[str]:
-    """Draw ``loss.png`` and ``memory.png`` if matplotlib is importable."""
+    """Draw ``loss.png``, ``step_time.png`` and ``memory.png`` if matplotlib is importable."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return ["matplotlib is not installed: loss.png and memory.png were not written"]
+        return [("matplotlib is not installed: loss.png, step_time.png and memory.png were "
+                 "not written")]
     ok = {name: r for name, r in results.items() if "error" not in r}
+    names = list(ok)
+    colors = dict(zip(names, plt.get_cmap("tab20").colors * 2))
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    def style(name: str) -> str:
+        return "--" if "." in name else "-"       # references ("torch.AdamW") dashed
+
+    fig, (train_ax, eval_ax) = plt.subplots(1, 2, figsize=(13, 5))
     for name, r in ok.items():
         steps, losses = zip(*r["loss_curve"])
-        (line,) = ax.plot(steps, losses, alpha=0.6, linewidth=1, label=f"{name} train")
+        train_ax.plot(steps, smoothed(list(losses)), style(name), color=colors[name],
+                      linewidth=1.2, label=name)
         eval_steps, eval_losses = zip(*r["eval_curve"])
-        ax.plot(eval_steps, eval_losses, "o--", color=line.get_color(), label=f"{name} held-out")
-    ax.set(xlabel="step", ylabel="loss (nats/byte)", title="Training loss")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+        eval_ax.plot(eval_steps, eval_losses, style(name), color=colors[name], marker="o",
+                     markersize=3, label=name)
+    train_ax.set(xlabel="step", ylabel="loss (nats/byte)",
+                 title=f"Training loss (EMA, beta {SMOOTHING})")
+    eval_ax.set(xlabel="step", ylabel="loss (nats/byte)", title="Held-out loss")
+    for ax in (train_ax, eval_ax):
+        ax.grid(alpha=0.3)
+    eval_ax.legend(fontsize="small", loc="upper right")
     fig.tight_layout()
     fig.savefig(out_dir / "loss.png", dpi=120)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    names = list(ok)
-    ax.bar(names, [ok[n]["state_bytes"] / MB for n in names])
-    ax.set(ylabel="MB", title="Optimizer state")
-    ax.tick_params(axis="x", labelrotation=30)
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(names) + 1.5))
+    version = tuple(int(v) for v in matplotlib.__version__.split(".")[:2])
+    horizontal = {"orientation": "horizontal"} if version >= (3, 10) else {"vert": False}
+    ax.boxplot([ok[n]["step_times_ms"] for n in names], **horizontal, showfliers=True,
+               flierprops={"markersize": 3})
+    ax.set_yticks(range(1, len(names) + 1), names)
+    ax.invert_yaxis()
+    ax.set(xlabel="ms per training step",
+           title="Step time (timed steps, round-robin; box: quartiles, line: median)")
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(out_dir / "step_time.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(names) + 1.5))
+    rows = range(len(names))
+    for k, (key, label) in enumerate([("param_bytes", "parameters"),
+                                      ("state_bytes", "optimizer state"),
+                                      ("peak_live_bytes", "peak live tensors")]):
+        ax.barh([i + 0.27 * (k - 1) for i in rows], [ok[n][key] / MB for n in names],
+                height=0.27, label=label)
+    ax.set_yticks(list(rows), names)
+    ax.invert_yaxis()
+    ax.set(xlabel="MB", title="Memory per optimizer")
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(out_dir / "memory.png", dpi=120)
     plt.close(fig)
