@@ -33,7 +33,7 @@ from .transforms.shampoo import (block_by_dims, graft, precondition_shampoo,
 from .tree import PyTree, mask_leaves, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = ["adabelief", "adafactor", "adagrad", "adalomo", "adam", "adamax", "radam",
-           "adamw", "adamw_8bit", "came", "muon", "muon_hidden_matrices",
+           "adamw", "adamw_8bit", "came", "muon", "muon_hidden_matrices", "adopt",
            "galore_adamw", "galore_adamw_8bit", "lamb", "lars", "lion", "nadam", "rmsprop",
            "sgd", "shampoo", "prodigy", "schedule_free_adamw", "schedule_free_sgd"]
 
@@ -43,7 +43,6 @@ Mask = PyTree | Callable[[PyTree], PyTree] | None
 
 def sgd(learning_rate: ScalarOrSchedule, momentum: float | None = None, nesterov: bool = False,
         accumulator_dtype: torch.dtype | None = None, *,
-__all__ += ["adopt"]   # ADOPT (issue 17)
         dampening: float = 0.0) -> GradientTransformation:
     r"""Stochastic gradient descent, with optional (Nesterov) momentum.
 

@@ -1,5 +1,6 @@
 """Pure gradient transformations, one file per family."""
 
+from .adopt import ScaleByAdoptState, scale_by_adopt
 from .clipping import (ZeroNansState, clip, clip_by_block_rms, clip_by_global_norm, global_norm,
                        zero_nans)
 from .factored import (FactoredState, ScaleByCameState, add_step_scaled_decayed_weights,
@@ -16,7 +17,6 @@ from .moments import (DampedTraceState, EmaState, ScaleByAdamState, ScaleByAdama
 from .orthogonalize import newton_schulz, orthogonalize, polar_factor, scale_by_shape
 from .prodigy import ProdigyState, scale_by_prodigy
 from .schedule_free import (ScheduleFreeState, schedule_free, schedule_free_eval_params,
-from .adopt import ScaleByAdoptState, scale_by_adopt
                             schedule_free_train_params)
 from .quantized import (QuantizationMap, QuantizedState, QuantizedTensor, dequantize_blockwise,
                         dynamic_map, quantization_map, quantize_blockwise, quantize_state)
@@ -49,6 +49,5 @@ __all__ = [
     "newton_schulz", "orthogonalize", "polar_factor", "scale_by_shape",
     "ProdigyState", "scale_by_prodigy",
     "ScheduleFreeState", "schedule_free", "schedule_free_eval_params",
-    "schedule_free_train_params",
+    "schedule_free_train_params", "ScaleByAdoptState", "scale_by_adopt",
 ]
-    "ScaleByAdoptState", "scale_by_adopt",
