@@ -18,6 +18,7 @@ from .aliases import (adafactor, adagrad, adalomo, adam, adamw, adamw_8bit, came
                       galore_adamw_8bit, lamb, lars, lion, nadam, rmsprop, sgd, shampoo)
 from .aliases import adopt
 from .aliases import adabelief, adamax, muon, muon_hidden_matrices, radam
+from .aliases import mars
 from .aliases import prodigy, schedule_free_adamw, schedule_free_sgd
 from .backward import FusedBackward
 from .base import (ELEMENTWISE, LEAFWISE, PRECONDITIONER, EmptyState, GradientTransformation,
@@ -71,5 +72,7 @@ __all__ = [
     # Muon (issue 17)
     "muon", "muon_hidden_matrices",
     # Schedule-Free and Prodigy (issue 17)
+    # MARS (issue 17)
+    "mars",
     "prodigy", "schedule_free_adamw", "schedule_free_sgd",
 ]

@@ -18,6 +18,7 @@ from .transforms.factored import (FactorAxes, add_step_scaled_decayed_weights, c
                                   clip_by_rms_and_scale_by_param_rms, relative_step_schedule, scale_by_came, scale_by_factored_rms,
                                   scale_by_param_block_rms, scale_by_trust_ratio)
 from .transforms.lowrank import MatrixAxes, ProjType, project_lowrank
+from .transforms.mars import scale_by_mars
 from .transforms.moments import (debias_factor, ema, scale_by_adam, scale_by_adamax,
                                  scale_by_belief, scale_by_lion, scale_by_nadam, scale_by_radam,
                                  scale_by_rms, scale_by_rss, scale_by_stddev, trace)
@@ -357,6 +358,109 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
 
 # ---------------------------------------------------------------------------------------------
 # factored and layer-wise
+# ---------------------------------------------------------------------------------------------
+# MARS (issue 17)
+# ---------------------------------------------------------------------------------------------
+
+__all__ += ["mars"]
+
+
+def mars(learning_rate: ScalarOrSchedule = 3e-3, b1: float = 0.95, b2: float = 0.99,
+         gamma: float = 0.025, eps: float = 1e-8, weight_decay: float = 0.0,
+         optimizer: str = "adamw", max_norm: float | None = 1.0,
+         mu_dtype: torch.dtype | None = None, *, optimize_1d: bool = False,
+         learning_rate_1d: ScalarOrSchedule | None = None,
+         betas_1d: tuple[float, float] = (0.9, 0.95),
+         weight_decay_1d: float = 0.1,
+         eps_before_debias: bool = True) -> GradientTransformation:
+    r"""MARS: AdamW or Lion on the variance-reduced gradient of `scale_by_mars`.
+
+    .. math::
+        c_t = \mathrm{clip}_1\!\Big(g_t + \gamma \tfrac{\beta_1}{1-\beta_1}
+        (g_t - g_{t-1})\Big), \qquad
+        x_{t+1} = x_t - \eta\,(\mathrm{Adam}(c_t) \text{ or }
+        \mathrm{sign}(m_t) + \lambda x_t)
+
+    with :math:`m_t = \beta_1 m_{t-1} + (1-\beta_1) c_t` for Lion (``optimizer="lion"``:
+    `scale_by_lion` with both decays :math:`\beta_1`; ``b2`` is unused). Composed as
+    ``chain(scale_by_mars(gamma, b1, max_norm), scale_by_adam(b1, b2, eps) or
+    scale_by_lion(b1, b1), add_decayed_weights(weight_decay), scale_by_learning_rate(lr))``
+    on the leaves with 2 or more dims; unless ``optimize_1d``, the other leaves take plain
+    `adamw` with ``betas_1d``, ``weight_decay_1d`` and ``learning_rate_1d`` (a `partition`,
+    labels ``"mars"`` and ``"adamw"``).
+
+    Defaults and numbers are ``pytorch_optimizer.MARS``'s (``mars_type="adamw"``/``"lion"``),
+    except that ``learning_rate_1d`` defaults to ``learning_rate`` (their ``lr_1d``: 3e-3).
+    Their Adam adds ``eps`` before the bias correction, with :math:`10^{-15}` inside the
+    root: :math:`u_t = \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}
+    \frac{m_t}{\sqrt{v_t + 10^{-15}} + \epsilon}`, which ``eps_before_debias=True`` (the
+    default) reproduces as ``chain(scale_by_adam(..., eps_root=1e-15,
+    bias_correction=False), scale_by_schedule(...))``; ``False`` gives `adamw`'s (and
+    torch.optim's) :math:`\hat m_t / (\sqrt{\hat v_t} + \epsilon)`. The two differ where
+    :math:`|c_t|` is near ``eps``. For ``heavyball``'s ``mars=True`` see `scale_by_mars`.
+
+    Args:
+      learning_rate: :math:`\eta`, a number or a schedule.
+      b1, b2: Adam's decays (:math:`\beta_1` also sets the correction's coefficient).
+      gamma: :math:`\gamma`, the strength of the correction (`scale_by_mars`).
+      eps: Adam's epsilon.
+      weight_decay: :math:`\lambda`, decoupled and scaled by the learning rate.
+      optimizer: ``"adamw"`` or ``"lion"``.
+      max_norm: the per-leaf clipping norm of :math:`c_t` (None: no clipping).
+      mu_dtype: dtype of the first moment (default: fp32 for 16-bit leaves).
+      optimize_1d: apply MARS to every leaf (False: only to leaves with 2 or more dims).
+      learning_rate_1d: the 1-D leaves' learning rate (default ``learning_rate``).
+      betas_1d: the 1-D leaves' AdamW decays.
+      weight_decay_1d: the 1-D leaves' weight decay.
+      eps_before_debias: ``pytorch_optimizer``'s placement of ``eps`` (above).
+
+    Example:
+      >>> tx = opttx.mars(3e-3, weight_decay=0.01)
+      >>> tx = opttx.mars(1e-4, optimizer="lion", optimize_1d=True)
+
+    References:
+      Yuan, Liu, Wu, Zhou, Gu, MARS: Unleashing the Power of Variance Reduction for
+      Training Large Models (arXiv 2411.10438).
+    """
+    if optimizer == "adamw":
+        inner = _mars_adam(b1, b2, eps, mu_dtype, eps_before_debias)
+    elif optimizer == "lion":
+        inner = scale_by_lion(b1, b1, mu_dtype)
+    else:
+        raise ValueError(f"optimizer must be 'adamw' or 'lion', got {optimizer!r}.")
+    group = chain(scale_by_mars(gamma, b1, max_norm), inner,
+                  add_decayed_weights(weight_decay), scale_by_learning_rate(learning_rate))
+    if optimize_1d:
+        return group
+    if not isinstance(betas_1d, (tuple, list)) or len(betas_1d) != 2:
+        raise ValueError(f"betas_1d must be a pair (b1, b2), got {betas_1d!r}.")
+
+    def labels(params: PyTree) -> PyTree:
+        leaves, spec = tree_flatten(params)
+        return tree_unflatten(["mars" if p.ndim >= 2 else "adamw" for p in leaves], spec)
+
+    vectors = chain(_mars_adam(betas_1d[0], betas_1d[1], eps, mu_dtype, eps_before_debias),
+                    add_decayed_weights(weight_decay_1d),
+                    scale_by_learning_rate(learning_rate if learning_rate_1d is None
+                                           else learning_rate_1d))
+    return partition({"mars": group, "adamw": vectors}, labels)
+
+
+def _mars_adam(b1: float, b2: float, eps: float, mu_dtype: torch.dtype | None,
+               eps_before_debias: bool) -> GradientTransformation:
+    """Adam as `mars` uses it: `scale_by_adam`, or with ``eps_before_debias``
+    ``pytorch_optimizer``'s ``sqrt(1-b2^t)/(1-b1^t) · m / (sqrt(v + 1e-15) + eps)``."""
+    if not eps_before_debias:
+        return scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype)
+
+    def debias(count: torch.Tensor) -> torch.Tensor:     # count: the 0-based step
+        t = count + 1
+        return torch.sqrt(debias_factor(b2, t)) / debias_factor(b1, t)
+
+    return chain(scale_by_adam(b1, b2, eps, 1e-15, mu_dtype, bias_correction=False),
+                 scale_by_schedule(debias))
+
+
 # ---------------------------------------------------------------------------------------------
 
 

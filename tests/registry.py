@@ -143,6 +143,8 @@ CASES: list[Case] = [
          weight_decay=0.01),
     case("schedule_free_sgd", opttx.schedule_free_sgd, learning_rate=0.1, warmup_steps=2,
          weight_decay=0.01, r=0.5),
+    case("mars", opttx.mars, learning_rate=LR, weight_decay=0.01, weight_decay_1d=0.01),
+    case("mars/lion", opttx.mars, learning_rate=1e-3, optimizer="lion", optimize_1d=True),
     case("prodigy", opttx.prodigy, learning_rate=1.0, weight_decay=0.01, estim_lr0=1e-3),
     # --- transforms -----------------------------------------------------------------------
     case("scale_by_adam", opttx.scale_by_adam, b1=0.8, b2=0.99),
@@ -155,6 +157,7 @@ CASES: list[Case] = [
     case("orthogonalize", opttx.orthogonalize, ns_steps=5, matrices_only=True),
     built("orthogonalize/svd", lambda: opttx.orthogonalize(method="svd"), matrices_only=True),
     case("scale_by_shape", opttx.scale_by_shape, consistent_rms=0.2, matrices_only=True),
+    case("scale_by_mars", opttx.scale_by_mars, gamma=0.025, b1=0.9, max_norm=0.5),
     case("scale_by_prodigy", opttx.scale_by_prodigy, estim_lr0=1e-3, growth_rate=2.0),
     built("schedule_free", lambda: opttx.schedule_free(opttx.adam(LR, b1=0.0), LR, b1=0.9,
                                                        warmup_steps=2)),

@@ -15,6 +15,7 @@ from .moments import (DampedTraceState, EmaState, ScaleByAdamState, ScaleByAdama
                       scale_by_belief, scale_by_lion, scale_by_nadam, scale_by_radam,
                       scale_by_rms, scale_by_rss, scale_by_stddev, trace)
 from .orthogonalize import newton_schulz, orthogonalize, polar_factor, scale_by_shape
+from .mars import ScaleByMarsState, scale_by_mars
 from .prodigy import ProdigyState, scale_by_prodigy
 from .schedule_free import (ScheduleFreeState, schedule_free, schedule_free_eval_params,
                             schedule_free_train_params)
@@ -49,5 +50,6 @@ __all__ = [
     "newton_schulz", "orthogonalize", "polar_factor", "scale_by_shape",
     "ProdigyState", "scale_by_prodigy",
     "ScheduleFreeState", "schedule_free", "schedule_free_eval_params",
+    "ScaleByMarsState", "scale_by_mars",
     "schedule_free_train_params", "ScaleByAdoptState", "scale_by_adopt",
 ]

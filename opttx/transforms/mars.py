@@ -1,0 +1,120 @@
+r"""MARS: a variance-reduced gradient, in front of Adam or Lion.
+
+MARS (Yuan et al., 2024) replaces the gradient fed to a preconditioned optimizer by a
+scaled STORM-style correction, :math:`c_t = g_t + \gamma \frac{\beta_1}{1-\beta_1}
+(g_t - g_{t-1})`, clipped to norm 1 per leaf. `scale_by_mars` is that correction alone, so
+``chain(scale_by_mars(...), scale_by_adam(...))`` is MARS-AdamW and
+``chain(scale_by_mars(...), scale_by_lion(b1, b1))`` is MARS-Lion (`opttx.mars` builds both).
+The clipping norm is a statistic of a whole leaf; it is taken in the three steps of
+docs/design.md, rule 6 (local sum of squares, `opttx.base.reduce_statistics`, square root),
+so it is exact on tensor-parallel shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from .._checks import (check_gradient_leaves, check_nonnegative, check_positive,
+                       check_unit_interval)
+from ..base import (ELEMENTWISE, LEAFWISE, GradientTransformation, Params, Role, Updates,
+                    check_init_params, declare_roles, reduce_statistics)
+from ..kernels import (cast_like, foreach, foreach_op_, foreach_sum_of_squares, is_donating,
+                       mark_scratch, new_buffers)
+from ..tree import flatten_matching, stats_like, tree_unflatten
+
+__all__ = ["ScaleByMarsState", "scale_by_mars"]
+
+
+class ScaleByMarsState(NamedTuple):
+    """State of `scale_by_mars`."""
+    prev_grad: Updates   # like params (fp32 for 16-bit leaves): the previous step's input
+                         #   g_{t-1} (zero before the first step)
+    __roles__ = declare_roles(prev_grad=Role.FIRST_MOMENT)
+
+
+def scale_by_mars(gamma: float = 0.025, b1: float = 0.95, max_norm: float | None = 1.0,
+                  state_dtype: torch.dtype | None = None) -> GradientTransformation:
+    r"""MARS's variance-reduced gradient :math:`c_t`, clipped per leaf.
+
+    .. math::
+        \tilde c_t = g_t + \gamma \frac{\beta_1}{1-\beta_1} (g_t - g_{t-1}), \qquad
+        c_t = \tilde c_t / \max\!\big(1, \lVert \tilde c_t \rVert_2 / \tau\big)
+
+    with :math:`g_0 = 0` (the first step scales :math:`g_1` by
+    :math:`1 + \gamma\beta_1/(1-\beta_1)`, as the paper's code, ``pytorch_optimizer.MARS``
+    and ``heavyball`` all do) and the norm taken over each leaf (:math:`\tau` = ``max_norm``,
+    1 in the paper). Put it in front of Adam (MARS-AdamW: Adam's both moments are of
+    :math:`c_t`) or Lion with :math:`\beta_2 = \beta_1` (MARS-Lion: the sign of the EMA of
+    :math:`c_t`); ``b1`` here should be the momentum of that optimizer. The state is the raw
+    input :math:`g_t`, not :math:`c_t`.
+
+    ``heavyball``'s ``mars=True`` differs: it does not clip, and it passes its
+    ``mars_gamma`` and ``beta1`` to its correction in swapped places, so its coefficient is
+    :math:`\beta_1 \gamma_h / (1-\gamma_h)`. Its correction is this transform's with
+    ``max_norm=None`` and ``gamma`` :math:`= \gamma_h (1-\beta_1)/(1-\gamma_h)`.
+
+    Args:
+      gamma: :math:`\gamma` >= 0, the strength of the correction (0: the gradient, clipped).
+      b1: :math:`\beta_1` in [0, 1), the momentum of the optimizer that follows.
+      max_norm: :math:`\tau` > 0, the largest per-leaf norm of :math:`c_t` (None: no
+        clipping; the transform is then element-wise).
+      state_dtype: dtype of :math:`g_{t-1}` (default: the parameter's, fp32 for 16-bit).
+
+    Returns:
+      A `GradientTransformation` whose state is a `ScaleByMarsState`.
+
+    Example:
+      >>> tx = opttx.chain(opttx.scale_by_mars(gamma=0.025, b1=0.95),
+      ...                  opttx.scale_by_adam(b1=0.95, b2=0.99),
+      ...                  opttx.scale_by_learning_rate(3e-3))        # = opttx.mars(3e-3)
+
+    References:
+      Yuan, Liu, Wu, Zhou, Gu, MARS: Unleashing the Power of Variance Reduction for
+      Training Large Models (arXiv 2411.10438).
+    """
+    check_nonnegative("gamma", gamma)
+    check_unit_interval("b1", b1)
+    if max_norm is not None:
+        check_positive("max_norm", max_norm)
+    coef = gamma * b1 / (1 - b1)
+
+    def init(params: Params) -> ScaleByMarsState:
+        check_init_params(params)
+        return ScaleByMarsState(prev_grad=stats_like(params, state_dtype))
+
+    def update(updates: Updates, state: ScaleByMarsState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, ScaleByMarsState]:
+        del params
+        if not isinstance(state, ScaleByMarsState):
+            raise TypeError(f"scale_by_mars.update got a state of type "
+                            f"{type(state).__name__}, expected ScaleByMarsState: pass the "
+                            "state made by its init.")
+        spec, g, prev = flatten_matching(updates, state.prev_grad)
+        if not g:
+            return updates, state
+        check_gradient_leaves(g, prev, updates, "scale_by_mars")
+        gs = cast_like(g, prev)
+        c = foreach_op_("add", foreach_op_("mul", foreach("sub", gs, prev), coef), gs)
+        if max_norm is not None:
+            c = _clip_per_leaf(c, max_norm, spec, extra_args)
+        if is_donating():
+            new_prev = new_buffers(prev, gs)
+        else:       # a copy: the state must not alias the caller's gradient
+            new_prev = [x.clone() if x is y else x for x, y in zip(gs, g)]
+        return (tree_unflatten(mark_scratch(cast_like(c, g)), spec),
+                ScaleByMarsState(prev_grad=tree_unflatten(new_prev, spec)))
+
+    return GradientTransformation(init, update, ELEMENTWISE if max_norm is None else LEAFWISE)
+
+
+def _clip_per_leaf(c: list[torch.Tensor], max_norm: float, spec: Any, extra_args: dict
+                   ) -> list[torch.Tensor]:
+    """``c / max(1, ‖c‖ / max_norm)`` per leaf (``c`` temporaries, overwritten): (a) local sums
+    of squares, (b) summed over the shards of sharded leaves, (c) the root and the division."""
+    sums = foreach_sum_of_squares(c)                                              # (a)
+    sums = flatten_matching(reduce_statistics(tree_unflatten(sums, spec), extra_args))[1]  # (b)
+    denom = [torch.clamp(torch.sqrt(s) / max_norm, min=1.0).to(x.dtype)
+             for s, x in zip(sums, c)]                                              # (c)
+    return foreach_op_("div", c, denom)
