@@ -385,9 +385,13 @@ def check_pieces(plan: OwnerPlan, trees: list[list[torch.Tensor | None]],
     return None
 
 
-def _totals(plan: OwnerPlan, stats: CollectiveStats | None) -> Callable[..., torch.Tensor]:
+def _totals(plan: OwnerPlan, stats: CollectiveStats | None,
+            outer: Callable[..., torch.Tensor] | None = None) -> Callable[..., torch.Tensor]:
+    """The ``TOTALS_KEY`` hook: a total over the owned leaves all-reduced over the owner group,
+    then passed to the hook of an enclosing wrapper (`zero` around this one), if any."""
     def combine(total: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        return pack_all_reduce([total], op, plan.group, stats)[0]
+        out = pack_all_reduce([total], op, plan.group, stats)[0]
+        return out if outer is None else outer(out, op=op)
     return combine
 
 
@@ -540,7 +544,7 @@ def _on_owners_update(updates: Updates, state: State, params: Params | None,
     whole = gather_to_owners(plan, trees, counter)
     keep = plan.owned()
     inner_extra = {k: v for k, v in extra_args.items() if k != REDUCER_KEY}
-    inner_extra[TOTALS_KEY] = _totals(plan, counter)
+    inner_extra[TOTALS_KEY] = _totals(plan, counter, extra_args.get(TOTALS_KEY))
     out, new_state = cfg.tx.update(_masked(reducer, whole[0], keep), state,
                                    _masked(reducer, whole[1], keep) if params is not None
                                    else None, **inner_extra)

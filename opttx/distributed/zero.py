@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from .._checks import check_floating, check_nonnegative, check_positive
-from ..base import REDUCER_KEY, TOTALS_KEY, GradientTransformation, Params, State, Updates
+from ..base import (TOTALS_KEY, GradientTransformation, Params, State, Updates,
+                    current_reducer)
 from ..tree import (MaskedNode, PyTree, assert_same_structure, tree_flatten, tree_leaves,
                     tree_map, tree_paths, tree_unflatten)
 from .reducer import CollectiveStats, collective_device
@@ -134,7 +135,8 @@ def _kind(x: torch.Tensor) -> tuple[torch.device, torch.dtype]:
 
 
 def _pack(numels: list[int], kinds: list[tuple[torch.device, torch.dtype]], world: int,
-          chunk_bytes: int, costs: Sequence[float] | None = None
+          chunk_bytes: int, costs: Sequence[float] | None = None,
+          fixed: Sequence[int] | None = None
           ) -> tuple[list[ZeroChunk], list[int], list[int], list[int]]:
     """Greedy packing at one capacity. Leaves of each (device, dtype) are taken in tree order;
     each goes, in the current chunk, to the least loaded rank (fewest owned bytes, then fewest
@@ -145,7 +147,9 @@ def _pack(numels: list[int], kinds: list[tuple[torch.device, torch.dtype]], worl
     largest parameter, a chunk closes only when no rank can take the next leaf, and the first
     ``world`` leaves go to distinct ranks. With ``costs`` (per leaf, e.g. its optimizer-state
     bytes) the loads and the bound are in those units instead of parameter bytes; segments
-    still hold the parameters, so an uneven split of parameter bytes shows as padding.
+    still hold the parameters, so an uneven split of parameter bytes shows as padding. With
+    ``fixed`` (an owner per leaf, decided elsewhere) each leaf goes to its given owner, in the
+    current chunk while that owner's segment has room for it.
     Returns the chunks, owners, chunk of each leaf and the parameter bytes each rank owns."""
     loads, counts = [0.0] * world, [0] * world
     owned = [0] * world
@@ -171,13 +175,14 @@ def _pack(numels: list[int], kinds: list[tuple[torch.device, torch.dtype]], worl
             grown = max(cap, n)
             floor = min(loads)
             fits = [q for q in range(world) if used[q] + n <= grown
-                    and loads[q] + weights[i] <= floor + largest] if members else []
+                    and (loads[q] + weights[i] <= floor + largest if fixed is None
+                         else q == fixed[i])] if members else []
             if fits:
                 cap = grown
             else:
                 _close_chunk(chunks, chunk_of, members, used, cap, device, dtype, numels)
                 members, used, cap = [], [0] * world, max(base, n)
-                fits = list(range(world))
+                fits = list(range(world)) if fixed is None else [fixed[i]]
             r = min(fits, key=lambda q: (loads[q], counts[q], q))
             members.append((i, r, used[r]))
             used[r] += n
@@ -247,7 +252,8 @@ def state_costs(tx: GradientTransformation, params: Params) -> list[float] | Non
 
 def zero_plan(params: Params, world: int, chunk_size_mb: float | None = None, *,
               min_chunk_size_mb: float = 32.0, search_range_mb: float = 32.0,
-              costs: Sequence[float] | None = None) -> ZeroPlan:
+              costs: Sequence[float] | None = None,
+              owners: Sequence[int] | None = None) -> ZeroPlan:
     r"""The chunk layout `zero` uses for ``params`` over ``world`` ranks (no process group
     needed; only the shapes and dtypes of ``params`` are read, so meta tensors do).
 
@@ -279,6 +285,10 @@ def zero_plan(params: Params, world: int, chunk_size_mb: float | None = None, *,
         passes each leaf's optimizer-state bytes (`state_costs`), so ranks hold equal state
         even where the state is not proportional to the parameter (Adafactor's factored
         matrices beside whole vectors, Shampoo's m² + n² per block).
+      owners: per leaf, its owner rank, decided elsewhere; only the chunks are laid out here.
+        `zero` inside `opttx.distributed.sharded` decides the owners on the global shapes, so
+        that the ranks of a tensor-parallel group, whose local shards may differ in size, own
+        the same parameters.
 
     Returns:
       A `ZeroPlan`.
@@ -301,6 +311,10 @@ def zero_plan(params: Params, world: int, chunk_size_mb: float | None = None, *,
     paths = tuple(tree_paths(params))
     if costs is not None and len(costs) != len(leaves):
         raise ValueError(f"zero_plan: {len(costs)} costs for {len(leaves)} parameters.")
+    if owners is not None and (len(owners) != len(leaves)
+                               or any(not 0 <= r < world for r in owners)):
+        raise ValueError(f"zero_plan: owners must give a rank in [0, {world}) for each of the "
+                         f"{len(leaves)} parameters, got {tuple(owners)}.")
 
     if chunk_size_mb is not None:
         sizes = [max(1, int(chunk_size_mb * _MIB))]
@@ -313,7 +327,7 @@ def zero_plan(params: Params, world: int, chunk_size_mb: float | None = None, *,
         sizes = sorted({lo + span * k // _SEARCH_STEPS for k in range(_SEARCH_STEPS + 1)})
     best, tried = None, []
     for size in sizes:
-        packed = _pack(numels, kinds, world, size, costs)
+        packed = _pack(numels, kinds, world, size, costs, owners)
         key = (_padding_bytes(packed[0]), len(packed[0]), size)
         tried.append((size, key[0], key[1]))
         if best is None or key < best[0]:
@@ -405,6 +419,16 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
     across leaves (`opttx.clip_by_global_norm`) are combined over the group through
     ``extra_args[opttx.base.TOTALS_KEY]``: one all-reduce of one number, on every rank.
 
+    **Tensor parallel x ZeRO.** ``sharded(zero(tx, dp_group), specs)`` on a 2-D mesh: every
+    rank holds its tensor-parallel shards; ``zero`` chooses the owners in the data-parallel
+    group on the global shapes (so both shards of a parameter have the same owner index),
+    reduces and gathers the local shards' chunks over ``dp_group``, and passes the sharded
+    reducer on to ``tx``, whose row, column and layer statistics are reduced over the
+    tensor-parallel group as under `sharded` alone. Transforms that need whole matrices go
+    through `opttx.distributed.on_owners` over the tensor-parallel group inside:
+    ``sharded(zero(on_owners(shampoo(...), owner_group=tp_group), dp_group), specs)``. Collectives per step: those of ``sharded(tx)`` on the owned leaves,
+    plus 2 per chunk.
+
     Per step and per chunk: stage 2 reduce-scatters the gradient chunk (sum, then divided by
     :math:`W`; rank :math:`r` receives exactly its segment, its owned gradients); stage 1
     all-reduces it and each rank keeps its segment. Then each rank's segment of updates is
@@ -438,7 +462,7 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
     ``update(local_grads, state, params)`` takes this rank's unreduced gradients (the full
     tree, plain tensors) and the full replicated ``params``; gradients are cast to the
     parameters' dtype for the reduction and the updates come back in the gradients' dtypes.
-    ``extra_args`` reach ``tx``, except a sharded reducer (``REDUCER_KEY``): leaves are whole.
+    ``extra_args`` reach ``tx``.
     ``init`` checks that every rank passes the same parameter tree (structure, shapes, dtypes)
     and raises the same ``ValueError`` on every rank otherwise (a rank may own no parameter:
     it runs ``tx`` on a tree without leaves, which only advances its counters); ``update``
@@ -476,7 +500,7 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
                **extra_args: Any) -> tuple[Updates, State]:
         if not resolved:
             require_member(cfg.group, "opttx.distributed.zero")
-            resolved[:] = [_resolve(updates, cfg)]
+            resolved[:] = [_resolve(updates, cfg, current_reducer(extra_args))]
         return _zero_update(updates, state, params, extra_args, resolved[0], cfg)
 
     return GradientTransformation(init, update)
@@ -519,13 +543,24 @@ def _zero_config(tx: GradientTransformation, group: Any, stage: int,
                        balance=balance, stats=stats)
 
 
-def _resolve(tree: PyTree, cfg: _ZeroConfig) -> _Resolved:
-    """The plan and the group's coordinates for this parameter (or gradient) tree."""
+def _resolve(tree: PyTree, cfg: _ZeroConfig, reducer: Any = None) -> _Resolved:
+    """The plan and the group's coordinates for this parameter (or gradient) tree; inside
+    `opttx.distributed.sharded` (``reducer``), owners decided on the global shapes."""
     g = cfg.group if cfg.group is not None else dist.group.WORLD
     world, rank = dist.get_world_size(g), dist.get_rank(g)
-    costs = state_costs(cfg.tx, tree) if cfg.balance == "state" else None
-    plan = zero_plan(tree, world, cfg.chunk_size_mb, min_chunk_size_mb=cfg.min_chunk_size_mb,
-                     search_range_mb=cfg.search_range_mb, costs=costs)
+    sizes = dict(min_chunk_size_mb=cfg.min_chunk_size_mb, search_range_mb=cfg.search_range_mb)
+    owners = None
+    shapes = None if reducer is None else reducer.global_shapes_of(tree)
+    if shapes is not None:
+        # the ranks of a tensor-parallel group hold shards of the same parameters, perhaps of
+        # different sizes: they must own the same ones, so owners come from the global shapes
+        leaves, treespec = tree_flatten(tree)
+        whole = tree_unflatten([torch.empty(s, dtype=x.dtype, device="meta")
+                                for s, x in zip(shapes, leaves)], treespec)
+        costs = state_costs(cfg.tx, whole) if cfg.balance == "state" else None
+        owners = zero_plan(whole, world, cfg.chunk_size_mb, costs=costs, **sizes).owners
+    costs = state_costs(cfg.tx, tree) if cfg.balance == "state" and owners is None else None
+    plan = zero_plan(tree, world, cfg.chunk_size_mb, costs=costs, owners=owners, **sizes)
     return _Resolved(plan, tree_flatten(tree)[1], g, rank, world, collective_device(g))
 
 
@@ -536,7 +571,7 @@ def _resolve_at_init(params: Params, cfg: _ZeroConfig) -> _Resolved:
     require_member(cfg.group, "opttx.distributed.zero")
     error, res = None, None
     try:
-        res = _resolve(params, cfg)
+        res = _resolve(params, cfg, current_reducer())
     except (ValueError, TypeError) as e:
         error = e
     g = cfg.group if cfg.group is not None else dist.group.WORLD
@@ -613,8 +648,10 @@ def _reduce_gradients(grads: list[torch.Tensor], res: _Resolved, stage: int,
     return owned
 
 
-def _combiner(res: _Resolved, stats: CollectiveStats | None) -> Callable[..., torch.Tensor]:
-    """The ``TOTALS_KEY`` hook: a statistic across leaves all-reduced over the group."""
+def _combiner(res: _Resolved, stats: CollectiveStats | None,
+              outer: Callable[..., torch.Tensor] | None = None) -> Callable[..., torch.Tensor]:
+    """The ``TOTALS_KEY`` hook: a statistic across leaves all-reduced over the group, then
+    passed to the ``outer`` hook of an enclosing wrapper (if any)."""
     def combine(total: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if op not in ("sum", "max"):
             raise ValueError(f"reduce_across_leaves: op must be 'sum' or 'max', got {op!r}.")
@@ -622,7 +659,8 @@ def _combiner(res: _Resolved, stats: CollectiveStats | None) -> Callable[..., to
         if stats is not None:
             stats.record(res.group, buf)
         out = funcol.wait_tensor(funcol.all_reduce(buf, op, res.group))
-        return out.reshape(total.shape).to(total.device)
+        out = out.reshape(total.shape).to(total.device)
+        return out if outer is None else outer(out, op=op)
     return combine
 
 
@@ -631,8 +669,11 @@ def _owners_update(owned: list[Any], state: State, params: Params | None,
                    device: torch.device) -> tuple[dict[int, torch.Tensor], State]:
     """``tx`` on the owned whole leaves (others masked), the state moved to ``device`` and
     back when offloaded; returns the update of every owned leaf (by index) and the state."""
-    inner_args = {k: v for k, v in extra_args.items() if k != REDUCER_KEY}
-    inner_args[TOTALS_KEY] = _combiner(res, cfg.stats)
+    # a sharded reducer (zero inside `sharded`: tensor parallel x ZeRO) goes on to tx, which
+    # sees the local shards of the leaves it owns; statistics across leaves are combined over
+    # the data-parallel group, then by an enclosing combiner's group
+    inner_args = dict(extra_args)
+    inner_args[TOTALS_KEY] = _combiner(res, cfg.stats, extra_args.get(TOTALS_KEY))
     masked_updates = tree_unflatten(owned, res.treespec)
     masked_params = None if params is None else _mask(params, res)
     if cfg.offload:
