@@ -6,10 +6,16 @@ writes the reference (``aliases.pt``) once, at the commit before such a change, 
 fidelity fix) regenerates only the affected entries, with the reason in its commit message:
 
     python tests/golden/record.py [name ...]      # no names: every entry
+
+Bits are compared on the machine that recorded them only (`machine`: vectorized kernels round
+differently on other CPUs); elsewhere the test skips with the reason. On a new machine, record
+every entry from a checkout of the reference commits: 57d2eb9 (before the contract refactor),
+then ``shampoo`` from 112f14c (its fidelity fix).
 """
 
 from __future__ import annotations
 
+import platform
 import sys
 from pathlib import Path
 
@@ -66,13 +72,32 @@ def run(name: str) -> dict[str, list[torch.Tensor]]:
     return {"params": [params[k] for k in sorted(params)], "state": leaves}
 
 
+def machine() -> str:
+    """The CPU and the kernels torch picks on it: vectorized kernels (AVX2, AVX-512, with or
+    without fused multiply-adds) round differently, so bits compare on one machine only."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}; {torch.backends.cpu.get_cpu_capability()}"
+
+
 def main(names: list[str]) -> None:
     table = torch.load(PATH) if PATH.exists() and names else {"torch": str(torch.__version__),
+                                                             "machine": machine(),
                                                              "cases": {}}
+    if table.get("machine") != machine():
+        raise SystemExit(f"the fixture was recorded on {table.get('machine')}; this is "
+                         f"{machine()}: record every entry (no names) at the reference commit")
     for name in names or list(CASES):
         table["cases"][name] = run(name)
     torch.save(table, PATH)
-    print(f"wrote {PATH} ({len(table['cases'])} cases, torch {table['torch']})")
+    print(f"wrote {PATH} ({len(table['cases'])} cases, torch {table['torch']}, "
+          f"{table['machine']})")
 
 
 if __name__ == "__main__":
