@@ -5,6 +5,8 @@ Run (CPU, gloo; ``nproc_per_node`` must equal ``tp * dp``):
     torchrun --standalone --nproc_per_node 4 examples/tp_dp_train.py --tp 2 --dp 2 --check
     torchrun --standalone --nproc_per_node 2 examples/tp_dp_train.py --tp 2 --dp 1 \
         --optimizer lamb --check
+    torchrun --standalone --nproc_per_node 4 examples/tp_dp_train.py --tp 2 --dp 2 \
+        --zero 2 --optimizer came --check
 
 What it shows:
 
@@ -19,6 +21,12 @@ What it shows:
   `DTensor` placements and turns every layer-wise statistic of the alias (Adafactor's row and
   column means and RMS, LAMB's trust-ratio norms) into a few batched all-reduces over the
   tensor-parallel group, so the sharded step is exact;
+* with ``--zero 1|2`` the chain is ``sharded(zero(alias, dp_group, stage))`` instead: each
+  data-parallel rank keeps the optimizer state of the parameters it owns (chosen on the global
+  shapes, so both tensor-parallel shards of a parameter have the same owner), gradients are
+  reduce-scattered (stage 2) or all-reduced (stage 1) over ``dp`` in chunks and the updates
+  all-gathered, while the alias's statistics are still reduced over ``tp``. GaLore, which
+  needs whole matrices, runs on owner ranks of the ``tp`` group (`on_owners`) either way;
 * with ``--check``, rank 0 also trains the unsharded model (same seed, the whole global batch,
   the plain alias) in one process and the script fails unless the two loss curves agree to a
   relative difference of at most ``1e-4`` at every step (``--rtol``). It also checks, every
@@ -57,9 +65,10 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 
 import opttx
 from opttx.distributed import (CollectiveStats, all_reduce_gradients, global_factor_axes,
-                               sharded)
+                               on_owners, sharded, zero)
 
-OPTIMIZERS = ("adafactor", "lamb", "adamw", "came", "lars")
+OPTIMIZERS = ("adafactor", "lamb", "adamw", "came", "lars", "galore_adamw")
+WHOLE_MATRICES = ("galore_adamw",)  # run on owner ranks of the TP group (on_owners)
 GRAD_RTOL = 1e-6    # plain gradients across TP ranks (they come out bit-identical)
 
 # ---------------------------------------------------------------------------------------------
@@ -199,20 +208,30 @@ def make_alias(name: str, lr: float, factor_axes: Any = "largest") -> opttx.Grad
         "came": lambda: opttx.came(lr / 20, weight_decay=0.01, factor_axes=factor_axes,
                                    min_dim_size_to_factor=32),
         "lars": lambda: opttx.lars(50 * lr, weight_decay=1e-4, momentum=0.9),
+        "galore_adamw": lambda: opttx.galore_adamw(lr, rank=8, update_proj_gap=4,
+                                                   weight_decay=0.01),
     }
     return makers[name]()
 
 
 def distributed_optimizer(name: str, lr: float, params: dict[str, torch.Tensor], dp_group: Any,
-                          stats: CollectiveStats | None = None) -> opttx.GradientTransformation:
-    """``sharded(chain(all_reduce_gradients(dp_group), alias))``, specs read from the DTensor
-    parameters. The factored aliases decide which leaves to factor (and over which axes) on
-    the global shapes: on a column-parallel shard the "largest" dims could rank differently or
-    fall below ``min_dim_size_to_factor`` (see `global_factor_axes`)."""
+                          tp_group: Any, stats: CollectiveStats | None = None,
+                          zero_stage: int = 0) -> opttx.GradientTransformation:
+    """``sharded(chain(all_reduce_gradients(dp_group), alias))``, or with ``zero_stage``
+    ``sharded(zero(alias, dp_group, stage))``; specs read from the DTensor parameters. The
+    factored aliases decide which leaves to factor (and over which axes) on the global shapes:
+    on a column-parallel shard the "largest" dims could rank differently or fall below
+    ``min_dim_size_to_factor`` (see `global_factor_axes`). GaLore needs whole matrices: it runs
+    on owner ranks of the tensor-parallel group (`on_owners`)."""
     axes = (global_factor_axes(params, None, "largest", 32) if name in ("adafactor", "came")
             else "largest")
-    return sharded(opttx.chain(all_reduce_gradients(dp_group, stats=stats),
-                               make_alias(name, lr, axes)), stats=stats)
+    alias = make_alias(name, lr, axes)
+    if name in WHOLE_MATRICES:
+        alias = on_owners(alias, owner_group=tp_group)
+    if zero_stage:
+        return sharded(zero(alias, dp_group, stage=zero_stage, stats=stats), stats=stats)
+    return sharded(opttx.chain(all_reduce_gradients(dp_group, stats=stats), alias),
+                   stats=stats)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,7 +311,8 @@ def train_distributed(model: nn.Module, args: argparse.Namespace, cfg: Config, m
     dp_rank = mesh.get_local_rank("dp")
     params = dict(model.named_parameters())
     stats = CollectiveStats()
-    tx = distributed_optimizer(args.optimizer, args.lr, params, dp_group, stats)
+    tx = distributed_optimizer(args.optimizer, args.lr, params, dp_group, tp_group, stats,
+                               args.zero)
     state = tx.init(params)
     curve, worst, differ = [], 0.0, 0
     for step in range(args.steps):
@@ -312,8 +332,10 @@ def train_distributed(model: nn.Module, args: argparse.Namespace, cfg: Config, m
         dist.all_reduce(mean, group=dp_group)
         curve.append(mean.item() / args.dp)
     if dist.get_rank() == 0:
-        print(f"optimizer step: {stats.collectives} all-reduces, {stats.bytes / 1024:.1f} KiB "
-              "(data-parallel gradient buckets and tensor-parallel statistics)")
+        what = (f"ZeRO stage {args.zero} chunks over dp" if args.zero else
+                "data-parallel gradient buckets")
+        print(f"optimizer step: {stats.collectives} collectives, {stats.bytes / 1024:.1f} KiB "
+              f"({what} and tensor-parallel statistics)")
     if args.check and dist.get_rank() == 0:
         print(f"parameter placements on the tp mesh dim: {describe_placements(params)}")
         print(f"DTensor gradients not placed like their parameter (reduced first): {differ}; "
@@ -364,6 +386,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree")
     parser.add_argument("--dp", type=int, default=None,
                         help="data-parallel degree (default: world size // tp)")
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2), default=0,
+                        help="ZeRO stage over the data-parallel group (0: none; state "
+                             "replicated, gradients all-reduced)")
     parser.add_argument("--check", action="store_true",
                         help="also train the single-process reference and compare")
     parser.add_argument("--seed", type=int, default=0)
@@ -390,7 +415,8 @@ def main() -> int:
     reference = copy.deepcopy(model) if args.check and rank == 0 else None
     curve, ok = train_distributed(model, args, cfg, mesh, data)
     if rank == 0:
-        print(f"{args.optimizer}: tp={args.tp} dp={args.dp}, {sum(1 for _ in model.parameters())} "
+        print(f"{args.optimizer}: tp={args.tp} dp={args.dp} zero={args.zero}, "
+              f"{sum(1 for _ in model.parameters())} "
               f"parameter tensors, {args.steps} steps, final loss {curve[-1]:.4f} "
               f"(log 256 = {math.log(256):.4f})")
         if reference is not None:

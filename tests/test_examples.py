@@ -3,8 +3,8 @@
 `examples/tp_dp_train.py` is launched as a user would (``torchrun``, here through ``python -m
 torch.distributed.run`` of this interpreter) on 4 CPU processes, a 2 x 2 (dp, tp) mesh, with
 ``--check``: it exits non-zero unless the tensor-parallel x data-parallel loss curve equals
-the single-process one to 1e-4 at every step and the replicated gradients agree across the
-tensor-parallel ranks. Each run takes about 15 s on 2 cores.
+the single-process one to 1e-4 at every step (also with ``--zero 1|2``) and the replicated
+gradients agree across the tensor-parallel ranks. Each run takes about 15 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -27,12 +27,15 @@ def _torchrun(script: str, nproc: int, *args: str, timeout: float) -> subprocess
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("optimizer", ["adafactor", "lamb"])
-def test_tp_dp_train_matches_single_process(optimizer: str) -> None:
-    """TP 2 x DP 2 with ``sharded(chain(all_reduce_gradients(dp), alias))`` gives the loss
+@pytest.mark.parametrize("optimizer,zero", [("adafactor", 0), ("lamb", 0), ("came", 2),
+                                            ("galore_adamw", 1)])
+def test_tp_dp_train_matches_single_process(optimizer: str, zero: int) -> None:
+    """TP 2 x DP 2 with ``sharded(chain(all_reduce_gradients(dp), alias))``, or with ZeRO
+    ``sharded(zero(alias, dp, stage))`` (GaLore on owner ranks of the TP group), gives the loss
     curve of the plain alias on one process with the whole global batch."""
     run = _torchrun("examples/tp_dp_train.py", 4, "--tp", "2", "--dp", "2", "--steps",
-                    str(STEPS), "--optimizer", optimizer, "--check", timeout=140)
+                    str(STEPS), "--optimizer", optimizer, "--zero", str(zero), "--check",
+                    timeout=140)
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-4000:]
     match = re.search(r"^MATCH: loss curves agree to max relative difference (\S+) "
@@ -44,4 +47,4 @@ def test_tp_dp_train_matches_single_process(optimizer: str) -> None:
     for _, ours, theirs, _ in rows:
         assert abs(float(ours) - float(theirs)) <= 1e-4 * abs(float(theirs))
     assert "plain gradients across TP ranks: max relative difference" in run.stdout
-    assert f"{optimizer}: tp=2 dp=2" in run.stdout
+    assert f"{optimizer}: tp=2 dp=2 zero={zero}," in run.stdout
