@@ -16,7 +16,7 @@ Example:
 from . import schedules, transforms, tree
 from .aliases import (adafactor, adagrad, adalomo, adam, adamw, adamw_8bit, came, galore_adamw,
                       galore_adamw_8bit, lamb, lars, lion, nadam, rmsprop, sgd, shampoo)
-from .aliases import adopt
+from .aliases import ademamix, adopt
 from .aliases import adabelief, adamax, muon, muon_hidden_matrices, radam
 from .aliases import mars
 from .aliases import prodigy, schedule_free_adamw, schedule_free_sgd
@@ -68,7 +68,7 @@ __all__ = [
     # torch.optim's remaining first-order set (issue 17)
     "adabelief", "adamax", "radam",
     # ADOPT and AdEMAMix (issue 17)
-    "adopt",
+    "ademamix", "adopt",
     # Muon (issue 17)
     "muon", "muon_hidden_matrices",
     # Schedule-Free and Prodigy (issue 17)

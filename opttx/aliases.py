@@ -14,6 +14,7 @@ import torch
 from .base import GradientTransformation
 from .combine import chain, masked, partition
 from .schedules import Schedule
+from .transforms.ademamix import scale_by_ademamix
 from .transforms.factored import (FactorAxes, add_step_scaled_decayed_weights, clip_by_rms,
                                   clip_by_rms_and_scale_by_param_rms, relative_step_schedule, scale_by_came, scale_by_factored_rms,
                                   scale_by_param_block_rms, scale_by_trust_ratio)
@@ -34,7 +35,7 @@ from .transforms.shampoo import (block_by_dims, graft, precondition_shampoo,
 from .tree import PyTree, mask_leaves, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = ["adabelief", "adafactor", "adagrad", "adalomo", "adam", "adamax", "radam",
-           "adamw", "adamw_8bit", "came", "muon", "muon_hidden_matrices", "adopt",
+           "adamw", "adamw_8bit", "came", "muon", "muon_hidden_matrices", "adopt", "ademamix",
            "galore_adamw", "galore_adamw_8bit", "lamb", "lars", "lion", "nadam", "rmsprop",
            "sgd", "shampoo", "prodigy", "schedule_free_adamw", "schedule_free_sgd"]
 
@@ -1168,10 +1169,43 @@ def prodigy(learning_rate: ScalarOrSchedule = 1.0, betas: tuple[float, float] = 
     """
     return scale_by_prodigy(learning_rate, betas, beta3, eps, estim_lr0, estim_lr_coef,
                             weight_decay, safeguard_warmup, growth_rate, flip_sign=True)
-def adopt(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9999,
-          eps: float = 1e-6, mu_dtype: torch.dtype | None = None, weight_decay: float = 0.0,
-          mask: Mask = None, *, nesterov: bool = False, use_clipping: bool = True,
-          clip_value_fn: Callable[[torch.Tensor], Any] | None = None
+
+
+def ademamix(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
+             b3: float | Schedule = 0.9999, alpha: float | Schedule = 5.0, eps: float = 1e-8,
+             eps_root: float = 0.0, mu_dtype: torch.dtype | None = None,
+             weight_decay: float = 0.0, mask: Mask = None) -> GradientTransformation:
+    r"""AdEMAMix (`scale_by_ademamix`) with decoupled weight decay.
+
+    .. math::
+        x_{t+1} = x_t - \eta \left(u_t + \lambda x_t\right)
+
+    with :math:`u_t` the output of `scale_by_ademamix`. Arguments, defaults and numbers are
+    ``optax.contrib.ademamix``'s. The decay is scaled by the learning rate (AdamW's
+    convention, as optax): ``pytorch_optimizer.AdEMAMix(weight_decouple=True)``'s numbers.
+
+    Args:
+      learning_rate: :math:`\eta`, a number or a schedule.
+      b1, b2, b3, alpha, eps, eps_root, mu_dtype: as in `scale_by_ademamix` (``b3`` and
+        ``alpha`` may be schedules: the paper's warm-ups).
+      weight_decay: :math:`\lambda` >= 0.
+      mask: where to apply the decay (tree of booleans or a function of the params).
+
+    Example:
+      >>> tx = opttx.ademamix(1e-3, b3=0.999, alpha=8.0, weight_decay=0.1)
+
+    References:
+      Pagliardini, Ablin and Grangier, The AdEMAMix Optimizer (arXiv 2409.03137).
+    """
+    return chain(scale_by_ademamix(b1, b2, b3, alpha, eps, eps_root, mu_dtype),
+                 add_decayed_weights(weight_decay, mask),
+                 scale_by_learning_rate(learning_rate))
+
+
+def adopt(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9999, eps: float = 1e-6,
+          mu_dtype: torch.dtype | None = None, weight_decay: float = 0.0, mask: Mask = None, *,
+          nesterov: bool = False, use_clipping: bool = True,
+          clip_value_fn: Callable[[torch.Tensor], Any] | float | None = None
           ) -> GradientTransformation:
     r"""ADOPT (`scale_by_adopt`), with decoupled weight decay (ADOPTW).
 

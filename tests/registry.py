@@ -86,6 +86,18 @@ def _labels(tree: Any) -> Any:
     return opttx.tree.tree_map(lambda x: "matrix" if x.ndim >= 2 else "vector", tree)
 
 
+def _ademamix_alpha_warmup(count: Any) -> Any:
+    """AdEMAMix's linear warm-up of alpha to 2.0 over 4 steps (the paper's, 1-based)."""
+    return ((count + 1).double() * 0.5).clamp(max=2.0)
+
+
+def _ademamix_b3_warmup(count: Any) -> Any:
+    """AdEMAMix's warm-up of b3 from b1 = 0.9 to 0.99 over 4 steps (the paper's, 1-based)."""
+    ln1, ln3 = -0.10536051565782628, -0.01005033585350145    # ln 0.9, ln 0.99
+    frac = ((count + 1).double() / 4).clamp(max=1.0)
+    return (ln1 * ln3 / ((1 - frac) * ln3 + frac * ln1)).exp().clamp(max=0.99)
+
+
 @functools.cache
 def guide() -> dict[str, Any]:
     """The namespace of docs/guide/writing.md's examples, executed as written: its
@@ -148,7 +160,8 @@ CASES: list[Case] = [
     case("prodigy", opttx.prodigy, learning_rate=1.0, weight_decay=0.01, estim_lr0=1e-3),
     # --- transforms -----------------------------------------------------------------------
     case("scale_by_adam", opttx.scale_by_adam, b1=0.8, b2=0.99),
-    case("adopt", opttx.adopt, learning_rate=LR, weight_decay=0.01),
+    case("adopt", opttx.adopt, learning_rate=LR, weight_decay=0.01, nesterov=True),
+    case("ademamix", opttx.ademamix, learning_rate=LR, b3=0.99, weight_decay=0.01),
     case("scale_by_adam/nesterov", opttx.scale_by_adam, b1=0.9, nesterov=True),
     case("scale_by_nadam", opttx.scale_by_nadam, b1=0.9, momentum_decay=4e-3),
     case("scale_by_radam", opttx.scale_by_radam, threshold=2.0),
@@ -162,7 +175,10 @@ CASES: list[Case] = [
     built("schedule_free", lambda: opttx.schedule_free(opttx.adam(LR, b1=0.0), LR, b1=0.9,
                                                        warmup_steps=2)),
     case("scale_by_lion", opttx.scale_by_lion, b1=0.9, b2=0.99),
-    case("scale_by_adopt", opttx.scale_by_adopt, b1=0.8, nesterov=True),
+    case("scale_by_adopt", opttx.scale_by_adopt, b1=0.8, use_clipping=False),
+    case("scale_by_ademamix", opttx.scale_by_ademamix, b3=0.99, alpha=2.0),
+    case("scale_by_ademamix/warmup", opttx.scale_by_ademamix, b3=_ademamix_b3_warmup,
+         alpha=_ademamix_alpha_warmup, eps_root=1e-12),
     case("scale_by_rms", opttx.scale_by_rms, decay=0.9),
     case("scale_by_rss", opttx.scale_by_rss, initial_accumulator_value=0.1),
     case("scale_by_stddev", opttx.scale_by_stddev, decay=0.9),

@@ -1,5 +1,6 @@
 """Pure gradient transformations, one file per family."""
 
+from .ademamix import ScaleByAdemamixState, scale_by_ademamix
 from .adopt import ScaleByAdoptState, scale_by_adopt
 from .clipping import (ZeroNansState, clip, clip_by_block_rms, clip_by_global_norm, global_norm,
                        zero_nans)
@@ -52,4 +53,4 @@ __all__ = [
     "ScheduleFreeState", "schedule_free", "schedule_free_eval_params",
     "ScaleByMarsState", "scale_by_mars",
     "schedule_free_train_params", "ScaleByAdoptState", "scale_by_adopt",
-]
+    "ScaleByAdemamixState", "scale_by_ademamix"]
