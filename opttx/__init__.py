@@ -71,8 +71,8 @@ __all__ = [
     "ademamix", "adopt",
     # Muon (issue 17)
     "muon", "muon_hidden_matrices",
-    # Schedule-Free and Prodigy (issue 17)
     # MARS (issue 17)
     "mars",
+    # Schedule-Free and Prodigy (issue 17)
     "prodigy", "schedule_free_adamw", "schedule_free_sgd",
 ]

@@ -172,6 +172,10 @@ CASES: list[Case] = [
     case("scale_by_shape", opttx.scale_by_shape, consistent_rms=0.2, matrices_only=True),
     case("scale_by_mars", opttx.scale_by_mars, gamma=0.025, b1=0.9, max_norm=0.5),
     case("scale_by_prodigy", opttx.scale_by_prodigy, estim_lr0=1e-3, growth_rate=2.0),
+    built("cautious", lambda: opttx.cautious(opttx.adamw(LR, weight_decay=0.01))),
+    built("cautious/gradient", lambda: opttx.chain(
+        opttx.cautious(opttx.scale_by_lion(), "gradient", min_fraction=1e-3),
+        opttx.add_decayed_weights(0.1), opttx.scale_by_learning_rate(1e-3))),
     built("schedule_free", lambda: opttx.schedule_free(opttx.adam(LR, b1=0.0), LR, b1=0.9,
                                                        warmup_steps=2)),
     case("scale_by_lion", opttx.scale_by_lion, b1=0.9, b2=0.99),

@@ -2,6 +2,7 @@
 
 from .ademamix import ScaleByAdemamixState, scale_by_ademamix
 from .adopt import ScaleByAdoptState, scale_by_adopt
+from .cautious import cautious
 from .clipping import (ZeroNansState, clip, clip_by_block_rms, clip_by_global_norm, global_norm,
                        zero_nans)
 from .factored import (FactoredState, ScaleByCameState, add_step_scaled_decayed_weights,
@@ -49,8 +50,9 @@ __all__ = [
     "DampedTraceState", "ScaleByAdamaxState", "ScaleByAmsgradState", "ScaleByBeliefState",
     "ScaleByRadamState", "scale_by_adamax", "scale_by_belief", "scale_by_radam",
     "newton_schulz", "orthogonalize", "polar_factor", "scale_by_shape",
+    "ScaleByMarsState", "scale_by_mars",
+    "cautious",
     "ProdigyState", "scale_by_prodigy",
     "ScheduleFreeState", "schedule_free", "schedule_free_eval_params",
-    "ScaleByMarsState", "scale_by_mars",
     "schedule_free_train_params", "ScaleByAdoptState", "scale_by_adopt",
     "ScaleByAdemamixState", "scale_by_ademamix"]
