@@ -16,6 +16,9 @@ Groups of variants (``--only`` takes group names, ``group.variant`` keys or glob
   adafactor  torch.optim.Adafactor (foreach=False / True) and transformers' Adafactor
          (relative_step=True) vs opttx.adafactor configured to equal each (eager, compiled).
   came   came_pytorch.CAME vs opttx.came (eager, compiled).
+  muon   torch.optim.Muon vs opttx.muon with torch's numbers (eager, compiled) on the hidden
+         matrices, and heavyball's Muon (its kernels uncompiled, and torch.compile'd as it
+         ships), checked against each other.
   lamb   pytorch_optimizer.Lamb (for-loop / foreach) vs opttx.lamb (eager, compiled); see
          LAMB_NOTE for how the two are configured to compute the same update.
 
@@ -207,6 +210,40 @@ class TorchOptim(Variant):
                 group["step"] = 0                 # pytorch_optimizer counts steps per group
 
 
+class HeavyballOptim(TorchOptim):
+    """A heavyball optimizer: with ``eager``, its torch.compile'd kernels run uncompiled
+    (``heavyball.utils.compile_mode = None`` around each step); its nested per-parameter state
+    is reset by clearing it (heavyball re-creates it, zeroed, at the next step). heavyball sets
+    ``p.grad = None`` in its step: the fixed gradients are put back before each step."""
+
+    def __init__(self, init, grads, make: Callable[[list], torch.optim.Optimizer],
+                 eager: bool) -> None:
+        super().__init__(init, grads, make)
+        self.compiled = not eager
+        self.eager = eager
+
+    def step(self) -> None:
+        import heavyball
+        mode = heavyball.utils.compile_mode
+        if self.eager:
+            heavyball.utils.compile_mode = None
+        for p, g in zip(self._params, self.grads):
+            p.grad = g
+        try:
+            self.opt.step()
+        finally:
+            heavyball.utils.compile_mode = mode
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        for p, p0 in zip(self._params, self.init):
+            p.copy_(p0)
+        self.opt.state.clear()
+        for group in self.opt.param_groups:
+            if isinstance(group.get("step_count"), torch.Tensor):
+                group["step_count"].zero_()
+
+
 class OpttxEager(Variant):
     """``opttx.Optimizer(params, tx)`` with ``opt.step()``, grads in ``p.grad``."""
 
@@ -353,6 +390,14 @@ def _muon_torch(ps: list) -> torch.optim.Optimizer:
     return torch.optim.Muon(ps, lr=MUON_LR, momentum=MUON_MOMENTUM, weight_decay=MUON_WD)
 
 
+def _muon_heavyball(ps: list) -> torch.optim.Optimizer:
+    """heavyball 3.2.1's Muon: Nesterov EMA of the gradient (debiased), its own Newton-Schulz
+    (``heavyball.utils.zeroth_power_mode``) and shape scaling, decoupled decay lr·wd; its
+    ``betas[1]`` is unused by Muon."""
+    import heavyball
+    return heavyball.Muon(ps, lr=MUON_LR, betas=(MUON_MOMENTUM, 0.99), weight_decay=MUON_WD)
+
+
 def opttx_muon() -> opttx.GradientTransformation:
     """torch.optim.Muon's numbers: no bias correction of the momentum, bfloat16
     Newton-Schulz, eps 1e-7, decoupled decay lr·wd, torch's "original" shape scaling."""
@@ -465,6 +510,14 @@ GROUPS: dict[str, tuple[str, list[Spec]]] = {
         Spec("muon.opttx_compiled", "opttx muon compiled step (bf16 NS)",
              lambda i, g: OpttxCompiled(*_hidden_matrices(i, g), opttx_muon()),
              tolerance=1e-2),
+        # heavyball computes its own numbers (debiased momentum, its Newton-Schulz and
+        # scaling): its rows are checked against each other, not against torch
+        Spec("muon.heavyball_eager", "heavyball Muon (kernels uncompiled)",
+             lambda i, g: HeavyballOptim(*_hidden_matrices(i, g), _muon_heavyball, eager=True),
+             reference=True),
+        Spec("muon.heavyball", "heavyball Muon (its compiled kernels)",
+             lambda i, g: HeavyballOptim(*_hidden_matrices(i, g), _muon_heavyball, eager=False),
+             ref="muon.heavyball_eager", tolerance=1e-2),
     ]),
     "adafactor": (f"Adafactor  relative step min({ADAFACTOR_LR}, 1/sqrt(t)) x RMS(p), factored "
                   "over the last two dims of every >=2-D tensor, update clipping d=1, no momentum "
