@@ -18,9 +18,18 @@ spawn each). Counts are eager (``stats.reset()`` before each ``update``, ``init`
 taken over ``--steps`` steps on seeded random gradients; a count that varies between steps is
 shown as ``min-max``. KiB are what rank 0 sends into its collectives per step. No timing.
 
+With ``--tp-zero STAGE`` (world 4 only) the ranks form a 2 x 2 mesh, tensor parallel over
+pairs {0, 1}, {2, 3} and data parallel over {0, 2}, {1, 3}, and every alias runs as
+``sharded(zero(alias, dp_group, stage), specs)`` (the matrix aliases as
+``on_owners(alias, owner_group=tp_group)`` inside): the table then shows the tensor-parallel
+collectives (statistics, all-to-alls of on_owners) and ZeRO's (2 per chunk, plus one per
+statistic across leaves) separately, and the heaviest rank's optimizer state beside the
+state ``sharded(alias)`` alone keeps on each rank.
+
 Examples:
   python benchmarks/collectives.py                       # 16 and 2 blocks, world 2 and 4
   python benchmarks/collectives.py --worlds 2 --only adam,lamb --steps 2
+  python benchmarks/collectives.py --worlds 4 --tp-zero 2
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ import torch.multiprocessing as mp
 
 import opttx
 from opttx.distributed import (CollectiveStats, Replicated, Shard, global_factor_axes,
-                               local_shard, sharded)
+                               local_shard, on_owners, sharded, zero)
 
 ALIASES = ("adam", "adamw", "lion", "adafactor", "came", "lamb", "lars", "clip+adamw",
            "shampoo", "galore_adamw")
@@ -79,11 +88,12 @@ def gpt_layout(blocks: int, d: int, vocab: int = 256, seq: int = 64
     return layout
 
 
-def megatron_specs(layout: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, Any]:
-    """Column-parallel tensors split on dim 0, row-parallel weights on dim 1, over the default
-    group; the rest replicated."""
-    return {k: Shard(0) if kind == COLUMN else Shard(1) if kind == ROW else Replicated()
-            for k, (_, kind) in layout.items()}
+def megatron_specs(layout: dict[str, tuple[tuple[int, ...], str]], group: Any = None
+                   ) -> dict[str, Any]:
+    """Column-parallel tensors split on dim 0, row-parallel weights on dim 1, over ``group``
+    (None: the default group); the rest replicated."""
+    return {k: Shard(0, group) if kind == COLUMN else Shard(1, group) if kind == ROW
+            else Replicated() for k, (_, kind) in layout.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,6 +149,8 @@ class Row:
     collectives: list[int]
     kib: list[float]
     note: str = ""
+    zero_collectives: list[int] | None = None   # --tp-zero: ZeRO's (collectives: TP's)
+    state_kib: tuple[float, float] | None = None  # --tp-zero: heaviest rank, sharded alone
 
 
 def count_steps(name: str, layout: dict[str, tuple[tuple[int, ...], str]], steps: int
@@ -164,11 +176,63 @@ def count_steps(name: str, layout: dict[str, tuple[tuple[int, ...], str]], steps
     return collectives, kib
 
 
+def _state_kib(state: Any) -> float:
+    return sum(x.numel() * x.element_size() for x in opttx.tree.tree_leaves(state)
+               if isinstance(x, torch.Tensor)) / 1024
+
+
+def count_tp_zero(name: str, layout: dict[str, tuple[tuple[int, ...], str]], steps: int,
+                  stage: int, groups: tuple[Any, Any]) -> tuple[list[int], list[int],
+                                                                list[float], tuple]:
+    """``sharded(zero(alias, dp, stage), specs)`` on the 2 x 2 mesh: TP collectives, ZeRO
+    collectives and KiB of each step; the heaviest rank's state and sharded(alias)'s."""
+    tp, dp = groups
+    specs = megatron_specs(layout, tp)
+    gen = torch.Generator().manual_seed(0)
+    full = {k: torch.randn(s, generator=gen) for k, (s, _) in layout.items()}
+    params = {k: local_shard(v, specs[k]) for k, v in full.items()}
+    ts, zs = CollectiveStats(), CollectiveStats()
+    alias = make_alias(name, params, specs)
+    inner = on_owners(alias, owner_group=tp) if name in ON_OWNERS else alias
+    tx = sharded(zero(inner, dp, stage=stage, stats=zs), specs, stats=ts)
+    state = tx.init(params)
+    alone = sharded(make_alias(name, params, specs), specs,
+                    on_owners=name in ON_OWNERS).init(params)
+    tp_counts, zero_counts, kib = [], [], []
+    for _ in range(steps):
+        grads = {k: local_shard(torch.randn(s, generator=gen), specs[k])
+                 for k, (s, _) in layout.items()}
+        ts.reset(), zs.reset()
+        updates, state = tx.update(grads, state, params)
+        tp_counts.append(ts.collectives)
+        zero_counts.append(zs.collectives)
+        kib.append((ts.bytes + zs.bytes) / 1024)
+        params = opttx.apply_updates(params, updates)
+    mine = torch.tensor([_state_kib(state), _state_kib(alone)])
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return tp_counts, zero_counts, kib, (float(mine[0]), float(mine[1]))
+
+
+def _run_row(name: str, layout: dict, world: int, config: dict, groups: Any) -> Row:
+    row = Row(name, world, len(layout), [], [])
+    if config.get("tp_zero"):
+        row.collectives, row.zero_collectives, row.kib, row.state_kib = count_tp_zero(
+            name, layout, config["steps"], config["tp_zero"], groups)
+    else:
+        row.collectives, row.kib = count_steps(name, layout, config["steps"])
+    return row
+
+
 def _worker(rank: int, world: int, store: str, out: str, config: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(minutes=10))
     rows = []
+    groups = None
+    if config.get("tp_zero"):               # every rank creates every group, in one order
+        tps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        groups = (tps[rank // 2], dps[rank % 2])
     for blocks in config["blocks"]:
         layout = gpt_layout(blocks, config["d_model"])
         for name in config["aliases"]:
@@ -177,7 +241,7 @@ def _worker(rank: int, world: int, store: str, out: str, config: dict) -> None:
                 row.note = "skipped: sharded() has no on_owners keyword in this opttx"
             else:
                 try:
-                    row.collectives, row.kib = count_steps(name, layout, config["steps"])
+                    row = _run_row(name, layout, world, config, groups)
                 except Exception as e:  # noqa: BLE001 - reported in the table, same on all ranks
                     row.note = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
                     if rank == 0:
@@ -214,9 +278,12 @@ def table(rows: list[Row]) -> str:
     for r in rows:
         by_key.setdefault((r.alias, r.world), []).append(r)
     sizes = sorted({r.leaves for r in rows}, reverse=True)
+    tp_zero = any(r.zero_collectives is not None for r in rows)
     head = f"{'alias':<14} {'world':>5}"
     for n in sizes:
-        head += f" | {'leaves':>6} {'coll/step':>9} {'KiB/step':>10}"
+        head += (f" | {'leaves':>6} {'TP coll':>7} {'ZeRO coll':>9} {'KiB/step':>9} "
+                 f"{'state KiB max/alone':>19}" if tp_zero else
+                 f" | {'leaves':>6} {'coll/step':>9} {'KiB/step':>10}")
     lines = [head, "-" * len(head)]
     for (alias, world), group in by_key.items():
         line = f"{alias:<14} {world:>5}"
@@ -226,6 +293,10 @@ def table(rows: list[Row]) -> str:
             if r is None or r.note:
                 line += f" | {n:>6} {'-':>9} {'-':>10}"
                 notes += [r.note] if r is not None else []
+            elif tp_zero:
+                line += (f" | {n:>6} {_span(r.collectives, 'd'):>7} "
+                         f"{_span(r.zero_collectives, 'd'):>9} {_span(r.kib, '.1f'):>9} "
+                         f"{f'{r.state_kib[0]:.0f} / {r.state_kib[1]:.0f}':>19}")
             else:
                 line += (f" | {n:>6} {_span(r.collectives, 'd'):>9} "
                          f"{_span(r.kib, '.1f'):>10}")
@@ -241,6 +312,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--only", default=None, help="comma-separated aliases (default: all)")
+    parser.add_argument("--tp-zero", type=int, choices=(1, 2), default=None,
+                        help="ZeRO stage of sharded(zero(alias, dp), specs) on a 2 x 2 mesh "
+                             "(world 4 only)")
     return parser.parse_args()
 
 
@@ -251,13 +325,17 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown aliases {unknown}; choose from {', '.join(ALIASES)}")
     config = {"blocks": [int(b) for b in args.blocks.split(",")], "d_model": args.d_model,
-              "steps": args.steps, "aliases": aliases}
+              "steps": args.steps, "aliases": aliases, "tp_zero": args.tp_zero}
+    if args.tp_zero and args.worlds != "4":
+        raise SystemExit("--tp-zero runs on a 2 x 2 mesh: give --worlds 4")
     rows: list[Row] = []
     for world in (int(w) for w in args.worlds.split(",")):
         rows += measure(world, config)
     rows.sort(key=lambda r: (aliases.index(r.alias), r.world))
+    mode = (f"; tp 2 x dp 2, sharded(zero(alias, dp, stage={args.tp_zero}), specs)"
+            if args.tp_zero else "")
     print(f"torch {torch.__version__}, {platform.machine()}, gloo; d_model {args.d_model}, "
-          f"{args.steps} steps; on_owners available: {has_on_owners()}")
+          f"{args.steps} steps; on_owners available: {has_on_owners()}{mode}")
     print(table(rows))
 
 
