@@ -8,7 +8,8 @@ import opttx
 
 # adamw, lion and sgd are the first-order baselines; the rest run as their aliases land.
 DEFAULT_OPTIMIZERS = ("adamw", "lion", "sgd", "muon", "adafactor", "came", "lamb",
-                      "galore_adamw", "adamw_8bit", "galore_adamw_8bit", "shampoo", "adalomo")
+                      "galore_adamw", "adamw_8bit", "galore_adamw_8bit", "shampoo", "adalomo",
+                      "soap")
 
 # Keyword arguments per optimizer alias for the tiny byte-level GPT at its default
 # size.  The sgd, adamw and lion rates are the best of a coarse 150-step sweep
@@ -37,6 +38,7 @@ HYPERPARAMS: dict[str, dict[str, Any]] = {
     # Muon on the hidden matrices (Newton-Schulz-orthogonalized momentum: unit-scale updates,
     # hence the larger rate), AdamW at adamw's rate on the embeddings and vectors
     "muon": {"learning_rate": 0.02, "adam_learning_rate": 1e-3},
+    "soap": {"learning_rate": 3e-3},
 }
 FALLBACK_HYPERPARAMS: dict[str, Any] = {"learning_rate": 1e-3}
 

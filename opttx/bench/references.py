@@ -117,8 +117,11 @@ REFERENCES: tuple[Reference, ...] = (
                "warmup_init": False}, _hf_adafactor,
               "factors every >= 2-D tensor (opttx: those with both dims >= 128, every matrix of "
               "the default model); otherwise the same rule"),
-    Reference("heavyball.SOAP", "soap", "heavyball", {"lr": 3e-3}, _heavyball_soap,
-              "heavyball's defaults but the learning rate"),
+    Reference("heavyball.SOAP", "soap", "heavyball",
+              {"lr": 3e-3, "betas": (0.95, 0.95), "weight_decay": 0.01,
+               "precondition_frequency": 10}, _heavyball_soap,
+              "opttx.soap's rates and frequency; heavyball's own basis refresh, "
+              "max_precond_dim 2048 and merged dims"),
 )
 
 
