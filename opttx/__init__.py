@@ -20,6 +20,7 @@ from .aliases import ademamix, adopt
 from .aliases import adabelief, adamax, muon, muon_hidden_matrices, radam
 from .aliases import mars
 from .aliases import prodigy, schedule_free_adamw, schedule_free_sgd
+from .aliases import soap
 from .backward import FusedBackward
 from .base import (ELEMENTWISE, LEAFWISE, PRECONDITIONER, EmptyState, GradientTransformation,
                    Role, Traits, apply_updates, apply_updates_, check_init_params,
@@ -75,4 +76,6 @@ __all__ = [
     "mars",
     # Schedule-Free and Prodigy (issue 17)
     "prodigy", "schedule_free_adamw", "schedule_free_sgd",
+    # SOAP (issue 16)
+    "soap",
 ]

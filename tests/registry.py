@@ -132,6 +132,12 @@ CASES: list[Case] = [
     case("adalomo", opttx.adalomo, learning_rate=LR, weight_decay=0.01),
     case("shampoo", opttx.shampoo, learning_rate=LR, max_preconditioner_dim=4,
          stacked=_VMAP_COND),
+    # a large epsilon: the factors of a few steps are rank-deficient, their null-space basis
+    # is eigh's choice (another one when batched under stacked), and the rounding noise of
+    # the gradient along it is divided by sqrt(nu) + epsilon
+    case("shampoo/eigenvalue_corrected", opttx.shampoo, learning_rate=LR,
+         max_preconditioner_dim=4, preconditioner="eigenvalue_corrected", epsilon=1.0),
+    case("soap", opttx.soap, learning_rate=LR, precondition_frequency=2),
     case("galore_adamw", opttx.galore_adamw, learning_rate=LR, rank=2, update_proj_gap=2),
     case("galore_adamw_8bit", opttx.galore_adamw_8bit, learning_rate=LR, rank=2,
          update_proj_gap=2, min_size=8, block_size=8,
@@ -217,6 +223,11 @@ CASES: list[Case] = [
     built("graft", lambda: opttx.graft(opttx.scale_by_rms(), opttx.precondition_shampoo(
         epsilon=1e-6), beta1=0.9), stacked=_VMAP_COND),
     built("scale_by_grafted_diagonal", opttx.scale_by_grafted_diagonal),
+    built("precondition_eigenvalue_corrected", lambda: opttx.precondition_eigenvalue_corrected(
+        epsilon=1e-6, precondition_frequency=2)),
+    built("precondition_eigenvalue_corrected/qr", lambda: opttx.block_by_dims(
+        opttx.precondition_eigenvalue_corrected(epsilon=1.0, eigendecomposition="qr",
+                                                qr_iterations=2, tolerance=0.01), 4)),
     built("project_lowrank", lambda: opttx.project_lowrank(opttx.scale_by_adam(), rank=2,
                                                            update_proj_gap=2)),
     built("quantize_state", lambda: opttx.quantize_state(opttx.scale_by_adam(), min_size=8,

@@ -28,6 +28,7 @@ from .scaling import (ScaleByScheduleState, add_decayed_weights, scale, scale_by
 from .shampoo import (DiagonalGraftState, GraftState, ShampooState, block_by_dims, block_shapes,
                       graft, matrix_inverse_root, merge_small_dims, meta_bias_correction,
                       precondition_shampoo, scale_by_grafted_diagonal)
+from .soap import EigenvalueCorrectedState, precondition_eigenvalue_corrected
 
 __all__ = [
     "ProjectLowrankState", "project_lowrank",
@@ -37,6 +38,7 @@ __all__ = [
     "GraftState", "ShampooState", "block_by_dims", "block_shapes", "graft",
     "matrix_inverse_root", "merge_small_dims", "precondition_shampoo",
     "DiagonalGraftState", "meta_bias_correction", "scale_by_grafted_diagonal",
+    "EigenvalueCorrectedState", "precondition_eigenvalue_corrected",
     "FactoredState", "ScaleByCameState", "add_step_scaled_decayed_weights", "clip_by_rms",
     "clip_by_rms_and_scale_by_param_rms",
     "factored_axes", "relative_step_schedule", "scale_by_came", "scale_by_factored_rms",

@@ -1,0 +1,523 @@
+"""Eigenvalue-corrected Shampoo (SOAP): Adam run in the eigenbasis of Shampoo's factors.
+
+`precondition_eigenvalue_corrected` keeps Shampoo's Kronecker factors (built with the helpers of
+`opttx.transforms.shampoo`), an eigenbasis of each factor refreshed every
+``precondition_frequency`` steps, and a second moment of the gradient rotated into that basis
+(the "corrected eigenvalues"). It has two schedules:
+
+* ``schedule="meta"`` is Meta's ``EigenvalueCorrectedShampooPreconditionerConfig``: every step
+  the factors take in the gradient, the basis is refreshed when due (with this step's factors),
+  then the second moment is updated and the input preconditioned in the (new) basis. Used
+  inside `graft` (Meta's filtered gradient is the input), it is what
+  ``opttx.shampoo(preconditioner="eigenvalue_corrected")`` computes, equal to Meta's
+  ``DistributedShampoo`` (``tests/test_soap.py``).
+* ``schedule="soap"`` is the SOAP paper's Algorithm (Vyas et al., arXiv 2409.11321, and its
+  reference code, ported as ``pytorch_optimizer.SOAP``): the first gradient only initialises
+  the factors and the basis (the update is zero); from then on the update uses the basis
+  computed *before* the current gradient entered the factors, then the factors are updated
+  and, every ``precondition_frequency`` Adam steps, the basis is refreshed by one step of
+  power iteration with QR. `opttx.soap` uses it.
+
+Where the references differ (each difference is tested in ``tests/test_soap.py``):
+
+* **first step**: Meta preconditions step 1 (identity basis before
+  ``start_preconditioning_step``); SOAP and heavyball return no update at step 1 and count Adam's
+  steps from the second gradient.
+* **basis refresh timing**: Meta refreshes with the factors that include the current gradient
+  and uses the new basis at once; SOAP refreshes after the update, when the Adam step count is
+  a multiple of the frequency; heavyball refreshes when its call count is (one step earlier
+  than SOAP), and its 1/frequency accumulator drifts for frequencies that are not powers of
+  two (with frequency 10 it first refreshes at call 11).
+* **QR vs eigh**: Meta refreshes by ``eigh`` (default) or by its QR algorithm (``QR(Q^T A Q)``
+  from the previous basis, columns sorted by ascending estimated eigenvalue, the second moment
+  left in place); SOAP by one power step ``QR(A Q)`` on columns sorted by descending estimated
+  eigenvalue, permuting the second moment with them (``eigendecomposition="power"``);
+  heavyball's power step adds a "lift" ``max(eps, 64 n eps_dtype) |lambda|_max Q`` to ``A Q``
+  and fixes signs, so it is not the same numbers after a refresh.
+* **bias correction**: Meta divides the factors and the second moment by ``1 - beta2^t``
+  computed in float32; SOAP (and heavyball's debiased betas) use the usual Adam form
+  ``m_hat / (sqrt(v_hat) + eps)``; the reference SOAP code folds the corrections into the step
+  size, so its ``eps`` is effectively ``eps / sqrt(1 - beta2^t)``. Bias correction of the factors
+  does not change their eigenvectors.
+* **first moment**: Meta and SOAP keep the gradient EMA in the parameters' basis and rotate it
+  every step; heavyball keeps it in the eigenbasis and rotates it on each refresh (the same
+  numbers in exact arithmetic).
+* **1-D and large dims**: Meta blocks every dim at ``max_preconditioner_dim`` and preconditions
+  1-D blocks with a full factor; SOAP leaves 1-D leaves (unless ``precondition_1d``) and dims
+  larger than ``max_precond_dim`` in the standard basis (``max_basis_dim``, and
+  ``ignored_basis_change_dims`` which is Meta's option of that name).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+import torch
+
+from .._checks import check_nonnegative, check_positive_int, check_unit_interval
+from ..base import (GradientTransformation, Params, Role, Traits, Updates, advance_counts,
+                    check_init_params, declare_roles, precondition_target,
+                    require_whole_leaves, safe_increment, zero_count)
+from ..kernels import cast_like, foreach, foreach_ema
+from ..tree import (PyTree, flatten_matching, state_dtype, stats_like, tree_cond, tree_flatten,
+                    tree_map, tree_structure, tree_unflatten)
+from .shampoo import _chunks, _contract_factor, _update_factors, meta_bias_correction
+
+__all__ = ["EigenvalueCorrectedState", "precondition_eigenvalue_corrected"]
+
+
+class EigenvalueCorrectedState(NamedTuple):
+    """State of `precondition_eigenvalue_corrected`."""
+    count: torch.Tensor     # shape (), int32: steps taken
+    factors: PyTree         # per leaf: tuple of (d_k, d_k) Kronecker factors, (0, 0) for a dim
+                            # that is not rotated
+    bases: PyTree           # per leaf: tuple of (d_k, d_k) eigenvectors of the factors
+                            # (identity until the first refresh), (0, 0) where not rotated
+    mu: Updates             # like params: EMA of the gradient in the parameters' basis
+                            # (empty when beta1 = 0)
+    nu: Updates             # like params: EMA (or sum) of the squared gradient rotated into
+                            # the bases (Meta's "corrected eigenvalues")
+    __roles__ = declare_roles(count=Role.COUNT, factors=Role.FACTOR_MATRIX,
+                              bases=Role.PROJECTION, mu=Role.FIRST_MOMENT,
+                              nu=Role.SECOND_MOMENT)
+
+
+@dataclass(frozen=True, eq=False)
+class _FactorDecay:
+    """The decay and weight of the factors, as `shampoo._update_factors` reads them."""
+    beta2: Any
+    weight: Any
+
+
+@dataclass(frozen=True, eq=False)
+class _ECConfig:
+    """The static settings of one `precondition_eigenvalue_corrected` (plain data)."""
+    beta1: float
+    beta2: float                  # second-moment decay
+    weight: float                 # w in nu <- beta2 nu + w (Q^T g Q)^2
+    factor: _FactorDecay          # decay and weight of the factors
+    epsilon: float
+    frequency: int
+    start: int
+    method: str                   # "eigh", "qr" (Meta's QR algorithm) or "power" (SOAP's)
+    qr_iterations: int
+    tolerance: float
+    schedule: str                 # "meta" or "soap"
+    dtype: torch.dtype            # of the factors
+    basis_dtype: torch.dtype      # of the bases and of nu
+    bias_correction: bool
+    exponent: Any                 # a number, or Meta's {order: exponent}
+    ignored: dict                 # Meta's ignored_basis_change_dims: {order: [dims]}
+    max_basis_dim: float
+    perturb_before: bool
+    use_trace_scaling: bool
+    trace_scaling_exponent: float
+
+
+def precondition_eigenvalue_corrected(
+        beta2: float = 0.999, epsilon: float = 1e-12, precondition_frequency: int = 1,
+        start_preconditioning_step: int | None = None, *, beta1: float = 0.0,
+        shampoo_beta: float | None = None,
+        eigendecomposition: Literal["eigh", "qr", "power"] = "eigh", qr_iterations: int = 1,
+        tolerance: float = 0.0, schedule: Literal["meta", "soap"] = "meta",
+        preconditioner_dtype: torch.dtype = torch.float32,
+        basis_dtype: torch.dtype | None = None, use_bias_correction: bool = True,
+        eigenvalue_exponent: float | dict = 0.5,
+        ignored_basis_change_dims: dict | None = None, max_basis_dim: int | float = math.inf,
+        drop_weighting_factor_on_gsquare: bool = False,
+        rank_deficient: Literal["perturb_before", "perturb_after"] = "perturb_before",
+        use_trace_scaling: bool = False, trace_scaling_exponent: float = 0.5
+) -> GradientTransformation:
+    r"""Eigenvalue-corrected Shampoo (SOAP): Adam's second moment kept in the eigenbasis of
+    Shampoo's factors.
+
+    For a leaf :math:`G` of order :math:`k` (a block inside `block_by_dims`) and each dim
+    :math:`i` that is rotated,
+
+    .. math::
+        L_i \leftarrow \beta_s L_i + w_s\, G \otimes_i G, \qquad
+        Q_i \leftarrow \operatorname{eigvecs}(L_i / b_t + \epsilon I)
+        \text{ every } f \text{ steps},
+
+    .. math::
+        \tilde G = G \times_1 Q_1^\top \cdots \times_k Q_k^\top, \qquad
+        \nu \leftarrow \beta_2 \nu + w\, \tilde G^{2}, \qquad
+        u = \Big(\frac{\tilde X}{(\nu / b_t)^{e} + \epsilon}\Big)
+        \times_1 Q_1 \cdots \times_k Q_k
+
+    where :math:`X` is the input (``extra_args[PRECONDITION_INPUT]`` inside `graft`, Meta's
+    filtered gradient; or the bias-corrected EMA :math:`m_t / (1 - \beta_1^t)` of the gradient
+    with ``beta1 > 0``; else the gradient), :math:`w = 1 - \beta_2` (1 when
+    :math:`\beta_2 = 1`: Adagrad in the eigenbasis), :math:`b_t = 1 - \beta_2^t`, :math:`e = 1/2`
+    (``eigenvalue_exponent``). A dim that is not rotated (``ignored_basis_change_dims``, a size
+    above ``max_basis_dim``) keeps the standard basis and no factor. See the module docstring
+    for the two schedules (``"meta"``: Meta's order; ``"soap"``: the SOAP paper's, with a zero
+    first update) and how Meta, SOAP and heavyball differ.
+
+    Args:
+      beta2: decay of the second moment (and of the factors unless ``shampoo_beta``).
+      epsilon: added to the factors before ``eigh`` (``perturb_before``) and to the root of
+        the second moment.
+      precondition_frequency: refresh the bases every this many steps (``"soap"``: Adam steps).
+      start_preconditioning_step: first refresh (``"meta"``; default the frequency).
+      beta1: keep an EMA of the gradient and precondition it (the SOAP schedule's Adam).
+      shampoo_beta: decay of the factors (SOAP's name; default ``beta2``).
+      eigendecomposition: ``"eigh"``; ``"qr"``: Meta's QR algorithm (``qr_iterations`` steps
+        of :math:`B = Q^\top A Q = Q' R`, :math:`Q \leftarrow Q Q'`, columns sorted by the
+        ascending diagonal of :math:`B`); ``"power"``: SOAP's one power step
+        :math:`Q \leftarrow \operatorname{qr}(A\, Q_\sigma)` with columns sorted by descending
+        :math:`\operatorname{diag}(Q^\top A Q)` and :math:`\nu` permuted the same way.
+      tolerance: skip the refresh (or stop the QR iterations) when
+        :math:`\lVert B - \operatorname{diag} B\rVert_F \le \text{tolerance}\,\lVert B\rVert_F`
+        (Meta's criterion; 0 never skips).
+      schedule: ``"meta"`` or ``"soap"``.
+      preconditioner_dtype: dtype of the factors (Meta's ``factor_matrix_dtype``).
+      basis_dtype: dtype of the bases and of :math:`\nu` (Meta's
+        ``factor_matrix_eigenvectors_dtype``/``corrected_eigenvalues_dtype``; default
+        ``preconditioner_dtype``).
+      use_bias_correction: divide by :math:`1 - \beta^t` (factors and :math:`\nu`).
+      eigenvalue_exponent: :math:`e`, or Meta's ``inverse_exponent_override`` ``{order: e}``.
+      ignored_basis_change_dims: Meta's ``{order: [dims]}`` of dims kept in the standard basis.
+      max_basis_dim: dims larger than this are not rotated (SOAP's ``max_precond_dim``).
+      drop_weighting_factor_on_gsquare, rank_deficient, use_trace_scaling,
+        trace_scaling_exponent: Meta's options of these names (``rank_deficient`` is its
+        ``PerturbationConfig(perturb_before_computation=...)``).
+
+    Example:
+      >>> tx = opttx.block_by_dims(opttx.precondition_eigenvalue_corrected(0.95, 1e-8, 10))
+
+    References:
+      George et al., Fast Approximate Natural Gradient Descent in a Kronecker-factored
+      Eigenbasis (arXiv 1806.03884); Vyas et al., SOAP: Improving and Stabilizing Shampoo
+      using Adam (arXiv 2409.11321); Shi et al. (arXiv 2309.06497).
+    """
+    cfg = _ec_config(
+        beta1=beta1, beta2=beta2, shampoo_beta=shampoo_beta, epsilon=epsilon,
+        precondition_frequency=precondition_frequency,
+        start_preconditioning_step=start_preconditioning_step,
+        eigendecomposition=eigendecomposition, qr_iterations=qr_iterations,
+        tolerance=tolerance, schedule=schedule, preconditioner_dtype=preconditioner_dtype,
+        basis_dtype=basis_dtype, use_bias_correction=use_bias_correction,
+        eigenvalue_exponent=eigenvalue_exponent,
+        ignored_basis_change_dims=ignored_basis_change_dims, max_basis_dim=max_basis_dim,
+        drop_weighting_factor_on_gsquare=drop_weighting_factor_on_gsquare,
+        rank_deficient=rank_deficient, use_trace_scaling=use_trace_scaling,
+        trace_scaling_exponent=trace_scaling_exponent)
+
+    def init(params: Params) -> EigenvalueCorrectedState:
+        check_init_params(params)
+        return EigenvalueCorrectedState(
+            count=zero_count(params),
+            factors=tree_map(lambda x: _empty_mats(x, cfg, cfg.dtype, torch.zeros), params),
+            bases=tree_map(lambda x: _empty_mats(x, cfg, cfg.basis_dtype, _eye), params),
+            mu=stats_like(params) if _has(cfg.beta1) else (),
+            nu=stats_like(params, cfg.basis_dtype))
+
+    def update(updates: Updates, state: EigenvalueCorrectedState, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, EigenvalueCorrectedState]:
+        require_whole_leaves(updates, extra_args, "precondition_eigenvalue_corrected")
+        return _update_ec(updates, state, precondition_target(updates, extra_args), cfg)
+
+    return GradientTransformation(init, update, Traits(per_leaf=True, whole_leaves=True,
+                                                       takes_precondition_input=True))
+
+
+def _ec_config(*, beta1, beta2, shampoo_beta, epsilon, precondition_frequency,
+               start_preconditioning_step, eigendecomposition, qr_iterations, tolerance,
+               schedule, preconditioner_dtype, basis_dtype, use_bias_correction,
+               eigenvalue_exponent, ignored_basis_change_dims, max_basis_dim,
+               drop_weighting_factor_on_gsquare, rank_deficient, use_trace_scaling,
+               trace_scaling_exponent) -> _ECConfig:
+    """Validate `precondition_eigenvalue_corrected`'s arguments into an `_ECConfig`."""
+    check_unit_interval("beta1", beta1, closed_right=False)
+    check_unit_interval("beta2", beta2, closed_right=True)
+    sbeta = beta2 if shampoo_beta is None else shampoo_beta
+    check_unit_interval("shampoo_beta", sbeta, closed_right=True)
+    check_nonnegative("epsilon", epsilon)
+    check_positive_int("precondition_frequency", precondition_frequency)
+    check_positive_int("qr_iterations", qr_iterations)
+    start = precondition_frequency if start_preconditioning_step is None \
+        else start_preconditioning_step
+    check_nonnegative("start_preconditioning_step", start)
+    check_unit_interval("tolerance", tolerance, closed_right=True)
+    for name, value, allowed in (("eigendecomposition", eigendecomposition,
+                                  ("eigh", "qr", "power")),
+                                 ("schedule", schedule, ("meta", "soap")),
+                                 ("rank_deficient", rank_deficient,
+                                  ("perturb_before", "perturb_after"))):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
+    exps = eigenvalue_exponent.values() if isinstance(eigenvalue_exponent, dict) \
+        else [eigenvalue_exponent]
+    if any(not e > 0 for e in exps):
+        raise ValueError(f"eigenvalue_exponent must be > 0, got {eigenvalue_exponent!r}.")
+    ignored = dict(ignored_basis_change_dims or {})
+    for order, dims in ignored.items():
+        if order < 0 or any(not 0 <= d <= max(order - 1, 0) for d in dims):
+            raise ValueError(f"ignored_basis_change_dims[{order}]={dims!r}: dims must be in "
+                             f"[0, {max(order - 1, 0)}].")
+    if max_basis_dim != math.inf:
+        check_positive_int("max_basis_dim", max_basis_dim)
+    if use_trace_scaling and _number(trace_scaling_exponent) \
+            and not 0.0 < trace_scaling_exponent <= 1.0:
+        raise ValueError(f"trace_scaling_exponent must be in (0, 1], got "
+                         f"{trace_scaling_exponent}.")
+    drop = drop_weighting_factor_on_gsquare
+    return _ECConfig(
+        beta1=beta1, beta2=beta2, weight=_weight(beta2, drop),
+        factor=_FactorDecay(beta2=sbeta, weight=_weight(sbeta, drop)),
+        epsilon=epsilon, frequency=precondition_frequency, start=start,
+        method=eigendecomposition, qr_iterations=qr_iterations, tolerance=tolerance,
+        schedule=schedule, dtype=preconditioner_dtype,
+        basis_dtype=preconditioner_dtype if basis_dtype is None else basis_dtype,
+        bias_correction=use_bias_correction and not drop
+        and (not _number(beta2) or beta2 < 1),
+        exponent=eigenvalue_exponent, ignored=ignored, max_basis_dim=max_basis_dim,
+        perturb_before=rank_deficient == "perturb_before", use_trace_scaling=use_trace_scaling,
+        trace_scaling_exponent=trace_scaling_exponent)
+
+
+def _number(value: Any) -> bool:
+    """A Python number (not an injected 0-dim tensor, whose value may change)."""
+    return not isinstance(value, torch.Tensor)
+
+
+def _has(value: Any) -> bool:
+    """An optional term is present: an injected tensor always is, a number when not 0."""
+    return not _number(value) or value != 0
+
+
+def _weight(beta: Any, drop: bool) -> Any:
+    """Meta's weighting factor: 1 when beta = 1 (a sum) or dropped, else 1 - beta."""
+    if drop:
+        return 1.0
+    if _number(beta):
+        return 1.0 if beta == 1 else 1 - beta
+    return torch.where(beta == 1, torch.ones_like(beta), 1 - beta)
+
+
+def _factors_after(g: torch.Tensor, fs: tuple, cfg: _ECConfig) -> tuple:
+    """Shampoo's factor update (`shampoo._update_factors`); with an injected decay the same
+    sum written for tensors."""
+    if _number(cfg.factor.beta2):
+        return _update_factors(g, fs, cfg.factor)
+    g = g.reshape(g.shape or (1,)).to(state_dtype(g))
+    return tuple(f if f.shape[0] != g.shape[k] else
+                 (f * cfg.factor.beta2 + cfg.factor.weight * _contract_factor(g, k)).to(f.dtype)
+                 for k, f in enumerate(fs))
+
+
+def _eye(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.eye(shape[0], dtype=dtype, device=device)
+
+
+def _rotated_dims(shape: tuple[int, ...], cfg: _ECConfig) -> list[bool]:
+    """Which dims of a leaf of this shape (at least 1-D) are rotated into an eigenbasis."""
+    ignored = cfg.ignored.get(len(shape), ())
+    return [d not in ignored and n <= cfg.max_basis_dim for d, n in enumerate(shape)]
+
+
+def _empty_mats(x: torch.Tensor, cfg: _ECConfig, dtype: torch.dtype, make) -> tuple:
+    """One matrix per dim of ``x`` (zeros or identities), (0, 0) for a dim not rotated."""
+    shape = tuple(x.shape) or (1,)
+    return tuple(make((d, d) if r else (0, 0), dtype=dtype, device=x.device)
+                 for d, r in zip(shape, _rotated_dims(shape, cfg)))
+
+
+def _rotate(x: torch.Tensor, bases: tuple, back: bool = False) -> torch.Tensor:
+    """``x`` times every basis along its dim (``Q^T`` into the eigenbasis, ``Q`` back), computed
+    in the bases' dtype as Meta does: each step contracts the leading dim and appends the result
+    as the last one; a dim not rotated is moved to the end unchanged."""
+    dtype = next((q.dtype for q in bases if q.shape[0]), x.dtype)
+    y = x.reshape(x.shape or (1,)).to(dtype)
+    for q in bases:
+        if q.shape[0] == 0:
+            y = y.permute(*range(1, y.dim()), 0)
+        else:
+            y = torch.tensordot(y, q, dims=([0], [1 if back else 0]))
+    return y.reshape(x.shape).to(x.dtype)
+
+
+def _off_diagonal_small(b: torch.Tensor, tolerance: float) -> torch.Tensor:
+    """Meta's criterion: ``||B - diag(B)||_F <= tolerance * ||B||_F`` (a 0-dim bool)."""
+    norm = torch.linalg.norm(b)
+    off = torch.sqrt(norm**2 - torch.linalg.norm(b.diag())**2)
+    return off <= tolerance * norm
+
+
+def _meta_qr(a: torch.Tensor, q: torch.Tensor, cfg: _ECConfig) -> torch.Tensor:
+    """Meta's QR algorithm from the estimate ``q``: ``B = Q^T A Q``; while not diagonal enough
+    (at most ``qr_iterations`` times) ``B = Q'R``, ``B <- R Q'``, ``Q <- Q Q'``; then the
+    columns sorted by the ascending diagonal of ``B`` (a fixed number of iterations with
+    ``torch.where``, so it compiles without a data-dependent loop)."""
+    b = q.T @ a @ q
+    for _ in range(cfg.qr_iterations):
+        done = _off_diagonal_small(b, cfg.tolerance)
+        qq, r = torch.linalg.qr(b)
+        b, q = torch.where(done, b, r @ qq), torch.where(done, q, q @ qq)
+    return q[:, b.diag().sort(stable=True)[1]]
+
+
+def _new_basis(f: torch.Tensor, q_old: torch.Tensor, scale: torch.Tensor | None,
+               cfg: _ECConfig, method: str) -> torch.Tensor:
+    """The eigenbasis of one factor (``eigh`` or Meta's QR), computed as Meta computes it;
+    the old basis is kept when the factor or the result is not finite."""
+    a = f if scale is None else f / scale
+    if cfg.use_trace_scaling:
+        a = a * torch.pow(torch.clamp(torch.trace(a), min=cfg.epsilon),
+                          -cfg.trace_scaling_exponent)
+    finite = torch.isfinite(a).all()
+    a = torch.where(finite, a, torch.zeros_like(a))
+    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    if not _number(cfg.epsilon) and cfg.perturb_before:       # injected: always added
+        a = a + cfg.epsilon.to(a.dtype) * eye
+    elif cfg.epsilon and cfg.perturb_before:
+        a = a.add(eye, alpha=cfg.epsilon)
+    estimate = q_old.to(a.dtype)
+    if method == "qr":
+        q = _meta_qr(a, estimate, cfg)
+    else:
+        q = torch.linalg.eigh(a)[1]
+        if not _number(cfg.tolerance) or cfg.tolerance:
+            q = torch.where(_off_diagonal_small(estimate.T @ a @ estimate, cfg.tolerance),
+                            estimate, q)
+    # contiguous, as Meta copies it into its buffer: eigh's column-major result would make
+    # the rotations' matrix products round differently
+    q = q.to(q_old.dtype)
+    return torch.where(finite & torch.isfinite(q).all(), q, q_old).contiguous()
+
+
+def _refresh(factors: list[tuple], bases: list[tuple], scale: torch.Tensor | None,
+             cfg: _ECConfig, method: str) -> list[tuple]:
+    """New bases of every leaf's factors (dims not rotated keep their empty basis)."""
+    return [tuple(_new_basis(f, q, scale, cfg, method) if q.shape[0] else q
+                  for f, q in zip(fs, qs)) for fs, qs in zip(factors, bases)]
+
+
+def _power_refresh(factors: list[tuple], bases: list[tuple], nu: list[torch.Tensor]
+                   ) -> tuple[list[tuple], list[torch.Tensor]]:
+    """SOAP's refresh: per rotated dim k, sort the columns of ``Q`` by descending
+    ``diag(Q^T L Q)``, permute ``nu`` along dim k the same way, ``Q <- qr(L Q_sorted)``."""
+    new_bases, new_nu = [], []
+    for fs, qs, v in zip(factors, bases, nu):
+        # a new tensor (torch.cond refuses an output that is a view of an operand)
+        v = v.reshape(v.shape or (1,)).clone()
+        out = []
+        for k, (f, q) in enumerate(zip(fs, qs)):
+            if not q.shape[0]:
+                out.append(q)
+                continue
+            product = f @ q.to(f.dtype)
+            order = torch.argsort((q.to(f.dtype) * product).sum(dim=0), descending=True)
+            v = v.index_select(k, order)
+            out.append(torch.linalg.qr(product.index_select(1, order))[0].to(q.dtype)
+                       .contiguous())
+        new_bases.append(tuple(out))
+        new_nu.append(v)
+    return new_bases, [v.reshape(n.shape) for v, n in zip(new_nu, nu)]
+
+
+def _eigen_scale(order: int, cfg: _ECConfig) -> float:
+    """Meta's exponent of the corrected eigenvalues: ``1 / root``, root ``1 / e``."""
+    e = cfg.exponent.get(order, 0.5) if isinstance(cfg.exponent, dict) else cfg.exponent
+    return 1 / (1 / e)
+
+
+def _adam_in_basis(x: list[torch.Tensor], bases: list[tuple], nu: list[torch.Tensor],
+                   scale: torch.Tensor | None, cfg: _ECConfig) -> list[torch.Tensor]:
+    """``Q[(Q^T x Q) / ((nu / scale)^e + eps)]Q^T`` for every leaf (Meta's order of ops)."""
+    out = []
+    for xi, qs, v in zip(x, bases, nu):
+        y = _rotate(xi, qs)
+        denom = (v if scale is None else v.div(scale)).pow(_eigen_scale(max(xi.dim(), 1), cfg))
+        y = torch.div(y, denom.add(cfg.epsilon)).to(y.dtype)
+        out.append(_rotate(y, qs, back=True))
+    return out
+
+
+def _second_moment(g: list[torch.Tensor], bases: list[tuple], nu: list[torch.Tensor],
+                   cfg: _ECConfig) -> list[torch.Tensor]:
+    """``nu <- beta2 nu + w (Q^T g Q)^2``: the squared gradient in the eigenbases."""
+    rotated = cast_like([_rotate(gi, qs) for gi, qs in zip(g, bases)], nu)
+    nu = foreach("mul", nu, cfg.beta2) if not _number(cfg.beta2) or cfg.beta2 != 1 \
+        else list(nu)
+    return foreach("addcmul", nu, rotated, rotated, value=cfg.weight)
+
+
+def _first_moment(g: list[torch.Tensor], mu: list[torch.Tensor], steps: torch.Tensor,
+                  cfg: _ECConfig) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The EMA of the gradient and its bias-corrected value (float64 correction)."""
+    mu = foreach_ema(mu, cast_like(g, mu), cfg.beta1)
+    correction = 1.0 - torch.pow(torch.as_tensor(cfg.beta1, dtype=torch.float64), steps)
+    return mu, foreach("div", mu, correction)
+
+
+def _meta_step(g, x, factors, bases, nu, mu, count, cfg):
+    """Meta's order: factors, refresh when due, second moment, precondition (new bases)."""
+    factors = [_factors_after(gi, fs, cfg) for gi, fs in zip(g, factors)]
+    due = ((count % cfg.frequency == 0) & (count > cfg.start)) | (count == cfg.start)
+    fscale = meta_bias_correction(cfg.factor.beta2, count) \
+        if cfg.bias_correction and (not _number(cfg.factor.beta2) or cfg.factor.beta2 < 1) \
+        else None
+    (bases,) = tree_cond(due, lambda b: (_refresh(factors, b, fscale, cfg, cfg.method),),
+                         lambda b: (b,), (bases,))
+    nu = _second_moment(g, bases, nu, cfg)
+    if _has(cfg.beta1):
+        mu, x = _first_moment(g, mu, count, cfg)
+    scale = meta_bias_correction(cfg.beta2, count) if cfg.bias_correction else None
+    return _adam_in_basis(x, bases, nu, scale, cfg), factors, bases, nu, mu
+
+
+def _soap_step(g, x, factors, bases, nu, mu, count, cfg):
+    """The SOAP paper's order: the first gradient initialises the factors and the bases (zero
+    update); then Adam in the previous bases, the factors, and a refresh every ``frequency``
+    Adam steps."""
+    first = count == 1
+    steps = torch.clamp(count - 1, min=1)                     # Adam's step count
+    new_nu = _second_moment(g, bases, nu, cfg)
+    if _has(cfg.beta1):
+        new_mu, x = _first_moment(g, mu, steps, cfg)
+        mu = [torch.where(first, m, n) for m, n in zip(mu, new_mu)]
+    scale = 1.0 - torch.pow(torch.as_tensor(cfg.beta2, dtype=torch.float64), steps) \
+        if cfg.bias_correction else None
+    out = [torch.where(first, torch.zeros_like(u), u)
+           for u in _adam_in_basis(x, bases, new_nu, scale, cfg)]
+    nu = [torch.where(first, n, m) for n, m in zip(nu, new_nu)]
+    factors = [_factors_after(gi, fs, cfg) for gi, fs in zip(g, factors)]
+    (bases,) = tree_cond(first, lambda b: (_refresh(factors, b, None, cfg, "eigh"),),
+                         lambda b: (b,), (bases,))
+    due = ~first & ((count - 1) % cfg.frequency == 0)
+    if cfg.method == "power":
+        bases, nu = tree_cond(due, lambda b, n: _power_refresh(factors, b, n),
+                              lambda b, n: (b, n), (bases, nu))
+    else:
+        (bases,) = tree_cond(due, lambda b: (_refresh(factors, b, None, cfg, cfg.method),),
+                             lambda b: (b,), (bases,))
+    return out, factors, bases, nu, mu
+
+
+def _update_ec(updates: Updates, state: EigenvalueCorrectedState, target: Updates,
+               cfg: _ECConfig) -> tuple[Updates, EigenvalueCorrectedState]:
+    """One step of `precondition_eigenvalue_corrected`."""
+    spec, g = flatten_matching(updates)
+    if not g:
+        return updates, advance_counts(state)
+    x = flatten_matching(target)[1]
+    nu = flatten_matching(updates, state.nu)[2]
+    mu = flatten_matching(updates, state.mu)[2] if _has(cfg.beta1) else []
+    orders = [max(gi.dim(), 1) for gi in g]
+    who = "precondition_eigenvalue_corrected"
+    factors = [tuple(c) for c in _chunks(tree_flatten(state.factors)[0], orders, who)]
+    bases = [tuple(c) for c in _chunks(tree_flatten(state.bases)[0], orders, who)]
+    count = safe_increment(state.count)
+    step = _meta_step if cfg.schedule == "meta" else _soap_step
+    out, factors, bases, nu, mu = step(g, x, factors, bases, nu, mu, count, cfg)
+    mat_spec = tree_structure(state.factors)
+    out = [o.to(gi.dtype) for o, gi in zip(out, g)]
+    return tree_unflatten(out, spec), EigenvalueCorrectedState(
+        count=count,
+        factors=tree_unflatten([m for fs in factors for m in fs], mat_spec),
+        bases=tree_unflatten([m for qs in bases for m in qs], mat_spec),
+        mu=tree_unflatten(mu, spec) if _has(cfg.beta1) else (), nu=tree_unflatten(nu, spec))
