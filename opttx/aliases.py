@@ -859,7 +859,10 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
             inverse_exponent_override: dict | None = None,
             drop_weighting_factor_on_gsquare: bool = False,
             weight_decay_type: str | None = None, rank_deficient: str = "perturb_before",
-            rank_atol: float = 0.0, rank_rtol: float | None = 0.0) -> GradientTransformation:
+            rank_atol: float = 0.0, rank_rtol: float | None = 0.0, *,
+            preconditioner: str = "root_inverse", eigendecomposition: str = "eigh",
+            qr_iterations: int = 1, eigendecomposition_tolerance: float = 0.0,
+            ignored_basis_change_dims: dict | None = None) -> GradientTransformation:
     r"""Shampoo as Meta's Distributed Shampoo computes it, composed from transforms.
 
     ``block_by_dims(chain(graft(grafted method, precondition_shampoo, beta1),
