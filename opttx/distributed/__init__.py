@@ -15,6 +15,7 @@ Example:
 from .checkpoint import (check_checkpoint, load_checkpoint, load_state_dict, param_paths,
                          state_dict)
 from .data_parallel import all_reduce_gradients, plan_buckets
+from .overlap import BackwardLaunches, no_sync
 from .owners import OwnerPlan, default_cost, on_owners, plan_owners
 from .reducer import CollectiveStats, ShardedReducer, pack_all_reduce
 from .shapes import global_factor_axes, global_shapes, raise_on_every_rank
@@ -24,6 +25,7 @@ from .specs import (LeafSpec, Replicated, Shard, flatten_specs, local_shard, sha
 from .zero import ZeroChunk, ZeroPlan, state_costs, zero, zero_plan
 
 __all__ = [
+    "BackwardLaunches",
     "CollectiveStats",
     "LeafSpec",
     "OwnerPlan",
@@ -41,6 +43,7 @@ __all__ = [
     "load_checkpoint",
     "load_state_dict",
     "local_shard",
+    "no_sync",
     "on_owners",
     "pack_all_reduce",
     "param_paths",

@@ -51,14 +51,17 @@ def collective_device(group: Any) -> torch.device:
 
 
 def pack_all_reduce(tensors: Sequence[torch.Tensor], op: str, group: Any,
-                    stats: CollectiveStats | None = None) -> list[torch.Tensor]:
+                    stats: CollectiveStats | None = None, dtype: torch.dtype | None = None
+                    ) -> list[torch.Tensor]:
     """All-reduce ``tensors`` over ``group`` with one collective: flatten them into one buffer
-    (in their promoted dtype), reduce, and split back into their shapes and dtypes."""
+    (in ``dtype``, default their promoted dtype), reduce, and split back into their shapes and
+    dtypes."""
     if not tensors:
         return []
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
+    if dtype is None:
+        dtype = tensors[0].dtype
+        for t in tensors[1:]:
+            dtype = torch.promote_types(dtype, t.dtype)
     buffer = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
     if stats is not None:
         stats.record(group, buffer)

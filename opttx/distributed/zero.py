@@ -10,6 +10,7 @@ all-gathered per chunk. `zero_plan` shows the layout without a process group.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -22,6 +23,7 @@ from ..base import (TOTALS_KEY, GradientTransformation, Params, State, Updates,
                     current_reducer)
 from ..tree import (MaskedNode, PyTree, assert_same_structure, tree_flatten, tree_leaves,
                     tree_map, tree_paths, tree_unflatten)
+from .overlap import BackwardLaunches
 from .reducer import CollectiveStats, collective_device
 from .shapes import agree_on_tree, raise_on_every_rank, require_member
 
@@ -375,6 +377,7 @@ class _Resolved:
     rank: int
     world: int
     control_device: torch.device
+    launches: BackwardLaunches | None = None   # overlap: the chunks started from backward
 
 
 def _to_host(state: State, pin: bool) -> State:
@@ -397,7 +400,8 @@ def _to_device(state: State, device: torch.device) -> State:
 def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
          chunk_size_mb: float | None = None, offload: bool = False, *,
          min_chunk_size_mb: float = 32.0, search_range_mb: float = 32.0,
-         balance: str = "params", stats: CollectiveStats | None = None
+         balance: str = "params", stats: CollectiveStats | None = None,
+         communication_dtype: torch.dtype | None = None, overlap: bool = False
          ) -> GradientTransformation:
     r"""ZeRO data parallelism: each rank keeps the optimizer state of the parameters it owns.
 
@@ -458,6 +462,24 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
         at the price of padding, since segments still hold the parameters (measured in
         benchmarks/RESULTS.md, zero_memory).
       stats: a `CollectiveStats` counting the collectives (eager; traced ones under compile).
+      communication_dtype: the dtype of the gradient chunks and of the gathered updates on
+        the wire (None: the parameters' dtype). ``torch.bfloat16`` halves the bytes of both
+        collectives; the owners still compute in the parameters' dtype. Each rank's gradient
+        is rounded to bf16 before the sum and the sum once more, so an element of the mean
+        gradient is off by at most about :math:`(W + 1)\,2^{-8}\,\overline{|g|}` (the mean of
+        the ranks' absolute values; bf16 keeps 8 significant bits), and each update element by
+        at most :math:`2^{-8}` of itself. Float32 communication is exact.
+      overlap: start each chunk's gradient reduction during backward, from the parameters'
+        post-accumulate-grad hooks, as soon as backward has produced all gradients of the
+        chunk (`opttx.distributed.overlap.BackwardLaunches`); ``update`` then waits for it
+        instead of issuing it. ``init`` must get the model's parameters themselves (plain
+        tensors that require grad, e.g. ``dict(model.named_parameters())``), the gradients
+        passed to ``update`` must be the ``.grad`` tensors backward left, unchanged (clip
+        inside the chain), and every rank must produce the same gradients (no unused
+        parameter on one rank only). Eager only (a compiled step issues its collectives
+        itself). Accumulating micro-batches: run the backwards before the last inside
+        ``opttx.distributed.no_sync()`` (else each backward launches again, correct but
+        wasted).
 
     ``update(local_grads, state, params)`` takes this rank's unreduced gradients (the full
     tree, plain tensors) and the full replicated ``params``; gradients are cast to the
@@ -487,11 +509,17 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
     """
     cfg = _zero_config(tx, group, stage, chunk_size_mb, offload,
                        min_chunk_size_mb=min_chunk_size_mb, search_range_mb=search_range_mb,
-                       balance=balance, stats=stats)
+                       balance=balance, stats=stats, communication_dtype=communication_dtype,
+                       overlap=overlap)
     resolved: list[_Resolved] = []
 
     def init(params: Params) -> State:
         res = _resolve_at_init(params, cfg)
+        if cfg.overlap:
+            res = _with_launches(res, params, cfg)
+        for old in resolved:                 # a second init: the old hooks go
+            if old.launches is not None:
+                old.launches.remove()
         resolved[:] = [res]
         state = cfg.tx.init(_mask(params, res))
         return _to_host(state, cfg.pin) if cfg.offload else state
@@ -519,11 +547,14 @@ class _ZeroConfig:
     search_range_mb: float
     balance: str
     stats: CollectiveStats | None
+    communication_dtype: torch.dtype | None   # on the wire (None: the parameters' dtype)
+    overlap: bool                             # gradient reductions started during backward
 
 
 def _zero_config(tx: GradientTransformation, group: Any, stage: int,
                  chunk_size_mb: float | None, offload: bool, *, min_chunk_size_mb: float,
-                 search_range_mb: float, balance: str, stats: CollectiveStats | None
+                 search_range_mb: float, balance: str, stats: CollectiveStats | None,
+                 communication_dtype: torch.dtype | None = None, overlap: bool = False
                  ) -> _ZeroConfig:
     """Validate `zero`'s arguments into a `_ZeroConfig`."""
     if not isinstance(tx, GradientTransformation):
@@ -537,10 +568,15 @@ def _zero_config(tx: GradientTransformation, group: Any, stage: int,
         check_positive("chunk_size_mb", chunk_size_mb)
     check_positive("min_chunk_size_mb", min_chunk_size_mb)
     check_nonnegative("search_range_mb", search_range_mb)
+    if communication_dtype is not None and (not isinstance(communication_dtype, torch.dtype)
+                                            or not communication_dtype.is_floating_point):
+        raise ValueError("zero: communication_dtype must be a floating torch.dtype or None, "
+                         f"got {communication_dtype!r}.")
     return _ZeroConfig(tx=tx, group=group, stage=stage, chunk_size_mb=chunk_size_mb,
                        offload=bool(offload), pin=bool(offload) and torch.cuda.is_available(),
                        min_chunk_size_mb=min_chunk_size_mb, search_range_mb=search_range_mb,
-                       balance=balance, stats=stats)
+                       balance=balance, stats=stats, communication_dtype=communication_dtype,
+                       overlap=bool(overlap))
 
 
 def _resolve(tree: PyTree, cfg: _ZeroConfig, reducer: Any = None) -> _Resolved:
@@ -615,37 +651,73 @@ def _zero_update(updates: Updates, state: State, params: Params | None,
     if params is not None:
         _check_tree(params, res, "params")
     device = grads[0].device if grads else res.control_device
-    owned = _reduce_gradients(grads, res, cfg.stage, cfg.stats, device)
+    owned = _reduce_gradients(grads, res, cfg, device)
     new_of, new_state = _owners_update(owned, state, params, extra_args, res, cfg, device)
-    out = _gather_updates(new_of, grads, res, cfg.stats, device)
+    out = _gather_updates(new_of, grads, res, cfg, device)
     return tree_unflatten(out, res.treespec), new_state
 
 
-def _reduce_gradients(grads: list[torch.Tensor], res: _Resolved, stage: int,
-                      stats: CollectiveStats | None, device: torch.device) -> list[Any]:
+def _reduce_gradients(grads: list[torch.Tensor], res: _Resolved, cfg: _ZeroConfig,
+                      device: torch.device) -> list[Any]:
     """The mean gradients this rank owns (views of its segment of each reduced chunk),
-    `MaskedNode` for the others: a reduce-scatter per chunk (stage 2) or an all-reduce."""
-    plan, g, rank = res.plan, res.group, res.rank
+    `MaskedNode` for the others: a reduce-scatter per chunk (stage 2) or an all-reduce; taken
+    from backward where ``overlap`` started it there."""
+    plan, rank = res.plan, res.rank
+    launches = None if torch.compiler.is_compiling() else res.launches
     owned: list[Any] = [MaskedNode()] * len(grads)
-    for c in plan.chunks:
+    for k, c in enumerate(plan.chunks):
         mine = c.members(rank)
         if c.segment == 0:         # only empty parameters: nothing to communicate
             for i, _, _ in mine:
                 owned[i] = grads[i].to(c.dtype)
             continue
-        flat = _flat_with_gaps([(grads[i], off) for i, off in zip(c.leaves, c.offsets)],
-                               c.numel, c.dtype, device)
-        if stats is not None:
-            stats.record(g, flat)
-        if stage == 2:
-            seg = funcol.wait_tensor(_reduce_scatter(flat, "sum", 0, g))
-        else:
-            full = funcol.wait_tensor(funcol.all_reduce(flat, "sum", g))
-            seg = full[rank * c.segment:(rank + 1) * c.segment]
-        seg = seg / res.world
+        seg = None if launches is None else launches.take(k, [grads[i] for i in c.leaves])
+        if seg is None:            # issued after those launched in backward, on every rank
+            flat = _flat_with_gaps([(grads[i], off) for i, off in zip(c.leaves, c.offsets)],
+                                   c.numel, cfg.communication_dtype or c.dtype, device)
+            if cfg.stats is not None:
+                cfg.stats.record(res.group, flat)
+            if cfg.stage == 2:
+                seg = funcol.wait_tensor(_reduce_scatter(flat, "sum", 0, res.group))
+            else:
+                full = funcol.wait_tensor(funcol.all_reduce(flat, "sum", res.group))
+                seg = full[rank * c.segment:(rank + 1) * c.segment]
+            seg = seg.to(c.dtype) / res.world
         for i, off, n in mine:
             owned[i] = seg[off:off + n].view(plan.shapes[i])
     return owned
+
+
+def _with_launches(res: _Resolved, params: Params, cfg: _ZeroConfig) -> _Resolved:
+    """``res`` with hooks on the parameters that start each chunk's reduction in backward."""
+    leaves = tree_leaves(params)
+    if not BackwardLaunches.hookable(leaves):
+        raise ValueError("zero(overlap=True): init needs the model's parameters themselves "
+                         "(leaf tensors that require grad, e.g. dict(model.named_parameters())) "
+                         "to hook their gradients; it got detached copies, local shards or "
+                         "tensors without grad.")
+    chunks = [c for c in res.plan.chunks]
+
+    def launch(k: int, grads: list[torch.Tensor]) -> Callable[[], torch.Tensor]:
+        c = chunks[k]
+        flat = _flat_with_gaps([(g, off) for g, off in zip(grads, c.offsets)], c.numel,
+                               cfg.communication_dtype or c.dtype, grads[0].device)
+        if cfg.stats is not None:
+            cfg.stats.record(res.group, flat)
+        if cfg.stage == 2:
+            out = flat.new_empty(c.segment)
+            work = dist.reduce_scatter_tensor(out, flat, group=res.group, async_op=True)
+        else:
+            out, work = flat, dist.all_reduce(flat, group=res.group, async_op=True)
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            seg = out if cfg.stage == 2 else out[res.rank * c.segment:(res.rank + 1) * c.segment]
+            return seg.to(c.dtype) / res.world
+        return wait
+
+    groups = [list(c.leaves) if c.segment else [] for c in chunks]
+    return dataclasses.replace(res, launches=BackwardLaunches(leaves, groups, launch))
 
 
 def _combiner(res: _Resolved, stats: CollectiveStats | None,
@@ -691,10 +763,10 @@ def _owners_update(owned: list[Any], state: State, params: Params | None,
 
 
 def _gather_updates(new_of: dict[int, torch.Tensor], grads: list[torch.Tensor],
-                    res: _Resolved, stats: CollectiveStats | None, device: torch.device
+                    res: _Resolved, cfg: _ZeroConfig, device: torch.device
                     ) -> list[torch.Tensor]:
     """Every leaf's update, in its gradient's dtype: an all-gather of the owners' segments
-    per chunk."""
+    per chunk (in ``communication_dtype`` when set)."""
     plan = res.plan
     out: list[Any] = [None] * len(grads)
     for c in plan.chunks:
@@ -703,9 +775,9 @@ def _gather_updates(new_of: dict[int, torch.Tensor], grads: list[torch.Tensor],
                 out[i] = torch.zeros_like(grads[i])
             continue
         seg = _flat_with_gaps([(new_of[i], off) for i, off, _ in c.members(res.rank)],
-                              c.segment, c.dtype, device)
-        if stats is not None:
-            stats.record(res.group, seg)
+                              c.segment, cfg.communication_dtype or c.dtype, device)
+        if cfg.stats is not None:
+            cfg.stats.record(res.group, seg)
         full = funcol.wait_tensor(_all_gather(seg, 0, res.group))
         for i, off, n in zip(c.leaves, c.offsets, c.sizes):
             out[i] = full[off:off + n].view(plan.shapes[i]).to(grads[i].dtype)
