@@ -845,6 +845,22 @@ def _nonzero(value: Any) -> bool:
     return isinstance(value, torch.Tensor) or value != 0
 
 
+def _eigenvalue_corrected_options(args: dict) -> dict:
+    """`precondition_eigenvalue_corrected`'s keyword arguments from `shampoo`'s."""
+    return dict(eigendecomposition=args["eigendecomposition"],
+                qr_iterations=args["qr_iterations"],
+                tolerance=args["eigendecomposition_tolerance"],
+                preconditioner_dtype=args["preconditioner_dtype"],
+                basis_dtype=args["inv_factor_matrix_dtype"],
+                use_bias_correction=args["use_bias_correction"],
+                eigenvalue_exponent=args["inverse_exponent_override"] or {},
+                ignored_basis_change_dims=args["ignored_basis_change_dims"],
+                drop_weighting_factor_on_gsquare=args["drop_weighting_factor_on_gsquare"],
+                rank_deficient=args["rank_deficient"],
+                use_trace_scaling=args["use_trace_scaling"],
+                trace_scaling_exponent=args["trace_scaling_exponent"])
+
+
 def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] = (0.9, 1.0),
             epsilon: float = 1e-12, momentum: float = 0.0, nesterov: bool = False,
             weight_decay: float = 0.0, use_decoupled_weight_decay: bool = True,
@@ -961,15 +977,8 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
                          f"{preconditioner!r}.")
     if preconditioner == "eigenvalue_corrected":
         direction = precondition_eigenvalue_corrected(
-            beta2, epsilon, precondition_frequency, start,
-            eigendecomposition=eigendecomposition, qr_iterations=qr_iterations,
-            tolerance=eigendecomposition_tolerance, preconditioner_dtype=preconditioner_dtype,
-            basis_dtype=inv_factor_matrix_dtype, use_bias_correction=use_bias_correction,
-            eigenvalue_exponent=inverse_exponent_override or {},
-            ignored_basis_change_dims=ignored_basis_change_dims,
-            drop_weighting_factor_on_gsquare=drop_weighting_factor_on_gsquare,
-            rank_deficient=rank_deficient, use_trace_scaling=use_trace_scaling,
-            trace_scaling_exponent=trace_scaling_exponent)
+            beta2, epsilon, precondition_frequency, start, **_eigenvalue_corrected_options(
+                locals()))
         # without grafting, Meta runs its (identity-basis) direction from the first step
         graft_start = start if grafting is not None else 0
     else:
