@@ -27,14 +27,59 @@ update of any gradient with an inf/NaN, halves the scale after a step that overf
 doubles it after ``growth_interval`` clean steps. In-backward updates cannot be undone, so a
 skipped step skips only the leaves whose gradients overflowed.
 
+Sharded models. With ``group=dp_group`` (data parallel, ZeRO-style) every rank holds the whole
+(replicated) model and computes the gradient :math:`g^{(r)}` of its own batch. In the hook of a
+parameter with :math:`R` rows (dim 0) on :math:`N` ranks, the gradient is padded to
+:math:`N \lceil R / N \rceil` rows and reduce-scattered, so rank :math:`r` receives its rows
+:math:`P_r` of the mean gradient
+
+.. math::
+    \bar g_{P_r} = \frac{1}{N} \sum_{s=1}^{N} g^{(s)}_{P_r},
+
+runs the transform on that piece (its state covers only :math:`P_r`: about :math:`1/N` of the
+single-device state) with a `opttx.distributed.ShardedReducer` whose spec is
+``Shard(0, group)``, so every layer-wise statistic (AdaLomo's and Adafactor's row and column
+means, update RMS clipping, parameter RMS, trust ratios) is reduced over the group and equals
+the single-device one; decisions read the whole parameter's shape (Adafactor's factoring).
+The updated pieces are all-gathered into the parameter, which stays replicated (bit-identical
+on every rank), and the gradient is freed at once. A 0-dim parameter is all-reduced and
+updated whole on every rank. Per parameter and step: 1 reduce-scatter, 1 all-gather, the
+transform's statistics (AdaLomo: 2 small all-reduces for a matrix, 1 for a vector);
+``clip_grad_norm`` adds one all-reduce of :math:`\sum \lVert \bar g_{P_r} \rVert^2` per
+backward (the single-device norm of the mean gradient), ``"two_pass"`` also one more
+reduce-scatter per parameter (its measuring pass), ``loss_scale="dynamic"`` one all-reduce of
+each parameter's overflow flag (every rank skips a leaf alike). 16-bit gradients are reduced
+in ``compute_dtype``. `state_dict` holds this rank's pieces. Every rank must run the same
+graph (the hooks issue their collectives in autograd's order).
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``): the parameters are DTensors sharded on dim 0;
+FSDP2 calls the post-accumulate-grad hooks of its sharded parameters itself, right after its
+reduce-scatter (torch 2.13, ``_fully_shard/_fsdp_collectives.py``, ``foreach_reduce``), with
+the averaged gradient shard in ``.grad``. The runner then updates the local shard with a
+reducer built from the placements (`opttx.distributed.specs_from_dtensors`), writes the local
+shard of the parameter and frees the gradient; FSDP2 all-gathers the parameters at the next
+forward, so the runner issues only the statistics' collectives (and the norm's). Pass no
+``group``: the DTensors say how the parameters are split.
+
 Example:
   >>> model = torch.nn.Linear(4, 3)
   >>> runner = opttx.FusedBackward(model, opttx.adalomo(1e-3))
   >>> loss = model(torch.randn(8, 4)).square().mean()
   >>> runner.backward(loss)          # or loss.backward(): the hooks are the same
 
+  On N data-parallel ranks, each with its own batch (needs a process group, so not run here;
+  tests/test_backward_distributed.py runs it), or on an FSDP2 model::
+
+    runner = opttx.FusedBackward(model, opttx.adalomo(1e-3), group=dist.group.WORLD,
+                                 clip_grad_norm=1.0)
+    runner.backward(loss_fn(model(x_rank), y_rank))   # every rank: its own batch
+
+    fully_shard(model.block); fully_shard(model)        # FSDP2: no group, read from DTensors
+    runner = opttx.FusedBackward(model, opttx.adalomo(1e-3), clip_grad_norm=1.0)
+
 Limits: no gradient accumulation over micro-batches (each backward is a step); the per-leaf
-updates run eagerly.
+updates and their collectives run eagerly, one parameter after another (no overlap of a
+parameter's collectives with the rest of backward beyond what autograd's order gives).
 
 References:
   Lv et al., Full Parameter Fine-tuning for Large Language Models with Limited Resources
@@ -43,16 +88,37 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Literal
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
-from .base import GradientTransformation, traits_of
+from .base import REDUCER_KEY, GradientTransformation, reducer_during_init, traits_of
 from .kernels import donating
 from .tree import tree_copy_, tree_flatten, tree_map
 from .wrappers import set_hyperparams_
 
 __all__ = ["FusedBackward"]
+
+
+@dataclass
+class _Leaf:
+    """How one parameter is split across ranks (one device: the whole of it, no reducer)."""
+
+    reducer: Any           # ShardedReducer of the one-leaf tree (Shard(0, group)); None: whole
+    rows: int              # dim 0 of the parameter (the padded pieces are `chunk` rows each)
+    chunk: int             # rows per rank: ceil(rows / world)
+    start: int             # this rank's rows are [start, stop) of the parameter
+    stop: int
+    groups: tuple          # the groups the leaf is split over (overflow flags are reduced there)
+    counts: bool           # whether this rank adds the leaf's (piece's) squares to the norm
+
+
+def _whole(p: torch.Tensor) -> _Leaf:
+    rows = p.shape[0] if p.ndim else 1
+    return _Leaf(None, rows, rows, 0, rows, (), True)
 
 
 class FusedBackward:
@@ -68,6 +134,11 @@ class FusedBackward:
       init_scale, growth_interval: the dynamic loss scale's start and doubling period.
       compute_dtype: 16-bit parameters and gradients are updated in this dtype and the result
         is written back rounded (float32 by default, as AdaLomo).
+      group: data parallelism, ZeRO-style (module docstring): each rank's gradients are
+        reduce-scattered over this process group in row pieces, each rank updates and keeps
+        the state of its piece, the pieces are all-gathered into the replicated parameters.
+        None: one device, or FSDP2 (DTensor parameters, detected by themselves).
+      stats: a `opttx.distributed.CollectiveStats` counting the collectives (eager).
     """
 
     def __init__(self, params: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]],
@@ -75,7 +146,8 @@ class FusedBackward:
                  clip_mode: Literal["previous", "two_pass"] = "previous",
                  loss_scale: float | Literal["dynamic"] | None = None,
                  init_scale: float = 2.0**16, growth_interval: int = 2000,
-                 compute_dtype: torch.dtype = torch.float32) -> None:
+                 compute_dtype: torch.dtype = torch.float32, group: Any = None,
+                 stats: Any = None) -> None:
         if isinstance(params, torch.nn.Module):
             params = params.named_parameters()
         self.named = [(n, p) for n, p in params if p.requires_grad]
@@ -104,6 +176,7 @@ class FusedBackward:
         self._scaled = self.dynamic or loss_scale not in (None, 1, 1.0)
         self.growth_interval = growth_interval
         self.compute_dtype = compute_dtype
+        self.group, self.stats = group, stats
         device = self.named[0][1].device
         scale = init_scale if self.dynamic else (1.0 if loss_scale is None else loss_scale)
         # the runner's own state, all tensors so nothing synchronises with the device
@@ -114,17 +187,154 @@ class FusedBackward:
         self.prev_norm = torch.full((), float("nan"), dtype=torch.float32, device=device)
         self.clip_coef = torch.ones((), dtype=torch.float32, device=device)
         self.steps = 0
-        self.states = {n: tx.init({n: self._compute_view(p)}) for n, p in self.named}
+        self.leaves, self._norm_groups = self._plan()
+        self.states = {n: self._init_state(n, p) for n, p in self.named}
         self._measuring = False        # first pass of two_pass mode: only norms
         self._in_backward = False      # the end-of-backward callback is queued
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(n))
                          for n, p in self.named]
 
     # -----------------------------------------------------------------------------------------
+    # the split of every parameter across ranks
 
-    def _compute_view(self, p: torch.Tensor) -> torch.Tensor:
-        low = p.dtype in (torch.float16, torch.bfloat16)
-        return p.detach().to(self.compute_dtype) if low else p.detach()
+    def _plan(self) -> tuple[dict[str, _Leaf], list[Any]]:
+        """Per parameter, its `_Leaf`; and the groups the squared norm is summed over."""
+        from .distributed.shapes import is_dtensor
+        dtensors = [is_dtensor(p) for _, p in self.named]
+        if self.group is None and not any(dtensors):
+            return {n: _whole(p) for n, p in self.named}, []
+        if any(dtensors):
+            if self.group is not None or not all(dtensors):
+                raise ValueError(
+                    "FusedBackward: DTensor parameters (FSDP2's fully_shard) carry their own "
+                    "sharding: pass group=None, and shard every parameter that requires grad "
+                    "(fully_shard the root module too).")
+            return self._plan_dtensors()
+        return self._plan_rows()
+
+    def _plan_rows(self) -> tuple[dict[str, _Leaf], list[Any]]:
+        import torch.distributed as dist
+
+        from .distributed.reducer import ShardedReducer
+        from .distributed.shapes import agree_on_tree, require_member
+        from .distributed.specs import Shard
+        require_member(self.group, "FusedBackward(group=...)")
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        params = {n: p.detach() for n, p in self.named}
+        agree_on_tree(params, self.group, self.sum_sq.device,
+                      "FusedBackward(group=...): the ranks' parameters differ; every rank must "
+                      "hold the same (replicated) model.")
+        group = self.group if self.group is not None else dist.group.WORLD
+        leaves = {}
+        for n, p in params.items():
+            if p.ndim == 0:          # a scalar is averaged whole and updated on every rank
+                leaves[n] = _Leaf(None, 1, 1, 0, 1, (group,), rank == 0)
+                continue
+            rows = p.shape[0]
+            chunk = -(-rows // world)
+            start = min(rank * chunk, rows)
+            treespec = tree_flatten({n: p})[1]
+            reducer = ShardedReducer(treespec, [(Shard(0, group),)], [group], self.stats,
+                                     ndims=[p.ndim])
+            reducer.global_shapes = [tuple(p.shape)]   # decisions on the whole parameter
+            leaves[n] = _Leaf(reducer, rows, chunk, start, min(start + chunk, rows), (group,),
+                              True)
+        return leaves, [group]
+
+    def _plan_dtensors(self) -> tuple[dict[str, _Leaf], list[Any]]:
+        import torch.distributed as dist
+
+        from .distributed.reducer import ShardedReducer
+        from .distributed.specs import flatten_specs, shard_groups, specs_from_dtensors
+        flat = {n: flatten_specs({n: p}, specs_from_dtensors({n: p}))[0] for n, p in self.named}
+        norm_groups = shard_groups(list(flat.values()))
+        leaves = {}
+        for n, p in self.named:
+            groups = tuple(s.group for s in flat[n])
+            mine = {id(g) for g in groups}
+            # a leaf replicated over a group that shards others counts once across it
+            counts = all(dist.get_rank(g) == 0 for g in norm_groups if id(g) not in mine)
+            local = p.to_local()
+            reducer = ShardedReducer(tree_flatten({n: local})[1], [flat[n]], list(groups),
+                                     self.stats, ndims=[p.ndim])
+            reducer.global_shapes = [tuple(p.shape)]
+            rows = local.shape[0] if local.ndim else 1
+            leaves[n] = _Leaf(reducer, rows, rows, 0, rows, groups, counts)
+        return leaves, norm_groups
+
+    def _piece(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the parameter, in the compute dtype."""
+        leaf = self.leaves[name]
+        x = p.detach()
+        if hasattr(x, "to_local"):
+            x = x.to_local()
+        elif leaf.reducer is not None:
+            x = x[leaf.start:leaf.stop]
+        low = x.dtype in (torch.float16, torch.bfloat16)
+        return x.to(self.compute_dtype) if low else x
+
+    def _init_state(self, name: str, p: torch.Tensor) -> Any:
+        with reducer_during_init(self.leaves[name].reducer):
+            return self.tx.init({name: self._piece(name, p)})
+
+    # -----------------------------------------------------------------------------------------
+    # collectives (eager, counted into `stats`)
+
+    def _record(self, group: Any, buffer: torch.Tensor) -> None:
+        if self.stats is not None:
+            self.stats.record(group, buffer)
+
+    def _reduce_scatter(self, leaf: _Leaf, g: torch.Tensor) -> torch.Tensor:
+        """The mean over the group of every rank's ``g``, this rank's rows of it."""
+        import torch.distributed._functional_collectives as funcol
+        group = leaf.groups[0]
+        world = _world(group)
+        if g.ndim == 0:
+            self._record(group, g.reshape(1))
+            return funcol.wait_tensor(funcol.all_reduce(g.reshape(1), "sum", group))[0] / world
+        flat = g.reshape(-1)
+        padded_rows = leaf.chunk * world
+        if padded_rows != leaf.rows:
+            row = math.prod(g.shape[1:])
+            flat = torch.cat([flat, flat.new_zeros((padded_rows - leaf.rows) * row)])
+        self._record(group, flat)
+        piece = funcol.wait_tensor(_reduce_scatter(flat, "sum", 0, group))
+        piece = piece.view(leaf.chunk, *g.shape[1:])[:leaf.stop - leaf.start]
+        return piece / world
+
+    def _all_gather(self, leaf: _Leaf, p: torch.Tensor, new: torch.Tensor) -> None:
+        """Write every rank's new piece into the (replicated) parameter ``p``."""
+        import torch.distributed._functional_collectives as funcol
+        if new.ndim == 0:            # every rank computed the same whole scalar
+            p.copy_(new)
+            return
+        group = leaf.groups[0]
+        flat = new.reshape(-1)
+        row = math.prod(new.shape[1:])
+        if new.shape[0] != leaf.chunk:
+            flat = torch.cat([flat, flat.new_zeros((leaf.chunk - new.shape[0]) * row)])
+        self._record(group, flat)
+        full = funcol.wait_tensor(_all_gather(flat, 0, group))
+        p.copy_(full[:leaf.rows * row].view(p.shape))
+
+    def _any_overflow(self, leaf: _Leaf, finite: torch.Tensor) -> torch.Tensor:
+        """Whether the leaf's gradient is finite on every rank (one all-reduce per group)."""
+        from .distributed.reducer import pack_all_reduce
+        bad = (~finite).to(torch.float32).reshape(1)
+        for g in leaf.groups:
+            (bad,) = pack_all_reduce([bad], "max", g, self.stats)
+        return bad[0] == 0
+
+    def _global_sum_sq(self) -> torch.Tensor:
+        """The squared norm of the whole (mean) gradient: this rank's pieces summed over the
+        groups that split the parameters (one all-reduce per group, once per backward)."""
+        from .distributed.reducer import pack_all_reduce
+        total = self.sum_sq
+        for g in self._norm_groups:
+            (total,) = pack_all_reduce([total], "sum", g, self.stats)
+        return total
+
+    # -----------------------------------------------------------------------------------------
 
     def _hook(self, name: str):
         def hook(p: torch.Tensor) -> None:
@@ -145,31 +355,47 @@ class FusedBackward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
-    def _consume(self, name: str, p: torch.Tensor, box: list[torch.Tensor]) -> None:
+    def _gradient(self, name: str, box: list[torch.Tensor]) -> torch.Tensor:
+        """The gradient this rank updates with, in the compute dtype: the whole one (one
+        device), the mean over the group of this rank's rows (``group``), the local shard of
+        the already averaged one (FSDP2)."""
         grad = box.pop()
         if grad.layout != torch.strided:
             raise TypeError(f"FusedBackward: the gradient of {name!r} is a {grad.layout} tensor "
                             "(an nn.Embedding(sparse=True)?); its transforms take dense "
                             "gradients only. Use sparse=False, or torch.optim.SparseAdam for "
                             "that parameter.")
+        if hasattr(grad, "to_local"):
+            grad = grad.to_local()
         g = grad.to(self.compute_dtype) if grad.dtype in (torch.float16, torch.bfloat16) \
             else grad
         del grad
+        if self.group is not None:
+            g = self._reduce_scatter(self.leaves[name], g)
+        return g
+
+    def _consume(self, name: str, p: torch.Tensor, box: list[torch.Tensor]) -> None:
+        leaf = self.leaves[name]
+        g = self._gradient(name, box)
         if self._scaled:
             g = g / self.scale.to(g.dtype)
         finite = torch.isfinite(g).all() if self.dynamic else None
         if self.dynamic:
+            if leaf.groups:          # every rank skips the leaf alike
+                finite = self._any_overflow(leaf, finite)
             self.overflow |= ~finite
             g = torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
         if self.clip_grad_norm is not None:
-            self.sum_sq += g.float().square().sum()
+            if leaf.counts:
+                self.sum_sq += g.float().square().sum()
             if self._measuring:
                 return
             g = g * self.clip_coef.to(g.dtype)
-        x = self._compute_view(p)
+        x = self._piece(name, p)
         state = self.states[name]
+        extra = {} if leaf.reducer is None else {REDUCER_KEY: leaf.reducer}
         with donating(not self.dynamic):
-            updates, new_state = self.tx.update({name: g}, state, {name: x})
+            updates, new_state = self.tx.update({name: g}, state, {name: x}, **extra)
         u = updates[name]
         if self.dynamic:
             u = torch.where(finite, u, torch.zeros((), dtype=u.dtype, device=u.device))
@@ -178,10 +404,19 @@ class FusedBackward:
                 if isinstance(new, torch.Tensor) and new.shape == old.shape else new,
                 new_state, state)
         self.states[name] = new_state
-        if x.dtype == p.dtype:
-            p.add_(u.to(p.dtype))
-        else:                       # 16-bit parameter updated in compute_dtype, then rounded
-            p.copy_(x + u.to(x.dtype))
+        self._write(leaf, p, x, u)
+
+    def _write(self, leaf: _Leaf, p: torch.Tensor, x: torch.Tensor, u: torch.Tensor) -> None:
+        """Apply the update ``u`` of this rank's piece ``x`` to the parameter ``p``."""
+        target = p.to_local() if hasattr(p, "to_local") else p
+        if self.group is None:          # one device, or FSDP2's local shard
+            if x.dtype == target.dtype:
+                target.add_(u.to(target.dtype))
+            else:                       # 16-bit parameter updated in compute_dtype, rounded
+                target.copy_(x + u.to(x.dtype))
+            return
+        new = (x + u.to(x.dtype)).to(p.dtype)       # as p.add_(u) / the rounded copy above
+        self._all_gather(leaf, p, new)
 
     def _finish(self) -> None:
         """End of a backward: finish the norm, move the loss scale, count the step."""
@@ -189,7 +424,7 @@ class FusedBackward:
         if self._measuring:
             return
         if self.clip_grad_norm is not None and self.clip_mode == "previous":
-            self.prev_norm = self.sum_sq.sqrt()
+            self.prev_norm = self._global_sum_sq().sqrt()
             coef = torch.clamp(self.clip_grad_norm / (self.prev_norm + 1e-6), max=1.0)
             # a non-finite norm (an overflow, a NaN gradient) says nothing about the scale of
             # the next step's gradients: keep the last finite coefficient
@@ -219,7 +454,7 @@ class FusedBackward:
                 scaled.backward(retain_graph=True)
             finally:
                 self._measuring = False
-            norm = self.sum_sq.sqrt()
+            norm = self._global_sum_sq().sqrt()
             if self.dynamic:
                 # an overflow is re-detected in the second pass, leaf by leaf
                 self.overflow = torch.zeros_like(self.overflow)
@@ -290,3 +525,20 @@ class FusedBackward:
         self.steps = int(state_dict["steps"])
         for key in ("scale", "good_steps", "prev_norm", "clip_coef"):
             getattr(self, key).copy_(state_dict[key])
+
+
+def _world(group: Any) -> int:
+    import torch.distributed as dist
+    return dist.get_world_size(group)
+
+
+def _reduce_scatter(flat: torch.Tensor, op: str, dim: int, group: Any) -> torch.Tensor:
+    import torch.distributed._functional_collectives as funcol
+    fn = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    return fn(flat, op, dim, group)
+
+
+def _all_gather(flat: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    import torch.distributed._functional_collectives as funcol
+    fn = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return fn(flat, dim, group)
