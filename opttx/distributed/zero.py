@@ -35,6 +35,8 @@ _SEARCH_STEPS = 32          # candidate capacities tried by the search, besides 
 # the non-deprecated names where this torch has them
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter_async = (getattr(dist, "reduce_scatter_single", None)
+                         or dist.reduce_scatter_tensor)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -706,7 +708,7 @@ def _with_launches(res: _Resolved, params: Params, cfg: _ZeroConfig) -> _Resolve
             cfg.stats.record(res.group, flat)
         if cfg.stage == 2:
             out = flat.new_empty(c.segment)
-            work = dist.reduce_scatter_tensor(out, flat, group=res.group, async_op=True)
+            work = _reduce_scatter_async(out, flat, group=res.group, async_op=True)
         else:
             out, work = flat, dist.all_reduce(flat, group=res.group, async_op=True)
 
