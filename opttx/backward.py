@@ -44,13 +44,14 @@ the single-device one; decisions read the whole parameter's shape (Adafactor's f
 The updated pieces are all-gathered into the parameter, which stays replicated (bit-identical
 on every rank), and the gradient is freed at once. A 0-dim parameter is all-reduced and
 updated whole on every rank. Per parameter and step: 1 reduce-scatter, 1 all-gather, the
-transform's statistics (AdaLomo: 2 small all-reduces for a matrix, 1 for a vector);
-``clip_grad_norm`` adds one all-reduce of :math:`\sum \lVert \bar g_{P_r} \rVert^2` per
-backward (the single-device norm of the mean gradient), ``"two_pass"`` also one more
-reduce-scatter per parameter (its measuring pass), ``loss_scale="dynamic"`` one all-reduce of
-each parameter's overflow flag (every rank skips a leaf alike). 16-bit gradients are reduced
-in ``compute_dtype``. `state_dict` holds this rank's pieces. Every rank must run the same
-graph (the hooks issue their collectives in autograd's order).
+transform's statistics (small all-reduces: AdaLomo 3 per matrix and 2 per vector, Adafactor
+2 and 1, AdamW none); ``clip_grad_norm`` adds one all-reduce of
+:math:`\sum \lVert \bar g_{P_r} \rVert^2` per backward (the single-device norm of the mean
+gradient), ``"two_pass"`` also one more reduce-scatter per parameter (its measuring pass),
+``loss_scale="dynamic"`` one all-reduce of each parameter's overflow flag (every rank skips a
+leaf alike). 16-bit gradients are reduced in ``compute_dtype``. `state_dict` holds this rank's
+pieces. Every rank must run the same graph (the hooks issue their collectives in autograd's
+order).
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``): the parameters are DTensors sharded on dim 0;
 FSDP2 calls the post-accumulate-grad hooks of its sharded parameters itself, right after its

@@ -358,7 +358,38 @@ def test_rejects_a_group_with_dtensor_parameters() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _big_worker(rank: int, world: int, store: str, out: str) -> None:
+    """State bytes and collectives of one step on a 2.1M-parameter MLP (RESULTS.md)."""
+    _init(rank, world, store)
+    results: dict[str, Any] = {}
+    for name, make in TXS.items():
+        for group in (None, dist.group.WORLD):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(512, 1024), nn.Tanh(), nn.Linear(1024, 1024),
+                                  nn.Tanh(), nn.Linear(1024, 513))
+            stats = CollectiveStats()
+            runner = opttx.FusedBackward(model, make(), group=group, stats=stats,
+                                         clip_grad_norm=1.0)
+            x = torch.randn(4, 512, generator=torch.Generator().manual_seed(rank))
+            runner.backward(model(x).square().mean())
+            results[f"{name}/{'zero' if group is not None else 'single'}"] = {
+                "state_bytes": tensor_bytes(runner.states), "collectives": stats.collectives,
+                "bytes": stats.bytes}
+    _finish(out, rank, results)
+
+
 def _report() -> None:
+    for n in (2, 4):
+        with tempfile.TemporaryDirectory() as tmp:
+            results = _spawn(_big_worker, n, Path(tmp))
+        for name in TXS:
+            single = results[0][f"{name}/single"]["state_bytes"]
+            zero = [r[f"{name}/zero"] for r in results]
+            most = max(z["state_bytes"] for z in zero)
+            print(f"2.1M-param MLP, world {n}, {name} + clip 'previous': state bytes per rank "
+                  f"{[z['state_bytes'] for z in zero]} = {most / single:.3f} of one device "
+                  f"({single}); collectives per step {zero[0]['collectives']} "
+                  f"({zero[0]['bytes'] / 2**20:.2f} MiB sent by rank 0)")
     for n in (2, 4):
         with tempfile.TemporaryDirectory() as tmp:
             results = _spawn(_worker, n, Path(tmp))
