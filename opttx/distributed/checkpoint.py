@@ -69,6 +69,11 @@ def _owned_mask(owned: Any, n: int) -> list[bool] | None:
     if hasattr(owned, "owned") and hasattr(owned, "leaves"):       # OwnerPlan
         mask = list(owned.owned())
     elif hasattr(owned, "owners") and hasattr(owned, "chunks"):    # ZeroPlan
+        if getattr(owned, "units", ()):
+            raise ValueError("checkpoints of a zero plan that splits parameters into row "
+                             "segments (split_above_mb) are not supported: each rank holds "
+                             "rows of those leaves' state, which the keys cannot reassemble "
+                             "yet. Save with split_above_mb=None.")
         rank = dist.get_rank() if dist.is_initialized() else 0
         mask = [r == rank for r in owned.owners]
     else:

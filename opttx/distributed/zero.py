@@ -11,6 +11,7 @@ all-gathered per chunk. `zero_plan` shows the layout without a process group.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -19,12 +20,13 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from .._checks import check_floating, check_nonnegative, check_positive
-from ..base import (TOTALS_KEY, GradientTransformation, Params, State, Updates,
-                    current_reducer)
+from ..base import (REDUCER_KEY, TOTALS_KEY, GradientTransformation, Params, State,
+                    Updates, current_reducer, reducer_during_init, traits_of)
 from ..tree import (MaskedNode, PyTree, assert_same_structure, tree_flatten, tree_leaves,
                     tree_map, tree_paths, tree_unflatten)
 from .overlap import BackwardLaunches
-from .reducer import CollectiveStats, collective_device
+from .reducer import CollectiveStats, ShardedReducer, collective_device
+from .specs import Shard
 from .shapes import agree_on_tree, raise_on_every_rank, require_member
 
 __all__ = ["ZeroChunk", "ZeroPlan", "state_costs", "zero", "zero_plan"]
@@ -95,13 +97,18 @@ class ZeroPlan:
         to its fullest segment.
       chunks: the chunks, grouped by (device, dtype) in order of first appearance, each in
         packing order.
-      owners: the owner rank of every leaf (tree-flattening order).
-      chunk_of: the index in ``chunks`` of every leaf's chunk.
-      paths, shapes: of every leaf, for messages and checks.
+      owners: the owner rank of every leaf (tree-flattening order); of every *unit* when
+        ``units`` is not empty.
+      chunk_of: the index in ``chunks`` of every leaf's (unit's) chunk.
+      paths, shapes: of every leaf (unit), for messages and checks.
       owned_bytes: the bytes of parameters owned by each rank.
       padding_bytes: bytes of all chunks that hold no parameter (each costs communication).
       searched: whether ``chunk_bytes`` came from the search, and ``candidates`` the
         ``(chunk_bytes, padding_bytes, number of chunks)`` of every size tried.
+      units: with ``split_above_mb``, what is packed instead of the leaves: ``(leaf, start,
+        stop)`` for the rows ``start:stop`` (dim 0) of a split leaf, row segment ``r`` owned
+        by rank ``r``, and ``(leaf, -1, -1)`` for a whole leaf; empty when nothing is split
+        (the units are the leaves).
     """
 
     world: int
@@ -115,6 +122,12 @@ class ZeroPlan:
     padding_bytes: int
     searched: bool = False
     candidates: tuple[tuple[int, int, int], ...] = field(default=(), repr=False)
+    units: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def split_leaves(self) -> tuple[int, ...]:
+        """The leaves split into row segments over the ranks."""
+        return tuple(sorted({leaf for leaf, start, _ in self.units if start >= 0}))
 
     def owned(self, rank: int) -> tuple[int, ...]:
         """The leaves (flattening indices) that rank ``rank`` owns."""
@@ -140,7 +153,7 @@ def _kind(x: torch.Tensor) -> tuple[torch.device, torch.dtype]:
 
 def _pack(numels: list[int], kinds: list[tuple[torch.device, torch.dtype]], world: int,
           chunk_bytes: int, costs: Sequence[float] | None = None,
-          fixed: Sequence[int] | None = None
+          fixed: Sequence[int | None] | None = None
           ) -> tuple[list[ZeroChunk], list[int], list[int], list[int]]:
     """Greedy packing at one capacity. Leaves of each (device, dtype) are taken in tree order;
     each goes, in the current chunk, to the least loaded rank (fewest owned bytes, then fewest
@@ -152,8 +165,8 @@ def _pack(numels: list[int], kinds: list[tuple[torch.device, torch.dtype]], worl
     ``world`` leaves go to distinct ranks. With ``costs`` (per leaf, e.g. its optimizer-state
     bytes) the loads and the bound are in those units instead of parameter bytes; segments
     still hold the parameters, so an uneven split of parameter bytes shows as padding. With
-    ``fixed`` (an owner per leaf, decided elsewhere) each leaf goes to its given owner, in the
-    current chunk while that owner's segment has room for it.
+    ``fixed`` (an owner per leaf, decided elsewhere; None: chosen here) each such leaf goes to
+    its given owner, in the current chunk while that owner's segment has room for it.
     Returns the chunks, owners, chunk of each leaf and the parameter bytes each rank owns."""
     loads, counts = [0.0] * world, [0] * world
     owned = [0] * world
@@ -179,14 +192,16 @@ def _pack(numels: list[int], kinds: list[tuple[torch.device, torch.dtype]], worl
             grown = max(cap, n)
             floor = min(loads)
             fits = [q for q in range(world) if used[q] + n <= grown
-                    and (loads[q] + weights[i] <= floor + largest if fixed is None
-                         else q == fixed[i])] if members else []
+                    and (loads[q] + weights[i] <= floor + largest
+                         if fixed is None or fixed[i] is None else q == fixed[i])
+                    ] if members else []
             if fits:
                 cap = grown
             else:
                 _close_chunk(chunks, chunk_of, members, used, cap, device, dtype, numels)
                 members, used, cap = [], [0] * world, max(base, n)
-                fits = list(range(world)) if fixed is None else [fixed[i]]
+                fits = (list(range(world)) if fixed is None or fixed[i] is None
+                        else [fixed[i]])
             r = min(fits, key=lambda q: (loads[q], counts[q], q))
             members.append((i, r, used[r]))
             used[r] += n
@@ -257,7 +272,8 @@ def state_costs(tx: GradientTransformation, params: Params) -> list[float] | Non
 def zero_plan(params: Params, world: int, chunk_size_mb: float | None = None, *,
               min_chunk_size_mb: float = 32.0, search_range_mb: float = 32.0,
               costs: Sequence[float] | None = None,
-              owners: Sequence[int] | None = None) -> ZeroPlan:
+              owners: Sequence[int] | None = None,
+              split_above_mb: float | None = None) -> ZeroPlan:
     r"""The chunk layout `zero` uses for ``params`` over ``world`` ranks (no process group
     needed; only the shapes and dtypes of ``params`` are read, so meta tensors do).
 
@@ -293,6 +309,10 @@ def zero_plan(params: Params, world: int, chunk_size_mb: float | None = None, *,
         `zero` inside `opttx.distributed.sharded` decides the owners on the global shapes, so
         that the ranks of a tensor-parallel group, whose local shards may differ in size, own
         the same parameters.
+      split_above_mb: leaves larger than this (MiB) with at least ``world`` rows are split
+        into ``world`` row segments (dim 0, sizes as ``torch.tensor_split``), segment ``r``
+        owned by rank ``r``, so that one very large parameter (an embedding) does not put its
+        whole state on one rank. None: no leaf is split.
 
     Returns:
       A `ZeroPlan`.
@@ -310,8 +330,6 @@ def zero_plan(params: Params, world: int, chunk_size_mb: float | None = None, *,
     check_positive("min_chunk_size_mb", min_chunk_size_mb)
     check_nonnegative("search_range_mb", search_range_mb)
     leaves = tree_leaves(params)
-    numels = [x.numel() for x in leaves]
-    kinds = [_kind(x) for x in leaves]
     paths = tuple(tree_paths(params))
     if costs is not None and len(costs) != len(leaves):
         raise ValueError(f"zero_plan: {len(costs)} costs for {len(leaves)} parameters.")
@@ -319,31 +337,85 @@ def zero_plan(params: Params, world: int, chunk_size_mb: float | None = None, *,
                                or any(not 0 <= r < world for r in owners)):
         raise ValueError(f"zero_plan: owners must give a rank in [0, {world}) for each of the "
                          f"{len(leaves)} parameters, got {tuple(owners)}.")
+    if split_above_mb is not None:
+        check_nonnegative("split_above_mb", split_above_mb)
+    units = _units_of(leaves, world, split_above_mb)
+    shapes = [tuple(x.shape) if a < 0 else (b - a, *x.shape[1:])
+              for (i, a, b), x in ((u, leaves[u[0]]) for u in units)]
+    numels = [math.prod(sh) for sh in shapes]
+    kinds = [_kind(leaves[i]) for i, _, _ in units]
+    unit_paths = tuple(paths[i] if a < 0 else f"{paths[i]}[{a}:{b}]" for i, a, b in units)
+    split = any(a >= 0 for _, a, _ in units)
+    fixed: list[int | None] | None = None
+    if split or owners is not None:
+        fixed = [(owners[i] if owners is not None else None) if a < 0 else r
+                 for r, (i, a, b) in zip(_segment_ranks(units), units)]
+    if costs is not None:            # a segment costs its share of the leaf's rows
+        costs = [costs[i] if a < 0 else costs[i] * (b - a) / leaves[i].shape[0]
+                 for i, a, b in units]
 
     if chunk_size_mb is not None:
         sizes = [max(1, int(chunk_size_mb * _MIB))]
     else:
         # a segment below the largest parameter only grows; padding gets small once segments
         # hold a few of the largest parameters
-        largest = max((x.numel() * x.element_size() for x in leaves), default=0)
+        largest = max((n * leaves[u[0]].element_size() for n, u in zip(numels, units)),
+                      default=0)
         lo = max(1, int(min_chunk_size_mb * _MIB), world * largest)
         span = max(int(search_range_mb * _MIB), 3 * world * largest)
         sizes = sorted({lo + span * k // _SEARCH_STEPS for k in range(_SEARCH_STEPS + 1)})
     best, tried = None, []
     for size in sizes:
-        packed = _pack(numels, kinds, world, size, costs, owners)
+        packed = _pack(numels, kinds, world, size, costs, fixed)
         key = (_padding_bytes(packed[0]), len(packed[0]), size)
         tried.append((size, key[0], key[1]))
         if best is None or key < best[0]:
             best = (key, size, packed)
-    _, size, (chunks, owners, chunk_of, loads) = best
-    plan = ZeroPlan(world=world, chunk_bytes=size, chunks=tuple(chunks), owners=tuple(owners),
-                    chunk_of=tuple(chunk_of), paths=paths,
-                    shapes=tuple(tuple(x.shape) for x in leaves), owned_bytes=tuple(loads),
-                    padding_bytes=_padding_bytes(chunks), searched=chunk_size_mb is None,
-                    candidates=tuple(tried))
+    _, size, (chunks, unit_owners, chunk_of, loads) = best
+    plan = ZeroPlan(world=world, chunk_bytes=size, chunks=tuple(chunks),
+                    owners=tuple(unit_owners), chunk_of=tuple(chunk_of),
+                    paths=unit_paths if split else paths, shapes=tuple(shapes),
+                    owned_bytes=tuple(loads), padding_bytes=_padding_bytes(chunks),
+                    searched=chunk_size_mb is None, candidates=tuple(tried),
+                    units=tuple(units) if split else ())
     _check_cover(plan)
     return plan
+
+
+def _units_of(leaves: list[torch.Tensor], world: int, split_above_mb: float | None
+              ) -> list[tuple[int, int, int]]:
+    """``(leaf, start, stop)`` row segments of the leaves to split, ``(leaf, -1, -1)`` for the
+    others, in tree order (a split leaf's segments in rank order)."""
+    limit = None if split_above_mb is None else split_above_mb * _MIB
+    units: list[tuple[int, int, int]] = []
+    for i, x in enumerate(leaves):
+        if (limit is None or world < 2 or x.ndim == 0 or x.shape[0] < world
+                or x.numel() * x.element_size() <= limit):
+            units.append((i, -1, -1))
+            continue
+        start = 0
+        for rows in _row_sizes(x.shape[0], world):
+            units.append((i, start, start + rows))
+            start += rows
+    return units
+
+
+def _row_sizes(rows: int, world: int) -> list[int]:
+    """The rows of each segment, as ``torch.tensor_split``: the first ``rows % world`` get one
+    more."""
+    return [rows // world + (r < rows % world) for r in range(world)]
+
+
+def _segment_ranks(units: list[tuple[int, int, int]]) -> list[int]:
+    """For each unit, its index among the segments of its leaf (its owner rank; 0 for whole
+    leaves)."""
+    out, seen = [], {}
+    for i, a, _ in units:
+        k = seen.get(i, 0) if a >= 0 else 0
+        out.append(k)
+        if a >= 0:
+            seen[i] = k + 1
+    return out
 
 
 def _check_cover(plan: ZeroPlan) -> None:
@@ -380,6 +452,26 @@ class _Resolved:
     world: int
     control_device: torch.device
     launches: BackwardLaunches | None = None   # overlap: the chunks started from backward
+    leaf_shapes: tuple[tuple[int, ...], ...] = ()   # of the parameters (plan.shapes: units)
+    leaf_paths: tuple[str, ...] = ()
+    split_reducer: Any = None     # split_above_mb: the reducer over the split leaves' rows
+
+    def unit_of_leaf(self) -> list[int]:
+        """For every leaf, the unit this rank holds of it: its own row segment of a split
+        leaf, the leaf itself otherwise (the index of the unit in the plan)."""
+        if not self.plan.units:
+            return list(range(len(self.plan.owners)))
+        out = [-1] * len(self.leaf_shapes)
+        for k, (i, a, _) in enumerate(self.plan.units):
+            if a < 0 or self.plan.owners[k] == self.rank:
+                out[i] = k
+        return out
+
+    def to_units(self, leaves: list[Any]) -> list[Any]:
+        """Per unit of the plan: the leaf, or its rows of a segment."""
+        if not self.plan.units:
+            return leaves
+        return [leaves[i] if a < 0 else leaves[i][a:b] for i, a, b in self.plan.units]
 
 
 def _to_host(state: State, pin: bool) -> State:
@@ -403,8 +495,8 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
          chunk_size_mb: float | None = None, offload: bool = False, *,
          min_chunk_size_mb: float = 32.0, search_range_mb: float = 32.0,
          balance: str = "params", stats: CollectiveStats | None = None,
-         communication_dtype: torch.dtype | None = None, overlap: bool = False
-         ) -> GradientTransformation:
+         communication_dtype: torch.dtype | None = None, overlap: bool = False,
+         split_above_mb: float | None = None) -> GradientTransformation:
     r"""ZeRO data parallelism: each rank keeps the optimizer state of the parameters it owns.
 
     With :math:`W` ranks in ``group``, rank :math:`r` holding its local gradients
@@ -482,6 +574,16 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
         itself). Accumulating micro-batches: run the backwards before the last inside
         ``opttx.distributed.no_sync()`` (else each backward launches again, correct but
         wasted).
+      split_above_mb: split every parameter larger than this (MiB) into row segments (dim 0),
+        one per rank (`zero_plan`), instead of giving it one owner: an embedding that holds
+        40 % of the model then spreads its state evenly. Each rank runs ``tx`` on its rows of
+        such a leaf; the statistics ``tx`` reduces over dim 0 (Adafactor's and CAME's column
+        means, norms, trust ratios) go through the reduction hook as under `sharded`
+        (``Shard(0, group)``), so the result stays the single-device one. For element-wise,
+        factored and layer-wise chains; transforms that need whole matrices refuse it, and so
+        does `zero` for chains with statistics across leaves (`opttx.clip_by_global_norm`:
+        a split leaf's share of the total would be counted on every rank). Not with
+        ``overlap`` nor inside `sharded`; a checkpoint of a split plan is refused.
 
     ``update(local_grads, state, params)`` takes this rank's unreduced gradients (the full
     tree, plain tensors) and the full replicated ``params``; gradients are cast to the
@@ -512,7 +614,7 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
     cfg = _zero_config(tx, group, stage, chunk_size_mb, offload,
                        min_chunk_size_mb=min_chunk_size_mb, search_range_mb=search_range_mb,
                        balance=balance, stats=stats, communication_dtype=communication_dtype,
-                       overlap=overlap)
+                       overlap=overlap, split_above_mb=split_above_mb)
     resolved: list[_Resolved] = []
 
     def init(params: Params) -> State:
@@ -523,7 +625,11 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
             if old.launches is not None:
                 old.launches.remove()
         resolved[:] = [res]
-        state = cfg.tx.init(_mask(params, res))
+        if res.split_reducer is None:
+            state = cfg.tx.init(_mask(params, res))
+        else:
+            with reducer_during_init(res.split_reducer):
+                state = cfg.tx.init(_mask(params, res))
         return _to_host(state, cfg.pin) if cfg.offload else state
 
     def update(updates: Updates, state: State, params: Params | None = None,
@@ -551,13 +657,14 @@ class _ZeroConfig:
     stats: CollectiveStats | None
     communication_dtype: torch.dtype | None   # on the wire (None: the parameters' dtype)
     overlap: bool                             # gradient reductions started during backward
+    split_above_mb: float | None              # leaves split into row segments above this
 
 
 def _zero_config(tx: GradientTransformation, group: Any, stage: int,
                  chunk_size_mb: float | None, offload: bool, *, min_chunk_size_mb: float,
                  search_range_mb: float, balance: str, stats: CollectiveStats | None,
-                 communication_dtype: torch.dtype | None = None, overlap: bool = False
-                 ) -> _ZeroConfig:
+                 communication_dtype: torch.dtype | None = None, overlap: bool = False,
+                 split_above_mb: float | None = None) -> _ZeroConfig:
     """Validate `zero`'s arguments into a `_ZeroConfig`."""
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"zero needs a GradientTransformation, got a {type(tx).__name__} (did "
@@ -574,11 +681,22 @@ def _zero_config(tx: GradientTransformation, group: Any, stage: int,
                                             or not communication_dtype.is_floating_point):
         raise ValueError("zero: communication_dtype must be a floating torch.dtype or None, "
                          f"got {communication_dtype!r}.")
+    if split_above_mb is not None:
+        check_nonnegative("split_above_mb", split_above_mb)
+        if overlap:
+            raise ValueError("zero: split_above_mb and overlap=True do not go together yet "
+                             "(a split parameter's gradient feeds several chunks).")
+        if traits_of(tx).across_leaves:
+            raise ValueError(
+                "zero: split_above_mb with a transform that takes statistics across leaves "
+                "(a global norm, Traits.across_leaves) is not supported: every rank holds rows "
+                "of a split leaf, so its share of a global total would be counted once per "
+                "rank. Split only element-wise, factored and layer-wise chains.")
     return _ZeroConfig(tx=tx, group=group, stage=stage, chunk_size_mb=chunk_size_mb,
                        offload=bool(offload), pin=bool(offload) and torch.cuda.is_available(),
                        min_chunk_size_mb=min_chunk_size_mb, search_range_mb=search_range_mb,
                        balance=balance, stats=stats, communication_dtype=communication_dtype,
-                       overlap=bool(overlap))
+                       overlap=bool(overlap), split_above_mb=split_above_mb)
 
 
 def _resolve(tree: PyTree, cfg: _ZeroConfig, reducer: Any = None) -> _Resolved:
@@ -598,8 +716,22 @@ def _resolve(tree: PyTree, cfg: _ZeroConfig, reducer: Any = None) -> _Resolved:
         costs = state_costs(cfg.tx, whole) if cfg.balance == "state" else None
         owners = zero_plan(whole, world, cfg.chunk_size_mb, costs=costs, **sizes).owners
     costs = state_costs(cfg.tx, tree) if cfg.balance == "state" and owners is None else None
-    plan = zero_plan(tree, world, cfg.chunk_size_mb, costs=costs, owners=owners, **sizes)
-    return _Resolved(plan, tree_flatten(tree)[1], g, rank, world, collective_device(g))
+    plan = zero_plan(tree, world, cfg.chunk_size_mb, costs=costs, owners=owners,
+                     split_above_mb=cfg.split_above_mb, **sizes)
+    leaves, treespec = tree_flatten(tree)
+    split_reducer = None
+    if plan.units:
+        if reducer is not None:
+            raise ValueError("zero: split_above_mb inside opttx.distributed.sharded is not "
+                             "supported (the split leaves' statistics would need both groups).")
+        split = set(plan.split_leaves)
+        split_reducer = ShardedReducer(
+            treespec, [(Shard(0, g),) if i in split else () for i in range(len(leaves))], [g],
+            cfg.stats, ndims=[x.ndim for x in leaves])
+        split_reducer.global_shapes = [tuple(x.shape) for x in leaves]
+    return _Resolved(plan, treespec, g, rank, world, collective_device(g),
+                     leaf_shapes=tuple(tuple(x.shape) for x in leaves),
+                     leaf_paths=tuple(tree_paths(tree)), split_reducer=split_reducer)
 
 
 def _resolve_at_init(params: Params, cfg: _ZeroConfig) -> _Resolved:
@@ -624,24 +756,25 @@ def _resolve_at_init(params: Params, cfg: _ZeroConfig) -> _Resolved:
 
 
 def _mask(tree: PyTree, res: _Resolved) -> PyTree:
-    """``tree`` with the leaves other ranks own replaced by `MaskedNode`."""
-    leaves = res.treespec.flatten_up_to(tree)
-    return tree_unflatten([x if r == res.rank else MaskedNode()
-                           for x, r in zip(leaves, res.plan.owners)], res.treespec)
+    """``tree`` with the leaves other ranks own replaced by `MaskedNode` (of a split leaf,
+    this rank's rows)."""
+    units = res.to_units(res.treespec.flatten_up_to(tree))
+    return tree_unflatten([units[k] if res.plan.owners[k] == res.rank else MaskedNode()
+                           for k in res.unit_of_leaf()], res.treespec)
 
 
 def _check_tree(tree: PyTree, res: _Resolved, what: str) -> list[torch.Tensor]:
     """The leaves of ``tree``, checked against the structure and shapes given to init."""
     leaves, treespec = tree_flatten(tree)
     if treespec != res.treespec:
-        template = tree_unflatten([0] * len(res.plan.owners), res.treespec)
+        template = tree_unflatten([0] * len(res.leaf_shapes), res.treespec)
         assert_same_structure(tree, template, f"{what} and the params given to zero's init")
     for i, x in enumerate(leaves):
-        if not isinstance(x, torch.Tensor) or tuple(x.shape) != res.plan.shapes[i]:
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != res.leaf_shapes[i]:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"opttx.distributed.zero: {what}{res.plan.paths[i]} has shape "
+            raise ValueError(f"opttx.distributed.zero: {what}{res.leaf_paths[i]} has shape "
                              f"{got}, but the parameter given to init has shape "
-                             f"{res.plan.shapes[i]}.")
+                             f"{res.leaf_shapes[i]}.")
     return leaves
 
 
@@ -653,7 +786,7 @@ def _zero_update(updates: Updates, state: State, params: Params | None,
     if params is not None:
         _check_tree(params, res, "params")
     device = grads[0].device if grads else res.control_device
-    owned = _reduce_gradients(grads, res, cfg, device)
+    owned = _reduce_gradients(res.to_units(grads), res, cfg, device)
     new_of, new_state = _owners_update(owned, state, params, extra_args, res, cfg, device)
     out = _gather_updates(new_of, grads, res, cfg, device)
     return tree_unflatten(out, res.treespec), new_state
@@ -748,7 +881,9 @@ def _owners_update(owned: list[Any], state: State, params: Params | None,
     # the data-parallel group, then by an enclosing combiner's group
     inner_args = dict(extra_args)
     inner_args[TOTALS_KEY] = _combiner(res, cfg.stats, extra_args.get(TOTALS_KEY))
-    masked_updates = tree_unflatten(owned, res.treespec)
+    if res.split_reducer is not None:     # the rows of split leaves: reduced over the group
+        inner_args[REDUCER_KEY] = res.split_reducer
+    masked_updates = tree_unflatten([owned[k] for k in res.unit_of_leaf()], res.treespec)
     masked_params = None if params is None else _mask(params, res)
     if cfg.offload:
         state = _to_device(state, device)
@@ -768,13 +903,15 @@ def _gather_updates(new_of: dict[int, torch.Tensor], grads: list[torch.Tensor],
                     res: _Resolved, cfg: _ZeroConfig, device: torch.device
                     ) -> list[torch.Tensor]:
     """Every leaf's update, in its gradient's dtype: an all-gather of the owners' segments
-    per chunk (in ``communication_dtype`` when set)."""
+    per chunk (in ``communication_dtype`` when set); a split leaf's rows concatenated."""
     plan = res.plan
-    out: list[Any] = [None] * len(grads)
+    leaf_of = [u[0] for u in plan.units] or list(range(len(grads)))
+    out: list[Any] = [None] * len(plan.owners)
     for c in plan.chunks:
         if c.segment == 0:
             for i in c.leaves:
-                out[i] = torch.zeros_like(grads[i])
+                g = grads[leaf_of[i]]
+                out[i] = torch.zeros(plan.shapes[i], dtype=g.dtype, device=g.device)
             continue
         seg = _flat_with_gaps([(new_of[i], off) for i, off, _ in c.members(res.rank)],
                               c.segment, cfg.communication_dtype or c.dtype, device)
@@ -782,9 +919,14 @@ def _gather_updates(new_of: dict[int, torch.Tensor], grads: list[torch.Tensor],
             cfg.stats.record(res.group, seg)
         full = funcol.wait_tensor(_all_gather(seg, 0, res.group))
         for i, off, n in zip(c.leaves, c.offsets, c.sizes):
-            out[i] = full[off:off + n].view(plan.shapes[i]).to(grads[i].dtype)
+            out[i] = full[off:off + n].view(plan.shapes[i]).to(grads[leaf_of[i]].dtype)
     missing = [plan.paths[i] for i, x in enumerate(out) if x is None]
     if missing:                    # static: a plan that skipped a leaf is a bug, not a no-op
         raise ValueError(f"opttx.distributed.zero: {missing[0]} is not covered by any "
                          "chunk of the plan.")
-    return out
+    if not plan.units:
+        return out
+    rows: list[list[torch.Tensor]] = [[] for _ in grads]
+    for (i, _, _), x in zip(plan.units, out):
+        rows[i].append(x)
+    return [r[0] if len(r) == 1 else torch.cat(r) for r in rows]
