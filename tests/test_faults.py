@@ -153,6 +153,17 @@ def test_shampoo_refuses_int_and_complex_gradients(dtype: torch.dtype) -> None:
         tx.update({"w": torch.ones(4, 3, dtype=dtype)}, tx.init(params), params)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.complex64])
+def test_galore_refuses_int_and_complex_gradients(dtype: torch.dtype) -> None:
+    """An int gradient of a projected matrix gave a float64 update (the projection promoted
+    it), silently."""
+    params = {"w": torch.zeros(6, 5), "b": torch.zeros(5)}
+    tx = opttx.galore_adamw(1e-2, rank=2)
+    with pytest.raises(TypeError, match=r"project_lowrank: the gradient\['w'\]"):
+        tx.update({"w": torch.ones(6, 5, dtype=dtype), "b": torch.ones(5)}, tx.init(params),
+                  params)
+
+
 @pytest.mark.parametrize("make", [
     lambda: opttx.adam(math.inf), lambda: opttx.sgd(math.inf),
     lambda: opttx.adamw(1e-3, weight_decay=math.inf), lambda: opttx.lion(1e-3, weight_decay=math.inf),

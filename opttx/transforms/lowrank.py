@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import torch
 
-from .._checks import check_number, check_positive_int, matrix_axes_of
+from .._checks import check_gradient_leaves, check_number, check_positive_int, matrix_axes_of
 from ..base import (PRECONDITION_INPUT, GradientTransformation, Params, Role, State, Updates,
                     check_init_params, combine_traits, declare_roles, require_whole_leaves,
                     safe_increment, traits_of, zero_count)
@@ -568,6 +568,8 @@ def project_lowrank(inner: GradientTransformation, rank: int, update_proj_gap: i
     def update(updates: Updates, state: ProjectLowrankState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, ProjectLowrankState]:
         spec, g, lefts, rights = flatten_matching(updates, state.left, state.right)
+        # an integer gradient would be projected into a float64 update, silently
+        check_gradient_leaves(g, None, updates, "project_lowrank")
         plans = plans_of(params if params is not None else updates)
         require_whole_leaves(tree_unflatten([x if plan is not None else MaskedNode()
                                              for x, plan in zip(g, plans)], spec),
