@@ -477,7 +477,10 @@ def apply_updates_(params: Params, updates: Updates, *, stochastic_rounding: boo
                    generator: torch.Generator | None = None) -> Params:
     """``params += updates`` in place (also on ``nn.Parameter`` leaves); returns ``params``.
 
-    In a compiled step the write lowers to an in-place update of the graph's inputs. With
+    Updates that carry autograd history (computed in grad mode from parameters that require
+    grad) are refused with a ``ValueError`` naming the leaf: their state would keep every
+    step's graph. In a compiled step the write lowers to an in-place update of the graph's
+    inputs. With
     ``stochastic_rounding=True`` bfloat16 parameters are updated in float32 and written back
     rounded stochastically (`round_stochastic_`): the usual companion of bf16 parameters
     with fp32 optimizer state, instead of an fp32 master copy of the weights (4 bytes per
@@ -486,6 +489,16 @@ def apply_updates_(params: Params, updates: Updates, *, stochastic_rounding: boo
     p_leaves, u_leaves, _ = _paired_leaves(params, updates)
     if not p_leaves:
         return params
+    for i, u in enumerate(u_leaves):
+        if u.requires_grad:
+            raise ValueError(
+                f"apply_updates_: the update of {tree_paths(params)[i]} carries autograd "
+                "history: the step ran in grad mode on parameters that require grad, so the "
+                "optimizer state (momenta, traces, Prodigy's and Schedule-Free's sums) keeps "
+                "every step's graph alive. Run the step under torch.no_grad() (as "
+                "opttx.Optimizer and FusedBackward do) or pass detached parameters; to "
+                "differentiate through a step on purpose, use apply_updates(..., "
+                "differentiable=True).")
     if stochastic_rounding:
         sr_p, sr_u, p_leaves, u_leaves = _stochastic_pairs(p_leaves, u_leaves)
         for p, u in zip(sr_p, sr_u):

@@ -246,6 +246,26 @@ def test_apply_updates_refuses_params_that_require_grad_in_grad_mode() -> None:
     assert torch.equal(detached["bias"], out["bias"])
 
 
+@pytest.mark.parametrize("name", ["lars", "prodigy", "schedule_free_adamw", "adamw"])
+def test_apply_updates_in_place_refuses_updates_with_autograd_history(name: str) -> None:
+    """A step in grad mode on parameters that require grad: lars's trace, Prodigy's sums and
+    Schedule-Free's z kept one more step of graph per step (state depth 51 after 50 steps);
+    now apply_updates_ refuses the updates, and under no_grad the state has no graph."""
+    model = torch.nn.Linear(3, 2)
+    params = dict(model.named_parameters())
+    tx = getattr(opttx, name)(1e-2)
+    state = tx.init(params)
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    updates, _ = tx.update(grads, state, params)
+    with pytest.raises(ValueError, match=r"\['weight'\] carries autograd history"):
+        opttx.apply_updates_(params, updates)
+    with torch.no_grad():
+        updates, state = tx.update(grads, state, params)
+        opttx.apply_updates_(params, updates)
+    assert all(x.grad_fn is None for x in opttx.tree.tree_leaves(state)
+               if isinstance(x, torch.Tensor))
+
+
 def test_apply_updates_differentiable_on_purpose() -> None:
     """differentiable=True: d/dp of sum((p - lr * p)^2) = 2 (1 - lr)^2 p."""
     p = torch.tensor([1.0, -2.0], requires_grad=True)
