@@ -93,6 +93,16 @@ def _on_owners_wrong_shape(rank: int) -> dict:
     return _outcome(lambda: tx.update(grads, state, params) and None)
 
 
+def _different_chains(rank: int) -> dict:
+    """adamw on rank 0, lamb on rank 1: lamb's trust-ratio all-reduce would meet nothing on
+    rank 0 (a gloo abort or a hang at the first update); now both ranks raise at init."""
+    params = {"w": torch.ones(4, 3)}
+    make = opttx.adamw if rank == 0 else opttx.lamb
+    return {"sharded": _outcome(lambda: sharded(make(1e-2), {"w": Shard(0)}).init(params)
+                                and None),
+            "zero": _outcome(lambda: zero(make(1e-2)).init(params) and None)}
+
+
 def _zero_outside_group(rank: int) -> dict:
     only0 = dist.new_group([0])                  # every rank creates every group
     params = {"w": torch.ones(4, 3)}
@@ -150,6 +160,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
         "shard_dims": lambda: _different_shard_dims(rank),
         "owners_shape": lambda: _on_owners_wrong_shape(rank),
         "zero_group": lambda: _zero_outside_group(rank),
+        "different_chains": lambda: _different_chains(rank),
         "all_reduce": lambda: _all_reduce_mismatch(rank),
         "missing_file": lambda: _missing_shard_file(rank, Path(out).parent),
     }
@@ -229,3 +240,11 @@ def test_failed_checkpoint_load_leaves_everything_as_it_was(results: list[dict])
     assert all("crash" not in g for g in got), got
     assert all(g["error"] is not None for g in got), got
     assert all(g["untouched"] for g in got), got
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["sharded", "zero"])
+def test_different_chains_on_different_ranks_raise_at_init(results: list[dict],
+                                                          where: str) -> None:
+    errors = _errors(results, "different_chains", where)
+    assert all(e is not None and "different optimizer states" in e for e in errors), errors

@@ -66,6 +66,42 @@ def agree_on_tree(tree: PyTree, group: Any, device: torch.device, message: str) 
     raise ValueError(message + detail)
 
 
+def agree_on_state_structure(state: Any, group: Any, device: torch.device, what: str) -> None:
+    """Raise the same ``ValueError`` on every rank of ``group`` when the ranks' optimizer
+    states differ in their skeleton (the links of a chain, each link's state type and fields;
+    deeper parts legitimately differ where ranks hold different leaves): different chains on
+    different ranks, which would pair mismatched collectives (a gloo abort, a hang). One all-reduce of a hash at init; an object gather
+    only to name the difference."""
+    text = repr(_skeleton(state))
+    h = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+    both = torch.tensor([h, -h], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if int(both[0]) == -int(both[1]):
+        return
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, text[:300], group=group)
+    r = next(r for r, t in enumerate(every) if t != every[0])
+    raise ValueError(f"{what}: the ranks built different optimizer states (different chains "
+                     f"or settings on different ranks would pair mismatched collectives). "
+                     f"Rank 0: {every[0]} ... rank {r}: {every[r]} ... Give every rank the same "
+                     "transform.")
+
+
+def _skeleton(state: Any, depth: int = 1) -> Any:
+    """The chain's shape of a state: the links (tuples) and, for each, its state's NamedTuple
+    type and fields; nothing deeper, which may follow the leaves a rank holds (an 8-bit
+    state's dense and quantized parts, a partition's groups)."""
+    from ..tree import MaskedNode
+    if isinstance(state, MaskedNode) or depth <= 0:
+        return "."
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        return (type(state).__name__,
+                tuple((f, _skeleton(getattr(state, f), depth - 1)) for f in state._fields))
+    if isinstance(state, tuple):
+        return tuple(_skeleton(x, depth) for x in state)
+    return "."
+
+
 def raise_on_every_rank(error: BaseException | None, group: Any = None,
                         others: str | None = None) -> None:
     """Raise on every rank of ``group`` (default: all) if any rank has an ``error``.

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
+
 from ..base import (REDUCER_KEY, GradientTransformation, Params, State, Updates,
                     reducer_during_init)
 from ..tree import PyTree, tree_flatten, tree_paths
 from .owners import on_owners as _on_owners
-from .reducer import CollectiveStats, ShardedReducer
-from .shapes import global_shapes, is_dtensor, raise_on_every_rank
+from .reducer import CollectiveStats, ShardedReducer, collective_device
+from .shapes import agree_on_state_structure, global_shapes, is_dtensor, raise_on_every_rank
 from .specs import flatten_specs, shard_groups, specs_from_dtensors
 
 __all__ = ["sharded"]
@@ -176,7 +178,11 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
         resolved[:] = [resolve_shapes(reducer, params)]
         local, _ = _to_local(params)
         with reducer_during_init(reducer):    # init has no extra_args (on_owners, factoring)
-            return tx.init(local)
+            state = tx.init(local)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            agree_on_state_structure(state, None, collective_device(None),
+                                     "opttx.distributed.sharded")
+        return state
 
     def update(updates: Updates, state: State, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, State]:

@@ -27,7 +27,8 @@ from ..tree import (MaskedNode, PyTree, assert_same_structure, tree_flatten, tre
 from .overlap import BackwardLaunches
 from .reducer import CollectiveStats, ShardedReducer, collective_device
 from .specs import Shard
-from .shapes import agree_on_tree, raise_on_every_rank, require_member
+from .shapes import (agree_on_state_structure, agree_on_tree, raise_on_every_rank,
+                     require_member)
 
 __all__ = ["ZeroChunk", "ZeroPlan", "state_costs", "zero", "zero_plan"]
 
@@ -630,6 +631,8 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
         else:
             with reducer_during_init(res.split_reducer):
                 state = cfg.tx.init(_mask(params, res))
+        agree_on_state_structure(state, res.group, res.control_device,
+                                 "opttx.distributed.zero")
         return _to_host(state, cfg.pin) if cfg.offload else state
 
     def update(updates: Updates, state: State, params: Params | None = None,
