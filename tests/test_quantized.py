@@ -26,7 +26,7 @@ from opttx.base import Role, declare_roles, state_roles
 from opttx.transforms.quantized import (QuantizedState, QuantizedTensor,
                                         dequantize_blockwise, dynamic_map, quantization_map,
                                         quantize_blockwise)
-from opttx.tree import tree_leaves, tree_map
+from opttx.tree import keystr, tree_flatten_with_path, tree_leaves, tree_map
 
 SIGNED, UNSIGNED = quantization_map(dynamic_map(True)), quantization_map(dynamic_map(False))
 
@@ -522,7 +522,26 @@ def test_train_step_compiles_to_one_graph_without_recompiles(name: str) -> None:
         eager_params, eager_state, _ = step(eager_params, eager_state, x, y)
     assert counter.frame_count >= 1 and graphs_of(step) == 1
     assert_trees_close(params, eager_params, rtol=1e-5)
-    assert_trees_close(state, eager_state, rtol=1e-5, atol=1e-7)
+    _assert_states_close(state, eager_state)
+
+
+def _assert_states_close(state, eager_state) -> None:
+    """Compiled and eager states alike: float leaves to 1e-5; 8-bit codes equal except at
+    most 0.1 % of them one code apart (a value on a cell boundary rounds either way once the
+    compiled graph decomposes the arithmetic: measured 1 of 5120 after 6 steps on an
+    AVX-512 CPU, none on another)."""
+    got = {keystr(k): x for k, x in tree_flatten_with_path(state)[0]}
+    expected = {keystr(k): x for k, x in tree_flatten_with_path(eager_state)[0]}
+    assert got.keys() == expected.keys()
+    for path, e in expected.items():
+        a = got[path]
+        if not isinstance(e, torch.Tensor) or e.is_floating_point() or e.numel() == 0:
+            assert_trees_close(a, e, rtol=1e-5, atol=1e-7)
+            continue
+        assert a.shape == e.shape and a.dtype == e.dtype, path
+        apart = (a.int() - e.int()).abs()
+        assert int(apart.max()) <= 1, path
+        assert int((apart > 0).sum()) <= max(1, apart.numel() // 1000), path
     torch._dynamo.reset()
 
 
