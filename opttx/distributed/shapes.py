@@ -70,8 +70,8 @@ def agree_on_state_structure(state: Any, group: Any, device: torch.device, what:
     """Raise the same ``ValueError`` on every rank of ``group`` when the ranks' optimizer
     states differ in their skeleton (the links of a chain, each link's state type and fields;
     deeper parts legitimately differ where ranks hold different leaves): different chains on
-    different ranks, which would pair mismatched collectives (a gloo abort, a hang). One all-reduce of a hash at init; an object gather
-    only to name the difference."""
+    different ranks, which would pair mismatched collectives (a gloo abort, a hang). One
+    all-reduce of a hash at init; an object gather only to name the difference."""
     text = repr(_skeleton(state))
     h = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
     both = torch.tensor([h, -h], dtype=torch.int64, device=device)

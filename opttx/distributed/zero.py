@@ -525,8 +525,8 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
     reducer on to ``tx``, whose row, column and layer statistics are reduced over the
     tensor-parallel group as under `sharded` alone. Transforms that need whole matrices go
     through `opttx.distributed.on_owners` over the tensor-parallel group inside:
-    ``sharded(zero(on_owners(shampoo(...), owner_group=tp_group), dp_group), specs)``. Collectives per step: those of ``sharded(tx)`` on the owned leaves,
-    plus 2 per chunk.
+    ``sharded(zero(on_owners(shampoo(...), owner_group=tp_group), dp_group), specs)``.
+    Collectives per step: those of ``sharded(tx)`` on the owned leaves, plus 2 per chunk.
 
     Per step and per chunk: stage 2 reduce-scatters the gradient chunk (sum, then divided by
     :math:`W`; rank :math:`r` receives exactly its segment, its owned gradients); stage 1
