@@ -78,7 +78,8 @@ Example:
     fully_shard(model.block); fully_shard(model)        # FSDP2: no group, read from DTensors
     runner = opttx.FusedBackward(model, opttx.adalomo(1e-3), clip_grad_norm=1.0)
 
-Limits: no gradient accumulation over micro-batches (each backward is a step); the per-leaf
+Limits: gradient accumulation (``accumulate=k``) keeps the gradients of the first k - 1
+micro-batches as ordinary training does (the memory saving is on the last one); the per-leaf
 updates and their collectives run eagerly, one parameter after another (no overlap of a
 parameter's collectives with the rest of backward beyond what autograd's order gives).
 
@@ -140,6 +141,12 @@ class FusedBackward:
         the state of its piece, the pieces are all-gathered into the replicated parameters.
         None: one device, or FSDP2 (DTensor parameters, detected by themselves).
       stats: a `opttx.distributed.CollectiveStats` counting the collectives (eager).
+      accumulate: gradient accumulation over this many backwards (micro-batches): the first
+        ``accumulate - 1`` leave the gradients in ``.grad`` (autograd sums them; nothing is
+        updated or communicated), the last one updates every parameter with the mean of the
+        micro-batches' gradients inside its hook, as one step on their mean (`opttx.MultiSteps`
+        for `opttx.Optimizer`). Memory during the earlier micro-batches is that of ordinary
+        training. Not with ``clip_mode="two_pass"``.
     """
 
     def __init__(self, params: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]],
@@ -148,7 +155,7 @@ class FusedBackward:
                  loss_scale: float | Literal["dynamic"] | None = None,
                  init_scale: float = 2.0**16, growth_interval: int = 2000,
                  compute_dtype: torch.dtype = torch.float32, group: Any = None,
-                 stats: Any = None) -> None:
+                 stats: Any = None, accumulate: int = 1) -> None:
         if isinstance(params, torch.nn.Module):
             params = params.named_parameters()
         self.named = [(n, p) for n, p in params if p.requires_grad]
@@ -163,6 +170,12 @@ class FusedBackward:
                              f"{loss_scale!r}.")
         if growth_interval < 1:
             raise ValueError(f"growth_interval must be >= 1, got {growth_interval}.")
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"accumulate must be an integer >= 1, got {accumulate!r}.")
+        if accumulate > 1 and clip_grad_norm is not None and clip_mode == "two_pass":
+            raise ValueError("accumulate > 1 with clip_mode='two_pass' is not supported: the "
+                             "measuring pass would take the gradients accumulated so far. Use "
+                             "clip_mode='previous'.")
         if traits_of(tx).across_leaves:
             raise ValueError(
                 "FusedBackward runs the transform on one parameter at a time, inside its "
@@ -178,6 +191,8 @@ class FusedBackward:
         self.growth_interval = growth_interval
         self.compute_dtype = compute_dtype
         self.group, self.stats = group, stats
+        self.accumulate = accumulate
+        self._micro = 0                # backwards accumulated since the last update
         device = self.named[0][1].device
         scale = init_scale if self.dynamic else (1.0 if loss_scale is None else loss_scale)
         # the runner's own state, all tensors so nothing synchronises with the device
@@ -341,11 +356,13 @@ class FusedBackward:
         def hook(p: torch.Tensor) -> None:
             # the gradient travels in a box that _consume empties, so that no frame keeps it
             # alive once it has been turned into the update
-            box = [p.grad]
-            p.grad = None
-            if box[0] is None:
+            if p.grad is None:
                 return
             self._begin()
+            if self._micro + 1 < self.accumulate:
+                return             # an earlier micro-batch: autograd keeps accumulating .grad
+            box = [p.grad]
+            p.grad = None
             with torch.no_grad():
                 self._consume(name, p, box)
         return hook
@@ -378,6 +395,8 @@ class FusedBackward:
     def _consume(self, name: str, p: torch.Tensor, box: list[torch.Tensor]) -> None:
         leaf = self.leaves[name]
         g = self._gradient(name, box)
+        if self.accumulate > 1:        # the sum of the micro-batches' gradients: their mean
+            g = g / self.accumulate
         if self._scaled:
             g = g / self.scale.to(g.dtype)
         finite = torch.isfinite(g).all() if self.dynamic else None
@@ -424,6 +443,10 @@ class FusedBackward:
         self._in_backward = False
         if self._measuring:
             return
+        if self._micro + 1 < self.accumulate:
+            self._micro += 1
+            return
+        self._micro = 0
         if self.clip_grad_norm is not None and self.clip_mode == "previous":
             self.prev_norm = self._global_sum_sq().sqrt()
             coef = torch.clamp(self.clip_grad_norm / (self.prev_norm + 1e-6), max=1.0)

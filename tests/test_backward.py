@@ -153,6 +153,39 @@ def test_global_norm_clipping_modes(mode) -> None:
     assert not torch.allclose(unclipped["0.weight"], expected["0.weight"])  # clipping bites
 
 
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("name", ["adalomo", "adamw"])
+def test_accumulation_equals_one_step_on_the_mean(name: str, k: int) -> None:
+    """accumulate=k over k micro-batches of a batch (each loss a mean over its micro-batch)
+    equals one step on the whole batch, with 'previous' clipping: nothing moves before the
+    k-th backward, whose hooks take the mean of the accumulated gradients."""
+    make = {"adalomo": lambda: opttx.adalomo(1e-2, weight_decay=0.1),
+            "adamw": lambda: opttx.adamw(1e-2, weight_decay=0.1)}[name]
+    batches = _batches(4)
+    whole, micro = _mlp(), _mlp()
+    ref = opttx.FusedBackward(whole, make(), clip_grad_norm=0.05)
+    runner = opttx.FusedBackward(micro, make(), clip_grad_norm=0.05, accumulate=k)
+    for x, y in batches:
+        ref.backward(_loss(whole, (x, y)))
+        before = {n: p.detach().clone() for n, p in micro.named_parameters()}
+        for i, (xm, ym) in enumerate(zip(x.tensor_split(k), y.tensor_split(k))):
+            runner.backward(_loss(micro, (xm, ym)))
+            if i < k - 1:
+                assert all(torch.equal(p, before[n]) for n, p in micro.named_parameters())
+        assert all(p.grad is None for p in micro.parameters())
+        assert_trees_close(dict(micro.named_parameters()), dict(whole.named_parameters()),
+                           rtol=1e-6, atol=1e-7)
+    assert runner.steps == ref.steps == len(batches)
+
+
+def test_accumulation_refuses_two_pass_clipping() -> None:
+    with pytest.raises(ValueError, match="two_pass"):
+        opttx.FusedBackward(_mlp(), opttx.adalomo(1e-2), clip_grad_norm=1.0,
+                            clip_mode="two_pass", accumulate=2)
+    with pytest.raises(ValueError, match="accumulate must be an integer"):
+        opttx.FusedBackward(_mlp(), opttx.adalomo(1e-2), accumulate=0)
+
+
 def test_in_backward_mode_never_holds_all_gradients() -> None:
     model = _mlp()
     n_params = len(list(model.parameters()))

@@ -137,6 +137,25 @@ def _run_zero(name: str, clip: str, batches: list, expected: list, rank: int, wo
             "norm": float(runner.grad_norm)}
 
 
+def _accumulated(rank: int, world: int, batches: list, expected: list) -> dict[str, Any]:
+    """FusedBackward(group=WORLD, accumulate=2) on two micro-batches of this rank's part of
+    every batch: the collectives of each backward and the error after each step."""
+    model = _net()
+    stats = CollectiveStats()
+    runner = opttx.FusedBackward(model, TXS["adalomo"](), group=dist.group.WORLD, stats=stats,
+                                 accumulate=2, **CLIPS["previous"])
+    errors, counts = [], []
+    for (x, y), want in zip(batches, expected):
+        mine = zip(x.tensor_split(world)[rank].tensor_split(2),
+                   y.tensor_split(world)[rank].tensor_split(2))
+        for xm, ym in mine:
+            stats.reset()
+            runner.backward(_loss(model, xm, ym))
+            counts.append(stats.collectives)
+        errors.append(_rel_error(dict(model.named_parameters()), want))
+    return {"errors": errors, "counts": counts, "replicated": _replicated(model, world)}
+
+
 def _resume(rank: int, world: int, batches: list) -> bool:
     """state_dict after 2 steps into a fresh runner over a copy: the rest bit-identical."""
     def step(model: Net, runner: opttx.FusedBackward, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -237,6 +256,8 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
                    rank, world, live)
             if live is not None:
                 results["live"] = live
+    expected, _ = _reference("adalomo", "previous", batches)
+    _guard(results, "accumulated", _accumulated, rank, world, batches, expected)
     _guard(results, "resume", _resume, rank, world, batches)
     _guard(results, "overflow", _overflow, rank, world, batches)
     for name, clip in FSDP_CASES:
@@ -284,6 +305,17 @@ def test_zero_equals_single_device(world: tuple[int, list[dict]], name: str, cli
         assert min(case["counts"]) >= base, case["counts"]
     if clip != "none":
         assert len({c["norm"] for c in cases}) == 1      # the same norm on every rank
+
+
+def test_accumulation_communicates_on_the_last_micro_batch(world: tuple[int, list[dict]]
+                                                            ) -> None:
+    """accumulate=2 under group=WORLD (issue 18 item 5): two micro-batches per rank and step
+    equal one single-device step on the whole batch (1e-5), the first backward of each step
+    issues no collective, the second all of them."""
+    _, results = world
+    for case in _case(results, "accumulated"):
+        assert max(case["errors"]) <= RTOL and case["replicated"], case
+        assert case["counts"][0::2] == [0] * STEPS and min(case["counts"][1::2]) > 0, case
 
 
 def test_at_most_one_live_gradient_per_rank(world: tuple[int, list[dict]]) -> None:
