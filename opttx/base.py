@@ -7,6 +7,7 @@ import contextlib
 import contextvars
 import dataclasses
 import enum
+import math
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Literal, NamedTuple, Protocol
 
@@ -197,6 +198,11 @@ class Traits:
     constant_scale: float | None = None
     """It multiplies every update by this Python number and does nothing else: `Optimizer`
     folds it into the final write ``p += scale · u``."""
+    block_rows: int | None = None
+    """It works on blocks of this many rows of each leaf and needs only whole blocks
+    (Shampoo's blocks of ``max_preconditioner_dim``): a leaf split by rows at multiples of it
+    (`opttx.distributed.zero`'s ``split_above_mb``) may run on its local rows although
+    ``whole_leaves`` is set."""
     links: tuple = ()
     """The transforms of a `opttx.chain`, in order (empty for any other transform)."""
 
@@ -214,10 +220,12 @@ def combine_traits(transforms: "tuple[GradientTransformation, ...]", **changes: 
     element-wise and per-leaf when all are, needing whole leaves or crossing leaves when any
     does."""
     traits = [traits_of(tx) for tx in transforms]
+    rows = [t.block_rows for t in traits if t.block_rows is not None]
     combined = Traits(elementwise=all(t.elementwise for t in traits),
                       per_leaf=all(t.per_leaf for t in traits),
                       whole_leaves=any(t.whole_leaves for t in traits),
-                      across_leaves=any(t.across_leaves for t in traits))
+                      across_leaves=any(t.across_leaves for t in traits),
+                      block_rows=math.lcm(*rows) if rows else None)
     return dataclasses.replace(combined, **changes)
 
 
@@ -696,15 +704,20 @@ def reduce_statistics(partials: PyTree, extra_args: dict[str, Any], op: ReduceOp
     return reducer(partials, op=op, dims=dims)
 
 
-def require_whole_leaves(updates: PyTree, extra_args: dict[str, Any], name: str) -> None:
+def require_whole_leaves(updates: PyTree, extra_args: dict[str, Any], name: str,
+                         block_rows: int | None = None) -> None:
     """Raise when a transform that needs whole matrices (an SVD, an eigendecomposition of a
     factor, a blocking by shape) is handed local shards: under `opttx.distributed.sharded`
     that would silently be an approximation on the local block. The reducer in
     ``extra_args[REDUCER_KEY]`` knows which leaves are sharded; a trace-time check, free at
-    run time."""
+    run time. ``block_rows``: the transform needs only whole blocks of that many rows, so
+    rows split at multiples of it pass (`Traits.block_rows`)."""
     check = getattr(extra_args.get(REDUCER_KEY), "require_whole", None)
     if check is not None:
-        check(updates, name)
+        if block_rows is None:
+            check(updates, name)
+        else:
+            check(updates, name, block_rows=block_rows)
 
 
 def reduce_across_leaves(total: torch.Tensor, extra_args: dict[str, Any],

@@ -111,6 +111,9 @@ class ShardedReducer:
         # per leaf, the shape of the whole tensor (set by `sharded`): decisions that read a
         # leaf's shape (Adafactor's factoring) take them, not the local shard's
         self.global_shapes: list[tuple[int, ...]] | None = None
+        # per leaf split by rows over one group (`zero`'s split_above_mb), this rank's first
+        # row (None elsewhere): row-aligned blocks are whole (see `require_whole`)
+        self.row_starts: list[int | None] | None = None
 
     def global_shapes_of(self, tree: PyTree) -> list[tuple[int, ...]] | None:
         """The global shapes of the leaves present in ``tree`` (a tree like the params,
@@ -163,17 +166,21 @@ class ShardedReducer:
                 flat_dims.append(self.treespec.flatten_up_to(d))
         return is_tuple, trees, flat_dims
 
-    def require_whole(self, tree: PyTree, name: str) -> None:
+    def require_whole(self, tree: PyTree, name: str, block_rows: int | None = None) -> None:
         """Raise ``ValueError`` when a leaf of ``tree`` (a tree like the params, `MaskedNode`
         where absent) is sharded: ``name`` needs whole matrices (see
-        `opttx.base.require_whole_leaves`). A tree of another structure (blocks of leaves) is
-        not checked here: the transform that made the blocks checked the leaves."""
+        `opttx.base.require_whole_leaves`). With ``block_rows``, a leaf split by rows whose
+        local rows start at a multiple of it and hold whole blocks of it (the last one may be
+        short at the leaf's end) passes: ``name`` needs whole blocks only. A tree of another
+        structure (blocks of leaves) is not checked here: the transform that made the blocks
+        checked the leaves."""
         try:
             flat = self.treespec.flatten_up_to(tree)
         except (ValueError, TypeError):
             return
         sharded = [i for i, x in enumerate(flat)
-                   if isinstance(x, torch.Tensor) and self.flat_specs[i]]
+                   if isinstance(x, torch.Tensor) and self.flat_specs[i]
+                   and not self._whole_row_blocks(i, x, block_rows)]
         if sharded:
             raise ValueError(
                 f"{name} needs whole matrices, but {len(sharded)} of its leaves are local "
@@ -181,6 +188,18 @@ class ShardedReducer:
                 "it on the local block would be another optimizer. Run it on owner ranks: "
                 "opttx.distributed.sharded(tx, specs, on_owners=True), or "
                 "sharded(chain(..., on_owners(tx)), specs).")
+
+    def _whole_row_blocks(self, i: int, x: torch.Tensor, block_rows: int | None) -> bool:
+        """Whether this rank's piece ``x`` of leaf ``i`` is whole blocks of ``block_rows``
+        rows (split on dim 0 only, starting at a multiple of it)."""
+        if block_rows is None or self.row_starts is None or self.global_shapes is None:
+            return False
+        start = self.row_starts[i]
+        specs = self.flat_specs[i]
+        if start is None or len(specs) != 1 or specs[0].dim != 0 or x.ndim == 0:
+            return False
+        rows, total = x.shape[0], self.global_shapes[i][0]
+        return start % block_rows == 0 and (rows % block_rows == 0 or start + rows == total)
 
     def _groups_of(self, leaf: int, dims: Any) -> list[Any]:
         shards = self.flat_specs[leaf]

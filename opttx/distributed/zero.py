@@ -274,7 +274,8 @@ def zero_plan(params: Params, world: int, chunk_size_mb: float | None = None, *,
               min_chunk_size_mb: float = 32.0, search_range_mb: float = 32.0,
               costs: Sequence[float] | None = None,
               owners: Sequence[int] | None = None,
-              split_above_mb: float | None = None) -> ZeroPlan:
+              split_above_mb: float | None = None,
+              split_block_rows: int | None = None) -> ZeroPlan:
     r"""The chunk layout `zero` uses for ``params`` over ``world`` ranks (no process group
     needed; only the shapes and dtypes of ``params`` are read, so meta tensors do).
 
@@ -311,9 +312,12 @@ def zero_plan(params: Params, world: int, chunk_size_mb: float | None = None, *,
         that the ranks of a tensor-parallel group, whose local shards may differ in size, own
         the same parameters.
       split_above_mb: leaves larger than this (MiB) with at least ``world`` rows are split
-        into ``world`` row segments (dim 0, sizes as ``torch.tensor_split``), segment ``r``
-        owned by rank ``r``, so that one very large parameter (an embedding) does not put its
+        into ``world`` row segments (dim 0, as even as can be, the larger ones last), segment
+        ``r`` owned by rank ``r``, so that one very large parameter (an embedding) does not put its
         whole state on one rank. None: no leaf is split.
+      split_block_rows: split only at multiples of this many rows, whole blocks spread over the
+        ranks (a leaf with fewer blocks than ranks is not split): what a blocked transform
+        needs (Shampoo's ``max_preconditioner_dim``, `opttx.base.Traits.block_rows`).
 
     Returns:
       A `ZeroPlan`.
@@ -340,7 +344,7 @@ def zero_plan(params: Params, world: int, chunk_size_mb: float | None = None, *,
                          f"{len(leaves)} parameters, got {tuple(owners)}.")
     if split_above_mb is not None:
         check_nonnegative("split_above_mb", split_above_mb)
-    units = _units_of(leaves, world, split_above_mb)
+    units = _units_of(leaves, world, split_above_mb, split_block_rows)
     shapes = [tuple(x.shape) if a < 0 else (b - a, *x.shape[1:])
               for (i, a, b), x in ((u, leaves[u[0]]) for u in units)]
     numels = [math.prod(sh) for sh in shapes]
@@ -383,28 +387,34 @@ def zero_plan(params: Params, world: int, chunk_size_mb: float | None = None, *,
     return plan
 
 
-def _units_of(leaves: list[torch.Tensor], world: int, split_above_mb: float | None
-              ) -> list[tuple[int, int, int]]:
+def _units_of(leaves: list[torch.Tensor], world: int, split_above_mb: float | None,
+              block_rows: int | None = None) -> list[tuple[int, int, int]]:
     """``(leaf, start, stop)`` row segments of the leaves to split, ``(leaf, -1, -1)`` for the
     others, in tree order (a split leaf's segments in rank order)."""
     limit = None if split_above_mb is None else split_above_mb * _MIB
+    block = block_rows or 1
     units: list[tuple[int, int, int]] = []
     for i, x in enumerate(leaves):
-        if (limit is None or world < 2 or x.ndim == 0 or x.shape[0] < world
+        if (limit is None or world < 2 or x.ndim == 0 or -(-x.shape[0] // block) < world
                 or x.numel() * x.element_size() <= limit):
             units.append((i, -1, -1))
             continue
         start = 0
-        for rows in _row_sizes(x.shape[0], world):
+        for rows in _row_sizes(x.shape[0], world, block):
             units.append((i, start, start + rows))
             start += rows
     return units
 
 
-def _row_sizes(rows: int, world: int) -> list[int]:
-    """The rows of each segment, as ``torch.tensor_split``: the first ``rows % world`` get one
-    more."""
-    return [rows // world + (r < rows % world) for r in range(world)]
+def _row_sizes(rows: int, world: int, block: int = 1) -> list[int]:
+    """The rows of each segment: whole blocks of ``block`` rows spread as evenly as
+    ``torch.tensor_split`` spreads rows (the extra blocks to the last ranks, so that the short
+    last block joins whole ones), the last segment ending at ``rows``."""
+    blocks = -(-rows // block)
+    counts = [blocks // world + (r >= world - blocks % world) for r in range(world)]
+    sizes = [c * block for c in counts]
+    sizes[-1] -= blocks * block - rows
+    return sizes
 
 
 def _segment_ranks(units: list[tuple[int, int, int]]) -> list[int]:
@@ -581,7 +591,9 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
         such a leaf; the statistics ``tx`` reduces over dim 0 (Adafactor's and CAME's column
         means, norms, trust ratios) go through the reduction hook as under `sharded`
         (``Shard(0, group)``), so the result stays the single-device one. For element-wise,
-        factored and layer-wise chains; transforms that need whole matrices refuse it, and so
+        factored and layer-wise chains, and for blocked ones (`opttx.shampoo`: the rows are
+        split at multiples of its ``max_preconditioner_dim``, `Traits.block_rows`, so every
+        rank holds whole blocks); other transforms that need whole matrices refuse it, and so
         does `zero` for chains with statistics across leaves (`opttx.clip_by_global_norm`:
         a split leaf's share of the total would be counted on every rank). Not with
         ``overlap`` nor inside `sharded`; a checkpoint of a split plan is refused.
@@ -720,7 +732,8 @@ def _resolve(tree: PyTree, cfg: _ZeroConfig, reducer: Any = None) -> _Resolved:
         owners = zero_plan(whole, world, cfg.chunk_size_mb, costs=costs, **sizes).owners
     costs = state_costs(cfg.tx, tree) if cfg.balance == "state" and owners is None else None
     plan = zero_plan(tree, world, cfg.chunk_size_mb, costs=costs, owners=owners,
-                     split_above_mb=cfg.split_above_mb, **sizes)
+                     split_above_mb=cfg.split_above_mb,
+                     split_block_rows=traits_of(cfg.tx).block_rows, **sizes)
     leaves, treespec = tree_flatten(tree)
     split_reducer = None
     if plan.units:
@@ -732,6 +745,11 @@ def _resolve(tree: PyTree, cfg: _ZeroConfig, reducer: Any = None) -> _Resolved:
             treespec, [(Shard(0, g),) if i in split else () for i in range(len(leaves))], [g],
             cfg.stats, ndims=[x.ndim for x in leaves])
         split_reducer.global_shapes = [tuple(x.shape) for x in leaves]
+        starts: list[int | None] = [None] * len(leaves)
+        for k, (i, a, _) in enumerate(plan.units):
+            if a >= 0 and plan.owners[k] == rank:
+                starts[i] = a
+        split_reducer.row_starts = starts
     return _Resolved(plan, treespec, g, rank, world, collective_device(g),
                      leaf_shapes=tuple(tuple(x.shape) for x in leaves),
                      leaf_paths=tuple(tree_paths(tree)), split_reducer=split_reducer)

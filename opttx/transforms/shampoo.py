@@ -54,9 +54,10 @@ import torch
 
 from .._checks import (check_gradient_leaves, check_nonnegative, check_positive_int,
                        check_unit_interval)
-from ..base import (PRECONDITION_INPUT, PRECONDITIONER, GradientTransformation, Params, Role,
-                    Traits, Updates, advance_counts, check_init_params, combine_traits,
-                    declare_roles, precondition_target, reduce_statistics, require_whole_leaves,
+from ..base import (PRECONDITION_INPUT, PRECONDITIONER, REDUCER_KEY, GradientTransformation,
+                    Params, Role, Traits, Updates, advance_counts, check_init_params,
+                    combine_traits, current_reducer, declare_roles, precondition_target,
+                    reduce_statistics, reducer_during_init, require_whole_leaves,
                     safe_increment, traits_of, zero_count)
 from ..kernels import cast_like, foreach, foreach_, foreach_ema, foreach_sum_of_squares
 from ..tree import (PyTree, flatten_matching, state_dtype, stats_like, tree_cond, tree_flatten,
@@ -157,6 +158,7 @@ def block_by_dims(inner: GradientTransformation,
     """
     if max_preconditioner_dim != math.inf:
         check_positive_int("max_preconditioner_dim", max_preconditioner_dim)
+    rows = None if max_preconditioner_dim == math.inf else int(max_preconditioner_dim)
     max_preconditioner_dim = _limit(max_preconditioner_dim)
 
     def blocked(tree: PyTree) -> PyTree:
@@ -164,13 +166,18 @@ def block_by_dims(inner: GradientTransformation,
 
     def init(params: Params) -> Any:
         check_init_params(params)
-        return inner.init(blocked(params))
+        _check_row_blocks(params, current_reducer(), max_preconditioner_dim)
+        with reducer_during_init(None):       # every block is whole
+            return inner.init(blocked(params))
 
     def update(updates: Updates, state: Any, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, Any]:
-        require_whole_leaves(updates, extra_args, "block_by_dims")
+        require_whole_leaves(updates, extra_args, "block_by_dims", block_rows=rows)
+        _check_row_blocks(updates, current_reducer(extra_args), max_preconditioner_dim)
         spec, leaves = flatten_matching(updates)
-        extra = dict(extra_args)
+        # leaves split by rows at block boundaries (zero's split_above_mb) give whole
+        # blocks: inner sees no sharded reducer
+        extra = {k: v for k, v in extra_args.items() if k != REDUCER_KEY}
         if PRECONDITION_INPUT in extra:
             extra[PRECONDITION_INPUT] = blocked(extra[PRECONDITION_INPUT])
         out, state = inner.update(blocked(updates), state,
@@ -183,7 +190,27 @@ def block_by_dims(inner: GradientTransformation,
 
     return GradientTransformation(init, update, combine_traits(
         (inner,), elementwise=False, per_leaf=traits_of(inner).per_leaf, whole_leaves=True,
-        takes_precondition_input=traits_of(inner).takes_precondition_input))
+        takes_precondition_input=traits_of(inner).takes_precondition_input, block_rows=rows))
+
+
+def _check_row_blocks(tree: PyTree, reducer: Any, max_dim: int) -> None:
+    """Where a leaf is only this rank's rows of a larger one (zero's ``split_above_mb``), its
+    blocks are those of the whole leaf only if dim 0 is merged with no other dim, here and in
+    the whole leaf, and the other dims merge alike: else raise (the blocks would differ)."""
+    shapes = None if reducer is None else reducer.global_shapes_of(tree)
+    if not shapes:
+        return
+    local = [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+    for x, whole in zip(local, shapes):
+        if tuple(x.shape) == tuple(whole):
+            continue
+        mine, theirs = merge_small_dims(x.shape, max_dim), merge_small_dims(whole, max_dim)
+        if mine[0] != x.shape[0] or theirs[0] != whole[0] or mine[1:] != theirs[1:]:
+            raise ValueError(
+                f"block_by_dims: rows {tuple(x.shape)} of a {tuple(whole)} leaf block "
+                f"differently from the whole leaf (merged dims {mine} vs {theirs} at "
+                f"max_preconditioner_dim={max_dim}); give every rank at least one whole block "
+                "of rows, or do not split this leaf.")
 
 
 def _chunks(flat: list, counts: list[int], who: str) -> list[list]:
