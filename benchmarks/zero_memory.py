@@ -64,6 +64,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import opttx
+from opttx.base import traits_of
 from opttx.distributed import CollectiveStats, state_costs, zero, zero_plan
 from opttx.tree import tree_leaves
 
@@ -220,7 +221,8 @@ def table(shapes: dict, single: dict[str, int], by_world: dict[int, list[dict]],
             for world, results in by_world.items():
                 costs = state_costs(make_tx(name), meta) if balance == "state" else None
                 plan = zero_plan(meta, world, mb, costs=costs,      # the plan zero makes
-                                 split_above_mb=split_above_mb)
+                                 split_above_mb=split_above_mb,
+                                 split_block_rows=traits_of(make_tx(name)).block_rows)
                 n = len(plan.chunks)
                 pad = plan.padding_bytes / param_bytes
                 key = f"{name}|{label}"

@@ -326,8 +326,9 @@ def train_distributed(model: nn.Module, args: argparse.Namespace, cfg: Config, m
             differ, worst = differ + n, max(worst, diff)
         grads = gradients(params)
         stats.reset()
-        updates, state = tx.update(grads, state, params)
-        apply_updates_(params, updates)
+        with torch.no_grad():         # the step builds no autograd graph (nor does its state)
+            updates, state = tx.update(grads, state, params)
+            apply_updates_(params, updates)
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=dp_group)
         curve.append(mean.item() / args.dp)
@@ -358,8 +359,9 @@ def train_reference(model: nn.Module, args: argparse.Namespace, cfg: Config,
         loss = loss_fn(model, x, y)
         loss.backward()
         grads = {k: p.grad for k, p in params.items()}
-        updates, state = tx.update(grads, state, params)
-        opttx.apply_updates_(params, updates)
+        with torch.no_grad():
+            updates, state = tx.update(grads, state, params)
+            opttx.apply_updates_(params, updates)
         curve.append(loss.item())
     return curve
 

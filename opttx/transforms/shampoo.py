@@ -197,12 +197,15 @@ def _check_row_blocks(tree: PyTree, reducer: Any, max_dim: int) -> None:
     """Where a leaf is only this rank's rows of a larger one (zero's ``split_above_mb``), its
     blocks are those of the whole leaf only if dim 0 is merged with no other dim, here and in
     the whole leaf, and the other dims merge alike: else raise (the blocks would differ)."""
-    shapes = None if reducer is None else reducer.global_shapes_of(tree)
-    if not shapes:
+    starts = getattr(reducer, "row_starts", None)
+    if starts is None or reducer.global_shapes is None:
+        return                    # no rows split here (other shards: require_whole_leaves)
+    try:
+        flat = reducer.treespec.flatten_up_to(tree)
+    except (ValueError, TypeError):
         return
-    local = [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
-    for x, whole in zip(local, shapes):
-        if tuple(x.shape) == tuple(whole):
+    for x, start, whole in zip(flat, starts, reducer.global_shapes):
+        if start is None or not isinstance(x, torch.Tensor):
             continue
         mine, theirs = merge_small_dims(x.shape, max_dim), merge_small_dims(whole, max_dim)
         if mine[0] != x.shape[0] or theirs[0] != whole[0] or mine[1:] != theirs[1:]:
