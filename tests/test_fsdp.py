@@ -21,12 +21,10 @@ from __future__ import annotations
 import traceback
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from test_distributed import _finish, _init, _spawn
 from torch import nn
