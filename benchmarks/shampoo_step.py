@@ -27,6 +27,28 @@ Examples:
   python benchmarks/shampoo_step.py --quick        # tiny smoke run (~20 steps, frequency 5)
   python benchmarks/shampoo_step.py                # default: d_model 128, 2 layers, 200 steps
   python benchmarks/shampoo_step.py --device cuda  # on a GPU (timed with CUDA events)
+  python benchmarks/shampoo_step.py --quick --references  # + Meta, heavyball, SOAP rows
+
+``--references`` adds rows, in the same run on the same model and batches: opttx's
+eigenvalue-corrected Shampoo (``shampoo(..., preconditioner="eigenvalue_corrected")``, the
+same settings) and ``opttx.soap`` (b1 0.9, b2 = shampoo_beta 0.999, eps 1e-8, no weight
+decay, same frequency, max_precond_dim 1024), each compiled and eager (the same step function
+called without ``torch.compile``), ``shampoo`` eager too; and, as torch.optim-style optimizers
+run eagerly (``loss.backward()``, ``opt.step()``, ``opt.zero_grad(set_to_none=True)``), Meta's
+``DistributedShampoo`` (from ``shared/refs/meta-optimizers`` beside the repository; skipped
+with the reason when absent) with its default ``RootInvShampooPreconditionerConfig`` and with
+``EigenvalueCorrectedShampooPreconditionerConfig()`` (eigh), both at opttx.shampoo's settings
+(lr, betas, epsilon, precondition_frequency = start_preconditioning_step,
+max_preconditioner_dim 1024, Adam grafting beta2 0.999 eps 1e-8, bias correction, no weight
+decay), and heavyball's ``SOAP`` at opttx.soap's settings (``merge_dims=False``,
+``use_precond_schedule=False``; its internal torch.compile off unless
+``--heavyball-compile``). Refresh steps differ per row: Shampoo and Meta recompute roots or
+bases on multiples of the frequency; opttx.soap refreshes after Adam steps freq, 2 freq, ...
+(its call 1 only builds the bases), i.e. on calls 1 + multiples of freq; heavyball on
+multiples of freq. The reference table gives per row the median step, the mean of the
+refresh steps apart from the others, the optimizer state's bytes (distinct tensor storages,
+parameters excluded) and the final loss. Issue 16's target there: compiled opttx Shampoo
+<= 0.5x Meta's time per step at equal settings.
 
 Target (issue): on a GPU the Shampoo step should take <= 1.25x the AdamW step (Meta reports
 <= 1.10x with the root computations distributed over DDP workers). On CPU the figure is only
@@ -36,12 +58,15 @@ recorded: there the eigendecompositions of the root steps dominate.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 import os
 import platform
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 
@@ -63,6 +88,8 @@ from opttx.tree import tree_leaves  # noqa: E402
 TARGET_GPU_RATIO = 1.25
 META_RATIO = 1.10
 LOSS_WINDOW = 10  # the "final loss" is the mean of the last this many training losses
+TARGET_META_RATIO = 0.5  # issue 16: compiled opttx Shampoo step <= 0.5x Meta's, same settings
+META = Path(__file__).resolve().parents[2] / "shared" / "refs" / "meta-optimizers"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,6 +112,8 @@ class Run:
     losses: dict[int, float] = field(default_factory=dict)  # step number -> training loss
     eval_before: float = float("nan")
     eval_after: float = float("nan")
+    refresh: Callable[[int], bool] | None = None  # step number -> roots/bases recomputed
+    is_compiled: bool = True                      # False: the step function called eagerly
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.compiled(self.params, self.state, x, y)
@@ -92,9 +121,55 @@ class Run:
     def cache_entries(self) -> int:
         return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(self.step_fn.__code__))
 
+    def state_bytes(self) -> int:
+        return storage_bytes(tree_leaves(self.state), self.params.values())
+
+
+@dataclass
+class OptimRun(Run):
+    """A torch.optim-style optimizer, run eagerly: backward, ``step``, ``zero_grad``."""
+    opt: Any = None
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def state_bytes(self) -> int:
+        return storage_bytes(list(self.opt.state.values()), self.params.values())
+
+
+def storage_bytes(tree: Any, exclude: Any = ()) -> int:
+    """Bytes of the distinct tensor storages in ``tree`` (dicts, lists, tuples, dataclasses),
+    storages shared with ``exclude`` (the parameters) left out."""
+    seen = {t.untyped_storage().data_ptr() for t in exclude}
+    total = 0
+
+    def walk(node: Any) -> None:
+        nonlocal total
+        if isinstance(node, torch.Tensor):
+            st = node.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+        elif isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v)
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            for f in dataclasses.fields(node):
+                walk(getattr(node, f.name))
+
+    walk(tree)
+    return total
+
 
 def make_run(name: str, tx: opttx.GradientTransformation, cfg: GPTConfig, seed: int,
-             device: torch.device) -> Run:
+             device: torch.device, compiled: bool = True) -> Run:
     torch.manual_seed(seed)
     model = GPT(cfg).to(device)
     params = {n: p.detach() for n, p in model.named_parameters()}  # aliases: trains `model`
@@ -112,8 +187,74 @@ def make_run(name: str, tx: opttx.GradientTransformation, cfg: GPTConfig, seed: 
         opttx.tree_copy_(state, new_state)
         return loss
 
-    step = own_code(step, f"train_step_{name}")
-    return Run(name, tx, model, params, state, step, torch.compile(step, fullgraph=True))
+    step = own_code(step, f"train_step_{name.replace('-', '_')}")
+    return Run(name, tx, model, params, state, step,
+               torch.compile(step, fullgraph=True) if compiled else step, is_compiled=compiled)
+
+
+def make_optim_run(name: str, make_opt: Callable, cfg: GPTConfig, seed: int,
+                   device: torch.device) -> OptimRun:
+    torch.manual_seed(seed)
+    model = GPT(cfg).to(device)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    opt = make_opt(list(model.parameters()))
+    return OptimRun(name, None, model, params, None, None, None, is_compiled=False, opt=opt)
+
+
+def reference_runs(a: argparse.Namespace, cfg: GPTConfig, device: torch.device,
+                   betas: tuple[float, float], epsilon: float) -> list[Run]:
+    """The ``--references`` rows (see the module docstring); a missing package is skipped with
+    the reason printed."""
+    freq, lr = a.precondition_frequency, a.lr
+    shampoo_kw = dict(betas=betas, grafting="adam", grafting_beta2=0.999, grafting_epsilon=1e-8,
+                      precondition_frequency=freq, max_preconditioner_dim=1024, epsilon=epsilon)
+    soap_kw = dict(b1=betas[0], b2=betas[1], shampoo_beta=betas[1], eps=1e-8, weight_decay=0.0,
+                   precondition_frequency=freq, max_precond_dim=1024)
+    on_freq = lambda i: i % freq == 0 and i >= freq  # noqa: E731
+    after_adam = lambda i: i > 1 and (i - 1) % freq == 0  # noqa: E731  (call 1 builds bases)
+    runs = [make_run("shampoo-eager", opttx.shampoo(lr, **shampoo_kw), cfg, a.seed, device,
+                     compiled=False)]
+    for suffix, compiled in (("", True), ("-eager", False)):
+        runs.append(make_run("shampoo-ec" + suffix, opttx.shampoo(
+            lr, preconditioner="eigenvalue_corrected", **shampoo_kw), cfg, a.seed, device,
+            compiled=compiled))
+        runs.append(make_run("soap" + suffix, opttx.soap(lr, **soap_kw), cfg, a.seed, device,
+                             compiled=compiled))
+    for run in runs:
+        run.refresh = after_adam if run.name.startswith("soap") else on_freq
+    if not (META / "distributed_shampoo").is_dir():
+        print(f"references: Meta's DistributedShampoo skipped: no {META / 'distributed_shampoo'}")
+    else:
+        sys.path.insert(0, str(META))
+        try:
+            import distributed_shampoo as ds
+        except ImportError as e:
+            print(f"references: Meta's DistributedShampoo skipped: cannot import it ({e})")
+            ds = None
+        if ds is not None:
+            logging.getLogger("distributed_shampoo").setLevel(logging.ERROR)
+            for name, pc in (("meta-root", ds.RootInvShampooPreconditionerConfig()),
+                             ("meta-ec", ds.EigenvalueCorrectedShampooPreconditionerConfig())):
+                runs.append(make_optim_run(name, lambda ps, pc=pc: ds.DistributedShampoo(
+                    ps, lr=lr, betas=betas, epsilon=epsilon, weight_decay=0.0,
+                    max_preconditioner_dim=1024, precondition_frequency=freq,
+                    start_preconditioning_step=freq, use_bias_correction=True,
+                    grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
+                    preconditioner_config=pc), cfg, a.seed, device))
+                runs[-1].refresh = on_freq
+    try:
+        import heavyball
+    except ImportError as e:
+        print(f"references: heavyball's SOAP skipped: cannot import heavyball ({e})")
+    else:
+        if not a.heavyball_compile:
+            heavyball.utils.compile_mode = None  # its fused helpers then run eagerly
+        runs.append(make_optim_run("hb-soap", lambda ps: heavyball.SOAP(
+            ps, lr=lr, betas=betas, shampoo_beta=betas[1], eps=1e-8, weight_decay=0.0,
+            precondition_frequency=freq, max_precond_dim=1024, merge_dims=False,
+            use_precond_schedule=False), cfg, a.seed, device))
+        runs[-1].refresh = on_freq  # heavyball refreshes on its calls freq, 2 freq, ...
+    return runs
 
 
 @torch.no_grad()
@@ -230,6 +371,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="before timing, wait up to S seconds for other processes to go idle")
     p.add_argument("--warm-cache", action="store_true",
                    help="use the normal Inductor cache (compile times then are not cold)")
+    p.add_argument("--references", action="store_true",
+                   help="add rows: opttx eigenvalue-corrected shampoo and soap (compiled and "
+                   "eager), shampoo eager, Meta's DistributedShampoo (root-inverse and "
+                   "eigenvalue-corrected) and heavyball's SOAP (eager)")
+    p.add_argument("--heavyball-compile", action="store_true",
+                   help="keep heavyball's internal torch.compile of its helpers (off by default)")
     a = p.parse_args(argv)
     quick = a.quick
     a.steps = a.steps if a.steps is not None else (20 if quick else 200)
@@ -253,6 +400,43 @@ def ms(s: float | None) -> str:
 
 def mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
+
+
+def print_references(rows: list[dict], width: int, freq: int, device: torch.device) -> None:
+    """The ``--references`` table: per row median, refresh / other steps, state, final loss,
+    and the issue's target (compiled opttx Shampoo <= 0.5x Meta's step)."""
+    row_of = {r["run"].name: r for r in rows}
+    meta = row_of.get("meta-root")
+    print(f"\nReferences (same model, batches and settings; refresh = the steps that recompute "
+          f"roots or bases, see the docstring; frequency {freq}):")
+    head = (f"{'row':<{width}}{'step':>9}{'median ms':>10}{'refresh ms (n)':>16}"
+            f"{'other ms':>10}{'state MB':>10}{'final loss':>11}{'/meta-root':>11}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        run = r["run"]
+        vs = f"{r['median'] / meta['median']:.2f}x" if meta else "-"
+        refresh = f"{ms(r['root'])} ({r['n_root']})"
+        print(f"{run.name:<{width}}{'compiled' if run.is_compiled else 'eager':>9}"
+              f"{ms(r['median']):>10}{refresh:>16}{ms(r['other']):>10}"
+              f"{run.state_bytes() / 2**20:>10.3f}{r['final']:>11.3f}{vs:>11}")
+    print("  state MB = distinct tensor storages of the optimizer state (parameters excluded); "
+          "/meta-root = median step over Meta's root-inverse median.")
+    if meta is None:
+        print("Target (issue 16): compiled opttx Shampoo <= 0.5x Meta's step: not measured "
+              "(Meta's DistributedShampoo was skipped).")
+        return
+    where = "on this GPU" if device.type == "cuda" else "on this CPU"
+    for ours, theirs in (("shampoo", "meta-root"), ("shampoo-ec", "meta-ec")):
+        if ours in row_of and theirs in row_of:
+            o, t = row_of[ours], row_of[theirs]
+            rm, rmean = o["median"] / t["median"], o["mean"] / t["mean"]
+            part = lambda k: f"{o[k] / t[k]:.2f}x" if o[k] and t[k] else "-"  # noqa: E731
+            verdict = "MET" if rmean <= TARGET_META_RATIO else "NOT MET"
+            print(f"Target (issue 16): compiled {ours} <= {TARGET_META_RATIO}x {theirs} per "
+                  f"step {where}: median {rm:.2f}x, mean {rmean:.2f}x (refresh steps "
+                  f"{part('root')}, others {part('other')}): "
+                  f"{verdict} (judged on the mean)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
     batches = [next(stream) for _ in range(total)]  # the same batches for both optimizers
 
     runs = [make_run(name, tx, cfg, a.seed, device) for name, tx in txs.items()]
+    if a.references:
+        runs += reference_runs(a, cfg, device, betas, epsilon)
+    by_name = {run.name: run for run in runs}
+    width = max(9, 1 + max(len(run.name) for run in runs))
     n_params = sum(p.numel() for p in runs[0].params.values())
     dev_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
                 else f"CPU: {cpu_model()} ({os.cpu_count()} cores visible)")
@@ -298,8 +486,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'CUDA events' if timer.cuda else 'time.perf_counter'}; root steps = multiples "
           f"of {freq}", flush=True)
 
-    # compile (step 1), one optimizer at a time
-    for run in runs:
+    # compile (step 1), one optimizer at a time (eager rows first: they fail fast)
+    for run in sorted(runs, key=lambda r: r.is_compiled):
         run.eval_before = evaluate(run.model, heldout)
         before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         x, y = batches[0]
@@ -310,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
         run.compile_s = time.perf_counter() - t0
         run.losses[1] = loss.item()
         run.graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
-        print(f"  {run.name}: first call (compile + step 1) {run.compile_s:.1f} s, "
+        what = "compile + step 1" if run.is_compiled else "eager step 1"
+        print(f"  {run.name}: first call ({what}) {run.compile_s:.1f} s, "
               f"{run.graphs} graph(s)", flush=True)
 
     for i in range(2, 2 + a.warmup):
@@ -335,9 +524,10 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t_start
 
     # results
-    is_root = lambda i: i % freq == 0 and i >= freq  # noqa: E731  (start = frequency)
+    shampoo_root = lambda i: i % freq == 0 and i >= freq  # noqa: E731  (start = frequency)
     rows = []
     for run in runs:
+        is_root = run.refresh or shampoo_root
         run.eval_after = evaluate(run.model, heldout)
         ts = list(run.times.values())
         root = [s for i, s in run.times.items() if is_root(i)]
@@ -354,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n(other processes kept {load:.2f} of {os.cpu_count()} cores busy during the "
           f"{wall:.0f} s of timing)")
-    head = (f"{'optimizer':<9}{'compile s':>10}{'mean ms':>9}{'median ms':>10}"
+    head = (f"{'optimizer':<{width}}{'compile s':>10}{'mean ms':>9}{'median ms':>10}"
             f"{'non-root ms':>12}{'root ms (n)':>14}{'loss step 1':>12}{'final loss':>11}"
             f"{'held-out':>16}{'graphs':>7}{'cache':>6}  ok")
     print(head)
@@ -362,13 +552,15 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         run = r["run"]
         root = f"{ms(r['root'])} ({r['n_root']})"
-        print(f"{run.name:<9}{r['compile']:>10.1f}{ms(r['mean']):>9}{ms(r['median']):>10}"
+        print(f"{run.name:<{width}}{r['compile']:>10.1f}{ms(r['mean']):>9}{ms(r['median']):>10}"
               f"{ms(r['other']):>12}{root:>14}{r['first']:>12.3f}{r['final']:>11.3f}"
               f"{f'{run.eval_before:.3f}->{run.eval_after:.3f}':>16}{run.graphs:>7}"
-              f"{run.cache_entries():>6}  {'yes' if r['ok'] else 'NO'}")
-    a_row, s_row = rows
+              f"{run.cache_entries() if run.is_compiled else '-':>6}  "
+              f"{'yes' if r['ok'] else 'NO'}")
+    row_of = {r["run"].name: r for r in rows}
+    a_row, s_row = row_of["adamw"], row_of["shampoo"]
     ratio = lambda k: (s_row[k] / a_row[k]) if s_row[k] and a_row[k] else None  # noqa: E731
-    print(f"{'ratio':<9}{'':>10}" + "".join(
+    print(f"{'ratio':<{width}}{'':>10}" + "".join(
         f"{(f'{ratio(k):.2f}x' if ratio(k) else '-'):>{w}}"
         for k, w in (("mean", 9), ("median", 10), ("other", 12), ("root", 14))))
     print("  compile s = first call minus the median step; non-root / root = mean over the "
@@ -378,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
           "compiled; cache = cache entries of the step function (1: no recompile);")
     print("  ok = finite, and both the training and the held-out loss decreased.")
 
-    (st,) = shampoo_states(runs[1].state)
+    (st,) = shampoo_states(by_name["shampoo"].state)
     roots = [m for m in tree_leaves(st.roots) if isinstance(m, torch.Tensor)]
     eye = sum(bool(torch.equal(m, torch.eye(m.shape[0], dtype=m.dtype, device=m.device)))
               for m in roots)
@@ -393,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     elif int(st.failures):
         print(f"  WARNING: the last {int(st.failures)} root recomputation(s) failed; the roots "
               "before them were kept.")
-    n_f, dims, t32, t64 = time_roots(runs[1], betas[1], epsilon, timer)
+    n_f, dims, t32, t64 = time_roots(by_name["shampoo"], betas[1], epsilon, timer)
     extra = (s_row["root"] - s_row["other"]) if s_row["root"] is not None else None
     print(f"eager inverse roots of the {n_f} Kronecker factors ({dims}): float32 eigh "
           f"{ms(t32)} ms + float64 eigh {ms(t64)} ms = {ms(t32 + t64)} ms; a root step costs "
@@ -409,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  CPU figure (recorded only; the target is for a GPU): shampoo/adamw mean step "
               f"{r:.2f}x, steps without root recomputation {ratio('other'):.2f}x. On CPU the "
               "eigendecompositions dominate the root steps.")
+    if a.references:
+        print_references(rows, width, freq, device)
     bad = [r["run"].name for r in rows if not r["ok"]]
     if bad:
         print(f"SANITY FAILED for: {', '.join(bad)} (non-finite or loss did not decrease)")
