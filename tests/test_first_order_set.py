@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 import opttx
 from opttx.testing import assert_trees_close, gradient_stream, param_trees, run_transform
+import optax_reference
 
 STEPS = 20
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
@@ -229,15 +229,7 @@ OPTAX_CASES = {
 
 
 def run_optax(tx: Any, tree: dict, grads: list[dict]) -> dict:
-    import jax.numpy as jnp
-    import optax
-    params = {k: jnp.asarray(v.numpy()) for k, v in tree.items()}
-    state = tx.init(params)
-    for g in grads:
-        updates, state = tx.update({k: jnp.asarray(v.numpy()) for k, v in g.items()}, state,
-                                   params)
-        params = optax.apply_updates(params, updates)
-    return {k: torch.from_numpy(np.array(v)) for k, v in params.items()}
+    return optax_reference.run_optax(tx, tree, grads, jit=False)[0]
 
 
 @pytest.mark.parametrize("name", list(OPTAX_CASES))

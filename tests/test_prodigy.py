@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -27,6 +26,7 @@ from torch.func import functional_call, grad_and_value
 import opttx
 from opttx.testing import (assert_shard_invariant, assert_trees_close, gradient_stream,
                            param_trees, run_transform)
+import optax_reference
 
 STEPS = 20
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
@@ -41,17 +41,8 @@ def drifting_gradients(tree: dict, seed: int) -> list[dict]:
 
 
 def run_optax(tx, tree: dict, grads: list[dict]) -> tuple[dict, float]:
-    import jax
-    import jax.numpy as jnp
-    import optax
-    params = {k: jnp.asarray(v.numpy()) for k, v in tree.items()}
-    state = tx.init(params)
-    update = jax.jit(tx.update)
-    for g in grads:
-        updates, state = update({k: jnp.asarray(v.numpy()) for k, v in g.items()}, state,
-                                params)
-        params = optax.apply_updates(params, updates)
-    return {k: torch.from_numpy(np.array(v)) for k, v in params.items()}, float(state.estim_lr)
+    params, state, _ = optax_reference.run_optax(tx, tree, grads)
+    return params, float(state.estim_lr)
 
 
 hparams = st.fixed_dictionaries({

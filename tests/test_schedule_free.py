@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -27,6 +26,8 @@ from torch.func import functional_call, grad_and_value
 
 import opttx
 from opttx.testing import assert_trees_close, gradient_stream, param_trees, run_transform
+import optax_reference
+from optax_reference import to_torch
 
 schedulefree = pytest.importorskip("schedulefree")
 
@@ -104,19 +105,10 @@ def test_aliases_equal_schedulefree(kind: str, dtype: torch.dtype) -> None:
 
 
 def run_optax(tx, tree: dict, grads: list[dict]) -> tuple[dict, dict]:
-    import jax
-    import jax.numpy as jnp
+    """optax's y (the parameters it trains) and x (its evaluation parameters)."""
     import optax
-    params = {k: jnp.asarray(v.numpy()) for k, v in tree.items()}
-    state = tx.init(params)
-    update = jax.jit(tx.update)
-    for g in grads:
-        updates, state = update({k: jnp.asarray(v.numpy()) for k, v in g.items()}, state,
-                                params)
-        params = optax.apply_updates(params, updates)
-    x = optax.contrib.schedule_free_eval_params(state, params)
-    return ({k: torch.from_numpy(np.array(v)) for k, v in params.items()},
-            {k: torch.from_numpy(np.array(v)) for k, v in x.items()})
+    params, state, jax_params = optax_reference.run_optax(tx, tree, grads)
+    return params, to_torch(optax.contrib.schedule_free_eval_params(state, jax_params))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
