@@ -81,7 +81,7 @@ def cautious(inner: GradientTransformation, direction: Direction = "descent",
         check_positive("min_fraction", min_fraction)
         if min_fraction > 1:
             raise ValueError(f"min_fraction must be in (0, 1], got {min_fraction}.")
-    sign = -1.0 if direction == "descent" else 1.0
+    descent = direction == "descent"
 
     def init(params: Params) -> State:
         return inner.init(params)
@@ -92,7 +92,10 @@ def cautious(inner: GradientTransformation, direction: Direction = "descent",
         spec, u, g = flatten_matching(out, updates, what="the inner updates and the gradient")
         if not u:
             return out, state
-        agree = [(x * y.to(x.dtype)) * sign > 0 for x, y in zip(u, g)]
+        # u·g in one grouped kernel; torch has no grouped comparison, so the sign test is
+        # per leaf (descent keeps u·g < 0, gradient keeps u·g > 0)
+        products = foreach("mul", u, cast_like(g, u))
+        agree = [p < 0 if descent else p > 0 for p in products]
         dtype = torch.float64 if any(x.dtype == torch.float64 for x in u) else torch.float32
         # (a) local count of kept entries and of entries, one 2-vector per leaf
         partials = [torch.stack([a.sum(dtype=dtype), torch.full((), a.numel(), dtype=dtype,

@@ -115,6 +115,6 @@ def _clip_per_leaf(c: list[torch.Tensor], max_norm: float, spec: Any, extra_args
     of squares, (b) summed over the shards of sharded leaves, (c) the root and the division."""
     sums = foreach_sum_of_squares(c)                                              # (a)
     sums = flatten_matching(reduce_statistics(tree_unflatten(sums, spec), extra_args))[1]  # (b)
-    denom = [torch.clamp(torch.sqrt(s) / max_norm, min=1.0).to(x.dtype)
-             for s, x in zip(sums, c)]                                              # (c)
-    return foreach_op_("div", c, denom)
+    denom = foreach_op_("clamp_min", foreach_op_("div", foreach("sqrt", sums), max_norm),
+                        1.0)                                                        # (c)
+    return foreach_op_("div", c, cast_like(denom, c))
