@@ -36,21 +36,18 @@ from opttx.distributed import CollectiveStats, Replicated, Shard, local_shard, o
     sharded, zero
 from opttx.tree import keystr, tree_flatten_with_path, tree_map
 from test_distributed import _finish, _init
+from test_zero import TXS as ZERO_TXS
 
 STEPS = 5
 RTOL, ATOL = 1e-5, 1e-6
 WORLD, TP, DP = 4, 2, 2
 MIB = 1 << 20
 
+# the transforms of tests/test_zero.py (same hyperparameters), and LARS
 TXS: dict[str, Callable[[], opttx.GradientTransformation]] = {
-    "adamw": lambda: opttx.adamw(1e-2, weight_decay=0.01),
-    "adafactor": lambda: opttx.adafactor(1e-2, min_dim_size_to_factor=1, momentum=0.9),
-    "came": lambda: opttx.came(1e-3, weight_decay=0.01),
-    "lamb": lambda: opttx.lamb(1e-2, weight_decay=0.01),
+    **{k: ZERO_TXS[k] for k in ("adamw", "adafactor", "came", "lamb")},
     "lars": lambda: opttx.lars(1e-2, weight_decay=0.01),
-    "clip_adamw": lambda: opttx.chain(opttx.clip_by_global_norm(0.5), opttx.adamw(1e-2)),
-    "galore_adamw": lambda: opttx.galore_adamw(1e-2, rank=2, update_proj_gap=2),
-    "shampoo": lambda: opttx.shampoo(1e-2, max_preconditioner_dim=6),
+    **{k: ZERO_TXS[k] for k in ("clip_adamw", "galore_adamw", "shampoo")},
 }
 WHOLE = {"galore_adamw", "shampoo"}    # need whole matrices: on_owners over the TP group
 CROSS_LEAF = {"clip_adamw": 1}         # statistics across leaves: one collective each
