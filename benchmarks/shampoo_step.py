@@ -58,7 +58,6 @@ recorded: there the eigendecompositions of the root steps dominate.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import platform
@@ -81,6 +80,7 @@ from torch.func import functional_call, grad_and_value  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import opttx  # noqa: E402
 from opttx.bench.data import Corpus, heldout_batches, train_batches  # noqa: E402
+from opttx.bench.memory import storage_bytes  # noqa: E402
 from opttx.bench.model import GPT, GPTConfig, lm_loss  # noqa: E402
 from opttx.transforms.shampoo import ShampooState, matrix_inverse_root  # noqa: E402
 from opttx.tree import tree_leaves  # noqa: E402
@@ -139,33 +139,6 @@ class OptimRun(Run):
 
     def state_bytes(self) -> int:
         return storage_bytes(list(self.opt.state.values()), self.params.values())
-
-
-def storage_bytes(tree: Any, exclude: Any = ()) -> int:
-    """Bytes of the distinct tensor storages in ``tree`` (dicts, lists, tuples, dataclasses),
-    storages shared with ``exclude`` (the parameters) left out."""
-    seen = {t.untyped_storage().data_ptr() for t in exclude}
-    total = 0
-
-    def walk(node: Any) -> None:
-        nonlocal total
-        if isinstance(node, torch.Tensor):
-            st = node.untyped_storage()
-            if st.data_ptr() not in seen:
-                seen.add(st.data_ptr())
-                total += st.nbytes()
-        elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                walk(v)
-        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
-            for f in dataclasses.fields(node):
-                walk(getattr(node, f.name))
-
-    walk(tree)
-    return total
 
 
 def make_run(name: str, tx: opttx.GradientTransformation, cfg: GPTConfig, seed: int,
