@@ -31,6 +31,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import opttx
+from opttx.testing import run_transform
 
 META = Path(__file__).resolve().parents[2] / "shared" / "refs" / "meta-optimizers"
 LR = 2.0**-7          # exact in float32 (Meta keeps its lr in a float32 tensor)
@@ -68,11 +69,8 @@ def run_torch(make, tree: dict, grads: list[dict]) -> dict:
 
 
 def run_opttx(tx, tree: dict, grads: list[dict]) -> dict:
-    params, state = tree, tx.init(tree)
-    for g in grads:
-        updates, state = tx.update(g, state, params)
-        params = opttx.apply_updates(params, updates)
-    return params
+    """The parameters after every gradient of ``grads`` (`opttx.testing.run_transform`)."""
+    return run_transform(tx, tree, grads)[0]
 
 
 def gaps(ours: dict, theirs: dict, start: dict) -> dict:
