@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import opttx
+from opttx.testing import exit_rank
 from opttx.distributed import (CollectiveStats, Replicated, Shard, global_factor_axes,
                                local_shard, on_owners, sharded, zero)
 
@@ -250,8 +251,7 @@ def _worker(rank: int, world: int, store: str, out: str, config: dict) -> None:
             dist.barrier()
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
-    dist.barrier()
-    dist.destroy_process_group()
+    exit_rank()
 
 
 def measure(world: int, config: dict) -> list[Row]:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import opttx
+from opttx.testing import exit_rank
 from opttx.distributed import CollectiveStats, all_reduce_gradients, zero
 
 MIB = 1 << 20
@@ -114,8 +115,7 @@ def _worker(rank: int, world: int, store: str, out: str, cfg: dict) -> None:
         times[f"{name} bytes"] = per_dtype
     if rank == 0:
         Path(out).write_text(json.dumps(times))
-    dist.barrier()
-    dist.destroy_process_group()
+    exit_rank()
 
 
 def measure(world: int, cfg: dict) -> dict:

@@ -66,6 +66,7 @@ import torch.multiprocessing as mp
 import opttx
 from opttx.base import traits_of
 from opttx.distributed import CollectiveStats, state_costs, zero, zero_plan
+from opttx.testing import exit_rank
 from opttx.tree import tree_leaves
 
 OPTIMIZERS = ("adamw", "adafactor", "shampoo", "came", "lamb")
@@ -187,8 +188,7 @@ def worker(rank: int, world: int, store: str, out: str, shapes: dict, only: list
             except Exception:  # noqa: BLE001 - reported in the table
                 results[key] = {"error": traceback.format_exc(limit=4)}
     Path(f"{out}.{rank}").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    exit_rank()
 
 
 def run_world(world: int, shapes: dict, only: list[str], steps: int,

@@ -46,7 +46,6 @@ import datetime
 import os
 import re
 import signal
-import sys
 from pathlib import Path
 
 import torch
@@ -59,6 +58,7 @@ from torch.func import functional_call, grad
 import opttx
 from opttx.distributed import (check_checkpoint, load_state_dict, on_owners, sharded,
                                state_dict, zero)
+from opttx.testing import exit_rank
 
 
 def build_model() -> nn.Module:
@@ -212,4 +212,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Exit without the interpreter's shutdown, where a gloo thread of a freed process group
+    # can abort a rank that finished (see opttx.testing.exit_rank).
+    exit_rank(main())

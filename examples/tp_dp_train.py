@@ -48,8 +48,6 @@ import ast
 import copy
 import datetime
 import math
-import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -66,6 +64,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 import opttx
 from opttx.distributed import (CollectiveStats, all_reduce_gradients, global_factor_axes,
                                on_owners, sharded, zero)
+from opttx.testing import exit_rank
 
 OPTIMIZERS = ("adafactor", "lamb", "adamw", "came", "lars", "galore_adamw")
 WHOLE_MATRICES = ("galore_adamw",)  # run on owner ranks of the TP group (on_owners)
@@ -431,10 +430,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
     # The device mesh and the DTensors still hold gloo process groups after
-    # destroy_process_group; freed during interpreter shutdown, a gloo worker thread can
-    # abort the process (SIGABRT after a successful run). Exit without that shutdown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # destroy_process_group; exit without the interpreter's shutdown (see
+    # opttx.testing.exit_rank).
+    exit_rank(main())

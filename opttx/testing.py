@@ -33,6 +33,7 @@ __all__ = [
     "assert_shard_invariant",
     "assert_trees_close",
     "bind_mesh",
+    "exit_rank",
     "gradient_stream",
     "hyperparameters",
     "log_uniform",
@@ -490,6 +491,35 @@ def _spec_str(spec: Any) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def exit_rank(code: int = 0) -> None:
+    """End a process that joined a process group: wait for every rank, destroy the group,
+    flush stdout and stderr, and leave with ``code`` without the interpreter's shutdown.
+
+    Process groups and the objects that hold them (device meshes, DTensors, compiled graphs)
+    may outlive ``destroy_process_group``; freed during interpreter shutdown, a gloo worker
+    thread that is still joinable makes the C++ runtime abort ("terminate called without an
+    active exception"), so a rank that finished its work dies by SIGABRT and its launcher
+    reports a failure. ``os._exit`` skips that shutdown. Call it as a rank's last statement,
+    after its results are written; atexit handlers do not run.
+
+    Example:
+      >>> def worker(rank, world, out):
+      ...     dist.init_process_group("gloo", ...)
+      ...     Path(f"{out}.{rank}").write_text(json.dumps(run(rank)))
+      ...     exit_rank()
+    """
+    import os
+    import sys
+
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _rank_main(rank: int, world: int, tmp: str, fn: Callable, args: tuple,
                timeout: float) -> None:
     """The body of every spawned rank: a gloo process group, ``fn``, its result or its error
@@ -506,8 +536,6 @@ def _rank_main(rank: int, world: int, tmp: str, fn: Callable, args: tuple,
                                 world_size=world, timeout=datetime.timedelta(seconds=timeout))
         result = fn(rank, world, *args)
         Path(f"{tmp}/result.{rank}").write_bytes(pickle.dumps(result))
-        dist.barrier()
-        dist.destroy_process_group()
     except BaseException as e:
         text = traceback.format_exc()
         try:
@@ -516,6 +544,7 @@ def _rank_main(rank: int, world: int, tmp: str, fn: Callable, args: tuple,
             blob = None
         Path(f"{tmp}/error.{rank}").write_bytes(pickle.dumps((blob, text)))
         raise
+    exit_rank()
 
 
 def _raise_rank_error(tmp: str, world: int, cause: BaseException) -> None:

@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 import opttx
 from opttx.distributed import (Shard, check_checkpoint, global_factor_axes, load_state_dict,
                                on_owners, param_paths, sharded, state_dict, zero, zero_plan)
+from opttx.testing import exit_rank
 from opttx.tree import tree_flatten, tree_map
 
 pytestmark = pytest.mark.timeout(300)
@@ -432,8 +433,7 @@ def _worker(rank: int, world: int, store: str, root: str, out: str) -> None:
              or True)
     _attempt(results, "fsdp", lambda: _fsdp(root_path, rank, world, results) or True)
     Path(f"{out}.{rank}").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    exit_rank()
 
 
 def _spawn(world: int, root: Path, tmp: Path) -> list[dict]:

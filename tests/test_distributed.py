@@ -28,6 +28,7 @@ import opttx
 from opttx.distributed import (CollectiveStats, Replicated, Shard, all_reduce_gradients,
                                global_factor_axes, global_shapes, local_shard, sharded)
 from opttx.transforms.factored import factored_axes
+from opttx.testing import exit_rank
 from opttx.tree import tree_flatten, tree_map
 
 STEPS = 5
@@ -46,8 +47,7 @@ def _init(rank: int, world: int, store: str) -> None:
 
 def _finish(out: str, rank: int, results: dict) -> None:
     Path(f"{out}.{rank}").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    exit_rank()
 
 
 HPARAMS = {"lr": [1e-2, 1e-3, 3e-2], "b1": [0.9, 0.8], "b2": [0.999, 0.95],

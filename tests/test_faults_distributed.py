@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 import opttx
 from opttx.distributed import (Replicated, Shard, all_reduce_gradients, load_checkpoint,
                                sharded, state_dict, zero)
+from opttx.testing import exit_rank
 from opttx.tree import tree_leaves, tree_map
 
 pytestmark = pytest.mark.timeout(300)
@@ -170,8 +171,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
         except Exception:  # noqa: BLE001 - a crash of the case itself, reported by its test
             results[name] = {"crash": traceback.format_exc(limit=6)}
     Path(f"{out}.{rank}").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    exit_rank()
 
 
 @pytest.fixture(scope="module")
