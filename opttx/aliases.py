@@ -878,7 +878,10 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
             rank_atol: float = 0.0, rank_rtol: float | None = 0.0, *,
             preconditioner: str = "root_inverse", eigendecomposition: str = "eigh",
             qr_iterations: int = 1, eigendecomposition_tolerance: float = 0.0,
-            ignored_basis_change_dims: dict | None = None) -> GradientTransformation:
+            ignored_basis_change_dims: dict | None = None,
+            root_max_iterations: int | None = None, root_tolerance: float | None = None,
+            root_order: int = 3, root_rel_epsilon: float = 0.0,
+            root_abs_epsilon: float | None = None) -> GradientTransformation:
     r"""Shampoo as Meta's Distributed Shampoo computes it, composed from transforms.
 
     ``block_by_dims(chain(graft(grafted method, precondition_shampoo, beta1),
@@ -902,7 +905,13 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
         norm; Meta's default).
       grafting_beta2, grafting_epsilon: the grafted method's second-moment decay and epsilon.
       root_method, preconditioner_dtype, epsilon, precondition_frequency: see
-        `precondition_shampoo`.
+        `precondition_shampoo`. Meta's ``amortized_computation_config`` of its root-inverse
+        config: ``EigenConfig()`` is ``root_method="eigh"``, ``CoupledNewtonConfig(
+        max_iterations, tolerance)`` is ``root_method="newton", root_max_iterations=...,
+        root_tolerance=...``, ``CoupledHigherOrderConfig(rel_epsilon, abs_epsilon,
+        max_iterations, tolerance, order)`` is ``root_method="higher_order"`` with
+        ``root_rel_epsilon``, ``root_abs_epsilon``, ``root_max_iterations``,
+        ``root_tolerance``, ``root_order``.
       inv_factor_matrix_dtype, beta3, use_trace_scaling, trace_scaling_exponent,
         inverse_exponent_override, drop_weighting_factor_on_gsquare (of the Shampoo factors):
         Meta's options of these names
@@ -976,6 +985,12 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
         raise ValueError("preconditioner must be 'root_inverse' or 'eigenvalue_corrected', got "
                          f"{preconditioner!r}.")
     if preconditioner == "eigenvalue_corrected":
+        if root_method != "eigh" or root_max_iterations is not None \
+                or root_tolerance is not None or root_rel_epsilon or root_abs_epsilon is not None:
+            raise ValueError("root_method and the root_* options set the root-inverse "
+                             "preconditioner; the eigenvalue-corrected one takes "
+                             "eigendecomposition=, qr_iterations=, "
+                             "eigendecomposition_tolerance=.")
         direction = precondition_eigenvalue_corrected(
             beta2, epsilon, precondition_frequency, start, **_eigenvalue_corrected_options(
                 locals()))
@@ -993,7 +1008,11 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
                                          drop_weighting_factor_on_gsquare=(
                                              drop_weighting_factor_on_gsquare),
                                          rank_deficient=rank_deficient, rank_atol=rank_atol,
-                                         rank_rtol=rank_rtol)
+                                         rank_rtol=rank_rtol,
+                                         root_max_iterations=root_max_iterations,
+                                         root_tolerance=root_tolerance, root_order=root_order,
+                                         root_rel_epsilon=root_rel_epsilon,
+                                         root_abs_epsilon=root_abs_epsilon)
     links: list[GradientTransformation] = [
         graft(magnitudes[grafting](), direction, graft_start, beta1, use_bias_correction,
               rescale=grafting is not None, beta3=beta3)]

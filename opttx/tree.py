@@ -32,6 +32,7 @@ __all__ = [
     "mark_static_",
     "tree_cast",
     "tree_cond",
+    "tree_while",
     "tree_copy_",
     "tree_flatten",
     "tree_flatten_with_path",
@@ -234,6 +235,35 @@ def tree_cond(pred: torch.Tensor, true_fn: Callable, false_fn: Callable,
         return branch
 
     out = torch.cond(pred, flat_branch(true_fn), flat_branch(false_fn), tuple(leaves))
+    return tree_unflatten(list(out), spec)
+
+
+def tree_while(cond_fn: Callable, body_fn: Callable, operands: tuple) -> Any:
+    """``while cond_fn(*operands): operands = body_fn(*operands)``, graph-safe.
+
+    ``body_fn`` must return a tree with the structure, shapes and dtypes of ``operands``;
+    ``cond_fn`` a boolean 0-dim tensor. In eager mode this is that Python loop (one device
+    sync per test of the condition). Under ``torch.compile`` it is ``torch.while_loop`` over
+    the flat leaves: a data-dependent number of iterations inside one graph, with the same
+    iterates as the eager loop.
+    """
+    if not torch.compiler.is_compiling():
+        while bool(cond_fn(*operands)):
+            operands = body_fn(*operands)
+        return operands
+    leaves, spec = tree_flatten(operands)
+
+    def flat_cond(*flat: torch.Tensor) -> torch.Tensor:
+        return cond_fn(*tree_unflatten(list(flat), spec))
+
+    def flat_body(*flat: torch.Tensor) -> tuple:
+        out = tree_flatten(body_fn(*tree_unflatten(list(flat), spec)))[0]
+        return tuple(t.clone() if any(t is i for i in flat) else t for t in out)
+
+    while_loop = getattr(torch, "while_loop", None)
+    if while_loop is None:                   # torch < 2.12 has it under its private name
+        from torch._higher_order_ops.while_loop import while_loop
+    out = while_loop(flat_cond, flat_body, tuple(leaves))
     return tree_unflatten(list(out), spec)
 
 

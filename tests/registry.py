@@ -132,6 +132,10 @@ CASES: list[Case] = [
     case("adalomo", opttx.adalomo, learning_rate=LR, weight_decay=0.01),
     case("shampoo", opttx.shampoo, learning_rate=LR, max_preconditioner_dim=4,
          stacked=_VMAP_COND),
+    # the roots by Meta's coupled higher-order iteration: a data-dependent loop
+    # (torch.while_loop when compiled)
+    case("shampoo/higher_order", opttx.shampoo, learning_rate=LR, max_preconditioner_dim=4,
+         root_method="higher_order", root_rel_epsilon=1e-5, stacked=_VMAP_COND),
     # a large epsilon: the factors of a few steps are rank-deficient, their null-space basis
     # is eigh's choice (another one when batched under stacked), and the rounding noise of
     # the gradient along it is divided by sqrt(nu) + epsilon

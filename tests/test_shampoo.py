@@ -184,8 +184,26 @@ def test_eigh_and_newton_roots_agree() -> None:
         q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
         a = q @ torch.diag(torch.linspace(0.5, 4.0, n, dtype=torch.float64)) @ q.T
         eigh = opttx.matrix_inverse_root(a, p, 1e-6, "eigh")
-        newton = opttx.matrix_inverse_root(a, p, 1e-6, "newton")
-        assert_trees_close(newton, eigh, rtol=1e-4)
+        newton = opttx.matrix_inverse_root(a, p, 1e-6, "newton", tolerance=1e-12)
+        assert_trees_close(newton, eigh, rtol=1e-9)
+        higher = opttx.matrix_inverse_root(a, p, 1e-6, "higher_order", tolerance=1e-20)
+        assert_trees_close(higher, eigh, rtol=1e-9)
+
+
+def test_iterative_roots_refuse_what_they_cannot_compute() -> None:
+    a = torch.eye(3)
+    with pytest.raises(ValueError, match="integer root"):
+        opttx.matrix_inverse_root(a, 2.5, 1e-6, "newton")
+    with pytest.raises(ValueError, match="order"):
+        opttx.matrix_inverse_root(a, 2, 1e-6, "higher_order", order=1)
+    with pytest.raises(ValueError, match="'eigh', 'newton' or 'higher_order'"):
+        opttx.matrix_inverse_root(a, 2, 1e-6, "qr")
+    with pytest.raises(ValueError, match="setting of the 'eigh' root"):
+        opttx.shampoo(root_method="newton", rank_deficient="pseudo_inverse", epsilon=0.0)
+    with pytest.raises(ValueError, match="eigenvalue-corrected"):
+        opttx.shampoo(preconditioner="eigenvalue_corrected", root_method="newton")
+    # a singular matrix without epsilon: the higher-order method's accuracy check rejects it
+    assert torch.isnan(opttx.matrix_inverse_root(torch.zeros(3, 3), 2, 0.0, "higher_order")).all()
 
 
 def test_rank_deficient_factor_keeps_the_old_root_without_nan() -> None:

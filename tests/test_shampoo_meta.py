@@ -370,3 +370,102 @@ def test_rank_deficient_stability_configs_equal_meta(mode, dtype) -> None:
         ours = opttx.apply_updates(ours, u)
     assert max(displacement_gaps(ours, theirs, tree).values()) <= \
         (1e-8 if dtype == torch.float64 else 1e-5)
+
+
+def root_configs():
+    """Meta's iterative root-inverse configs and opttx.shampoo's arguments for each."""
+    from distributed_shampoo.preconditioner.matrix_functions_types import (
+        CoupledHigherOrderConfig, CoupledNewtonConfig)
+    newton = st.tuples(st.sampled_from([None, 7, 100]), st.sampled_from([None, 1e-10, 1e-4])
+                       ).map(lambda it_tol: (
+                           CoupledNewtonConfig(**{k: v for k, v in zip(
+                               ("max_iterations", "tolerance"), it_tol) if v is not None}),
+                           dict(root_method="newton", root_max_iterations=it_tol[0],
+                                root_tolerance=it_tol[1])))
+    higher = st.tuples(st.sampled_from([2, 3, 4]), st.sampled_from([0.0, 1e-5]),
+                       st.sampled_from([0.0, 1e-6]), st.sampled_from([1e-8, 1e-20])
+                       ).map(lambda a: (
+                           CoupledHigherOrderConfig(order=a[0], rel_epsilon=a[1],
+                                                    abs_epsilon=a[2], tolerance=a[3]),
+                           dict(root_method="higher_order", root_order=a[0],
+                                root_rel_epsilon=a[1], root_abs_epsilon=a[2],
+                                root_tolerance=a[3])))
+    return st.one_of(newton, higher)
+
+
+def run_meta_root(tree: dict, grads: list[dict], root_config, epsilon: float, override,
+                  dtype: torch.dtype) -> dict:
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in tree.items()}
+    opt = ds.DistributedShampoo(
+        list(params.values()), lr=LR, betas=(0.9, 0.999), epsilon=epsilon,
+        max_preconditioner_dim=6, precondition_frequency=2, start_preconditioning_step=2,
+        grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
+        preconditioner_config=ds.RootInvShampooPreconditionerConfig(
+            factor_matrix_dtype=dtype, inv_factor_matrix_dtype=dtype,
+            inverse_exponent_override=override or {},
+            amortized_computation_config=root_config))
+    for g in grads:
+        for k, p in params.items():
+            p.grad = g[k].clone()
+        opt.step()
+    return {k: p.detach() for k, p in params.items()}
+
+
+def opttx_root_shampoo(options: dict, epsilon: float, override, dtype: torch.dtype):
+    return opttx.shampoo(LR, betas=(0.9, 0.999), epsilon=epsilon, max_preconditioner_dim=6,
+                         precondition_frequency=2, start_preconditioning_step=2,
+                         grafting="adam", grafting_beta2=0.999, grafting_epsilon=1e-8,
+                         preconditioner_dtype=dtype, inverse_exponent_override=override,
+                         **options)
+
+
+@FAST
+@given(shapes_=trees, root=root_configs(), epsilon=st.sampled_from([1e-6, 1e-3]),
+       dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 2**16),
+       fractional=st.booleans())
+def test_iterative_root_methods_equal_meta(shapes_, root, epsilon, dtype, seed,
+                                           fractional) -> None:
+    """Meta's CoupledNewtonConfig and CoupledHigherOrderConfig (tolerance, iteration cap,
+    order, relative and absolute epsilon, a fractional root 5/2 for the higher-order
+    method): the same parameters as DistributedShampoo, bit for bit on CPU (asserted
+    <= 1e-8 in float64, 1e-5 in float32); a higher-order root Meta rejects (error > 0.1)
+    keeps its previous root in both."""
+    meta_config, options = root
+    override = {2: 0.4} if fractional and options["root_method"] == "higher_order" else None
+    tree, grads = draw_problem(shapes_, seed, dtype)
+    theirs = run_meta_root(tree, grads, meta_config, epsilon, override, dtype)
+    tx = opttx_root_shampoo(options, epsilon, override, dtype)
+    ours, state = tree, tx.init(tree)
+    for g in grads:
+        u, state = tx.update(g, state, ours)
+        ours = opttx.apply_updates(ours, u)
+    assert max(displacement_gaps(ours, theirs, tree).values()) <= \
+        (1e-8 if dtype == torch.float64 else 1e-5)
+
+
+@pytest.mark.parametrize("options", [dict(root_method="newton"),
+                                     dict(root_method="higher_order", root_rel_epsilon=1e-5)])
+def test_iterative_roots_compile_into_one_graph_with_the_eager_iterates(options) -> None:
+    """The data-dependent iteration count is a torch.while_loop inside the compiled step:
+    one graph, no break, and the same parameters as eager mode (aot_eager)."""
+    from torch._dynamo.testing import CompileCounter
+    tree, grads = draw_problem({"m": (6, 5), "v": (4,)}, 3, torch.float32)
+    tx = opttx_root_shampoo(options, 1e-6, None, torch.float32)
+    eager, compiled = tree, tree
+    s_eager, s_compiled = tx.init(tree), tx.init(tree)
+    for g in grads:
+        u, s_eager = tx.update(g, s_eager, eager)
+        eager = opttx.apply_updates(eager, u)
+    torch._dynamo.reset()
+    step = torch.compile(tx.update, backend="aot_eager", fullgraph=True)
+    for g in grads:
+        u, s_compiled = step(g, s_compiled, compiled)
+        compiled = opttx.apply_updates(compiled, u)
+    assert max(displacement_gaps(compiled, eager, tree).values()) <= 1e-6
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    counted = torch.compile(tx.update, backend=counter, fullgraph=True)
+    state = tx.init(tree)
+    for g in grads:
+        _, state = counted(g, state, tree)
+    assert counter.frame_count == 1

@@ -25,7 +25,10 @@ computation) on one device, for every grafting type (Adagrad, RMSprop, Adam, SGD
 and decoupled weight decay, bias correction on and off, ``beta3``, ``beta2 < 1``, classic
 momentum with or without Nesterov (dampening 0), any frequency and start step, blocking and
 merged dims (``max_preconditioner_dim`` an int or ``math.inf``), ``inverse_exponent_override``,
-trace scaling, and float32 or float64 factors and roots (``preconditioner_dtype`` and
+trace scaling, the rank-deficient stability configs (perturbation before or after,
+pseudo-inverse), all three root methods (``EigenConfig``, ``CoupledNewtonConfig`` and
+``CoupledHigherOrderConfig`` with their tolerances, iteration caps and orders), the
+CORRECTED and INDEPENDENT weight decay types, and float32 or float64 factors and roots (``preconditioner_dtype`` and
 ``inv_factor_matrix_dtype``, Meta's ``factor_matrix_dtype`` and ``inv_factor_matrix_dtype``):
 to 1e-8 relative with float64 factors and roots, bitwise on CPU with float32 ones in the
 cases measured, rank-deficient factors with epsilon 1e-12 included (where Meta itself moves by
@@ -33,13 +36,13 @@ cases measured, rank-deficient factors with epsilon 1e-12 included (where Meta i
 that, the pieces compute what Meta computes in Meta's way: bias corrections as float32
 scalars (`meta_bias_correction`), factors and roots read from their upper triangles (Meta's
 symmetric packing), outer products in the gradient's dtype, roots in their own dtype.
-Not equal: the coupled Newton root (a fixed number of iterations here, a tolerance in Meta);
-a root that comes out non-finite (Meta raises, opttx retries in float64 and keeps the
-previous root); Meta's in-place aliasing of its filtered gradient with SGD grafting before the
-start step, ``beta3 = beta1`` and no bias correction (a Meta bug); 16-bit parameters (opttx
-keeps statistics in float32, Meta in the parameter's dtype); and Meta's options not mapped
-(eigenvalue-corrected and eigendecomposed configs, pseudo-inverse, QR iterations,
-CORRECTED/INDEPENDENT weight decay, iterate averaging).
+The eigenvalue-corrected config (SOAP) is `precondition_eigenvalue_corrected` in
+`opttx.transforms.soap`. Not equal: a root that comes out non-finite (Meta raises, opttx
+retries an ``eigh`` root in float64 and keeps the previous root); Meta's in-place aliasing of
+its filtered gradient with SGD grafting before the start step, ``beta3 = beta1`` and no bias
+correction (a Meta bug); 16-bit parameters (opttx keeps statistics in float32, Meta in the
+parameter's dtype); and Meta's options not mapped (the eigendecomposed config, KL-Shampoo,
+iterate averaging other than classic momentum, the memory saving of symmetric packing).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ from ..base import (PRECONDITION_INPUT, PRECONDITIONER, REDUCER_KEY, GradientTra
                     safe_increment, traits_of, zero_count)
 from ..kernels import cast_like, foreach, foreach_, foreach_ema, foreach_sum_of_squares
 from ..tree import (PyTree, flatten_matching, state_dtype, stats_like, tree_cond, tree_flatten,
-                    tree_map, tree_structure, tree_unflatten)
+                    tree_map, tree_structure, tree_unflatten, tree_while)
 
 __all__ = [
     "DiagonalGraftState",
@@ -235,12 +238,12 @@ def _chunks(flat: list, counts: list[int], who: str) -> list[list]:
 
 
 def matrix_inverse_root(a: torch.Tensor, root: float, epsilon: float = 0.0,
-                        method: Literal["eigh", "newton"] = "eigh",
-                        newton_iterations: int = 40,
+                        method: Literal["eigh", "newton", "higher_order"] = "eigh",
                         rank_deficient: Literal["perturb_before", "perturb_after",
                                                 "pseudo_inverse"] = "perturb_before",
-                        rank_atol: float = 0.0, rank_rtol: float | None = 0.0
-                        ) -> torch.Tensor:
+                        rank_atol: float = 0.0, rank_rtol: float | None = 0.0, *,
+                        max_iterations: int | None = None, tolerance: float | None = None,
+                        order: int = 3, rel_epsilon: float = 0.0) -> torch.Tensor:
     r""":math:`(A + \epsilon I)^{-1/r}` of a symmetric positive semi-definite matrix.
 
     ``eigh`` (Meta's default ``EigenConfig`` with its default perturbation, computed as Meta
@@ -257,8 +260,32 @@ def matrix_inverse_root(a: torch.Tensor, root: float, epsilon: float = 0.0,
     ``PseudoInverseConfig``, ``epsilon`` must be 0) sets :math:`\lambda^{-1/r}` to 0 where
     :math:`\lambda \le \max(\text{rank\_rtol} \cdot \max(\lambda_{\max}, 0),
     \text{rank\_atol})` (``rank_rtol=None``: the matrix size times the dtype's epsilon).
-    ``newton``: the coupled Newton iteration (Guo and Higham) on :math:`A + \epsilon I`, a
-    fixed number of steps so it compiles without data-dependent loops.
+
+    ``newton`` (Meta's ``CoupledNewtonConfig``; an integer ``root`` only): the coupled
+    inverse Newton iteration of Guo and Higham on :math:`B = A + \epsilon I`. With
+    :math:`\alpha = -1/r` and :math:`z = (r + 1) / (2 \lVert B\rVert_F)`,
+
+    .. math::
+        X_0 = z^{1/r} I,\quad M_0 = z B,\qquad
+        M' = (1 - \alpha) I + \alpha M_k,\quad X_{k+1} = X_k M',\quad
+        M_{k+1} = M'^{\,r} M_k,
+
+    run while :math:`\lVert M_k - I\rVert_\infty >` ``tolerance`` (default 1e-6) for at most
+    ``max_iterations`` (default 100) steps; :math:`X_k \to B^{-1/r}`.
+
+    ``higher_order`` (Meta's ``CoupledHigherOrderConfig``; any rational ``root`` = p/q): the
+    same coupling with :math:`M'` the order-``order`` (default 3) Taylor polynomial of
+    :math:`M^{-1/p}` around :math:`I` (Lakić), on :math:`B = A + \max(\text{rel\_epsilon}
+    \cdot \lVert A\rVert_\infty, \epsilon) I`, started from :math:`z = 1/\mathrm{tr}(B)`
+    and one Newton step; it stops at ``tolerance`` (default 1e-8), after ``max_iterations``
+    (default 100), or as soon as the error stagnates or grows by more than 1.2×; then
+    :math:`X^q`. A result with :math:`\lVert B X^p - I\rVert_\infty > 0.1` is rejected
+    (returned as NaN: where Meta raises ``ArithmeticError``, and its preconditioner keeps the
+    previous root, `precondition_shampoo` sees a non-finite root and does the same). Meta
+    turns TF32 matmuls off for this method; here they follow torch's global setting.
+
+    The iterations have a data-dependent number of steps: a Python loop in eager mode (the
+    iterates are Meta's, bit for bit) and ``torch.while_loop`` under ``torch.compile``.
 
     Non-finite results (for example :math:`\epsilon = 0` and a singular :math:`A`) are the
     caller's to detect; `precondition_shampoo` keeps the previous root then.
@@ -271,54 +298,136 @@ def matrix_inverse_root(a: torch.Tensor, root: float, epsilon: float = 0.0,
     """
     if a.shape[-1] == 0:                 # the factor of an empty dim: nothing to invert
         return a.clone()
+    if method == "eigh":
+        return _inverse_root_eigh(a, root, epsilon, rank_deficient, rank_atol, rank_rtol)
+    if method == "newton":
+        return _inverse_root_newton(a, root, epsilon, 100 if max_iterations is None
+                                    else max_iterations, 1e-6 if tolerance is None else tolerance)
+    if method == "higher_order":
+        return _inverse_root_higher_order(
+            a, root, epsilon, rel_epsilon, 100 if max_iterations is None else max_iterations,
+            1e-8 if tolerance is None else tolerance, order)
+    raise ValueError(f"root method must be 'eigh', 'newton' or 'higher_order', got {method!r}.")
+
+
+def _inverse_root_eigh(a: torch.Tensor, root: float, epsilon: float, rank_deficient: str,
+                       rank_atol: float, rank_rtol: float | None) -> torch.Tensor:
+    """`matrix_inverse_root` by an eigendecomposition (Meta's ``EigenConfig``)."""
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
     # Meta's exponent: -1 / Fraction(root), a float64 division of the exact root
     power = -1.0 / Fraction(root)
-    if method == "eigh":
-        if rank_deficient == "pseudo_inverse":
-            if epsilon != 0:
-                raise ValueError(f"epsilon={epsilon} must be 0 with the pseudo-inverse.")
-            eigenvalues, eigenvectors = torch.linalg.eigh(a)
-            rtol = eigenvalues.numel() * torch.finfo(eigenvalues.dtype).eps \
-                if rank_rtol is None else rank_rtol
-            cutoff = torch.clamp(rtol * eigenvalues.max().relu(), min=rank_atol)
-            inverse = torch.where(eigenvalues <= cutoff, torch.zeros_like(eigenvalues),
-                                  eigenvalues.pow(power))
-            return eigenvectors * inverse.unsqueeze(0) @ eigenvectors.T
-        if rank_deficient not in ("perturb_before", "perturb_after"):
-            raise ValueError("rank_deficient must be 'perturb_before', 'perturb_after' or "
-                             f"'pseudo_inverse', got {rank_deficient!r}.")
-        before = rank_deficient == "perturb_before"
-        if isinstance(epsilon, torch.Tensor):       # injected: may change, always added
-            ridge = a + epsilon.to(a.dtype) * eye if before else a
-        else:
-            ridge = a.add(eye, alpha=epsilon) if (epsilon and before) else a
-        eigenvalues, eigenvectors = torch.linalg.eigh(ridge)
-        smallest = eigenvalues.min()
-        if before:
-            eigenvalues = torch.where(smallest < epsilon, (eigenvalues - smallest) + epsilon,
-                                      eigenvalues)
-        else:
-            eigenvalues = (eigenvalues - torch.clamp(smallest, max=0.0)) + epsilon
-        return eigenvectors * eigenvalues.pow(power).unsqueeze(0) @ eigenvectors.T
-    if method != "newton":
-        raise ValueError(f"root method must be 'eigh' or 'newton', got {method!r}.")
-    a = a + epsilon * eye
-    alpha = -1.0 / root
-    z = (root + 1) / (2 * torch.linalg.matrix_norm(a))
-    x = z.pow(-alpha) * eye
-    m = z * a
-    for _ in range(newton_iterations):
-        m_p = alpha * m + (1 - alpha) * eye
-        x = x @ m_p
-        m = torch.linalg.matrix_power(m_p, int(root)) @ m if float(root).is_integer() \
-            else _fractional_power(m_p, root) @ m
-    return x
+    if rank_deficient == "pseudo_inverse":
+        if epsilon != 0:
+            raise ValueError(f"epsilon={epsilon} must be 0 with the pseudo-inverse.")
+        eigenvalues, eigenvectors = torch.linalg.eigh(a)
+        rtol = eigenvalues.numel() * torch.finfo(eigenvalues.dtype).eps \
+            if rank_rtol is None else rank_rtol
+        cutoff = torch.clamp(rtol * eigenvalues.max().relu(), min=rank_atol)
+        inverse = torch.where(eigenvalues <= cutoff, torch.zeros_like(eigenvalues),
+                              eigenvalues.pow(power))
+        return eigenvectors * inverse.unsqueeze(0) @ eigenvectors.T
+    if rank_deficient not in ("perturb_before", "perturb_after"):
+        raise ValueError("rank_deficient must be 'perturb_before', 'perturb_after' or "
+                         f"'pseudo_inverse', got {rank_deficient!r}.")
+    before = rank_deficient == "perturb_before"
+    eigenvalues, eigenvectors = torch.linalg.eigh(_ridge(a, epsilon, eye) if before else a)
+    smallest = eigenvalues.min()
+    if before:
+        eigenvalues = torch.where(smallest < epsilon, (eigenvalues - smallest) + epsilon,
+                                  eigenvalues)
+    else:
+        eigenvalues = (eigenvalues - torch.clamp(smallest, max=0.0)) + epsilon
+    return eigenvectors * eigenvalues.pow(power).unsqueeze(0) @ eigenvectors.T
 
 
-def _fractional_power(m: torch.Tensor, p: float) -> torch.Tensor:
-    eigenvalues, eigenvectors = torch.linalg.eigh(m)
-    return (eigenvectors * eigenvalues.pow(p).unsqueeze(-2)) @ eigenvectors.mT
+def _ridge(a: torch.Tensor, epsilon: float | torch.Tensor, eye: torch.Tensor) -> torch.Tensor:
+    r""":math:`A + \epsilon I`, formed as Meta forms it (``add`` with ``alpha`` for a number,
+    a product for a tensor (an injected epsilon: always added), nothing for 0)."""
+    if isinstance(epsilon, torch.Tensor):
+        return a + epsilon.to(a.dtype) * eye
+    return a.add(eye, alpha=epsilon) if epsilon else a
+
+
+def _inverse_root_newton(a: torch.Tensor, root: float, epsilon: float, max_iterations: int,
+                         tolerance: float) -> torch.Tensor:
+    """`matrix_inverse_root` by the coupled inverse Newton iteration (Meta's
+    ``CoupledNewtonConfig``), stopped at ``tolerance``."""
+    if not float(root).is_integer():
+        raise ValueError(f"root={root}: the coupled Newton iteration takes an integer root "
+                         "(as Meta's CoupledNewtonConfig); use method='higher_order'.")
+    p = int(root)
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    alpha = -1 / p
+    ridge = _ridge(a, epsilon, eye)
+    z = (p + 1) / (2 * torch.linalg.norm(ridge))
+    x, m = z ** (-alpha) * eye, z * ridge
+    error = torch.dist(m, eye, p=math.inf)
+    step = torch.zeros((), dtype=torch.int64, device=a.device)
+
+    def going(step, x, m, error):
+        return (error > tolerance) & (step < max_iterations)
+
+    def newton_step(step, x, m, error):
+        m_p = m.mul(alpha).add_(eye, alpha=1 - alpha)
+        m = torch.linalg.matrix_power(m_p, p) @ m
+        return step + 1, x @ m_p, m, torch.dist(m, eye, p=math.inf)
+
+    return tree_while(going, newton_step, (step, x, m, error))[1]
+
+
+def _lakic_coefficients(p: int, order: int) -> list[float]:
+    """The Taylor coefficients of :math:`(1 - y)^{-1/p}` up to ``order - 1`` (Lakić)."""
+    b, num, den = [1.0], 1, 1
+    for i in range(1, order):
+        num *= 1 + (i - 1) * p
+        den *= i * p
+        b.append(num / den)
+    return b
+
+
+def _inverse_root_higher_order(a: torch.Tensor, root: float, abs_epsilon: float,
+                               rel_epsilon: float, max_iterations: int, tolerance: float,
+                               order: int) -> torch.Tensor:
+    """`matrix_inverse_root` by Meta's coupled higher-order iteration
+    (``CoupledHigherOrderConfig``); NaN where its accuracy check fails."""
+    if order < 2:
+        raise ValueError(f"order={order} must be >= 2 (2 is Newton's method).")
+    frac = Fraction(root)
+    p, q = frac.numerator, frac.denominator
+    b = _lakic_coefficients(p, order)
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    s = -1 / p
+    lambda_max = torch.linalg.matrix_norm(a, math.inf)
+    ridge = a + torch.clamp(lambda_max * rel_epsilon, min=abs_epsilon) * eye
+    z = torch.reciprocal(torch.trace(ridge))
+    x, m = torch.pow(z, -s) * eye, z * ridge
+    # one Newton step first: it guarantees the higher-order iteration converges
+    m_p = m.mul(s).add_(eye, alpha=1 - s)
+    x, m = x @ m_p, torch.linalg.matrix_power(m_p, p) @ m
+    error = torch.linalg.vector_norm(m - eye, math.inf)
+    step = torch.ones((), dtype=torch.int64, device=a.device)
+    stopped = torch.zeros((), dtype=torch.bool, device=a.device)
+
+    def going(step, x, m, error, stopped):
+        return ~stopped & (error > tolerance) & (step < max_iterations)
+
+    def higher_order_step(step, x, m, error, stopped):
+        base = eye - m
+        m_p = base.mul(b[order - 1]).add_(eye, alpha=b[order - 2])
+        for i in reversed(range(order - 2)):
+            m_p = torch.addmm(eye, m_p, base, beta=b[i])
+        x, m = x @ m_p, torch.linalg.matrix_power(m_p, p) @ m
+        new_error = torch.linalg.vector_norm(m - eye, math.inf)
+        # stagnating or diverging: keep this iterate, stop (Meta's rule)
+        stop = (new_error > error * 1.2) | ((new_error == error) & (error < 1e-3))
+        return step + 1, x, m, torch.where(stop, error, new_error), stop
+
+    x = tree_while(going, higher_order_step, (step, x, m, error, stopped))[1]
+    accurate = torch.linalg.vector_norm(ridge @ torch.linalg.matrix_power(x, p) - eye,
+                                        math.inf) <= 0.1
+    if q > 1:
+        x = torch.linalg.matrix_power(x, q)
+    return torch.where(accurate & torch.isfinite(lambda_max), x, torch.full_like(x, math.nan))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,7 +485,7 @@ def meta_bias_correction(beta: float, count: torch.Tensor, shift: int = 0,
 def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
                          precondition_frequency: int = 1,
                          start_preconditioning_step: int | None = None,
-                         root_method: Literal["eigh", "newton"] = "eigh",
+                         root_method: Literal["eigh", "newton", "higher_order"] = "eigh",
                          inverse_exponent_override: float | dict | None = None,
                          preconditioner_dtype: torch.dtype = torch.float32,
                          use_bias_correction: bool = True,
@@ -387,7 +496,10 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
                          drop_weighting_factor_on_gsquare: bool = False,
                          rank_deficient: Literal["perturb_before", "perturb_after",
                                                  "pseudo_inverse"] = "perturb_before",
-                         rank_atol: float = 0.0, rank_rtol: float | None = 0.0
+                         rank_atol: float = 0.0, rank_rtol: float | None = 0.0, *,
+                         root_max_iterations: int | None = None,
+                         root_tolerance: float | None = None, root_order: int = 3,
+                         root_rel_epsilon: float = 0.0, root_abs_epsilon: float | None = None
                          ) -> GradientTransformation:
     r"""Shampoo's Kronecker-factored preconditioner, applied to every leaf (block) as a whole.
 
@@ -443,8 +555,15 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
       epsilon: :math:`\epsilon` added to the diagonal before the root.
       precondition_frequency: recompute roots every this many steps.
       start_preconditioning_step: first step that uses the roots (default: the frequency).
-      root_method: ``"eigh"`` (default) or ``"newton"`` (coupled Newton iteration, a fixed
-        number of steps; Meta's stops at a tolerance).
+      root_method: ``"eigh"`` (default, Meta's ``EigenConfig``), ``"newton"`` (Meta's
+        ``CoupledNewtonConfig``) or ``"higher_order"`` (Meta's ``CoupledHigherOrderConfig``);
+        see `matrix_inverse_root`. The iterative methods stop at ``root_tolerance`` or after
+        ``root_max_iterations`` (defaults: Meta's, 1e-6 / 1e-8 and 100); ``root_order`` is the
+        higher-order method's order; it adds :math:`\max(\text{root\_rel\_epsilon} \cdot
+        \lVert A\rVert_\infty, \text{root\_abs\_epsilon})\, I` (``root_abs_epsilon=None``:
+        ``epsilon``) where the others add :math:`\epsilon I` (Meta's higher-order config
+        ignores Shampoo's epsilon and has its own two). A factor whose iterative root is not
+        finite or not accurate keeps its previous root, as in Meta (no float64 retry).
       inverse_exponent_override: a number ``p``: :math:`A^{-1/p}` for every factor; or Meta's
         dict ``{order: e}`` / ``{order: {dim: e}}`` of inverse exponents :math:`e = 1/p`
         for the blocks of that order (unlisted: :math:`1/(2k)`; :math:`e = 0`: the dim is
@@ -476,7 +595,10 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
         inv_factor_matrix_dtype=inv_factor_matrix_dtype, use_trace_scaling=use_trace_scaling,
         trace_scaling_exponent=trace_scaling_exponent,
         drop_weighting_factor_on_gsquare=drop_weighting_factor_on_gsquare,
-        rank_deficient=rank_deficient, rank_atol=rank_atol, rank_rtol=rank_rtol)
+        rank_deficient=rank_deficient, rank_atol=rank_atol, rank_rtol=rank_rtol,
+        root_max_iterations=root_max_iterations, root_tolerance=root_tolerance,
+        root_order=root_order, root_rel_epsilon=root_rel_epsilon,
+        root_abs_epsilon=root_abs_epsilon)
 
     def init(params: Params) -> ShampooState:
         check_init_params(params)
@@ -508,6 +630,8 @@ class _ShampooConfig:
     use_trace_scaling: bool
     trace_scaling_exponent: float
     rank_options: dict                  # matrix_inverse_root's rank_deficient/atol/rtol
+    iteration_options: dict             # matrix_inverse_root's max_iterations/tolerance/...
+    root_epsilon: float                 # the epsilon of matrix_inverse_root
 
 
 def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int,
@@ -517,7 +641,10 @@ def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int
                     max_consecutive_failures: int, inv_factor_matrix_dtype: torch.dtype | None,
                     use_trace_scaling: bool, trace_scaling_exponent: float,
                     drop_weighting_factor_on_gsquare: bool, rank_deficient: str,
-                    rank_atol: float, rank_rtol: float | None) -> _ShampooConfig:
+                    rank_atol: float, rank_rtol: float | None,
+                    root_max_iterations: int | None = None, root_tolerance: float | None = None,
+                    root_order: int = 3, root_rel_epsilon: float = 0.0,
+                    root_abs_epsilon: float | None = None) -> _ShampooConfig:
     """Validate `precondition_shampoo`'s arguments and resolve them into a `_ShampooConfig`."""
     check_unit_interval("beta2", beta2, closed_right=True)
     check_nonnegative("epsilon", epsilon)
@@ -544,6 +671,25 @@ def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int
     if rank_deficient not in ("perturb_before", "perturb_after", "pseudo_inverse"):
         raise ValueError("rank_deficient must be 'perturb_before', 'perturb_after' or "
                          f"'pseudo_inverse', got {rank_deficient!r}.")
+    if root_method not in ("eigh", "newton", "higher_order"):
+        raise ValueError("root_method must be 'eigh', 'newton' or 'higher_order', got "
+                         f"{root_method!r}.")
+    if root_method != "eigh" and rank_deficient != "perturb_before":
+        raise ValueError(f"rank_deficient={rank_deficient!r} is a setting of the 'eigh' root "
+                         f"method (Meta's EigenConfig), not of {root_method!r}.")
+    if root_max_iterations is not None:
+        check_positive_int("root_max_iterations", root_max_iterations)
+    if root_tolerance is not None:
+        check_nonnegative("root_tolerance", root_tolerance)
+    if root_method == "higher_order" and (not isinstance(root_order, int) or root_order < 2):
+        raise ValueError(f"root_order={root_order!r} must be an int >= 2 (2: Newton).")
+    check_nonnegative("root_rel_epsilon", root_rel_epsilon)
+    if root_abs_epsilon is not None:
+        check_nonnegative("root_abs_epsilon", root_abs_epsilon)
+    iteration_options = {} if root_method == "eigh" else dict(
+        max_iterations=root_max_iterations, tolerance=root_tolerance)
+    if root_method == "higher_order":
+        iteration_options.update(order=root_order, rel_epsilon=root_rel_epsilon)
     return _ShampooConfig(
         beta2=beta2, epsilon=epsilon, precondition_frequency=precondition_frequency,
         start=start, root_method=root_method,
@@ -557,7 +703,10 @@ def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int
         max_consecutive_failures=max_consecutive_failures, use_trace_scaling=use_trace_scaling,
         trace_scaling_exponent=trace_scaling_exponent,
         rank_options=dict(rank_deficient=rank_deficient, rank_atol=rank_atol,
-                          rank_rtol=rank_rtol))
+                          rank_rtol=rank_rtol) if root_method == "eigh" else {},
+        iteration_options=iteration_options,
+        root_epsilon=root_abs_epsilon if root_method == "higher_order"
+        and root_abs_epsilon is not None else epsilon)
 
 
 def _roots_of_order(order: int, override: float | dict | None) -> list[float | None]:
@@ -630,8 +779,9 @@ def _root_inputs(factors: list[tuple], count: torch.Tensor, cfg: _ShampooConfig
 def _root_of(a: torch.Tensor, p: float, dtype: torch.dtype, cfg: _ShampooConfig
              ) -> torch.Tensor:
     """The inverse ``p``-th root of ``a``, cast to ``dtype``, read from its upper triangle."""
-    return _from_upper(matrix_inverse_root(a, p, cfg.epsilon, cfg.root_method,
-                                           **cfg.rank_options).to(dtype))
+    return _from_upper(matrix_inverse_root(a, p, cfg.root_epsilon, cfg.root_method,
+                                           **cfg.rank_options, **cfg.iteration_options
+                                           ).to(dtype))
 
 
 def _retry_in_float64(inputs: list[tuple[torch.Tensor, torch.Tensor]], exps: list[float],
@@ -664,9 +814,10 @@ def _compute_roots(factors: list[tuple], old_roots: list[tuple], count: torch.Te
         fresh.append(r)
         ok.append(finite_in & torch.isfinite(r).all())
     flat_old = [r for rs in old_roots for r in rs]
-    if cfg.preconditioner_dtype != torch.float64 and fresh:
-        # float64 retry of the failed factors only: in eager mode a Python branch per
-        # factor, compiled one torch.cond that runs when any factor failed
+    if cfg.preconditioner_dtype != torch.float64 and fresh and cfg.root_method == "eigh":
+        # float64 retry of the failed factors only (Meta's retry_double_precision of its
+        # eigendecomposition): in eager mode a Python branch per factor, compiled one
+        # torch.cond that runs when any factor failed
         all_ok = torch.stack(ok).all()
         fresh, ok = tree_cond(~all_ok, lambda r, o: _retry_in_float64(inputs, exps, r, o, cfg),
                               lambda r, o: (r, o), (fresh, ok))
