@@ -29,8 +29,9 @@ Examples:
   python benchmarks/shampoo_step.py --device cuda  # on a GPU (timed with CUDA events)
   python benchmarks/shampoo_step.py --quick --references  # + Meta, heavyball, SOAP rows
 
-``--references`` adds rows, in the same run on the same model and batches: opttx's
-eigenvalue-corrected Shampoo (``shampoo(..., preconditioner="eigenvalue_corrected")``, the
+``--references`` adds rows, in the same run on the same model and batches: opttx.shampoo
+with ``use_symmetric_packing=True`` (compiled; factors and roots stored as packed upper
+triangles, as Meta's default), opttx's eigenvalue-corrected Shampoo (``shampoo(..., preconditioner="eigenvalue_corrected")``, the
 same settings) and ``opttx.soap`` (b1 0.9, b2 = shampoo_beta 0.999, eps 1e-8, no weight
 decay, same frequency, max_precond_dim 1024), each compiled and eager (the same step function
 called without ``torch.compile``), ``shampoo`` eager too; and, as torch.optim-style optimizers
@@ -186,7 +187,9 @@ def reference_runs(a: argparse.Namespace, cfg: GPTConfig, device: torch.device,
     on_freq = lambda i: i % freq == 0 and i >= freq  # noqa: E731
     after_adam = lambda i: i > 1 and (i - 1) % freq == 0  # noqa: E731  (call 1 builds bases)
     runs = [make_run("shampoo-eager", opttx.shampoo(lr, **shampoo_kw), cfg, a.seed, device,
-                     compiled=False)]
+                     compiled=False),
+            make_run("shampoo-packed", opttx.shampoo(lr, use_symmetric_packing=True,
+                                                     **shampoo_kw), cfg, a.seed, device)]
     for suffix, compiled in (("", True), ("-eager", False)):
         runs.append(make_run("shampoo-ec" + suffix, opttx.shampoo(
             lr, preconditioner="eigenvalue_corrected", **shampoo_kw), cfg, a.seed, device,

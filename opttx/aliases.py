@@ -881,7 +881,8 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
             ignored_basis_change_dims: dict | None = None,
             root_max_iterations: int | None = None, root_tolerance: float | None = None,
             root_order: int = 3, root_rel_epsilon: float = 0.0,
-            root_abs_epsilon: float | None = None) -> GradientTransformation:
+            root_abs_epsilon: float | None = None,
+            use_symmetric_packing: bool = False) -> GradientTransformation:
     r"""Shampoo as Meta's Distributed Shampoo computes it, composed from transforms.
 
     ``block_by_dims(chain(graft(grafted method, precondition_shampoo, beta1),
@@ -912,6 +913,9 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
         max_iterations, tolerance, order)`` is ``root_method="higher_order"`` with
         ``root_rel_epsilon``, ``root_abs_epsilon``, ``root_max_iterations``,
         ``root_tolerance``, ``root_order``.
+      use_symmetric_packing: Meta's option (its default True): factors and roots stored as
+        packed upper triangles, about half the state; the same numbers (see
+        `precondition_shampoo`). Root-inverse preconditioner only.
       inv_factor_matrix_dtype, beta3, use_trace_scaling, trace_scaling_exponent,
         inverse_exponent_override, drop_weighting_factor_on_gsquare (of the Shampoo factors):
         Meta's options of these names
@@ -986,10 +990,11 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
                          f"{preconditioner!r}.")
     if preconditioner == "eigenvalue_corrected":
         if root_method != "eigh" or root_max_iterations is not None \
-                or root_tolerance is not None or root_rel_epsilon or root_abs_epsilon is not None:
-            raise ValueError("root_method and the root_* options set the root-inverse "
-                             "preconditioner; the eigenvalue-corrected one takes "
-                             "eigendecomposition=, qr_iterations=, "
+                or root_tolerance is not None or root_rel_epsilon \
+                or root_abs_epsilon is not None or use_symmetric_packing:
+            raise ValueError("root_method, the root_* options and use_symmetric_packing set "
+                             "the root-inverse preconditioner; the eigenvalue-corrected one "
+                             "takes eigendecomposition=, qr_iterations=, "
                              "eigendecomposition_tolerance=.")
         direction = precondition_eigenvalue_corrected(
             beta2, epsilon, precondition_frequency, start, **_eigenvalue_corrected_options(
@@ -1012,7 +1017,8 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
                                          root_max_iterations=root_max_iterations,
                                          root_tolerance=root_tolerance, root_order=root_order,
                                          root_rel_epsilon=root_rel_epsilon,
-                                         root_abs_epsilon=root_abs_epsilon)
+                                         root_abs_epsilon=root_abs_epsilon,
+                                         use_symmetric_packing=use_symmetric_packing)
     links: list[GradientTransformation] = [
         graft(magnitudes[grafting](), direction, graft_start, beta1, use_bias_correction,
               rescale=grafting is not None, beta3=beta3)]

@@ -136,6 +136,9 @@ CASES: list[Case] = [
     # (torch.while_loop when compiled)
     case("shampoo/higher_order", opttx.shampoo, learning_rate=LR, max_preconditioner_dim=4,
          root_method="higher_order", root_rel_epsilon=1e-5, stacked=_VMAP_COND),
+    # factors and roots as packed upper triangles (1-D state leaves)
+    case("shampoo/packed", opttx.shampoo, learning_rate=LR, max_preconditioner_dim=4,
+         use_symmetric_packing=True, stacked=_VMAP_COND),
     # a large epsilon: the factors of a few steps are rank-deficient, their null-space basis
     # is eigh's choice (another one when batched under stacked), and the rounding noise of
     # the gradient along it is divided by sqrt(nu) + epsilon

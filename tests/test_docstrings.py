@@ -34,6 +34,7 @@ NEEDS_PROCESS_GROUP = {
     "opttx.distributed.owners.plan_owners", "opttx.distributed.shapes.global_factor_axes",
     "opttx.distributed.sharded.sharded", "opttx.distributed.specs.Shard",
     "opttx.distributed.zero.zero", "opttx.testing.MeshDim", "opttx.testing.assert_shard_invariant",
+    "opttx.testing.exit_rank",
     "opttx.testing.bind_mesh", "opttx.testing.sharding_specs", "opttx.testing.spawn_ranks",
 }
 

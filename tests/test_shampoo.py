@@ -10,7 +10,9 @@ import torch
 from hypothesis import given, strategies as st
 
 import opttx
+from opttx.bench.memory import tensor_bytes
 from opttx.testing import assert_trees_close, gradient_stream, param_trees, run_transform
+from opttx.tree import tree_leaves
 
 NEVER = 10**6   # a start step the tests never reach
 
@@ -391,3 +393,37 @@ def test_graft_refuses_a_transform_that_ignores_the_filtered_gradient() -> None:
     opttx.graft(opttx.scale_by_adam(), opttx.precondition_shampoo(), beta1=0.0)
     blocked = opttx.block_by_dims(opttx.precondition_shampoo(), 4)
     opttx.graft(opttx.scale_by_rms(), blocked, beta1=0.9)      # blocking keeps the trait
+
+
+@given(n=st.integers(0, 9), seed=st.integers(0, 2**16))
+def test_pack_symmetric_round_trip(n, seed) -> None:
+    m = torch.randn(n, n, generator=torch.Generator().manual_seed(seed))
+    m = m + m.T
+    packed = opttx.pack_symmetric(m)
+    assert packed.shape == (n * (n + 1) // 2,)
+    assert torch.equal(opttx.unpack_symmetric(packed), m)
+
+
+@pytest.mark.parametrize("kw", [{}, {"root_method": "newton"},
+                                {"inverse_exponent_override": {2: {0: 0.0}}},
+                                {"momentum": 0.5, "grafting": None}])
+def test_symmetric_packing_is_lossless_and_halves_the_matrices(kw) -> None:
+    """Packed factors and roots give the same parameters bit for bit; each (d, d) matrix
+    of the state keeps d (d + 1) / 2 entries."""
+    tree = {"m": torch.randn(6, 5), "v": torch.randn(9), "t": torch.randn(2, 3, 4)}
+    grads = gradient_stream(tree, 6, seed=1)
+    args = dict(betas=(0.9, 0.999), grafting="adam", max_preconditioner_dim=8,
+                precondition_frequency=2, epsilon=1e-6)
+    runs = {}
+    for packed in (False, True):
+        tx = opttx.shampoo(1e-2, **{**args, **kw}, use_symmetric_packing=packed)
+        runs[packed] = run_transform(tx, tree, grads)
+    (p_full, s_full), (p_packed, s_packed) = runs[False], runs[True]
+    assert all(torch.equal(p_full[k], p_packed[k]) for k in tree)
+    # the square leaves of the unpacked state are the factors and roots (no other state
+    # leaf of these blocks is square); packing keeps d (d + 1) / 2 of their d^2 entries
+    squares = [x for x in tree_leaves(s_full) if x.dim() == 2 and x.shape[0] == x.shape[1]]
+    saved = sum((x.shape[0] ** 2 - x.shape[0] * (x.shape[0] + 1) // 2) * x.element_size()
+                for x in squares)
+    assert saved > 0
+    assert tensor_bytes(s_full) - tensor_bytes(s_packed) == saved

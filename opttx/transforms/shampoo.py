@@ -77,8 +77,10 @@ __all__ = [
     "matrix_inverse_root",
     "merge_small_dims",
     "meta_bias_correction",
+    "pack_symmetric",
     "precondition_shampoo",
     "scale_by_grafted_diagonal",
+    "unpack_symmetric",
 ]
 
 
@@ -440,7 +442,9 @@ class ShampooState(NamedTuple):
     count: torch.Tensor     # shape (), int32: steps taken
     failures: torch.Tensor  # shape (), int32: consecutive root computations that failed
     factors: PyTree         # per block: tuple of (d_k, d_k) Kronecker factors, one per dim
+                            # (packed upper triangles, (d_k (d_k + 1) / 2,), when packing)
     roots: PyTree           # per block: tuple of (d_k, d_k) inverse roots of the factors
+                            # (packed likewise)
     __roles__ = declare_roles(count=Role.COUNT, factors=Role.FACTOR_MATRIX,
                               roots=Role.FACTOR_MATRIX)
 
@@ -457,6 +461,31 @@ def _from_upper(m: torch.Tensor) -> torch.Tensor:
     """The symmetric matrix whose upper triangle is that of ``m`` (what Meta's packed
     storage of factors and roots keeps)."""
     return torch.triu(m) + torch.triu(m, diagonal=1).mT
+
+
+def pack_symmetric(m: torch.Tensor) -> torch.Tensor:
+    """The upper triangle of a ``(d, d)`` matrix, row by row: a vector of
+    :math:`d(d+1)/2` entries (Meta's ``pack_upper_triangular`` layout)."""
+    rows, cols = torch.triu_indices(m.shape[-1], m.shape[-1], device=m.device)
+    return m[..., rows, cols]
+
+
+def unpack_symmetric(v: torch.Tensor, d: int | None = None) -> torch.Tensor:
+    """The symmetric ``(d, d)`` matrix whose upper triangle `pack_symmetric` gave (``d``
+    derived from the length when not given)."""
+    if d is None:
+        n = v.shape[-1]
+        if torch.compiler.is_compiling():      # isqrt cannot take a traced size
+            d = 0
+            while d * (d + 1) // 2 < n:
+                d += 1
+        else:
+            d = (math.isqrt(8 * n + 1) - 1) // 2
+    # one gather: entry (i, j) is packed entry a d - a (a - 1) / 2 + (b - a) with a = min(i, j),
+    # b = max(i, j) (index arithmetic a compiler fuses into the gather, no scatter)
+    i = torch.arange(d, device=v.device)
+    a, b = torch.minimum(i[:, None], i[None, :]), torch.maximum(i[:, None], i[None, :])
+    return v[..., a * d - a * (a - 1) // 2 + (b - a)]
 
 
 def _apply_roots(x: torch.Tensor, roots: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -499,8 +528,8 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
                          rank_atol: float = 0.0, rank_rtol: float | None = 0.0, *,
                          root_max_iterations: int | None = None,
                          root_tolerance: float | None = None, root_order: int = 3,
-                         root_rel_epsilon: float = 0.0, root_abs_epsilon: float | None = None
-                         ) -> GradientTransformation:
+                         root_rel_epsilon: float = 0.0, root_abs_epsilon: float | None = None,
+                         use_symmetric_packing: bool = False) -> GradientTransformation:
     r"""Shampoo's Kronecker-factored preconditioner, applied to every leaf (block) as a whole.
 
     For a block :math:`G` of order :math:`k` and each dim :math:`i`,
@@ -578,6 +607,11 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
         :math:`\beta_2 < 1`, and no bias correction.
       rank_deficient, rank_atol, rank_rtol: how singular factors are handled (see
         `matrix_inverse_root`; ``"pseudo_inverse"`` needs ``epsilon=0``).
+      use_symmetric_packing: keep factors and roots as their packed upper triangles
+        (`pack_symmetric`, :math:`d(d+1)/2` entries instead of :math:`d^2`; Meta's
+        ``use_symmetric_packing``). Lossless: the numbers are the same bit for bit, as the
+        unpacked matrices are read from their upper triangles anyway; each step unpacks them
+        into temporaries.
 
     Example:
       >>> tx = opttx.block_by_dims(opttx.precondition_shampoo(epsilon=1e-12), 1024)
@@ -598,7 +632,7 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
         rank_deficient=rank_deficient, rank_atol=rank_atol, rank_rtol=rank_rtol,
         root_max_iterations=root_max_iterations, root_tolerance=root_tolerance,
         root_order=root_order, root_rel_epsilon=root_rel_epsilon,
-        root_abs_epsilon=root_abs_epsilon)
+        root_abs_epsilon=root_abs_epsilon, symmetric_packing=use_symmetric_packing)
 
     def init(params: Params) -> ShampooState:
         check_init_params(params)
@@ -632,6 +666,7 @@ class _ShampooConfig:
     rank_options: dict                  # matrix_inverse_root's rank_deficient/atol/rtol
     iteration_options: dict             # matrix_inverse_root's max_iterations/tolerance/...
     root_epsilon: float                 # the epsilon of matrix_inverse_root
+    symmetric_packing: bool             # factors and roots kept as packed upper triangles
 
 
 def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int,
@@ -644,7 +679,8 @@ def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int
                     rank_atol: float, rank_rtol: float | None,
                     root_max_iterations: int | None = None, root_tolerance: float | None = None,
                     root_order: int = 3, root_rel_epsilon: float = 0.0,
-                    root_abs_epsilon: float | None = None) -> _ShampooConfig:
+                    root_abs_epsilon: float | None = None,
+                    symmetric_packing: bool = False) -> _ShampooConfig:
     """Validate `precondition_shampoo`'s arguments and resolve them into a `_ShampooConfig`."""
     check_unit_interval("beta2", beta2, closed_right=True)
     check_nonnegative("epsilon", epsilon)
@@ -706,7 +742,7 @@ def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int
                           rank_rtol=rank_rtol) if root_method == "eigh" else {},
         iteration_options=iteration_options,
         root_epsilon=root_abs_epsilon if root_method == "higher_order"
-        and root_abs_epsilon is not None else epsilon)
+        and root_abs_epsilon is not None else epsilon, symmetric_packing=symmetric_packing)
 
 
 def _roots_of_order(order: int, override: float | dict | None) -> list[float | None]:
@@ -740,21 +776,43 @@ def _identity_roots(x: torch.Tensor, cfg: _ShampooConfig) -> tuple:
 def _init_shampoo(params: Params, cfg: _ShampooConfig) -> ShampooState:
     """The state of `precondition_shampoo` for ``params``: zero factors, identity roots."""
     count = zero_count(params)
+    stored = _packed if cfg.symmetric_packing else (lambda ms: ms)
     return ShampooState(count=count, failures=torch.zeros_like(count),
-                        factors=tree_map(lambda x: _zero_factors(x, cfg), params),
-                        roots=tree_map(lambda x: _identity_roots(x, cfg), params))
+                        factors=tree_map(lambda x: stored(_zero_factors(x, cfg)), params),
+                        roots=tree_map(lambda x: stored(_identity_roots(x, cfg)), params))
+
+
+def _packed(matrices: tuple) -> tuple:
+    return tuple(pack_symmetric(m) for m in matrices)
+
+
+def _unpacked(vectors: tuple, block: torch.Tensor) -> tuple:
+    """The full factors (or roots) of ``block`` from their packed triangles."""
+    shape = block.shape or (1,)
+    return tuple(unpack_symmetric(v, shape[k] if v.shape[0] else 0)
+                 for k, v in enumerate(vectors))
 
 
 def _update_factors(g: torch.Tensor, factors: tuple, cfg: _ShampooConfig) -> tuple:
     """One block's factors after the gradient ``g``: L_k <- beta2 L_k + w G (x)_k G."""
     # Meta contracts in the gradient's dtype (float32 at least here, for 16-bit gradients),
-    # then L *= beta2 (when beta2 != 1), L += w * outer in L's dtype
+    # then L *= beta2 (when beta2 != 1), L += w * outer in L's dtype. Never hand a bare
+    # matmul to add(..., alpha=w): Inductor (torch 2.13, CPU) rewrites add(x, mm, alpha) into
+    # addmm and drops alpha; _from_upper in _contract_factor stands between them. Packed
+    # factors take in the packed triangle of the contraction (the same entries).
     g = g.reshape(g.shape or (1,)).to(state_dtype(g))
-    return tuple(
-        f if f.shape[0] != g.shape[k] else       # a dim not preconditioned
-        torch.add(f * cfg.beta2 if cfg.beta2 != 1 else f, _contract_factor(g, k),
-                  alpha=cfg.weight).to(f.dtype)
-        for k, f in enumerate(factors))
+    out = []
+    for k, f in enumerate(factors):
+        d = g.shape[k]
+        if f.shape[0] != (d * (d + 1) // 2 if cfg.symmetric_packing else d):
+            out.append(f)                        # a dim not preconditioned: (0, 0) or (0,)
+            continue
+        outer = _contract_factor(g, k)
+        if cfg.symmetric_packing:
+            outer = pack_symmetric(outer)
+        out.append(torch.add(f * cfg.beta2 if cfg.beta2 != 1 else f, outer,
+                             alpha=cfg.weight).to(f.dtype))
+    return tuple(out)
 
 
 def _root_inputs(factors: list[tuple], count: torch.Tensor, cfg: _ShampooConfig
@@ -778,10 +836,11 @@ def _root_inputs(factors: list[tuple], count: torch.Tensor, cfg: _ShampooConfig
 
 def _root_of(a: torch.Tensor, p: float, dtype: torch.dtype, cfg: _ShampooConfig
              ) -> torch.Tensor:
-    """The inverse ``p``-th root of ``a``, cast to ``dtype``, read from its upper triangle."""
-    return _from_upper(matrix_inverse_root(a, p, cfg.root_epsilon, cfg.root_method,
-                                           **cfg.rank_options, **cfg.iteration_options
-                                           ).to(dtype))
+    """The inverse ``p``-th root of ``a``, cast to ``dtype``, read from its upper triangle
+    (kept as that packed triangle with ``use_symmetric_packing``)."""
+    root = matrix_inverse_root(a, p, cfg.root_epsilon, cfg.root_method, **cfg.rank_options,
+                               **cfg.iteration_options).to(dtype)
+    return pack_symmetric(root) if cfg.symmetric_packing else _from_upper(root)
 
 
 def _retry_in_float64(inputs: list[tuple[torch.Tensor, torch.Tensor]], exps: list[float],
@@ -861,10 +920,14 @@ def _update_shampoo(updates: Updates, state: ShampooState, target: Updates,
     new_factors = [_update_factors(gi, fs, cfg) for gi, fs in zip(g, factors)]
     due = ((count % cfg.precondition_frequency == 0) & (count > cfg.start)) \
         | (count == cfg.start)
+    # packed factors and roots: full matrices only where needed, as temporaries (the
+    # factors inside the root recomputation, the roots to precondition)
+    full = (lambda ms: [_unpacked(m, gi) for m, gi in zip(ms, g)]) if cfg.symmetric_packing \
+        else (lambda ms: ms)
     roots, failures = tree_cond(
-        due, lambda r, f: _recompute_roots(new_factors, r, f, count, cfg),
+        due, lambda r, f: _recompute_roots(full(new_factors), r, f, count, cfg),
         lambda r, f: (r, f), (roots, state.failures))
-    out = [_precondition(xi, rs, cfg.root_dtype) for xi, rs in zip(x, roots)]
+    out = [_precondition(xi, rs, cfg.root_dtype) for xi, rs in zip(x, full(roots))]
     factor_spec = tree_structure(state.factors)
     return tree_unflatten(out, spec), ShampooState(
         count=count, failures=failures,

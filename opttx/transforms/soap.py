@@ -89,6 +89,7 @@ class _FactorDecay:
     """The decay and weight of the factors, as `shampoo._update_factors` reads them."""
     beta2: Any
     weight: Any
+    symmetric_packing: bool = False   # SOAP keeps full factors
 
 
 @dataclass(frozen=True, eq=False)
