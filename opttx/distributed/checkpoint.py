@@ -67,6 +67,11 @@ def _owned_mask(owned: Any, n: int) -> list[bool] | None:
     if owned is None:
         return None
     if hasattr(owned, "owned") and hasattr(owned, "leaves"):       # OwnerPlan
+        if any(getattr(owned, "split", lambda: ())()):
+            raise ValueError("checkpoints of an on_owners plan that splits leaves into row "
+                             "segments (split_above_mb) are not supported: each rank holds "
+                             "rows of those leaves' state, which the keys cannot reassemble "
+                             "yet. Save with split_above_mb=None.")
         mask = list(owned.owned())
     elif hasattr(owned, "owners") and hasattr(owned, "chunks"):    # ZeroPlan
         if getattr(owned, "units", ()):

@@ -19,10 +19,17 @@ rank, runs ``tx`` there and sends each rank its piece of the update back:
 
 Two collectives per step (three with a global norm), whatever the number of leaves, all
 functional (``torch.compile`` traces them without a graph break).
+
+With ``split_above_mb`` a leaf too large for one owner is cut into one row segment per rank
+(at multiples of a blocked transform's block rows): each owner receives only the rows of its
+segment, from the pieces that hold them, and runs ``tx`` on them with the segments' statistics
+reduced across the owners, as `sharded` does for ``Shard(0)``. Shi et al.'s distributor hands
+out Shampoo's blocks the same way.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -30,8 +37,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from .._checks import check_nonnegative
 from ..base import (REDUCER_KEY, TOTALS_KEY, GradientTransformation, Params, State, Updates,
-                    current_reducer, reducer_during_init)
+                    current_reducer, reducer_during_init, traits_of)
 from ..tree import MaskedNode, PyTree, tree_paths
 from .reducer import CollectiveStats, ShardedReducer, pack_all_reduce
 from .specs import Shard
@@ -48,8 +56,12 @@ class _Leaf:
     index: int                         # position among the param leaves
     shards: tuple[Shard, ...]          # () replicated
     pieces: tuple[tuple[Coords, tuple[int, ...]], ...]  # per owner-group rank: coords, shape
-    shape: tuple[int, ...]             # the whole leaf's shape
-    owner: int                         # owner-group rank that computes it
+    shape: tuple[int, ...]             # the whole leaf's shape (of a segment: its rows)
+    owner: int                         # owner-group rank that computes it (-1: split)
+    rows: tuple[int, int] | None = None           # a segment: rows [a, b) of the whole leaf
+    row_slices: tuple[tuple[int, int], ...] = ()   # a segment: per owner-group rank, the rows
+                                                   # of its local piece that fall in it
+    segments: tuple[_Leaf, ...] = ()               # a split leaf: segment r, owned by rank r
 
     def piece_numel(self, rank: int) -> int:
         n = 1
@@ -99,6 +111,28 @@ class _Leaf:
     def _group_sizes(self) -> list[int]:
         return [dist.get_world_size(s.group) for s in self.shards]
 
+    def row_offset(self, coords: Coords) -> int:
+        """The first row (dim 0) of the whole leaf that the piece at ``coords`` holds."""
+        offset = 0
+        for level, s in enumerate(self.shards):
+            if s.dim == 0:
+                offset += sum(self.extent(coords[:level] + (c,), 0)
+                              for c in range(coords[level]))
+        return offset
+
+    def segment(self, owner: int, start: int, stop: int) -> _Leaf:
+        """The route of rows ``[start, stop)`` of this leaf to ``owner``: every piece cut to
+        the rows it holds of them (none, for a piece elsewhere along dim 0)."""
+        pieces, slices = [], []
+        for coords, shape in self.pieces:
+            first = self.row_offset(coords) if self.shards else 0
+            lo, hi = max(start, first), min(stop, first + shape[0])
+            hi = max(hi, lo)
+            pieces.append((coords, (hi - lo, *shape[1:])))
+            slices.append((lo - first, hi - first))
+        return _Leaf(self.index, self.shards, tuple(pieces), (stop - start, *self.shape[1:]),
+                     owner, rows=(start, stop), row_slices=tuple(slices))
+
     def assemble(self, by_rank: dict[int, torch.Tensor]) -> torch.Tensor:
         """The whole tensor from every rank's piece (a dict owner-group rank -> piece)."""
         by_coords = {self.pieces[r][0]: x for r, x in by_rank.items()}
@@ -135,8 +169,9 @@ class OwnerPlan:
     Attributes:
       group: the owner group (ranks among which leaves are spread).
       rank: this rank's index in it; world: its size.
-      leaves: per param leaf, its route, or None where the leaf is absent (masked).
-      loads: the summed cost of the leaves each rank owns.
+      leaves: per param leaf, its route, or None where the leaf is absent (masked); a leaf
+        split into row segments (``split_above_mb``) has owner -1 and one segment per rank.
+      loads: the summed cost of the leaves (and segments) each rank owns.
     """
     group: Any
     rank: int
@@ -145,12 +180,26 @@ class OwnerPlan:
     loads: tuple[float, ...]
 
     def owned(self) -> list[bool]:
-        """Per param leaf, whether this rank computes it."""
-        return [leaf is not None and leaf.owner == self.rank for leaf in self.leaves]
+        """Per param leaf, whether this rank computes it (or a row segment of it)."""
+        return [leaf is not None and (leaf.owner == self.rank or bool(leaf.segments))
+                for leaf in self.leaves]
 
     def owners(self) -> list[int | None]:
-        """Per param leaf, the owner-group rank that computes it (None: absent)."""
+        """Per param leaf, the owner-group rank that computes it (None: absent; -1: split
+        into row segments, segment r computed by rank r)."""
         return [None if leaf is None else leaf.owner for leaf in self.leaves]
+
+    def split(self) -> list[bool]:
+        """Per param leaf, whether it is split into row segments over the owners."""
+        return [leaf is not None and bool(leaf.segments) for leaf in self.leaves]
+
+    def routes(self) -> list[_Leaf]:
+        """The routes in a fixed order: whole leaves, and the segments of split ones."""
+        out: list[_Leaf] = []
+        for leaf in self.leaves:
+            if leaf is not None:
+                out.extend(leaf.segments or (leaf,))
+        return out
 
 
 def default_cost(shape: Sequence[int]) -> float:
@@ -176,9 +225,12 @@ def _owner_group(flat_specs: list[tuple[Shard, ...]], group: Any) -> Any:
 
 
 def make_plan(reducer: ShardedReducer, present: list[torch.Tensor | None], group: Any,
-              cost: Callable[[Sequence[int]], float], paths: list[str]) -> OwnerPlan:
+              cost: Callable[[Sequence[int]], float], paths: list[str],
+              split_above_mb: float | None = None, block_rows: int | None = None) -> OwnerPlan:
     """Resolve `OwnerPlan` for the leaves in ``present`` (None: absent): one
-    ``all_gather_object`` over the owner group; errors are raised on every rank alike."""
+    ``all_gather_object`` over the owner group; errors are raised on every rank alike.
+    Leaves larger than ``split_above_mb`` (MiB, whole) are cut into one row segment per rank
+    (at multiples of ``block_rows``) where they have enough rows."""
     from .shapes import raise_on_every_rank
     group = _owner_group(reducer.flat_specs, group)
     error: BaseException | None = None
@@ -228,19 +280,58 @@ def make_plan(reducer: ShardedReducer, present: list[torch.Tensor | None], group
             shape = pieces[0][1]
         leaves.append(_Leaf(i, shards, tuple(pieces), shape, -1))
     raise_on_every_rank(error, group)
-    # greedy: largest cost first, to the least loaded rank (ties: lowest leaf index, rank)
     loads = [0.0] * world
-    order = sorted((i for i, leaf in enumerate(leaves) if leaf is not None),
-                   key=lambda i: (-cost(leaves[i].shape), i))
+    leaves = _split_leaves(leaves, present, world, split_above_mb, block_rows, cost, loads)
+    # greedy: largest cost first, to the least loaded rank (ties: lowest leaf index, rank)
+    order = sorted((i for i, leaf in enumerate(leaves) if leaf is not None
+                    and not leaf.segments), key=lambda i: (-cost(leaves[i].shape), i))
     owners: dict[int, int] = {}
     for i in order:
         r = min(range(world), key=lambda k: (loads[k], k))
         owners[i] = r
         loads[r] += cost(leaves[i].shape)
-    final = tuple(None if leaf is None else _Leaf(leaf.index, leaf.shards, leaf.pieces,
-                                                  leaf.shape, owners[i])
-                  for i, leaf in enumerate(leaves))
+    final = tuple(None if leaf is None else leaf if leaf.segments else _Leaf(
+        leaf.index, leaf.shards, leaf.pieces, leaf.shape, owners[i])
+        for i, leaf in enumerate(leaves))
     return OwnerPlan(group, rank, world, final, tuple(loads))
+
+
+def _blocked_cost(cost: Callable[[Sequence[int]], float], block_rows: int | None
+                  ) -> Callable[[Sequence[int]], float]:
+    r"""``cost`` summed over the blocks a blocked transform (`Traits.block_rows`: Shampoo's
+    ``max_preconditioner_dim``) cuts a leaf into: a 50k x 4096 embedding costs its blocks'
+    :math:`\sum (m^3 + n^3)`, not that of one 50k x 4096 matrix."""
+    if block_rows is None or cost is None:
+        return cost
+    from ..transforms.shampoo import block_shapes
+    return lambda shape: sum(cost(b) for b in block_shapes(shape, block_rows))
+
+
+def _split_leaves(leaves: list[_Leaf | None], present: list[torch.Tensor | None], world: int,
+                  split_above_mb: float | None, block_rows: int | None,
+                  cost: Callable[[Sequence[int]], float], loads: list[float]
+                  ) -> list[_Leaf | None]:
+    """``leaves`` with those above ``split_above_mb`` cut into one row segment per rank
+    (segment r to rank r, its cost added to ``loads[r]``)."""
+    if split_above_mb is None or world < 2:
+        return leaves
+    from .shapes import row_segment_sizes
+    block = block_rows or 1
+    out = list(leaves)
+    for i, leaf in enumerate(leaves):
+        if leaf is None or not leaf.shape:
+            continue
+        nbytes = leaf.numel() * present[i].element_size()
+        if nbytes <= split_above_mb * 2**20 or -(-leaf.shape[0] // block) < world:
+            continue
+        segments, start = [], 0
+        for r, rows in enumerate(row_segment_sizes(leaf.shape[0], world, block)):
+            segments.append(leaf.segment(r, start, start + rows))
+            loads[r] += cost(segments[-1].shape)
+            start += rows
+        out[i] = _Leaf(leaf.index, leaf.shards, leaf.pieces, leaf.shape, -1,
+                       segments=tuple(segments))
+    return out
 
 
 def plan_owners(params: Params, specs: PyTree | None = None, owner_group: Any = None,
@@ -291,7 +382,7 @@ def gather_to_owners(plan: OwnerPlan, trees: list[list[torch.Tensor | None]],
     """Bring the leaves of every tree in ``trees`` (per param leaf, this rank's piece, None
     where absent) whole to their owners, in one ``all_to_all``; per tree, the whole leaves this
     rank owns (None elsewhere)."""
-    routes = [leaf for leaf in plan.leaves if leaf is not None]
+    routes = plan.routes()
     if not routes:
         return [[None] * len(plan.leaves) for _ in trees]
     dtype, device = _dtype_device([tree[leaf.index] for tree in trees for leaf in routes])
@@ -299,7 +390,7 @@ def gather_to_owners(plan: OwnerPlan, trees: list[list[torch.Tensor | None]],
     for leaf in routes:
         if leaf.shards:
             for tree in trees:
-                chunks[leaf.owner].append(tree[leaf.index])
+                chunks[leaf.owner].append(_rows_of(leaf, tree[leaf.index], plan.rank))
     recv_sizes = [sum(leaf.piece_numel(src) for leaf in routes
                       if leaf.shards and leaf.owner == plan.rank) * len(trees)
                   for src in range(plan.world)]
@@ -311,7 +402,7 @@ def gather_to_owners(plan: OwnerPlan, trees: list[list[torch.Tensor | None]],
             continue
         for t, tree in enumerate(trees):
             if not leaf.shards:
-                out[t][leaf.index] = tree[leaf.index]
+                out[t][leaf.index] = _rows_of(leaf, tree[leaf.index], plan.rank)
                 continue
             pieces = {}
             for src in range(plan.world):
@@ -323,13 +414,22 @@ def gather_to_owners(plan: OwnerPlan, trees: list[list[torch.Tensor | None]],
     return out
 
 
+def _rows_of(leaf: _Leaf, piece: torch.Tensor, rank: int) -> torch.Tensor:
+    """The rows of this rank's ``piece`` that travel on route ``leaf`` (all of them for a
+    whole leaf)."""
+    if leaf.rows is None:
+        return piece
+    lo, hi = leaf.row_slices[rank]
+    return piece[lo:hi]
+
+
 def scatter_from_owners(plan: OwnerPlan, whole: list[torch.Tensor | None],
                         like: list[torch.Tensor | None],
                         stats: CollectiveStats | None = None) -> list[torch.Tensor | None]:
     """Send every rank its piece of the whole updates its owners computed (``whole``: per
     param leaf, the owned update, None elsewhere), in one ``all_to_all``; per param leaf, this
     rank's piece, in the dtype of ``like`` (this rank's gradient piece)."""
-    routes = [leaf for leaf in plan.leaves if leaf is not None]
+    routes = plan.routes()
     if not routes:
         return [None] * len(plan.leaves)
     dtype, device = _dtype_device([like[leaf.index] for leaf in routes])
@@ -352,16 +452,23 @@ def scatter_from_owners(plan: OwnerPlan, whole: list[torch.Tensor | None],
                                    else leaf.numel())
     got = _all_to_all(chunks, recv_sizes, plan.group, dtype, device, stats)
     out: list[torch.Tensor | None] = [None] * len(plan.leaves)
+    rows: dict[int, list[torch.Tensor]] = {}        # the parts of split leaves, in row order
     offsets = [0] * plan.world
     for leaf in routes:
         ref = like[leaf.index]
         if leaf.owner == plan.rank and not leaf.shards:
-            out[leaf.index] = whole[leaf.index].to(ref.dtype)
-            continue
-        n = ref.numel()
-        src = leaf.owner
-        out[leaf.index] = got[src][offsets[src]:offsets[src] + n].view(ref.shape).to(ref.dtype)
-        offsets[src] += n
+            part = whole[leaf.index]
+        else:
+            shape = leaf.pieces[plan.rank][1] if leaf.shards else leaf.shape
+            n, src = math.prod(shape), leaf.owner
+            part = got[src][offsets[src]:offsets[src] + n].view(shape)
+            offsets[src] += n
+        if leaf.rows is None:
+            out[leaf.index] = part.to(ref.dtype)
+        else:
+            rows.setdefault(leaf.index, []).append(part)
+    for i, parts in rows.items():
+        out[i] = torch.cat(parts).to(like[i].dtype)
     return out
 
 
@@ -396,8 +503,9 @@ def _totals(plan: OwnerPlan, stats: CollectiveStats | None,
 
 
 def on_owners(tx: GradientTransformation, owner_group: Any = None,
-              cost: Callable[[Sequence[int]], float] = default_cost,
-              stats: CollectiveStats | None = None) -> GradientTransformation:
+              cost: Callable[[Sequence[int]], float] | str = default_cost,
+              stats: CollectiveStats | None = None,
+              split_above_mb: float | None = None) -> GradientTransformation:
     r"""Run ``tx`` on whole leaves, each at one owner rank; a link of a `sharded` chain.
 
     For a leaf split over the groups :math:`G_1, \dots, G_k` into pieces :math:`x^{(r)}`,
@@ -425,8 +533,22 @@ def on_owners(tx: GradientTransformation, owner_group: Any = None,
         shards the leaves when there is one, else the default group. Every sharded leaf must
         be split over exactly these ranks (one piece per rank); replicated leaves are whole
         on each of them.
-      cost: ``cost(shape) -> float``, the work of a leaf for balancing.
+      cost: ``cost(shape) -> float``, the work of a leaf for balancing (for a blocked
+        transform, summed over its blocks); or ``"state"``: the optimizer-state bytes
+        ``tx.init`` allocates for the leaf (measured once per shape on meta tensors), to
+        balance memory rather than the work of the roots.
       stats: a `CollectiveStats` to count into (default: that of the enclosing `sharded`).
+      split_above_mb: cut every leaf larger than this (MiB, whole) into one row segment
+        (dim 0) per owner-group rank instead of giving it one owner, so that a 50k x 4096
+        embedding's blocks do not all land on one rank. For blocked transforms
+        (`opttx.shampoo`: segments cut at multiples of its ``max_preconditioner_dim``,
+        `opttx.base.Traits.block_rows`, so each rank holds whole blocks, balanced by their
+        :math:`m^3+n^3`) and for element-wise, factored and layer-wise ones (statistics over
+        dim 0 reduced across the segments, as `sharded` does for ``Shard(0)``). Each rank
+        receives only the rows of its segment (from the tensor-parallel pieces that hold
+        them), so the collectives per step stay two. Transforms that need whole matrices
+        (GaLore, 8-bit states) refuse segments with a ``ValueError``; so does `on_owners` for
+        statistics across leaves (a global norm); checkpoints of a split plan are refused.
 
     It must run inside `opttx.distributed.sharded` (which knows the specs); ``sharded(tx,
     specs, on_owners=True)`` is ``sharded(on_owners(tx), specs)``. Put element-wise and
@@ -444,7 +566,18 @@ def on_owners(tx: GradientTransformation, owner_group: Any = None,
       (arXiv 2309.06497), section 4 (blocks assigned to ranks); Rajbhandari et al., ZeRO
       (arXiv 1910.02054) for partitioning optimizer state by owner.
     """
-    cfg = _OwnersConfig(tx, owner_group, cost, stats)
+    if split_above_mb is not None:
+        check_nonnegative("split_above_mb", split_above_mb)
+        if traits_of(tx).across_leaves:
+            raise ValueError(
+                "on_owners: split_above_mb with a transform that takes statistics across "
+                "leaves (a global norm, Traits.across_leaves) is not supported: every rank "
+                "holds rows of a split leaf. Split only element-wise, factored, layer-wise "
+                "and blocked chains; clip outside on_owners.")
+    if not (callable(cost) or cost == "state"):
+        raise ValueError(f"on_owners: cost must be a function of a shape or 'state', got "
+                         f"{cost!r}.")
+    cfg = _OwnersConfig(tx, owner_group, cost, stats, split_above_mb)
     plans: dict[tuple[bool, ...], OwnerPlan] = {}     # by which leaves are present
     checked: set[int] = set()                         # plans whose pieces the ranks agreed on
 
@@ -453,7 +586,8 @@ def on_owners(tx: GradientTransformation, owner_group: Any = None,
         local = _split_tree(reducer, params)
         plan = _plan_for(reducer, local, params, plans, cfg)
         whole = gather_to_owners(plan, [local], cfg.stats or reducer.stats)[0]
-        with reducer_during_init(None):          # tx sees whole leaves, as in update
+        # tx sees whole leaves (and the rows of split ones), as in update
+        with reducer_during_init(_segments_reducer(reducer, plan, cfg.stats or reducer.stats)):
             return cfg.tx.init(_masked(reducer, whole, plan.owned()))
 
     def update(updates: Updates, state: State, params: Params | None = None,
@@ -468,8 +602,9 @@ class _OwnersConfig:
     """The static settings of one `on_owners` transform (plain data)."""
     tx: GradientTransformation
     owner_group: Any                          # None: the group that shards the leaves
-    cost: Callable[[Sequence[int]], float]
+    cost: Callable[[Sequence[int]], float] | str   # a function of a shape, or "state"
     stats: CollectiveStats | None
+    split_above_mb: float | None = None       # leaves cut into row segments above this
 
 
 def _split_tree(reducer: ShardedReducer, tree: PyTree) -> list[torch.Tensor | None]:
@@ -490,8 +625,60 @@ def _plan_for(reducer: ShardedReducer, present: list[torch.Tensor | None],
             paths = [f"leaf {i}" for i in range(len(present))]
         if len(paths) != len(present):
             paths = [f"leaf {i}" for i in range(len(present))]
-        plans[key] = make_plan(reducer, present, cfg.owner_group, cfg.cost, paths)
+        block_rows = traits_of(cfg.tx).block_rows
+        cost = cfg.cost
+        if cost == "state":
+            dtype = next((x.dtype for x in present if x is not None), torch.float32)
+            cost, block_rows_cost = _state_cost(cfg.tx, dtype), None
+        else:
+            block_rows_cost = block_rows
+        plans[key] = make_plan(reducer, present, cfg.owner_group,
+                               _blocked_cost(cost, block_rows_cost), paths,
+                               cfg.split_above_mb, block_rows)
     return plans[key]
+
+
+def _state_cost(tx: GradientTransformation, dtype: torch.dtype
+                ) -> Callable[[Sequence[int]], float]:
+    """The state bytes ``tx.init`` allocates for one leaf of ``shape`` (on meta tensors; the
+    bytes it allocates for no leaf subtracted), cached per shape."""
+    from ..tree import tree_leaves
+    cache: dict[tuple[int, ...], float] = {}
+
+    def nbytes(tree: list) -> int:
+        with reducer_during_init(None):
+            state = tx.init(tree)
+        return sum(x.numel() * x.element_size() for x in tree_leaves(state)
+                   if isinstance(x, torch.Tensor))
+    base: list[int] = []
+
+    def cost(shape: Sequence[int]) -> float:
+        key = tuple(shape)
+        if key not in cache:
+            if not base:
+                base.append(nbytes([MaskedNode()]))
+            leaf = torch.empty(key, dtype=dtype, device="meta")
+            cache[key] = float(max(0, nbytes([leaf]) - base[0]))
+        return cache[key]
+    return cost
+
+
+def _segments_reducer(reducer: ShardedReducer, plan: OwnerPlan,
+                      stats: CollectiveStats | None) -> ShardedReducer | None:
+    """The reducer ``tx`` sees when the plan splits leaves into row segments: those leaves
+    are ``Shard(0)`` over the owner group (this rank's first row and the whole shapes known,
+    so blocks and factored statistics are those of the whole leaf); None otherwise."""
+    split = plan.split()
+    if not any(split):
+        return None
+    out = ShardedReducer(reducer.treespec,
+                         [(Shard(0, plan.group),) if s else () for s in split], [plan.group],
+                         stats, ndims=[len(leaf.shape) if leaf is not None else 0
+                                       for leaf in plan.leaves])
+    out.global_shapes = [leaf.shape if leaf is not None else () for leaf in plan.leaves]
+    out.row_starts = [leaf.segments[plan.rank].rows[0] if s else None
+                      for leaf, s in zip(plan.leaves, split)]
+    return out
 
 
 def _masked(reducer: ShardedReducer, leaves: list[torch.Tensor | None],
@@ -545,6 +732,9 @@ def _on_owners_update(updates: Updates, state: State, params: Params | None,
     keep = plan.owned()
     inner_extra = {k: v for k, v in extra_args.items() if k != REDUCER_KEY}
     inner_extra[TOTALS_KEY] = _totals(plan, counter, extra_args.get(TOTALS_KEY))
+    segments_reducer = _segments_reducer(reducer, plan, counter)
+    if segments_reducer is not None:            # rows of split leaves: reduced over the owners
+        inner_extra[REDUCER_KEY] = segments_reducer
     out, new_state = cfg.tx.update(_masked(reducer, whole[0], keep), state,
                                    _masked(reducer, whole[1], keep) if params is not None
                                    else None, **inner_extra)

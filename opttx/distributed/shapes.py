@@ -179,3 +179,14 @@ def global_factor_axes(params: Params, specs: PyTree | None = None,
     shapes = global_shapes(params, specs)
     meta = treespec.unflatten([torch.empty(s, device="meta") for s in shapes])
     return treespec.unflatten(factored_axes(meta, factor_axes, min_dim_size_to_factor))
+
+
+def row_segment_sizes(rows: int, world: int, block: int = 1) -> list[int]:
+    """The rows of each segment: whole blocks of ``block`` rows spread as evenly as
+    ``torch.tensor_split`` spreads rows (the extra blocks to the last ranks, so that the short
+    last block joins whole ones), the last segment ending at ``rows``."""
+    blocks = -(-rows // block)
+    counts = [blocks // world + (r >= world - blocks % world) for r in range(world)]
+    sizes = [c * block for c in counts]
+    sizes[-1] -= blocks * block - rows
+    return sizes

@@ -72,7 +72,8 @@ def _agree_on_specs(reducer: ShardedReducer) -> None:
 def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
             stats: CollectiveStats | None = None, check_sizes: bool = True,
             check_collectives: bool = False, on_owners: bool = False,
-            owner_group: Any = None) -> GradientTransformation:
+            owner_group: Any = None, split_above_mb: float | None = None
+            ) -> GradientTransformation:
     r"""Run ``tx`` on the local shards of sharded parameters, with exact statistics.
 
     Elementwise transforms need nothing: they run on the local shard as they would on the
@@ -107,6 +108,8 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
         ``ValueError`` on local shards. Two ``all_to_all`` per step.
       owner_group: with ``on_owners``, the ranks among which leaves are spread (default: the
         one group that shards the leaves, else the default group).
+      split_above_mb: with ``on_owners``, cut leaves larger than this (MiB) into one row
+        segment per owner rank (see `opttx.distributed.on_owners`).
 
     ``init`` checks the specs on every rank (tree structure, dims, group membership) and agrees
     on the outcome with one all-reduce over the default group, so a bad spec on one rank raises
@@ -148,8 +151,12 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
       Shoeybi et al., Megatron-LM (arXiv 1909.08053) for tensor-parallel sharding; Xu et al.,
       GSPMD (arXiv 2105.04663) for reductions over sharded dims.
     """
+    if split_above_mb is not None and not on_owners:
+        raise ValueError("sharded: split_above_mb cuts leaves into row segments for on_owners; "
+                         "pass on_owners=True (element-wise and factored chains already run "
+                         "on the local shards).")
     if on_owners:
-        tx = _on_owners(tx, owner_group=owner_group)
+        tx = _on_owners(tx, owner_group=owner_group, split_above_mb=split_above_mb)
     # Resolved once (at init, or at the first update after a restore): static config, so a
     # compiled step reads it as a constant.
     resolved: list[ShardedReducer] = []

@@ -28,7 +28,7 @@ from .overlap import BackwardLaunches
 from .reducer import CollectiveStats, ShardedReducer, collective_device
 from .specs import Shard
 from .shapes import (agree_on_state_structure, agree_on_tree, raise_on_every_rank,
-                     require_member)
+                     require_member, row_segment_sizes)
 
 __all__ = ["ZeroChunk", "ZeroPlan", "state_costs", "zero", "zero_plan"]
 
@@ -400,21 +400,10 @@ def _units_of(leaves: list[torch.Tensor], world: int, split_above_mb: float | No
             units.append((i, -1, -1))
             continue
         start = 0
-        for rows in _row_sizes(x.shape[0], world, block):
+        for rows in row_segment_sizes(x.shape[0], world, block):
             units.append((i, start, start + rows))
             start += rows
     return units
-
-
-def _row_sizes(rows: int, world: int, block: int = 1) -> list[int]:
-    """The rows of each segment: whole blocks of ``block`` rows spread as evenly as
-    ``torch.tensor_split`` spreads rows (the extra blocks to the last ranks, so that the short
-    last block joins whole ones), the last segment ending at ``rows``."""
-    blocks = -(-rows // block)
-    counts = [blocks // world + (r >= world - blocks % world) for r in range(world)]
-    sizes = [c * block for c in counts]
-    sizes[-1] -= blocks * block - rows
-    return sizes
 
 
 def _segment_ranks(units: list[tuple[int, int, int]]) -> list[int]:
