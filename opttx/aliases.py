@@ -880,7 +880,7 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
             qr_iterations: int = 1, eigendecomposition_tolerance: float = 0.0,
             ignored_basis_change_dims: dict | None = None,
             root_max_iterations: int | None = None, root_tolerance: float | None = None,
-            root_order: int = 3, root_rel_epsilon: float = 0.0,
+            root_order: int = 3, root_rel_epsilon: float | None = None,
             root_abs_epsilon: float | None = None,
             use_symmetric_packing: bool = False) -> GradientTransformation:
     r"""Shampoo as Meta's Distributed Shampoo computes it, composed from transforms.
@@ -990,7 +990,7 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
                          f"{preconditioner!r}.")
     if preconditioner == "eigenvalue_corrected":
         if root_method != "eigh" or root_max_iterations is not None \
-                or root_tolerance is not None or root_rel_epsilon \
+                or root_tolerance is not None or root_rel_epsilon is not None \
                 or root_abs_epsilon is not None or use_symmetric_packing:
             raise ValueError("root_method, the root_* options and use_symmetric_packing set "
                              "the root-inverse preconditioner; the eigenvalue-corrected one "
@@ -1016,7 +1016,8 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
                                          rank_rtol=rank_rtol,
                                          root_max_iterations=root_max_iterations,
                                          root_tolerance=root_tolerance, root_order=root_order,
-                                         root_rel_epsilon=root_rel_epsilon,
+                                         root_rel_epsilon=0.0 if root_rel_epsilon is None
+                                         else root_rel_epsilon,
                                          root_abs_epsilon=root_abs_epsilon,
                                          use_symmetric_packing=use_symmetric_packing)
     links: list[GradientTransformation] = [

@@ -441,8 +441,9 @@ class ShampooState(NamedTuple):
     """State of `precondition_shampoo`."""
     count: torch.Tensor     # shape (), int32: steps taken
     failures: torch.Tensor  # shape (), int32: consecutive root computations that failed
-    factors: PyTree         # per block: tuple of (d_k, d_k) Kronecker factors, one per dim
-                            # (packed upper triangles, (d_k (d_k + 1) / 2,), when packing)
+    factors: PyTree         # per block: tuple of (d_k, d_k) Kronecker factors, one per dim,
+                            # as their upper triangles (zeros below the diagonal; the factor
+                            # is f + f.triu(1).mT), or packed, (d_k (d_k + 1) / 2,)
     roots: PyTree           # per block: tuple of (d_k, d_k) inverse roots of the factors
                             # (packed likewise)
     __roles__ = declare_roles(count=Role.COUNT, factors=Role.FACTOR_MATRIX,
@@ -450,11 +451,15 @@ class ShampooState(NamedTuple):
 
 
 def _contract_factor(g: torch.Tensor, k: int) -> torch.Tensor:
-    """:math:`G \\otimes_k G`: contraction of ``g`` with itself over every dim but ``k``,
-    made exactly symmetric from its upper triangle (Meta keeps factors as packed upper
-    triangles, so a float32 ``G G^T`` that is not bitwise symmetric reads as its upper half)."""
+    """The upper triangle of :math:`G \\otimes_k G`, the contraction of ``g`` with itself over
+    every dim but ``k`` (zeros below the diagonal). A float32 ``G G^T`` is not bitwise
+    symmetric; Meta keeps factors as packed upper triangles, so only the upper triangle
+    counts: factors accumulate upper triangles and are read through `_from_upper` where a root
+    or a basis is computed (the same entries, without a transposed pass over every factor at
+    every step). The ``triu`` also keeps a bare matmul away from ``add(..., alpha=w)``, which
+    Inductor (torch 2.13, CPU) rewrites into an ``addmm`` that drops ``alpha``."""
     others = [d for d in range(g.dim()) if d != k]
-    return _from_upper(torch.tensordot(g, g, dims=(others, others)))
+    return torch.triu(torch.tensordot(g, g, dims=(others, others)))
 
 
 def _from_upper(m: torch.Tensor) -> torch.Tensor:
@@ -796,10 +801,9 @@ def _unpacked(vectors: tuple, block: torch.Tensor) -> tuple:
 def _update_factors(g: torch.Tensor, factors: tuple, cfg: _ShampooConfig) -> tuple:
     """One block's factors after the gradient ``g``: L_k <- beta2 L_k + w G (x)_k G."""
     # Meta contracts in the gradient's dtype (float32 at least here, for 16-bit gradients),
-    # then L *= beta2 (when beta2 != 1), L += w * outer in L's dtype. Never hand a bare
-    # matmul to add(..., alpha=w): Inductor (torch 2.13, CPU) rewrites add(x, mm, alpha) into
-    # addmm and drops alpha; _from_upper in _contract_factor stands between them. Packed
-    # factors take in the packed triangle of the contraction (the same entries).
+    # then L *= beta2 (when beta2 != 1), L += w * outer in L's dtype (add with alpha, as its
+    # _foreach_add_). Packed factors take in the packed triangle of the contraction (the same
+    # entries); unpacked ones the whole contraction, their upper triangle being what counts.
     g = g.reshape(g.shape or (1,)).to(state_dtype(g))
     out = []
     for k, f in enumerate(factors):
@@ -808,7 +812,7 @@ def _update_factors(g: torch.Tensor, factors: tuple, cfg: _ShampooConfig) -> tup
             out.append(f)                        # a dim not preconditioned: (0, 0) or (0,)
             continue
         outer = _contract_factor(g, k)
-        if cfg.symmetric_packing:
+        if getattr(cfg, "symmetric_packing", False):
             outer = pack_symmetric(outer)
         out.append(torch.add(f * cfg.beta2 if cfg.beta2 != 1 else f, outer,
                              alpha=cfg.weight).to(f.dtype))
@@ -824,6 +828,8 @@ def _root_inputs(factors: list[tuple], count: torch.Tensor, cfg: _ShampooConfig
     for block_factors in factors:
         for f, p in zip(block_factors,
                         _roots_of_order(len(block_factors), cfg.inverse_exponent_override)):
+            if not cfg.symmetric_packing:          # packed ones come unpacked, symmetric
+                f = _from_upper(f)
             a = f if scale is None else f / scale
             if cfg.use_trace_scaling:
                 trace = torch.clamp(torch.trace(a), min=cfg.epsilon)

@@ -63,7 +63,8 @@ from ..base import (GradientTransformation, Params, Role, Traits, Updates, advan
 from ..kernels import cast_like, foreach, foreach_ema
 from ..tree import (PyTree, flatten_matching, state_dtype, stats_like, tree_cond, tree_flatten,
                     tree_map, tree_structure, tree_unflatten)
-from .shampoo import _chunks, _contract_factor, _update_factors, meta_bias_correction
+from .shampoo import (_chunks, _contract_factor, _from_upper, _update_factors,
+                      meta_bias_correction)
 
 __all__ = ["EigenvalueCorrectedState", "precondition_eigenvalue_corrected"]
 
@@ -71,7 +72,8 @@ __all__ = ["EigenvalueCorrectedState", "precondition_eigenvalue_corrected"]
 class EigenvalueCorrectedState(NamedTuple):
     """State of `precondition_eigenvalue_corrected`."""
     count: torch.Tensor     # shape (), int32: steps taken
-    factors: PyTree         # per leaf: tuple of (d_k, d_k) Kronecker factors, (0, 0) for a dim
+    factors: PyTree         # per leaf: tuple of (d_k, d_k) Kronecker factors as their upper
+                            # triangles (f + f.triu(1).mT is the factor), (0, 0) for a dim
                             # that is not rotated
     bases: PyTree           # per leaf: tuple of (d_k, d_k) eigenvectors of the factors
                             # (identity until the first refresh), (0, 0) where not rotated
@@ -365,6 +367,7 @@ def _new_basis(f: torch.Tensor, q_old: torch.Tensor, scale: torch.Tensor | None,
                cfg: _ECConfig, method: str) -> torch.Tensor:
     """The eigenbasis of one factor (``eigh`` or Meta's QR), computed as Meta computes it;
     the old basis is kept when the factor or the result is not finite."""
+    f = _from_upper(f)                       # the factor Meta's packed triangle holds
     a = f if scale is None else f / scale
     if cfg.use_trace_scaling:
         a = a * torch.pow(torch.clamp(torch.trace(a), min=cfg.epsilon),
@@ -410,6 +413,7 @@ def _power_refresh(factors: list[tuple], bases: list[tuple], nu: list[torch.Tens
             if not q.shape[0]:
                 out.append(q)
                 continue
+            f = _from_upper(f)
             product = f @ q.to(f.dtype)
             order = torch.argsort((q.to(f.dtype) * product).sum(dim=0), descending=True)
             v = v.index_select(k, order)
