@@ -882,7 +882,8 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
             root_max_iterations: int | None = None, root_tolerance: float | None = None,
             root_order: int = 3, root_rel_epsilon: float | None = None,
             root_abs_epsilon: float | None = None,
-            use_symmetric_packing: bool = False) -> GradientTransformation:
+            use_symmetric_packing: bool = False,
+            target_parameter_dimensionality: int | float = 1) -> GradientTransformation:
     r"""Shampoo as Meta's Distributed Shampoo computes it, composed from transforms.
 
     ``block_by_dims(chain(graft(grafted method, precondition_shampoo, beta1),
@@ -916,6 +917,10 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
       use_symmetric_packing: Meta's option (its default True): factors and roots stored as
         packed upper triangles, about half the state; the same numbers (see
         `precondition_shampoo`). Root-inverse preconditioner only.
+      target_parameter_dimensionality: Meta's option of its ``distributed_config`` (default
+        1): dims are merged only while more than this many remain (`merge_small_dims`);
+        with ``max_preconditioner_dim=math.inf`` and 2, every leaf of 2 or more dims is
+        preconditioned as one matrix.
       inv_factor_matrix_dtype, beta3, use_trace_scaling, trace_scaling_exponent,
         inverse_exponent_override, drop_weighting_factor_on_gsquare (of the Shampoo factors):
         Meta's options of these names
@@ -1028,7 +1033,7 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
     if _nonzero(momentum):
         links.append(trace(momentum, nesterov=nesterov))
     links.append(scale_by_learning_rate(learning_rate))
-    body = block_by_dims(chain(*links), max_preconditioner_dim)
+    body = block_by_dims(chain(*links), max_preconditioner_dim, target_parameter_dimensionality)
     if _nonzero(weight_decay) and not use_decoupled_weight_decay:
         return chain(add_decayed_weights(weight_decay), body)
     return body

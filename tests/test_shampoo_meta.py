@@ -471,3 +471,37 @@ def test_iterative_roots_compile_into_one_graph_with_the_eager_iterates(options)
     for g in grads:
         _, state = counted(g, state, tree)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("target", [2, math.inf])
+@pytest.mark.parametrize("max_dim", [8, math.inf])
+def test_target_parameter_dimensionality_equals_meta(target, max_dim) -> None:
+    """Meta's distributed_config=SingleDeviceDistributedConfig(target_parameter_dimensionality)
+    on 3-D and 4-D leaves (with size-1 dims): the same blocks, the same parameters."""
+    from distributed_shampoo.shampoo_types import SingleDeviceDistributedConfig
+    tree, grads = draw_problem({"conv": (4, 1, 3, 2), "t": (2, 3, 4), "m": (5, 6)}, 4,
+                               torch.float64)
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in tree.items()}
+    opt = ds.DistributedShampoo(
+        list(params.values()), lr=LR, betas=(0.9, 0.999), epsilon=1e-6,
+        max_preconditioner_dim=max_dim, precondition_frequency=2, start_preconditioning_step=2,
+        grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
+        distributed_config=SingleDeviceDistributedConfig(
+            target_parameter_dimensionality=target),
+        preconditioner_config=ds.RootInvShampooPreconditionerConfig(
+            factor_matrix_dtype=torch.float64, inv_factor_matrix_dtype=torch.float64))
+    for g in grads:
+        for k, p in params.items():
+            p.grad = g[k].clone()
+        opt.step()
+    theirs = {k: p.detach() for k, p in params.items()}
+    tx = opttx.shampoo(LR, betas=(0.9, 0.999), epsilon=1e-6, max_preconditioner_dim=max_dim,
+                       precondition_frequency=2, start_preconditioning_step=2,
+                       grafting="adam", grafting_beta2=0.999, grafting_epsilon=1e-8,
+                       preconditioner_dtype=torch.float64,
+                       target_parameter_dimensionality=target)
+    ours, state = tree, tx.init(tree)
+    for g in grads:
+        u, state = tx.update(g, state, ours)
+        ours = opttx.apply_updates(ours, u)
+    assert max(displacement_gaps(ours, theirs, tree).values()) <= 1e-8

@@ -90,30 +90,41 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 
 
-def merge_small_dims(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
+def merge_small_dims(shape: Sequence[int], max_dim: int,
+                     target_dimensionality: int | float = 1) -> tuple[int, ...]:
     """Meta's dimension merging: drop size-1 dims, then walking from the last dim merge each
-    dim into its right neighbour while the product stays <= ``max_dim``.
+    dim into its right neighbour while the product stays <= ``max_dim`` and more than
+    ``target_dimensionality`` dims would remain (Meta's ``target_parameter_dimensionality``:
+    1 merges as far as the size allows, 2 keeps matrices, ``math.inf`` merges nothing and
+    keeps the shape as it is). A shape with an empty dim is ``(0,)``.
 
     >>> merge_small_dims((32, 3, 64, 64), 1024)
     (32, 192, 64)
     >>> merge_small_dims((32, 3, 64, 64), 8192)
     (96, 4096)
+    >>> merge_small_dims((32, 3, 64, 64), 10**6, target_dimensionality=2)
+    (32, 12288)
     """
     max_dim = _limit(max_dim)
-    dims = [d for d in shape if d != 1] or [1]
-    merged = [dims[-1]]
-    for d in reversed(dims[:-1]):
-        if merged[0] * d <= max_dim:
-            merged[0] *= d
+    if 0 in shape:
+        return (0,)
+    if target_dimensionality == math.inf:
+        return tuple(shape) or (1,)
+    dims = [d for d in reversed(shape) if d != 1] or [1]
+    merged = [dims[0]]
+    for i, d in enumerate(dims[1:], start=1):
+        if len(merged) + len(dims) - i > target_dimensionality and merged[-1] * d <= max_dim:
+            merged[-1] *= d
         else:
-            merged.insert(0, d)
-    return tuple(merged)
+            merged.append(d)
+    return tuple(reversed(merged))
 
 
-def block_shapes(shape: Sequence[int], max_dim: int) -> list[tuple[int, ...]]:
+def block_shapes(shape: Sequence[int], max_dim: int,
+                 target_dimensionality: int | float = 1) -> list[tuple[int, ...]]:
     """The shapes of the blocks of a tensor of ``shape``, in row-major block order."""
     max_dim = _limit(max_dim)
-    merged = merge_small_dims(shape, max_dim)
+    merged = merge_small_dims(shape, max_dim, target_dimensionality)
     # an empty dim is one empty block (as torch.split gives)
     pieces: list[list[int]] = [[max_dim] * (m // max_dim) + ([m % max_dim] if m % max_dim else [])
                                if m else [0] for m in merged]
@@ -129,17 +140,19 @@ def _limit(max_dim: float) -> int:
     return sys.maxsize if max_dim == math.inf else int(max_dim)
 
 
-def _split(x: torch.Tensor, max_dim: int) -> tuple[torch.Tensor, ...]:
+def _split(x: torch.Tensor, max_dim: int, target: int | float = 1
+           ) -> tuple[torch.Tensor, ...]:
     max_dim = _limit(max_dim)
-    blocks = [x.reshape(merge_small_dims(x.shape, max_dim))]
+    blocks = [x.reshape(merge_small_dims(x.shape, max_dim, target))]
     for dim in range(blocks[0].dim()):
         blocks = [piece for b in blocks for piece in torch.split(b, max_dim, dim=dim)]
     return tuple(blocks)
 
 
-def _merge(blocks: Sequence[torch.Tensor], shape: Sequence[int], max_dim: int) -> torch.Tensor:
+def _merge(blocks: Sequence[torch.Tensor], shape: Sequence[int], max_dim: int,
+           target: int | float = 1) -> torch.Tensor:
     max_dim = _limit(max_dim)
-    merged = merge_small_dims(shape, max_dim)
+    merged = merge_small_dims(shape, max_dim, target)
     counts = [max(1, math.ceil(m / max_dim)) for m in merged]
     parts = list(blocks)
     for dim in reversed(range(len(merged))):
@@ -149,25 +162,33 @@ def _merge(blocks: Sequence[torch.Tensor], shape: Sequence[int], max_dim: int) -
     return parts[0].reshape(shape)
 
 
-def block_by_dims(inner: GradientTransformation,
-                  max_preconditioner_dim: int | float = 1024) -> GradientTransformation:
+def block_by_dims(inner: GradientTransformation, max_preconditioner_dim: int | float = 1024,
+                  target_parameter_dimensionality: int | float = 1) -> GradientTransformation:
     """Run ``inner`` on Meta's blocks of every leaf and reassemble its updates.
 
     Each leaf becomes a tuple of blocks (`block_shapes`); ``inner`` sees that tree, and its
     state is laid out by block. The blocks tile the leaf exactly and the round trip is the
     identity. ``max_preconditioner_dim=math.inf`` (as Meta's) merges every dim of size > 1
     into one and never splits: each leaf is one 1-D block (full-matrix Adagrad on it).
+    ``target_parameter_dimensionality`` (Meta's, of its distributed config) stops the merging
+    at that many dims (see `merge_small_dims`): with ``math.inf`` and
+    ``target_parameter_dimensionality=2`` every leaf of 2 or more dims is one matrix.
 
     Example:
       >>> tx = opttx.block_by_dims(opttx.precondition_shampoo(), max_preconditioner_dim=1024)
     """
     if max_preconditioner_dim != math.inf:
         check_positive_int("max_preconditioner_dim", max_preconditioner_dim)
-    rows = None if max_preconditioner_dim == math.inf else int(max_preconditioner_dim)
+    target = target_parameter_dimensionality
+    if target != math.inf:
+        check_positive_int("target_parameter_dimensionality", target)
+    # whole row blocks of a leaf split by rows are its blocks only when dims merge as usual
+    rows = None if max_preconditioner_dim == math.inf or target != 1 \
+        else int(max_preconditioner_dim)
     max_preconditioner_dim = _limit(max_preconditioner_dim)
 
     def blocked(tree: PyTree) -> PyTree:
-        return tree_map(lambda x: _split(x, max_preconditioner_dim), tree)
+        return tree_map(lambda x: _split(x, max_preconditioner_dim, target), tree)
 
     def init(params: Params) -> Any:
         check_init_params(params)
@@ -187,8 +208,8 @@ def block_by_dims(inner: GradientTransformation,
             extra[PRECONDITION_INPUT] = blocked(extra[PRECONDITION_INPUT])
         out, state = inner.update(blocked(updates), state,
                                   None if params is None else blocked(params), **extra)
-        counts = [len(block_shapes(x.shape, max_preconditioner_dim)) for x in leaves]
-        merged = [_merge(bs, x.shape, max_preconditioner_dim).to(x.dtype)
+        counts = [len(block_shapes(x.shape, max_preconditioner_dim, target)) for x in leaves]
+        merged = [_merge(bs, x.shape, max_preconditioner_dim, target).to(x.dtype)
                   for bs, x in zip(_chunks(tree_flatten(out)[0], counts, "block_by_dims"),
                                    leaves)]
         return tree_unflatten(merged, spec), state
