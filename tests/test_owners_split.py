@@ -88,6 +88,22 @@ def worker(rank: int, world: int) -> dict:
                     p = opttx.apply_updates(p, u)
                 assert all(torch.equal(p[k], results[0.0][0][k]) for k in full)
                 results["state"] = (p, _state_bytes(state), [])
+                # updates sent back in bf16: one step against the float32 one
+                g0 = {k: local_shard(v, specs[k]) for k, v in grads[0].items()}
+                sent = {}
+                for dtype in (None, torch.bfloat16):
+                    stats = CollectiveStats()
+                    tx = sharded(on_owners(make(), split_above_mb=0.0,
+                                           communication_dtype=dtype), specs, stats=stats)
+                    u, _ = tx.update(g0, tx.init(local), local)
+                    sent[dtype] = (u, stats.bytes)
+                (u32, bytes32), (u16, bytes16) = sent[None], sent[torch.bfloat16]
+                bf16 = {"worst": max(float(((u16[k] - u32[k]).abs()
+                                            / u32[k].abs().clamp_min(1e-30)).max())
+                                     for k in full),
+                        "bytes": (bytes32, bytes16),
+                        "rounded": all(torch.equal(u16[k], u32[k].bfloat16().float())
+                                       for k in full)}
             p_split = results[0.0][0]
             out[name, seed] = {
                 "error": max(max_relative_error(p_split[k], local_shard(p_ref[k], specs[k]))
@@ -97,7 +113,8 @@ def worker(rank: int, world: int) -> dict:
                 "state": results[0.0][1], "state_whole_leaves": results[None][1],
                 "single_device_state": _state_bytes(s_ref),
                 "collectives": results[0.0][2], "collectives_whole_leaves": results[None][2],
-                "state_balanced_by_state": results["state"][1] if "state" in results else None}
+                "state_balanced_by_state": results["state"][1] if "state" in results else None,
+                "bf16": bf16 if name == "shampoo" else None}
     return out
 
 
@@ -158,3 +175,15 @@ def test_refusals() -> None:
                                                 opttx.adamw(1e-2)), split_above_mb=1.0)
     with pytest.raises(ValueError, match="split_above_mb"):
         sharded(opttx.adamw(1e-2), split_above_mb=1.0)
+
+
+@pytest.mark.timeout(700)
+def test_updates_in_bf16_on_the_wire(runs) -> None:
+    """communication_dtype=bf16: each rank's update piece is the float32 one rounded to bf16
+    (relative error <= 2^-8), and the bytes of the return all_to_all halve."""
+    for per_rank in runs:
+        for seed in (0, 1):
+            res = per_rank["shampoo", seed]["bf16"]
+            assert res["rounded"] and res["worst"] <= 2.0**-8
+            bytes32, bytes16 = res["bytes"]
+            assert bytes16 < bytes32
