@@ -845,6 +845,15 @@ def _nonzero(value: Any) -> bool:
     return isinstance(value, torch.Tensor) or value != 0
 
 
+def _eigendecomposed_options(args: dict) -> dict:
+    """`precondition_shampoo`'s eigendecomposed-caching arguments from `shampoo`'s."""
+    if args["preconditioner"] != "eigendecomposed":
+        return {}
+    return dict(eigendecomposed=True, eigendecomposition=args["eigendecomposition"],
+                qr_iterations=args["qr_iterations"],
+                eigendecomposition_tolerance=args["eigendecomposition_tolerance"])
+
+
 def _eigenvalue_corrected_options(args: dict) -> dict:
     """`precondition_eigenvalue_corrected`'s keyword arguments from `shampoo`'s."""
     return dict(eigendecomposition=args["eigendecomposition"],
@@ -947,6 +956,13 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
     default) and ``inv_factor_matrix_dtype`` the dtype of the bases and second moment.
     Without grafting, steps before the first refresh run Adam in the standard basis (as Meta's).
 
+    ``preconditioner="eigendecomposed"`` (Meta's ``EigendecomposedShampooPreconditionerConfig``)
+    caches each factor's eigendecomposition instead of its root and forms the roots from it
+    at every step; ``eigendecomposition``, ``qr_iterations`` and
+    ``eigendecomposition_tolerance`` choose how it is refreshed, as above (Meta's
+    ``amortized_computation_config``), ``inv_factor_matrix_dtype`` the dtype of the
+    eigenvectors and eigenvalues (see `precondition_shampoo`).
+
     Equal to ``DistributedShampoo`` with its default ``RootInvShampooPreconditionerConfig``
     on one device (``tests/test_shampoo_meta.py``: drawn trees and settings, float64 to 1e-8
     relative, float32 to 1e-5 or Meta's own one-ulp spread; measured bitwise equal on CPU in
@@ -990,9 +1006,9 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
     if grafting not in magnitudes:
         raise ValueError(f"grafting must be 'adam', 'adagrad', 'rmsprop', 'sgd' or None, got "
                          f"{grafting!r}.")
-    if preconditioner not in ("root_inverse", "eigenvalue_corrected"):
-        raise ValueError("preconditioner must be 'root_inverse' or 'eigenvalue_corrected', got "
-                         f"{preconditioner!r}.")
+    if preconditioner not in ("root_inverse", "eigendecomposed", "eigenvalue_corrected"):
+        raise ValueError("preconditioner must be 'root_inverse', 'eigendecomposed' or "
+                         f"'eigenvalue_corrected', got {preconditioner!r}.")
     if preconditioner == "eigenvalue_corrected":
         if root_method != "eigh" or root_max_iterations is not None \
                 or root_tolerance is not None or root_rel_epsilon is not None \
@@ -1024,7 +1040,8 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
                                          root_rel_epsilon=0.0 if root_rel_epsilon is None
                                          else root_rel_epsilon,
                                          root_abs_epsilon=root_abs_epsilon,
-                                         use_symmetric_packing=use_symmetric_packing)
+                                         use_symmetric_packing=use_symmetric_packing,
+                                         **_eigendecomposed_options(locals()))
     links: list[GradientTransformation] = [
         graft(magnitudes[grafting](), direction, graft_start, beta1, use_bias_correction,
               rescale=grafting is not None, beta3=beta3)]

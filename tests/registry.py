@@ -136,6 +136,10 @@ CASES: list[Case] = [
     # (torch.while_loop when compiled)
     case("shampoo/higher_order", opttx.shampoo, learning_rate=LR, max_preconditioner_dim=4,
          root_method="higher_order", root_rel_epsilon=1e-5, stacked=_VMAP_COND),
+    # eigendecompositions cached instead of roots, refreshed by Meta's QR algorithm
+    case("shampoo/eigendecomposed", opttx.shampoo, learning_rate=LR, max_preconditioner_dim=4,
+         preconditioner="eigendecomposed", eigendecomposition="qr", epsilon=1e-3,
+         stacked=_VMAP_COND),
     # factors and roots as packed upper triangles (1-D state leaves)
     case("shampoo/packed", opttx.shampoo, learning_rate=LR, max_preconditioner_dim=4,
          use_symmetric_packing=True, stacked=_VMAP_COND),

@@ -83,7 +83,7 @@ def _run_case(make: Callable[[], Any], full: dict, grads: list[dict], specs: dic
     """The single-device run against the on-owners run of ``make()``; returns the collectives
     per step, the owned leaves and (compiled) the number of graphs."""
     p_loc = _shard_tree(full, specs)
-    plan = plan_owners(p_loc, specs, owner_group)
+    plan = plan_owners(p_loc, specs, owner_group, tx=make())
     treespec = tree_flatten(full)[1]
     mask = treespec.unflatten(plan.owned())
     prefix, suffix = getattr(make, "split", (opttx.identity, make))

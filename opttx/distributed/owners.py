@@ -335,11 +335,15 @@ def _split_leaves(leaves: list[_Leaf | None], present: list[torch.Tensor | None]
 
 
 def plan_owners(params: Params, specs: PyTree | None = None, owner_group: Any = None,
-                cost: Callable[[Sequence[int]], float] = default_cost) -> OwnerPlan:
+                cost: Callable[[Sequence[int]], float] | str = default_cost,
+                tx: GradientTransformation | None = None,
+                split_above_mb: float | None = None) -> OwnerPlan:
     """The `OwnerPlan` that `on_owners` makes for these local ``params`` and ``specs`` (None:
     read from DTensor leaves): which rank computes (and holds the state of) which leaf. A
     collective over the owner group; call it on every rank. Plans depend only on the shapes,
-    the specs and ``cost``, so this is the plan a `sharded(tx, specs, on_owners=True)` uses.
+    the specs, ``cost``, ``split_above_mb`` and the transform's blocking (a blocked
+    transform's leaves cost the sum over their blocks; ``cost="state"`` needs ``tx``), so with
+    the same arguments and ``tx`` this is the plan `on_owners(tx, ...)` uses.
 
     Example:
       >>> plan = plan_owners(local_params, specs)
@@ -353,7 +357,11 @@ def plan_owners(params: Params, specs: PyTree | None = None, owner_group: Any = 
     flat = flatten_specs(params, specs if specs is not None else specs_from_dtensors(params))
     reducer = ShardedReducer(treespec, flat, shard_groups(flat), ndims=[x.ndim for x in leaves])
     local = [x.to_local() if is_dtensor(x) else x for x in leaves]
-    return make_plan(reducer, local, owner_group, cost, tree_paths(params))
+    if cost == "state" and tx is None:
+        raise ValueError("plan_owners: cost='state' needs the transform: pass tx=.")
+    cost_fn, block_rows = _plan_cost(tx, cost, local)
+    return make_plan(reducer, local, owner_group, cost_fn, tree_paths(params), split_above_mb,
+                     block_rows)
 
 
 def _all_to_all(chunks: list[list[torch.Tensor]], recv_sizes: list[int], group: Any,
@@ -642,17 +650,22 @@ def _plan_for(reducer: ShardedReducer, present: list[torch.Tensor | None],
             paths = [f"leaf {i}" for i in range(len(present))]
         if len(paths) != len(present):
             paths = [f"leaf {i}" for i in range(len(present))]
-        block_rows = traits_of(cfg.tx).block_rows
-        cost = cfg.cost
-        if cost == "state":
-            dtype = next((x.dtype for x in present if x is not None), torch.float32)
-            cost, block_rows_cost = _state_cost(cfg.tx, dtype), None
-        else:
-            block_rows_cost = block_rows
-        plans[key] = make_plan(reducer, present, cfg.owner_group,
-                               _blocked_cost(cost, block_rows_cost), paths,
+        cost, block_rows = _plan_cost(cfg.tx, cfg.cost, present)
+        plans[key] = make_plan(reducer, present, cfg.owner_group, cost, paths,
                                cfg.split_above_mb, block_rows)
     return plans[key]
+
+
+def _plan_cost(tx: GradientTransformation | None, cost: Callable[[Sequence[int]], float] | str,
+               present: list[torch.Tensor | None]
+               ) -> tuple[Callable[[Sequence[int]], float], int | None]:
+    """The cost function of a plan for ``tx`` (summed over its blocks, or its state bytes
+    for ``cost="state"``) and the block rows its segments are cut at."""
+    block_rows = traits_of(tx).block_rows if tx is not None else None
+    if cost == "state":
+        dtype = next((x.dtype for x in present if x is not None), torch.float32)
+        return _state_cost(tx, dtype), block_rows
+    return _blocked_cost(cost, block_rows), block_rows
 
 
 def _state_cost(tx: GradientTransformation, dtype: torch.dtype

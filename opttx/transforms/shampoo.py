@@ -41,8 +41,9 @@ The eigenvalue-corrected config (SOAP) is `precondition_eigenvalue_corrected` in
 retries an ``eigh`` root in float64 and keeps the previous root); Meta's in-place aliasing of
 its filtered gradient with SGD grafting before the start step, ``beta3 = beta1`` and no bias
 correction (a Meta bug); 16-bit parameters (opttx keeps statistics in float32, Meta in the
-parameter's dtype); and Meta's options not mapped (the eigendecomposed config, KL-Shampoo,
-iterate averaging other than classic momentum, the memory saving of symmetric packing).
+parameter's dtype); and Meta's options not mapped (KL-Shampoo, iterate averaging other than
+classic momentum). The eigendecomposed config (``eigendecomposed=True``) and symmetric
+packing (``use_symmetric_packing``) are equal too.
 """
 
 from __future__ import annotations
@@ -76,7 +77,10 @@ __all__ = [
     "graft",
     "matrix_inverse_root",
     "merge_small_dims",
+    "inverse_root_from_eigendecomposition",
+    "matrix_eigendecomposition",
     "meta_bias_correction",
+    "off_diagonal_small",
     "pack_symmetric",
     "precondition_shampoo",
     "scale_by_grafted_diagonal",
@@ -336,31 +340,93 @@ def matrix_inverse_root(a: torch.Tensor, root: float, epsilon: float = 0.0,
 def _inverse_root_eigh(a: torch.Tensor, root: float, epsilon: float, rank_deficient: str,
                        rank_atol: float, rank_rtol: float | None) -> torch.Tensor:
     """`matrix_inverse_root` by an eigendecomposition (Meta's ``EigenConfig``)."""
+    if rank_deficient == "pseudo_inverse" and epsilon != 0:
+        raise ValueError(f"epsilon={epsilon} must be 0 with the pseudo-inverse.")
+    if rank_deficient not in ("perturb_before", "perturb_after", "pseudo_inverse"):
+        raise ValueError("rank_deficient must be 'perturb_before', 'perturb_after' or "
+                         f"'pseudo_inverse', got {rank_deficient!r}.")
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    before = rank_deficient == "perturb_before"
+    eigenvalues, eigenvectors = torch.linalg.eigh(_ridge(a, epsilon, eye) if before else a)
+    return inverse_root_from_eigendecomposition(eigenvalues, eigenvectors, root, epsilon,
+                                                rank_deficient, rank_atol, rank_rtol)
+
+
+def inverse_root_from_eigendecomposition(
+        eigenvalues: torch.Tensor, eigenvectors: torch.Tensor, root: float,
+        epsilon: float = 0.0,
+        rank_deficient: Literal["perturb_before", "perturb_after",
+                                "pseudo_inverse"] = "perturb_before",
+        rank_atol: float = 0.0, rank_rtol: float | None = 0.0) -> torch.Tensor:
+    r""":math:`Q \Lambda'^{-1/r} Q^\top` from an eigendecomposition :math:`(\Lambda, Q)`, with
+    the eigenvalues made positive as `matrix_inverse_root` describes (Meta's
+    ``matrix_inverse_root_from_eigendecomposition``): ``perturb_before`` shifts them to a
+    smallest of :math:`\epsilon` only when the smallest is below it (the decomposed matrix
+    already had :math:`\epsilon I` added), ``perturb_after`` by
+    :math:`-\min(\lambda_{\min}, 0) + \epsilon`, ``pseudo_inverse`` zeroes the powers of
+    eigenvalues at or below :math:`\max(\text{rank\_rtol} \cdot \lambda_{\max},
+    \text{rank\_atol})`."""
     # Meta's exponent: -1 / Fraction(root), a float64 division of the exact root
     power = -1.0 / Fraction(root)
     if rank_deficient == "pseudo_inverse":
-        if epsilon != 0:
-            raise ValueError(f"epsilon={epsilon} must be 0 with the pseudo-inverse.")
-        eigenvalues, eigenvectors = torch.linalg.eigh(a)
         rtol = eigenvalues.numel() * torch.finfo(eigenvalues.dtype).eps \
             if rank_rtol is None else rank_rtol
         cutoff = torch.clamp(rtol * eigenvalues.max().relu(), min=rank_atol)
         inverse = torch.where(eigenvalues <= cutoff, torch.zeros_like(eigenvalues),
                               eigenvalues.pow(power))
         return eigenvectors * inverse.unsqueeze(0) @ eigenvectors.T
-    if rank_deficient not in ("perturb_before", "perturb_after"):
-        raise ValueError("rank_deficient must be 'perturb_before', 'perturb_after' or "
-                         f"'pseudo_inverse', got {rank_deficient!r}.")
-    before = rank_deficient == "perturb_before"
-    eigenvalues, eigenvectors = torch.linalg.eigh(_ridge(a, epsilon, eye) if before else a)
     smallest = eigenvalues.min()
-    if before:
+    if rank_deficient == "perturb_before":
         eigenvalues = torch.where(smallest < epsilon, (eigenvalues - smallest) + epsilon,
                                   eigenvalues)
     else:
         eigenvalues = (eigenvalues - torch.clamp(smallest, max=0.0)) + epsilon
     return eigenvectors * eigenvalues.pow(power).unsqueeze(0) @ eigenvectors.T
+
+
+def matrix_eigendecomposition(a: torch.Tensor, estimate: torch.Tensor | None = None,
+                              method: Literal["eigh", "qr"] = "eigh", qr_iterations: int = 1,
+                              tolerance: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""``(eigenvalues, eigenvectors)`` of a symmetric matrix as Meta's
+    ``matrix_eigendecomposition`` computes them (any ridge is the caller's to add).
+
+    ``eigh``: ``torch.linalg.eigh``; with ``tolerance > 0`` the previous eigenvectors
+    ``estimate`` are kept, with the diagonal of :math:`B = Q^\top A Q` as eigenvalues, when
+    :math:`\lVert B - \mathrm{diag}(B)\rVert_F \le \text{tolerance}\,\lVert B\rVert_F`
+    (the refresh skipped while the old basis still diagonalises the matrix). ``qr``: Meta's QR
+    algorithm from ``estimate``: while that criterion fails, at most ``qr_iterations`` times,
+    :math:`B = Q'R,\ B \leftarrow RQ',\ Q \leftarrow QQ'`; then the diagonal of :math:`B`
+    sorted ascending (stably) with the columns of :math:`Q` (a fixed number of iterations
+    selected with ``torch.where``, so it compiles without a data-dependent loop).
+    """
+    if method == "qr":
+        if estimate is None:
+            raise ValueError("matrix_eigendecomposition: the QR algorithm needs an estimate.")
+        q, b = estimate, estimate.T @ a @ estimate
+        for _ in range(qr_iterations):
+            done = off_diagonal_small(b, tolerance)
+            qq, r = torch.linalg.qr(b)
+            b, q = torch.where(done, b, r @ qq), torch.where(done, q, q @ qq)
+        values, order = b.diag().sort(stable=True)
+        return values, q[:, order]
+    if method != "eigh":
+        raise ValueError(f"method must be 'eigh' or 'qr', got {method!r}.")
+    values, vectors = torch.linalg.eigh(a)
+    if isinstance(tolerance, torch.Tensor) or tolerance:
+        if estimate is None:
+            raise ValueError("matrix_eigendecomposition: a tolerance needs an estimate.")
+        b = estimate.T @ a @ estimate
+        small = off_diagonal_small(b, tolerance)
+        values = torch.where(small, b.diag(), values)
+        vectors = torch.where(small, estimate, vectors)
+    return values, vectors
+
+
+def off_diagonal_small(b: torch.Tensor, tolerance: float) -> torch.Tensor:
+    """Meta's criterion: ``||B - diag(B)||_F <= tolerance * ||B||_F`` (a 0-dim bool)."""
+    norm = torch.linalg.norm(b)
+    off = torch.sqrt(norm**2 - torch.linalg.norm(b.diag())**2)
+    return off <= tolerance * norm
 
 
 def _ridge(a: torch.Tensor, epsilon: float | torch.Tensor, eye: torch.Tensor) -> torch.Tensor:
@@ -466,7 +532,10 @@ class ShampooState(NamedTuple):
                             # as their upper triangles (zeros below the diagonal; the factor
                             # is f + f.triu(1).mT), or packed, (d_k (d_k + 1) / 2,)
     roots: PyTree           # per block: tuple of (d_k, d_k) inverse roots of the factors
-                            # (packed likewise)
+                            # (packed likewise); with eigendecomposed caching, the factors'
+                            # eigenvectors (identity until the first computation)
+    eigenvalues: PyTree = ()  # eigendecomposed caching: per block, tuple of (d_k,)
+                              # eigenvalues of the factors (ones at first); () otherwise
     __roles__ = declare_roles(count=Role.COUNT, factors=Role.FACTOR_MATRIX,
                               roots=Role.FACTOR_MATRIX)
 
@@ -555,7 +624,10 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
                          root_max_iterations: int | None = None,
                          root_tolerance: float | None = None, root_order: int = 3,
                          root_rel_epsilon: float = 0.0, root_abs_epsilon: float | None = None,
-                         use_symmetric_packing: bool = False) -> GradientTransformation:
+                         use_symmetric_packing: bool = False, eigendecomposed: bool = False,
+                         eigendecomposition: Literal["eigh", "qr"] = "eigh",
+                         qr_iterations: int = 1, eigendecomposition_tolerance: float = 0.0
+                         ) -> GradientTransformation:
     r"""Shampoo's Kronecker-factored preconditioner, applied to every leaf (block) as a whole.
 
     For a block :math:`G` of order :math:`k` and each dim :math:`i`,
@@ -638,6 +710,15 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
         ``use_symmetric_packing``). Lossless: the numbers are the same bit for bit, as the
         unpacked matrices are read from their upper triangles anyway; each step unpacks them
         into temporaries.
+      eigendecomposed: cache each factor's eigendecomposition instead of its inverse root
+        (Meta's ``EigendecomposedShampooPreconditionerConfig``): the roots are formed from the
+        cached :math:`(\Lambda, Q)` at every step (`inverse_root_from_eigendecomposition`,
+        with the ``rank_deficient`` rules), and the decomposition is refreshed by
+        ``eigendecomposition="eigh"`` or Meta's QR algorithm (``"qr"``, ``qr_iterations``
+        from the previous eigenvectors), skipped while the previous eigenvectors still
+        diagonalise the factor to ``eigendecomposition_tolerance``
+        (`matrix_eigendecomposition`). ``inv_factor_matrix_dtype`` is the dtype of the
+        eigenvectors and eigenvalues (Meta's two dtypes). Root method ``"eigh"`` only.
 
     Example:
       >>> tx = opttx.block_by_dims(opttx.precondition_shampoo(epsilon=1e-12), 1024)
@@ -658,7 +739,9 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
         rank_deficient=rank_deficient, rank_atol=rank_atol, rank_rtol=rank_rtol,
         root_max_iterations=root_max_iterations, root_tolerance=root_tolerance,
         root_order=root_order, root_rel_epsilon=root_rel_epsilon,
-        root_abs_epsilon=root_abs_epsilon, symmetric_packing=use_symmetric_packing)
+        root_abs_epsilon=root_abs_epsilon, symmetric_packing=use_symmetric_packing,
+        eigendecomposed=eigendecomposed, eigendecomposition=eigendecomposition,
+        qr_iterations=qr_iterations, eigendecomposition_tolerance=eigendecomposition_tolerance)
 
     def init(params: Params) -> ShampooState:
         check_init_params(params)
@@ -693,6 +776,8 @@ class _ShampooConfig:
     iteration_options: dict             # matrix_inverse_root's max_iterations/tolerance/...
     root_epsilon: float                 # the epsilon of matrix_inverse_root
     symmetric_packing: bool             # factors and roots kept as packed upper triangles
+    eigen_options: dict | None          # eigendecomposed caching: matrix_eigendecomposition's
+                                        # method/qr_iterations/tolerance (None: roots cached)
 
 
 def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int,
@@ -706,7 +791,9 @@ def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int
                     root_max_iterations: int | None = None, root_tolerance: float | None = None,
                     root_order: int = 3, root_rel_epsilon: float = 0.0,
                     root_abs_epsilon: float | None = None,
-                    symmetric_packing: bool = False) -> _ShampooConfig:
+                    symmetric_packing: bool = False, eigendecomposed: bool = False,
+                    eigendecomposition: str = "eigh", qr_iterations: int = 1,
+                    eigendecomposition_tolerance: float = 0.0) -> _ShampooConfig:
     """Validate `precondition_shampoo`'s arguments and resolve them into a `_ShampooConfig`."""
     check_unit_interval("beta2", beta2, closed_right=True)
     check_nonnegative("epsilon", epsilon)
@@ -748,6 +835,15 @@ def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int
     check_nonnegative("root_rel_epsilon", root_rel_epsilon)
     if root_abs_epsilon is not None:
         check_nonnegative("root_abs_epsilon", root_abs_epsilon)
+    if eigendecomposed and root_method != "eigh":
+        raise ValueError("eigendecomposed caching keeps eigendecompositions (root_method "
+                         f"'eigh'), not roots by {root_method!r}.")
+    if eigendecomposition not in ("eigh", "qr"):
+        raise ValueError(f"eigendecomposition must be 'eigh' or 'qr', got "
+                         f"{eigendecomposition!r}.")
+    check_positive_int("qr_iterations", qr_iterations)
+    check_unit_interval("eigendecomposition_tolerance", eigendecomposition_tolerance,
+                        closed_right=True)
     iteration_options = {} if root_method == "eigh" else dict(
         max_iterations=root_max_iterations, tolerance=root_tolerance)
     if root_method == "higher_order":
@@ -768,7 +864,9 @@ def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int
                           rank_rtol=rank_rtol) if root_method == "eigh" else {},
         iteration_options=iteration_options,
         root_epsilon=root_abs_epsilon if root_method == "higher_order"
-        and root_abs_epsilon is not None else epsilon, symmetric_packing=symmetric_packing)
+        and root_abs_epsilon is not None else epsilon, symmetric_packing=symmetric_packing,
+        eigen_options=dict(method=eigendecomposition, qr_iterations=qr_iterations,
+                           tolerance=eigendecomposition_tolerance) if eigendecomposed else None)
 
 
 def _roots_of_order(order: int, override: float | dict | None) -> list[float | None]:
@@ -803,6 +901,13 @@ def _init_shampoo(params: Params, cfg: _ShampooConfig) -> ShampooState:
     """The state of `precondition_shampoo` for ``params``: zero factors, identity roots."""
     count = zero_count(params)
     stored = _packed if cfg.symmetric_packing else (lambda ms: ms)
+    if cfg.eigen_options is not None:     # eigenvectors (never packed) and eigenvalues
+        return ShampooState(count=count, failures=torch.zeros_like(count),
+                            factors=tree_map(lambda x: stored(_zero_factors(x, cfg)), params),
+                            roots=tree_map(lambda x: _identity_roots(x, cfg), params),
+                            eigenvalues=tree_map(lambda x: tuple(
+                                torch.ones(q.shape[0], dtype=q.dtype, device=q.device)
+                                for q in _identity_roots(x, cfg)), params))
     return ShampooState(count=count, failures=torch.zeros_like(count),
                         factors=tree_map(lambda x: stored(_zero_factors(x, cfg)), params),
                         roots=tree_map(lambda x: stored(_identity_roots(x, cfg)), params))
@@ -926,6 +1031,50 @@ def _recompute_roots(factors: list[tuple], roots: list[tuple], failures: torch.T
     return [tuple(rs) for rs in fresh], failures
 
 
+def _recompute_eigen(factors: list[tuple], vectors: list[tuple], values: list[tuple],
+                     failures: torch.Tensor, count: torch.Tensor, cfg: _ShampooConfig
+                     ) -> tuple[list[tuple], list[tuple], torch.Tensor]:
+    """Eigendecomposed caching: every factor's eigendecomposition (`matrix_eigendecomposition`
+    of the bias-corrected, trace-scaled factor, plus :math:`\epsilon I` with the default
+    perturbation, as Meta's); a factor whose result is not finite keeps its old one."""
+    inputs, _ = _root_inputs(factors, count, cfg)
+    flat_q = [q for qs in vectors for q in qs]
+    flat_v = [v for vs in values for v in vs]
+    new_q, new_v, oks = [], [], []
+    before = cfg.rank_options.get("rank_deficient", "perturb_before") == "perturb_before"
+    for (a, finite_in), q_old, v_old in zip(inputs, flat_q, flat_v):
+        if q_old.shape[0] == 0:                  # a dim not preconditioned
+            new_q.append(q_old)
+            new_v.append(v_old)
+            continue
+        eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+        v, q = matrix_eigendecomposition(_ridge(a, cfg.epsilon, eye) if before else a,
+                                         q_old.to(a.dtype), **cfg.eigen_options)
+        # contiguous, as Meta copies the result into its buffers
+        v, q = v.to(v_old.dtype), q.to(q_old.dtype).contiguous()
+        good = finite_in & torch.isfinite(v).all() & torch.isfinite(q).all()
+        new_q.append(torch.where(good, q, q_old))
+        new_v.append(torch.where(good, v, v_old))
+        oks.append(good)
+    failed = ~torch.stack(oks).all() if oks else torch.zeros((), dtype=torch.bool)
+    failures = torch.where(failed, failures + 1, torch.zeros_like(failures))
+    if not torch.compiler.is_compiling() and int(failures) > cfg.max_consecutive_failures:
+        raise RuntimeError(f"precondition_shampoo: the eigendecomposition failed "
+                           f"{int(failures)} times in a row (limit "
+                           f"{cfg.max_consecutive_failures}); the factors are not usable.")
+    counts = [len(qs) for qs in vectors]
+    return ([tuple(c) for c in _chunks(new_q, counts, "precondition_shampoo")],
+            [tuple(c) for c in _chunks(new_v, counts, "precondition_shampoo")], failures)
+
+
+def _roots_from_eigen(vectors: tuple, values: tuple, cfg: _ShampooConfig) -> tuple:
+    """One block's inverse roots formed from the cached eigendecompositions (this step's)."""
+    exps = _roots_of_order(len(vectors), cfg.inverse_exponent_override)
+    return tuple(q if q.shape[0] == 0 else
+                 inverse_root_from_eigendecomposition(v, q, p, cfg.epsilon, **cfg.rank_options)
+                 for q, v, p in zip(vectors, values, exps))
+
+
 def _precondition(x: torch.Tensor, roots: tuple, dtype: torch.dtype) -> torch.Tensor:
     """One block ``x`` multiplied by its roots along every dim, computed in ``dtype``."""
     return _apply_roots(x.reshape(x.shape or (1,)).to(dtype), roots) \
@@ -951,15 +1100,27 @@ def _update_shampoo(updates: Updates, state: ShampooState, target: Updates,
     # factors inside the root recomputation, the roots to precondition)
     full = (lambda ms: [_unpacked(m, gi) for m, gi in zip(ms, g)]) if cfg.symmetric_packing \
         else (lambda ms: ms)
-    roots, failures = tree_cond(
-        due, lambda r, f: _recompute_roots(full(new_factors), r, f, count, cfg),
-        lambda r, f: (r, f), (roots, state.failures))
-    out = [_precondition(xi, rs, cfg.root_dtype) for xi, rs in zip(x, full(roots))]
     factor_spec = tree_structure(state.factors)
+    new_state = dict(count=count,
+                     factors=tree_unflatten([m for fs in new_factors for m in fs], factor_spec))
+    if cfg.eigen_options is not None:
+        values = [tuple(c) for c in _chunks(tree_flatten(state.eigenvalues)[0], orders,
+                                            "precondition_shampoo")]
+        roots, values, failures = tree_cond(
+            due, lambda q, v, f: _recompute_eigen(full(new_factors), q, v, f, count, cfg),
+            lambda q, v, f: (q, v, f), (roots, values, state.failures))
+        applied = [_roots_from_eigen(qs, vs, cfg) for qs, vs in zip(roots, values)]
+        new_state["eigenvalues"] = tree_unflatten([v for vs in values for v in vs],
+                                                  tree_structure(state.eigenvalues))
+    else:
+        roots, failures = tree_cond(
+            due, lambda r, f: _recompute_roots(full(new_factors), r, f, count, cfg),
+            lambda r, f: (r, f), (roots, state.failures))
+        applied = full(roots)
+    out = [_precondition(xi, rs, cfg.root_dtype) for xi, rs in zip(x, applied)]
     return tree_unflatten(out, spec), ShampooState(
-        count=count, failures=failures,
-        factors=tree_unflatten([m for fs in new_factors for m in fs], factor_spec),
-        roots=tree_unflatten([m for rs in roots for m in rs], factor_spec))
+        failures=failures, roots=tree_unflatten([m for rs in roots for m in rs], factor_spec),
+        **new_state)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ from ..kernels import cast_like, foreach, foreach_ema
 from ..tree import (PyTree, flatten_matching, state_dtype, stats_like, tree_cond, tree_flatten,
                     tree_map, tree_structure, tree_unflatten)
 from .shampoo import (_chunks, _contract_factor, _from_upper, _update_factors,
-                      meta_bias_correction)
+                      matrix_eigendecomposition, meta_bias_correction)
 
 __all__ = ["EigenvalueCorrectedState", "precondition_eigenvalue_corrected"]
 
@@ -343,26 +343,6 @@ def _rotate(x: torch.Tensor, bases: tuple, back: bool = False) -> torch.Tensor:
     return y.reshape(x.shape).to(x.dtype)
 
 
-def _off_diagonal_small(b: torch.Tensor, tolerance: float) -> torch.Tensor:
-    """Meta's criterion: ``||B - diag(B)||_F <= tolerance * ||B||_F`` (a 0-dim bool)."""
-    norm = torch.linalg.norm(b)
-    off = torch.sqrt(norm**2 - torch.linalg.norm(b.diag())**2)
-    return off <= tolerance * norm
-
-
-def _meta_qr(a: torch.Tensor, q: torch.Tensor, cfg: _ECConfig) -> torch.Tensor:
-    """Meta's QR algorithm from the estimate ``q``: ``B = Q^T A Q``; while not diagonal enough
-    (at most ``qr_iterations`` times) ``B = Q'R``, ``B <- R Q'``, ``Q <- Q Q'``; then the
-    columns sorted by the ascending diagonal of ``B`` (a fixed number of iterations with
-    ``torch.where``, so it compiles without a data-dependent loop)."""
-    b = q.T @ a @ q
-    for _ in range(cfg.qr_iterations):
-        done = _off_diagonal_small(b, cfg.tolerance)
-        qq, r = torch.linalg.qr(b)
-        b, q = torch.where(done, b, r @ qq), torch.where(done, q, q @ qq)
-    return q[:, b.diag().sort(stable=True)[1]]
-
-
 def _new_basis(f: torch.Tensor, q_old: torch.Tensor, scale: torch.Tensor | None,
                cfg: _ECConfig, method: str) -> torch.Tensor:
     """The eigenbasis of one factor (``eigh`` or Meta's QR), computed as Meta computes it;
@@ -379,14 +359,8 @@ def _new_basis(f: torch.Tensor, q_old: torch.Tensor, scale: torch.Tensor | None,
         a = a + cfg.epsilon.to(a.dtype) * eye
     elif cfg.epsilon and cfg.perturb_before:
         a = a.add(eye, alpha=cfg.epsilon)
-    estimate = q_old.to(a.dtype)
-    if method == "qr":
-        q = _meta_qr(a, estimate, cfg)
-    else:
-        q = torch.linalg.eigh(a)[1]
-        if not _number(cfg.tolerance) or cfg.tolerance:
-            q = torch.where(_off_diagonal_small(estimate.T @ a @ estimate, cfg.tolerance),
-                            estimate, q)
+    q = matrix_eigendecomposition(a, q_old.to(a.dtype), "qr" if method == "qr" else "eigh",
+                                  cfg.qr_iterations, cfg.tolerance)[1]
     # contiguous, as Meta copies it into its buffer: eigh's column-major result would make
     # the rotations' matrix products round differently
     q = q.to(q_old.dtype)
