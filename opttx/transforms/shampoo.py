@@ -1034,7 +1034,7 @@ def _recompute_roots(factors: list[tuple], roots: list[tuple], failures: torch.T
 def _recompute_eigen(factors: list[tuple], vectors: list[tuple], values: list[tuple],
                      failures: torch.Tensor, count: torch.Tensor, cfg: _ShampooConfig
                      ) -> tuple[list[tuple], list[tuple], torch.Tensor]:
-    """Eigendecomposed caching: every factor's eigendecomposition (`matrix_eigendecomposition`
+    r"""Eigendecomposed caching: every factor's eigendecomposition (`matrix_eigendecomposition`
     of the bias-corrected, trace-scaled factor, plus :math:`\epsilon I` with the default
     perturbation, as Meta's); a factor whose result is not finite keeps its old one."""
     inputs, _ = _root_inputs(factors, count, cfg)
