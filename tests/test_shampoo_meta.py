@@ -561,3 +561,48 @@ def test_eigendecomposed_caching_equals_meta(shapes_, seed, method, mode, dtype,
         ours = opttx.apply_updates(ours, u)
     assert max(displacement_gaps(ours, theirs, tree).values()) <= \
         (1e-8 if dtype == torch.float64 else 1e-5)
+
+
+@pytest.mark.parametrize("beta1", [0.0, 0.9])
+@pytest.mark.parametrize("kind", ["spectral", "sign"])
+def test_spectral_and_sign_descent_configs_are_opttx_chains(kind, beta1) -> None:
+    """Meta's SpectralDescentPreconditionerConfig (Newton-Schulz, Muon's coefficients) and
+    SignDescentPreconditionerConfig, no grafting, every leaf one matrix: the chain
+    block_by_dims(chain(ema(beta1, debias=True), orthogonalize | scale_by_sign, lr), inf, 2).
+    Sign descent is bit for bit; spectral descent within 1e-5 (Meta iterates on the tall
+    orientation, X^T X, and normalises by max(||G||, 1e-8); opttx on the wide one, X X^T,
+    as torch.optim.Muon, by ||G|| + eps: the same polynomial, other roundings)."""
+    from distributed_shampoo.preconditioner.matrix_functions_types import (
+        NewtonSchulzOrthogonalizationConfig)
+    from distributed_shampoo.shampoo_types import (SignDescentPreconditionerConfig,
+                                                   SingleDeviceDistributedConfig,
+                                                   SpectralDescentPreconditionerConfig)
+    tree, grads = draw_problem({"a": (6, 4), "b": (3, 8), "c": (2, 3, 4)}, 1, torch.float32)
+    coefficients = (3.4445, -4.7750, 2.0315)
+    config = SpectralDescentPreconditionerConfig(
+        orthogonalization_config=NewtonSchulzOrthogonalizationConfig(
+            num_iterations=5, coefficients=coefficients)) if kind == "spectral" \
+        else SignDescentPreconditionerConfig()
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in tree.items()}
+    opt = ds.DistributedShampoo(
+        list(params.values()), lr=LR, betas=(beta1, 1.0), epsilon=1e-12,
+        max_preconditioner_dim=math.inf, grafting_config=None, preconditioner_config=config,
+        distributed_config=SingleDeviceDistributedConfig(target_parameter_dimensionality=2))
+    for g in grads:
+        for k, p in params.items():
+            p.grad = g[k].clone()
+        opt.step()
+    theirs = {k: p.detach() for k, p in params.items()}
+    direction = opttx.orthogonalize(5, coefficients, eps=0.0) if kind == "spectral" \
+        else opttx.scale_by_sign()
+    links = ([opttx.ema(beta1, debias=True)] if beta1 else []) + [
+        direction, opttx.scale_by_learning_rate(LR)]
+    tx = opttx.block_by_dims(opttx.chain(*links), math.inf, 2)
+    ours, state = tree, tx.init(tree)
+    for g in grads:
+        u, state = tx.update(g, state, ours)
+        ours = opttx.apply_updates(ours, u)
+    if kind == "sign":
+        assert all(torch.equal(ours[k], theirs[k]) for k in tree)
+    else:
+        assert max(displacement_gaps(ours, theirs, tree).values()) <= 1e-5
