@@ -26,7 +26,8 @@ from .quantized import (QuantizationMap, QuantizedState, QuantizedTensor, dequan
 from .scaling import (ScaleByScheduleState, add_decayed_weights, scale, scale_by_learning_rate,
                       scale_by_schedule, scale_by_sign)
 from .shampoo import (DiagonalGraftState, GraftState, ShampooState, block_by_dims, block_shapes,
-                      graft, matrix_inverse_root, merge_small_dims, meta_bias_correction,
+                      graft, inverse_root_from_eigendecomposition, matrix_eigendecomposition,
+                      matrix_inverse_root, merge_small_dims, meta_bias_correction,
                       pack_symmetric, precondition_shampoo, scale_by_grafted_diagonal,
                       unpack_symmetric)
 from .soap import EigenvalueCorrectedState, precondition_eigenvalue_corrected
@@ -39,7 +40,8 @@ __all__ = [
     "GraftState", "ShampooState", "block_by_dims", "block_shapes", "graft",
     "matrix_inverse_root", "merge_small_dims", "precondition_shampoo",
     "DiagonalGraftState", "meta_bias_correction", "scale_by_grafted_diagonal",
-    "pack_symmetric", "unpack_symmetric",
+    "pack_symmetric", "unpack_symmetric", "matrix_eigendecomposition",
+    "inverse_root_from_eigendecomposition",
     "EigenvalueCorrectedState", "precondition_eigenvalue_corrected",
     "FactoredState", "ScaleByCameState", "add_step_scaled_decayed_weights", "clip_by_rms",
     "clip_by_rms_and_scale_by_param_rms",
