@@ -7,7 +7,8 @@ Shapes: an embedding split Shard(0) over the tensor-parallel group (the segments
 the pieces when the sizes differ), a projection split Shard(1) (every piece holds some of
 every segment's columns), a large replicated leaf (each rank takes its rows locally) and small
 leaves that keep one owner. One spawn per world size (2 and 4), looping over transforms and
-seeds; collectives counted per step.
+seeds; collectives counted per step; at world 2 Shampoo's split plan also runs compiled
+(aot_eager, fullgraph).
 """
 
 from __future__ import annotations
@@ -104,6 +105,21 @@ def worker(rank: int, world: int) -> dict:
                         "bytes": (bytes32, bytes16),
                         "rounded": all(torch.equal(u16[k], u32[k].bfloat16().float())
                                        for k in full)}
+            compiled = None
+            if name == "shampoo" and seed == 0 and world == 2:   # the split plan, one graph
+                from torch._dynamo.testing import CompileCounterWithBackend
+                counter = CompileCounterWithBackend("aot_eager")
+                tx = sharded(make(), specs, on_owners=True, split_above_mb=0.0)
+                step = torch.compile(tx.update, backend=counter, fullgraph=True)
+                p, state = local, tx.init(local)
+                for g in grads:
+                    u, state = step({k: local_shard(v, specs[k]) for k, v in g.items()},
+                                    state, p)
+                    p = opttx.apply_updates(p, u)
+                compiled = {"frames": counter.frame_count,
+                            "error": max(max_relative_error(p[k], results[0.0][0][k])
+                                         for k in full)}
+                torch._dynamo.reset()
             p_split = results[0.0][0]
             out[name, seed] = {
                 "error": max(max_relative_error(p_split[k], local_shard(p_ref[k], specs[k]))
@@ -114,7 +130,7 @@ def worker(rank: int, world: int) -> dict:
                 "single_device_state": _state_bytes(s_ref),
                 "collectives": results[0.0][2], "collectives_whole_leaves": results[None][2],
                 "state_balanced_by_state": results["state"][1] if "state" in results else None,
-                "bf16": bf16 if name == "shampoo" else None}
+                "bf16": bf16 if name == "shampoo" else None, "compiled": compiled}
     return out
 
 
@@ -131,6 +147,9 @@ def test_split_leaves_equal_one_device(runs, name) -> None:
             if tx_name != name:
                 continue
             assert res["error"] <= 1e-5, (name, seed, res["error"])
+            if res["compiled"] is not None:     # Shampoo, world 2: the split plan compiled
+                # (aot_eager, fullgraph) is one graph equal to the eager run
+                assert res["compiled"]["frames"] == 1 and res["compiled"]["error"] <= 1e-6
 
 
 @pytest.mark.timeout(700)
@@ -187,3 +206,4 @@ def test_updates_in_bf16_on_the_wire(runs) -> None:
             assert res["rounded"] and res["worst"] <= 2.0**-8
             bytes32, bytes16 = res["bytes"]
             assert bytes16 < bytes32
+
