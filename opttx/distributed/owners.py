@@ -676,8 +676,13 @@ def _state_cost(tx: GradientTransformation, dtype: torch.dtype
     cache: dict[tuple[int, ...], float] = {}
 
     def nbytes(tree: list) -> int:
-        with reducer_during_init(None):
-            state = tx.init(tree)
+        try:
+            with reducer_during_init(None):
+                state = tx.init(tree)
+        except Exception as e:  # noqa: BLE001 - a transform that needs real data at init
+            raise ValueError(f"on_owners: cost='state' measures tx.init on meta tensors, "
+                             f"which this transform refuses ({type(e).__name__}: {e}); "
+                             "balance by work (the default cost) instead.") from e
         return sum(x.numel() * x.element_size() for x in tree_leaves(state)
                    if isinstance(x, torch.Tensor))
     base: list[int] = []
