@@ -535,7 +535,9 @@ def _rank_main(rank: int, world: int, tmp: str, fn: Callable, args: tuple,
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=timeout))
         result = fn(rank, world, *args)
-        Path(f"{tmp}/result.{rank}").write_bytes(pickle.dumps(result))
+        # whole or not at all: a rank killed while writing leaves no result file
+        Path(f"{tmp}/result.{rank}.part").write_bytes(pickle.dumps(result))
+        Path(f"{tmp}/result.{rank}.part").replace(f"{tmp}/result.{rank}")
     except BaseException as e:
         text = traceback.format_exc()
         try:
@@ -585,9 +587,11 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (),
     Every rank starts with ``torch.distributed`` initialised (``file://`` rendezvous in a
     temporary directory, collectives timing out after ``timeout`` seconds) and one intra-op
     thread. An exception in a rank is raised again here, with the rank's traceback attached as
-    a note; the other ranks are stopped. If the ranks have not all finished after ``timeout``
-    seconds (a rank waiting in a collective that another never issues), all are stopped and a
-    ``TimeoutError`` names the ranks still running.
+    a note; the other ranks are stopped. Ranks leave by `exit_rank`; one killed after every
+    rank has returned its result (a process group's thread aborting at shutdown) loses
+    nothing: the results are returned with a ``RuntimeWarning``. If the ranks have not all
+    finished after ``timeout`` seconds (a rank waiting in a collective that another never
+    issues), all are stopped and a ``TimeoutError`` names the ranks still running.
 
     ``fn``, ``args`` and the return values travel by pickle: ``fn`` must be importable by a
     fresh process (a function defined at the top level of a module, or a ``functools.partial``
@@ -634,13 +638,36 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (),
                         "rank never issued, or a slow run: raise timeout=).")
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             _stop(ctx.processes)
-            _raise_rank_error(tmp, world_size, e)
+            done = _results_if_complete(tmp, world_size)
+            if done is None or not isinstance(e, mp.ProcessExitedException):
+                _raise_rank_error(tmp, world_size, e)
+            # every rank returned and none raised: a rank killed while leaving (a process
+            # group's thread aborting at shutdown) lost nothing
+            import warnings
+            warnings.warn(f"spawn_ranks: every rank returned its result, then {e}; the results "
+                          "are kept.", RuntimeWarning, stacklevel=2)
+            return done
         except BaseException:
             _stop(ctx.processes)
             raise
         from pathlib import Path
         return [pickle.loads(Path(f"{tmp}/result.{r}").read_bytes())
                 for r in range(world_size)]
+
+
+def _results_if_complete(tmp: str, world: int) -> list[Any] | None:
+    """Every rank's result when all wrote one and none wrote an error, else None."""
+    import pickle
+    from pathlib import Path
+    if any(Path(f"{tmp}/error.{r}").exists() for r in range(world)):
+        return None
+    files = [Path(f"{tmp}/result.{r}") for r in range(world)]
+    if not all(f.exists() for f in files):
+        return None
+    try:
+        return [pickle.loads(f.read_bytes()) for f in files]
+    except Exception:  # noqa: BLE001 - a result file cut short: not complete
+        return None
 
 
 def _stop(processes: list) -> None:

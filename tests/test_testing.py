@@ -249,6 +249,33 @@ def test_spawn_ranks_returns_results_and_stops_hangs() -> None:
     assert time.monotonic() - start < 60
 
 
+def _abort_when_leaving(rank: int, world: int) -> int:
+    """Returns its rank, then dies by SIGABRT on the way out (as a gloo thread aborting at
+    interpreter shutdown would)."""
+    import os
+
+    def leave(code: int = 0) -> None:
+        dist.barrier()                # every rank has written its result by now
+        os.abort()
+    opttx.testing.exit_rank = leave
+    return rank
+
+
+def _abort_before_returning(rank: int, world: int) -> int:
+    import os
+    os.abort()
+
+
+@pytest.mark.timeout(240)
+def test_spawn_ranks_keeps_results_of_ranks_killed_while_leaving() -> None:
+    """Every rank wrote its result, then was killed: the results stand (with a warning); a
+    rank killed before its result is still an error."""
+    with pytest.warns(RuntimeWarning, match="every rank returned its result"):
+        assert spawn_ranks(_abort_when_leaving, 2) == [0, 1]
+    with pytest.raises(RuntimeError, match="died without raising"):
+        spawn_ranks(_abort_before_returning, 2)
+
+
 @pytest.mark.timeout(240)
 def test_sharding_specs_drawn_alike_in_every_rank() -> None:
     """Drawn inside the ranks with the real group (its size read from it): the same specs."""
