@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import opttx
-from opttx.testing import gradient_stream
+from opttx.testing import gradient_stream, run_transform
 
 META = Path(__file__).resolve().parents[2] / "shared" / "refs" / "meta-optimizers"
 if not (META / "distributed_shampoo").is_dir():
@@ -102,9 +102,10 @@ def meta_optimizer(params: list[torch.nn.Parameter], cfg: dict, dtype: torch.dty
             drop_weighting_factor_on_gsquare=cfg.get("drop_weighting_factor_on_gsquare", False)))
 
 
-def run_meta(tree: dict, grads: list[dict], cfg: dict, dtype: torch.dtype) -> dict:
+def step_meta(tree: dict, grads: list[dict], make) -> dict:
+    """The parameters after Meta's optimizer ``make(parameters)`` stepped on ``grads``."""
     params = {k: torch.nn.Parameter(v.clone()) for k, v in tree.items()}
-    opt = meta_optimizer(list(params.values()), cfg, dtype)
+    opt = make(list(params.values()))
     for g in grads:
         for k, p in params.items():
             p.grad = g[k].clone()
@@ -112,14 +113,13 @@ def run_meta(tree: dict, grads: list[dict], cfg: dict, dtype: torch.dtype) -> di
     return {k: p.detach() for k, p in params.items()}
 
 
+def run_meta(tree: dict, grads: list[dict], cfg: dict, dtype: torch.dtype) -> dict:
+    return step_meta(tree, grads, lambda ps: meta_optimizer(ps, cfg, dtype))
+
+
 def run_opttx(tree: dict, grads: list[dict], cfg: dict, dtype: torch.dtype) -> dict:
-    tx = opttx.shampoo(LR, grafting_beta2=0.999, grafting_epsilon=1e-8,
-                       preconditioner_dtype=dtype, **cfg)
-    params, state = tree, tx.init(tree)
-    for g in grads:
-        updates, state = tx.update(g, state, params)
-        params = opttx.apply_updates(params, updates)
-    return params
+    return run_transform(opttx.shampoo(LR, grafting_beta2=0.999, grafting_epsilon=1e-8,
+                                       preconditioner_dtype=dtype, **cfg), tree, grads)[0]
 
 
 def displacement_gaps(ours: dict, theirs: dict, start: dict) -> dict:
@@ -196,24 +196,16 @@ def test_factor_dtype_float64_with_float32_roots_as_meta(dtype) -> None:
     gen = torch.Generator().manual_seed(1)
     tree = {"w": torch.randn(8, 6, generator=gen, dtype=dtype)}
     grads = [{"w": torch.randn(8, 6, generator=gen, dtype=dtype)} for _ in range(3)]
-    params = {"w": torch.nn.Parameter(tree["w"].clone())}
-    opt = ds.DistributedShampoo(
-        list(params.values()), lr=LR, betas=(0.9, 0.999), epsilon=1e-6,
+    theirs = step_meta(tree, grads, lambda ps: ds.DistributedShampoo(
+        ps, lr=LR, betas=(0.9, 0.999), epsilon=1e-6,
         grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
         preconditioner_config=ds.RootInvShampooPreconditionerConfig(
-            factor_matrix_dtype=torch.float64))
-    for g in grads:
-        params["w"].grad = g["w"].clone()
-        opt.step()
+            factor_matrix_dtype=torch.float64)))
     tx = opttx.shampoo(LR, betas=(0.9, 0.999), epsilon=1e-6, grafting="adam",
                        grafting_beta2=0.999, grafting_epsilon=1e-8,
                        preconditioner_dtype=torch.float64,
                        inv_factor_matrix_dtype=torch.float32)
-    params_o, state = tree, tx.init(tree)
-    for g in grads:
-        u, state = tx.update(g, state, params_o)
-        params_o = opttx.apply_updates(params_o, u)
-    gap = displacement_gaps(params_o, {"w": params["w"].detach()}, tree)["w"]
+    gap = displacement_gaps(run_transform(tx, tree, grads)[0], theirs, tree)["w"]
     assert gap <= 1e-6
 
 
@@ -266,27 +258,18 @@ def test_inverse_exponent_override_equals_meta(override, grafting) -> None:
                max_preconditioner_dim=6, momentum=0.0, nesterov=False,
                use_trace_scaling=False)
     tree, grads = draw_problem({"v": (5,), "m": (6, 4), "t": (3, 5, 6)}, 4, torch.float64)
-    params = {k: torch.nn.Parameter(v.clone()) for k, v in tree.items()}
-    opt = ds.DistributedShampoo(
-        list(params.values()), lr=LR, betas=(0.9, 0.999), epsilon=1e-6,
+    theirs = step_meta(tree, grads, lambda ps: ds.DistributedShampoo(
+        ps, lr=LR, betas=(0.9, 0.999), epsilon=1e-6,
         max_preconditioner_dim=6, precondition_frequency=1, start_preconditioning_step=1,
         grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8)
         if grafting else None,
         preconditioner_config=ds.RootInvShampooPreconditionerConfig(
             factor_matrix_dtype=torch.float64, inv_factor_matrix_dtype=torch.float64,
-            inverse_exponent_override=override))
-    for g in grads:
-        for k, p in params.items():
-            p.grad = g[k].clone()
-        opt.step()
-    theirs = {k: p.detach() for k, p in params.items()}
+            inverse_exponent_override=override)))
     tx = opttx.shampoo(LR, betas=(0.9, 0.999), epsilon=1e-6, grafting=grafting,
                        grafting_beta2=0.999, grafting_epsilon=1e-8, max_preconditioner_dim=6,
                        preconditioner_dtype=torch.float64, inverse_exponent_override=override)
-    ours, state = tree, tx.init(tree)
-    for g in grads:
-        u, state = tx.update(g, state, ours)
-        ours = opttx.apply_updates(ours, u)
+    ours = run_transform(tx, tree, grads)[0]
     assert max(displacement_gaps(ours, theirs, tree).values()) <= 1e-8
     plain = run_opttx(tree, grads, cfg, torch.float64)     # the override matters here
     assert max(displacement_gaps(plain, theirs, tree).values()) > 1e-3
@@ -310,26 +293,17 @@ def test_drop_weighting_factor_on_gsquare_equals_meta() -> None:
 @pytest.mark.parametrize("kind", ["L2", "DECOUPLED", "CORRECTED", "INDEPENDENT"])
 def test_weight_decay_types_equal_meta(kind) -> None:
     tree, grads = draw_problem({"m": (5, 4), "v": (3,)}, 8, torch.float64)
-    params = {k: torch.nn.Parameter(v.clone()) for k, v in tree.items()}
-    opt = ds.DistributedShampoo(
-        list(params.values()), lr=LR, betas=(0.9, 0.999), epsilon=1e-6, weight_decay=1e-4,
+    theirs = step_meta(tree, grads, lambda ps: ds.DistributedShampoo(
+        ps, lr=LR, betas=(0.9, 0.999), epsilon=1e-6, weight_decay=1e-4,
         weight_decay_type=ds.WeightDecayType[kind], max_preconditioner_dim=5,
         grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
         preconditioner_config=ds.RootInvShampooPreconditionerConfig(
-            factor_matrix_dtype=torch.float64, inv_factor_matrix_dtype=torch.float64))
-    for g in grads:
-        for k, p in params.items():
-            p.grad = g[k].clone()
-        opt.step()
-    theirs = {k: p.detach() for k, p in params.items()}
+            factor_matrix_dtype=torch.float64, inv_factor_matrix_dtype=torch.float64)))
     tx = opttx.shampoo(LR, betas=(0.9, 0.999), epsilon=1e-6, weight_decay=1e-4,
                        weight_decay_type=ds.WeightDecayType[kind], max_preconditioner_dim=5,
                        grafting="adam", grafting_beta2=0.999, grafting_epsilon=1e-8,
                        preconditioner_dtype=torch.float64)
-    ours, state = tree, tx.init(tree)
-    for g in grads:
-        u, state = tx.update(g, state, ours)
-        ours = opttx.apply_updates(ours, u)
+    ours = run_transform(tx, tree, grads)[0]
     assert max(displacement_gaps(ours, theirs, tree).values()) <= 1e-8
     with pytest.raises(ValueError, match="constant positive"):
         opttx.shampoo(lambda count: LR, weight_decay=1e-4, weight_decay_type="INDEPENDENT")
@@ -347,29 +321,20 @@ def test_rank_deficient_stability_configs_equal_meta(mode, dtype) -> None:
     epsilon = 0.0 if mode == "pseudo_inverse" else 1e-9
     tree, grads = draw_problem({"m": (6, 5), "v": (9,), "t": (2, 3, 4)}, 10, dtype)
     grads = grads[:3]                                   # factors of rank <= 3
-    params = {k: torch.nn.Parameter(v.clone()) for k, v in tree.items()}
-    opt = ds.DistributedShampoo(
-        list(params.values()), lr=LR, betas=(0.9, 0.999), epsilon=epsilon,
+    theirs = step_meta(tree, grads, lambda ps: ds.DistributedShampoo(
+        ps, lr=LR, betas=(0.9, 0.999), epsilon=epsilon,
         max_preconditioner_dim=6,
         grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
         preconditioner_config=ds.RootInvShampooPreconditionerConfig(
             factor_matrix_dtype=dtype, inv_factor_matrix_dtype=dtype,
             amortized_computation_config=EigenConfig(
-                rank_deficient_stability_config=stability)))
-    for g in grads:
-        for k, p in params.items():
-            p.grad = g[k].clone()
-        opt.step()
-    theirs = {k: p.detach() for k, p in params.items()}
+                rank_deficient_stability_config=stability))))
     tx = opttx.shampoo(LR, betas=(0.9, 0.999), epsilon=epsilon, max_preconditioner_dim=6,
                        grafting="adam", grafting_beta2=0.999, grafting_epsilon=1e-8,
                        preconditioner_dtype=dtype, rank_deficient=mode,
                        rank_atol=1e-10 if mode == "pseudo_inverse" else 0.0,
                        rank_rtol=None if mode == "pseudo_inverse" else 0.0)
-    ours, state = tree, tx.init(tree)
-    for g in grads:
-        u, state = tx.update(g, state, ours)
-        ours = opttx.apply_updates(ours, u)
+    ours = run_transform(tx, tree, grads)[0]
     assert max(displacement_gaps(ours, theirs, tree).values()) <= \
         (1e-8 if dtype == torch.float64 else 1e-5)
 
@@ -397,20 +362,14 @@ def root_configs():
 
 def run_meta_root(tree: dict, grads: list[dict], root_config, epsilon: float, override,
                   dtype: torch.dtype) -> dict:
-    params = {k: torch.nn.Parameter(v.clone()) for k, v in tree.items()}
-    opt = ds.DistributedShampoo(
-        list(params.values()), lr=LR, betas=(0.9, 0.999), epsilon=epsilon,
+    return step_meta(tree, grads, lambda ps: ds.DistributedShampoo(
+        ps, lr=LR, betas=(0.9, 0.999), epsilon=epsilon,
         max_preconditioner_dim=6, precondition_frequency=2, start_preconditioning_step=2,
         grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
         preconditioner_config=ds.RootInvShampooPreconditionerConfig(
             factor_matrix_dtype=dtype, inv_factor_matrix_dtype=dtype,
             inverse_exponent_override=override or {},
-            amortized_computation_config=root_config))
-    for g in grads:
-        for k, p in params.items():
-            p.grad = g[k].clone()
-        opt.step()
-    return {k: p.detach() for k, p in params.items()}
+            amortized_computation_config=root_config)))
 
 
 def opttx_root_shampoo(options: dict, epsilon: float, override, dtype: torch.dtype):
@@ -437,10 +396,7 @@ def test_iterative_root_methods_equal_meta(shapes_, root, epsilon, dtype, seed,
     tree, grads = draw_problem(shapes_, seed, dtype)
     theirs = run_meta_root(tree, grads, meta_config, epsilon, override, dtype)
     tx = opttx_root_shampoo(options, epsilon, override, dtype)
-    ours, state = tree, tx.init(tree)
-    for g in grads:
-        u, state = tx.update(g, state, ours)
-        ours = opttx.apply_updates(ours, u)
+    ours = run_transform(tx, tree, grads)[0]
     assert max(displacement_gaps(ours, theirs, tree).values()) <= \
         (1e-8 if dtype == torch.float64 else 1e-5)
 
@@ -481,29 +437,20 @@ def test_target_parameter_dimensionality_equals_meta(target, max_dim) -> None:
     from distributed_shampoo.shampoo_types import SingleDeviceDistributedConfig
     tree, grads = draw_problem({"conv": (4, 1, 3, 2), "t": (2, 3, 4), "m": (5, 6)}, 4,
                                torch.float64)
-    params = {k: torch.nn.Parameter(v.clone()) for k, v in tree.items()}
-    opt = ds.DistributedShampoo(
-        list(params.values()), lr=LR, betas=(0.9, 0.999), epsilon=1e-6,
+    theirs = step_meta(tree, grads, lambda ps: ds.DistributedShampoo(
+        ps, lr=LR, betas=(0.9, 0.999), epsilon=1e-6,
         max_preconditioner_dim=max_dim, precondition_frequency=2, start_preconditioning_step=2,
         grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
         distributed_config=SingleDeviceDistributedConfig(
             target_parameter_dimensionality=target),
         preconditioner_config=ds.RootInvShampooPreconditionerConfig(
-            factor_matrix_dtype=torch.float64, inv_factor_matrix_dtype=torch.float64))
-    for g in grads:
-        for k, p in params.items():
-            p.grad = g[k].clone()
-        opt.step()
-    theirs = {k: p.detach() for k, p in params.items()}
+            factor_matrix_dtype=torch.float64, inv_factor_matrix_dtype=torch.float64)))
     tx = opttx.shampoo(LR, betas=(0.9, 0.999), epsilon=1e-6, max_preconditioner_dim=max_dim,
                        precondition_frequency=2, start_preconditioning_step=2,
                        grafting="adam", grafting_beta2=0.999, grafting_epsilon=1e-8,
                        preconditioner_dtype=torch.float64,
                        target_parameter_dimensionality=target)
-    ours, state = tree, tx.init(tree)
-    for g in grads:
-        u, state = tx.update(g, state, ours)
-        ours = opttx.apply_updates(ours, u)
+    ours = run_transform(tx, tree, grads)[0]
     assert max(displacement_gaps(ours, theirs, tree).values()) <= 1e-8
 
 
@@ -533,19 +480,13 @@ def test_eigendecomposed_caching_equals_meta(shapes_, seed, method, mode, dtype,
                                            rank_deficient_stability_config=stability))
     epsilon = 0.0 if mode == "pseudo_inverse" else 1e-6
     tree, grads = draw_problem(shapes_, seed, dtype)
-    params = {k: torch.nn.Parameter(v.clone()) for k, v in tree.items()}
-    opt = ds.DistributedShampoo(
-        list(params.values()), lr=LR, betas=(0.9, 0.999), epsilon=epsilon,
+    theirs = step_meta(tree, grads, lambda ps: ds.DistributedShampoo(
+        ps, lr=LR, betas=(0.9, 0.999), epsilon=epsilon,
         max_preconditioner_dim=6, precondition_frequency=2, start_preconditioning_step=2,
         grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
         preconditioner_config=ds.EigendecomposedShampooPreconditionerConfig(
             factor_matrix_dtype=dtype, factor_matrix_eigenvectors_dtype=dtype,
-            factor_matrix_eigenvalues_dtype=dtype, amortized_computation_config=config))
-    for g in grads:
-        for k, p in params.items():
-            p.grad = g[k].clone()
-        opt.step()
-    theirs = {k: p.detach() for k, p in params.items()}
+            factor_matrix_eigenvalues_dtype=dtype, amortized_computation_config=config)))
     tx = opttx.shampoo(LR, betas=(0.9, 0.999), epsilon=epsilon, max_preconditioner_dim=6,
                        precondition_frequency=2, start_preconditioning_step=2,
                        grafting="adam", grafting_beta2=0.999, grafting_epsilon=1e-8,
@@ -555,10 +496,7 @@ def test_eigendecomposed_caching_equals_meta(shapes_, seed, method, mode, dtype,
                        rank_atol=1e-10 if mode == "pseudo_inverse" else 0.0,
                        rank_rtol=None if mode == "pseudo_inverse" else 0.0,
                        use_symmetric_packing=packing)
-    ours, state = tree, tx.init(tree)
-    for g in grads:
-        u, state = tx.update(g, state, ours)
-        ours = opttx.apply_updates(ours, u)
+    ours = run_transform(tx, tree, grads)[0]
     assert max(displacement_gaps(ours, theirs, tree).values()) <= \
         (1e-8 if dtype == torch.float64 else 1e-5)
 
@@ -583,25 +521,16 @@ def test_spectral_and_sign_descent_configs_are_opttx_chains(kind, beta1) -> None
         orthogonalization_config=NewtonSchulzOrthogonalizationConfig(
             num_iterations=5, coefficients=coefficients)) if kind == "spectral" \
         else SignDescentPreconditionerConfig()
-    params = {k: torch.nn.Parameter(v.clone()) for k, v in tree.items()}
-    opt = ds.DistributedShampoo(
-        list(params.values()), lr=LR, betas=(beta1, 1.0), epsilon=1e-12,
+    theirs = step_meta(tree, grads, lambda ps: ds.DistributedShampoo(
+        ps, lr=LR, betas=(beta1, 1.0), epsilon=1e-12,
         max_preconditioner_dim=math.inf, grafting_config=None, preconditioner_config=config,
-        distributed_config=SingleDeviceDistributedConfig(target_parameter_dimensionality=2))
-    for g in grads:
-        for k, p in params.items():
-            p.grad = g[k].clone()
-        opt.step()
-    theirs = {k: p.detach() for k, p in params.items()}
+        distributed_config=SingleDeviceDistributedConfig(target_parameter_dimensionality=2)))
     direction = opttx.orthogonalize(5, coefficients, eps=0.0) if kind == "spectral" \
         else opttx.scale_by_sign()
     links = ([opttx.ema(beta1, debias=True)] if beta1 else []) + [
         direction, opttx.scale_by_learning_rate(LR)]
     tx = opttx.block_by_dims(opttx.chain(*links), math.inf, 2)
-    ours, state = tree, tx.init(tree)
-    for g in grads:
-        u, state = tx.update(g, state, ours)
-        ours = opttx.apply_updates(ours, u)
+    ours = run_transform(tx, tree, grads)[0]
     if kind == "sign":
         assert all(torch.equal(ours[k], theirs[k]) for k in tree)
     else:
