@@ -146,7 +146,21 @@ def _run_case(name: str, full: dict, grads: list[list[dict]], rank: int, world: 
     balance = "state" if name in ("adafactor", "shampoo") else "params"
     tx = zero(TXS[name](), stage=stage, offload=offload, stats=stats, balance=balance,
               **kwargs)
-    ref = TXS[name]()
+    s, s_ref, counts = _steps_against_mean(tx, TXS[name](), full, grads, rank, stats)
+    # the plan zero made
+    costs = state_costs(TXS[name](), full) if balance == "state" else None
+    plan = zero_plan(full, world, costs=costs, **kwargs)
+    paths = _compare_state(name, s_ref, s, full, plan, rank)
+    return {"counts": counts, "chunks": sum(c.segment > 0 for c in plan.chunks),
+            "paths": paths, "param_paths": tree_paths(full),
+            "all_paths": [keystr(k) for k, _ in tree_flatten_with_path(s_ref)[0]]}
+
+
+def _steps_against_mean(tx: opttx.GradientTransformation, ref: opttx.GradientTransformation,
+                        full: dict, grads: list, rank: int, stats: CollectiveStats
+                        ) -> tuple[Any, Any, list[int]]:
+    """``tx`` on this rank's gradients against ``ref`` on the mean gradient, the parameters
+    compared after every step; the two final states and the collectives of each step."""
     p, s = full, tx.init(full)
     p_ref, s_ref = full, ref.init(full)
     counts = []
@@ -160,13 +174,7 @@ def _run_case(name: str, full: dict, grads: list[list[dict]], rank: int, world: 
         for k, a, b in zip(tree_paths(full), tree_flatten(p)[0], tree_flatten(p_ref)[0]):
             torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL,
                                        msg=lambda m, k=k: f"params {k}: {m}")
-    # the plan zero made
-    costs = state_costs(TXS[name](), full) if balance == "state" else None
-    plan = zero_plan(full, world, costs=costs, **kwargs)
-    paths = _compare_state(name, s_ref, s, full, plan, rank)
-    return {"counts": counts, "chunks": sum(c.segment > 0 for c in plan.chunks),
-            "paths": paths, "param_paths": tree_paths(full),
-            "all_paths": [keystr(k) for k, _ in tree_flatten_with_path(s_ref)[0]]}
+    return s, s_ref, counts
 
 
 def _equivalence(rank: int, world: int, n_draws: int, results: dict) -> None:

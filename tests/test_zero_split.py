@@ -26,10 +26,9 @@ import opttx
 from opttx.distributed import CollectiveStats, zero, zero_plan
 from opttx.tree import tree_leaves
 from test_distributed import _finish, _init
-from test_zero import _mean, _problem
+from test_zero import _problem, _steps_against_mean
 
 STEPS = 5
-RTOL, ATOL = 1e-5, 1e-6
 
 TXS: dict[str, Callable[[], opttx.GradientTransformation]] = {
     "adamw": lambda: opttx.adamw(1e-2, weight_decay=0.01),
@@ -66,20 +65,7 @@ def _run(name: str, shapes: dict, seed: int, rank: int, world: int) -> dict:
     balance = "state" if name in ("adafactor", "came", "shampoo") else "params"
     tx = zero(TXS[name](), stats=stats, chunk_size_mb=None, min_chunk_size_mb=1e-4,
               search_range_mb=1e-3, split_above_mb=0.99 * embed_mb, balance=balance)
-    ref = TXS[name]()
-    p, s = full, tx.init(full)
-    p_ref, s_ref = full, ref.init(full)
-    counts = []
-    for per_rank in grads:
-        u, s_ref = ref.update(_mean(per_rank), s_ref, p_ref)
-        p_ref = opttx.apply_updates(p_ref, u)
-        stats.reset()
-        u, s = tx.update(per_rank[rank], s, p)
-        counts.append(stats.collectives)
-        p = opttx.apply_updates(p, u)
-        for (k, a), b in zip(sorted(_flat(p).items()), [v for _, v in sorted(_flat(p_ref).items())]):
-            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, k=k: f"params {k}: {m}")
+    s, s_ref, counts = _steps_against_mean(tx, TXS[name](), full, grads, rank, stats)
     plain = zero_plan(full, world)
     every = [None] * world
     dist.all_gather_object(every, _state_bytes(s))
@@ -90,17 +76,6 @@ def _run(name: str, shapes: dict, seed: int, rank: int, world: int) -> dict:
     dist.all_gather_object(every_whole, _state_bytes(whole))
     return {"counts": counts, "state": every, "state_unsplit": every_whole,
             "single": _state_bytes(s_ref), "embed_owner": plain.owners[0]}
-
-
-def _flat(tree: dict) -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, list):
-            for i, x in enumerate(v):
-                out.update({f"{k}.{i}.{j}": y for j, y in x.items()})
-        else:
-            out[k] = v
-    return out
 
 
 def _equivalence(rank: int, world: int, n_draws: int, results: dict) -> None:
