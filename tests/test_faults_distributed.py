@@ -18,12 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 import opttx
 from opttx.distributed import (Replicated, Shard, all_reduce_gradients, load_checkpoint,
                                sharded, state_dict, zero)
 from opttx.testing import exit_rank
+from test_distributed import _spawn
 from opttx.tree import tree_leaves, tree_map
 
 pytestmark = pytest.mark.timeout(300)
@@ -176,10 +176,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("faults")
-    store, out = tmp / "store", tmp / "out"
-    mp.spawn(_worker, args=(WORLD, str(store), str(out)), nprocs=WORLD, join=True)
-    return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(WORLD)]
+    return _spawn(_worker, WORLD, tmp_path_factory.mktemp("faults"))
 
 
 def _errors(results: list[dict], case: str, key: str | None = None) -> list[str | None]:

@@ -11,18 +11,15 @@ halves the bytes and stays within its documented bound of the float32 result.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import opttx
 from opttx.distributed import CollectiveStats, all_reduce_gradients, no_sync, zero
-from test_distributed import _finish, _init
+from test_distributed import _finish, _init, _spawn
 
 WORLD, STEPS, MIB = 2, 3, 1 << 20
 U = 2.0 ** -8                     # bf16's unit roundoff
@@ -157,10 +154,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("overlap")
-    store, out = tmp / "store", tmp / "out"
-    mp.spawn(_worker, args=(WORLD, str(store), str(out)), nprocs=WORLD, join=True)
-    return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(WORLD)]
+    return _spawn(_worker, WORLD, tmp_path_factory.mktemp("overlap"))
 
 
 @pytest.mark.timeout(300)

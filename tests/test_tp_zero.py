@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import json
 import traceback
-from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -35,7 +33,7 @@ import opttx
 from opttx.distributed import CollectiveStats, Replicated, Shard, local_shard, on_owners, \
     sharded, zero
 from opttx.tree import keystr, tree_flatten_with_path, tree_map
-from test_distributed import _finish, _init
+from test_distributed import _finish, _init, _spawn
 from test_zero import TXS as ZERO_TXS
 
 STEPS = 5
@@ -226,10 +224,7 @@ def _worker(rank: int, world: int, store: str, out: str, n_draws: int) -> None:
 
 @pytest.fixture(scope="module")
 def mesh4(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("tpzero")
-    store, out = tmp / "store", tmp / "out"
-    mp.spawn(_worker, args=(WORLD, str(store), str(out), 3), nprocs=WORLD, join=True)
-    return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(WORLD)]
+    return _spawn(_worker, WORLD, tmp_path_factory.mktemp("tpzero"), 3)
 
 
 @pytest.mark.timeout(600)

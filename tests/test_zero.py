@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -29,6 +28,7 @@ import opttx
 from opttx.distributed import CollectiveStats, ZeroPlan, state_costs, zero, zero_plan
 from opttx.tree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_paths
 from test_distributed import _finish, _init
+from test_distributed import _spawn as spawn
 
 STEPS = 5
 RTOL, ATOL = 1e-5, 1e-6
@@ -369,9 +369,7 @@ def _worker(rank: int, world: int, store: str, out: str, n_draws: int, extras: b
 
 
 def _spawn(world: int, tmp: Path, *args: Any) -> list[dict]:
-    store, out = tmp / "store", tmp / "out"
-    mp.spawn(_worker, args=(world, str(store), str(out), *args), nprocs=world, join=True)
-    return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
+    return spawn(_worker, world, tmp, *args)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ gradients are multiples of 1/64, so the mean over ranks is exact in float32.
 
 from __future__ import annotations
 
-import json
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -18,7 +17,6 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +24,7 @@ import opttx
 from opttx.distributed import CollectiveStats, zero, zero_plan
 from opttx.tree import tree_leaves
 from test_distributed import _finish, _init
+from test_distributed import _spawn as spawn
 from test_zero import _problem, _steps_against_mean
 
 STEPS = 5
@@ -134,9 +133,7 @@ def _worker(rank: int, world: int, store: str, out: str, n_draws: int) -> None:
 
 
 def _spawn(world: int, tmp: Path, n_draws: int) -> list[dict]:
-    store, out = tmp / "store", tmp / "out"
-    mp.spawn(_worker, args=(world, str(store), str(out), n_draws), nprocs=world, join=True)
-    return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
+    return spawn(_worker, world, tmp, n_draws)
 
 
 @pytest.fixture(scope="module", params=[2, 4])
