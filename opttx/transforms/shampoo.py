@@ -954,16 +954,56 @@ def _root_inputs(factors: list[tuple], count: torch.Tensor, cfg: _ShampooConfig
     for block_factors in factors:
         for f, p in zip(block_factors,
                         _roots_of_order(len(block_factors), cfg.inverse_exponent_override)):
-            if not cfg.symmetric_packing:          # packed ones come unpacked, symmetric
-                f = _from_upper(f)
-            a = f if scale is None else f / scale
-            if cfg.use_trace_scaling:
-                trace = torch.clamp(torch.trace(a), min=cfg.epsilon)
-                a = a * torch.pow(trace, -cfg.trace_scaling_exponent)
-            finite_in = torch.isfinite(a).all()
-            inputs.append((torch.where(finite_in, a, torch.zeros_like(a)), finite_in))
+            inputs.append(_prepared_factor(f, scale, cfg))
             exps.append(p or 1.0)
     return inputs, exps
+
+
+def _prepared_factor(f: torch.Tensor, scale: torch.Tensor | None, cfg: Any
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The matrix Meta decomposes for the factor ``f`` (of `precondition_shampoo` or
+    `precondition_eigenvalue_corrected`): symmetric, read from its upper triangle (packed
+    factors come unpacked, symmetric already), divided by the bias correction ``scale``,
+    trace-scaled; zeros where it is not finite, with whether it was."""
+    if not getattr(cfg, "symmetric_packing", False):
+        f = _from_upper(f)
+    a = f if scale is None else f / scale
+    if cfg.use_trace_scaling:
+        a = a * torch.pow(torch.clamp(torch.trace(a), min=cfg.epsilon),
+                          -cfg.trace_scaling_exponent)
+    finite = torch.isfinite(a).all()
+    return torch.where(finite, a, torch.zeros_like(a)), finite
+
+
+def _decomposed(a: torch.Tensor, finite: torch.Tensor, vectors: torch.Tensor,
+                values: torch.Tensor | None, perturb_before: bool, epsilon: Any,
+                method: str, qr_iterations: int, tolerance: Any
+                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    r"""Meta's eigendecomposition of a `_prepared_factor` ``a`` (plus :math:`\epsilon I` when
+    perturbing before), from the previous ``vectors``, cast to the old dtypes and contiguous
+    (Meta copies it into its buffers; eigh's column-major result would round the products
+    differently); the old eigenvectors (and ``values``) where ``a`` or the result is not
+    finite. Returns the eigenvalues (None without old ``values``), eigenvectors, success."""
+    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    v, q = matrix_eigendecomposition(_ridge(a, epsilon, eye) if perturb_before else a,
+                                     vectors.to(a.dtype), method, qr_iterations, tolerance)
+    q = q.to(vectors.dtype).contiguous()
+    good = finite & torch.isfinite(q).all() & torch.isfinite(v).all()
+    v = None if values is None else torch.where(good, v.to(values.dtype), values)
+    return v, torch.where(good, q, vectors), good
+
+
+def _count_failures(failed: torch.Tensor, failures: torch.Tensor, cfg: _ShampooConfig,
+                    what: str) -> torch.Tensor:
+    """Consecutive failed recomputations after this one; raises (eager mode) when there are
+    more than ``max_consecutive_failures``."""
+    failures = torch.where(failed, failures + 1, torch.zeros_like(failures))
+    if not torch.compiler.is_compiling() and int(failures) > cfg.max_consecutive_failures:
+        raise RuntimeError(f"precondition_shampoo: the {what} failed {int(failures)} times "
+                           f"in a row (limit {cfg.max_consecutive_failures}); the factors "
+                           "are not usable. Raise epsilon or use "
+                           "preconditioner_dtype=torch.float64.")
+    return failures
 
 
 def _root_of(a: torch.Tensor, p: float, dtype: torch.dtype, cfg: _ShampooConfig
@@ -1022,12 +1062,7 @@ def _recompute_roots(factors: list[tuple], roots: list[tuple], failures: torch.T
     """The roots of ``factors`` and the count of consecutive failed recomputations; raises
     (eager mode) when it exceeds ``max_consecutive_failures``."""
     fresh, failed = _compute_roots(factors, roots, count, cfg)
-    failures = torch.where(failed, failures + 1, torch.zeros_like(failures))
-    if not torch.compiler.is_compiling() and int(failures) > cfg.max_consecutive_failures:
-        raise RuntimeError(f"precondition_shampoo: the root computation failed "
-                           f"{int(failures)} times in a row (limit "
-                           f"{cfg.max_consecutive_failures}); the factors are not usable. "
-                           "Raise epsilon or use preconditioner_dtype=torch.float64.")
+    failures = _count_failures(failed, failures, cfg, "root computation")
     return [tuple(rs) for rs in fresh], failures
 
 
@@ -1047,21 +1082,13 @@ def _recompute_eigen(factors: list[tuple], vectors: list[tuple], values: list[tu
             new_q.append(q_old)
             new_v.append(v_old)
             continue
-        eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
-        v, q = matrix_eigendecomposition(_ridge(a, cfg.epsilon, eye) if before else a,
-                                         q_old.to(a.dtype), **cfg.eigen_options)
-        # contiguous, as Meta copies the result into its buffers
-        v, q = v.to(v_old.dtype), q.to(q_old.dtype).contiguous()
-        good = finite_in & torch.isfinite(v).all() & torch.isfinite(q).all()
-        new_q.append(torch.where(good, q, q_old))
-        new_v.append(torch.where(good, v, v_old))
+        v, q, good = _decomposed(a, finite_in, q_old, v_old, before, cfg.epsilon,
+                                 **cfg.eigen_options)
+        new_q.append(q)
+        new_v.append(v)
         oks.append(good)
     failed = ~torch.stack(oks).all() if oks else torch.zeros((), dtype=torch.bool)
-    failures = torch.where(failed, failures + 1, torch.zeros_like(failures))
-    if not torch.compiler.is_compiling() and int(failures) > cfg.max_consecutive_failures:
-        raise RuntimeError(f"precondition_shampoo: the eigendecomposition failed "
-                           f"{int(failures)} times in a row (limit "
-                           f"{cfg.max_consecutive_failures}); the factors are not usable.")
+    failures = _count_failures(failed, failures, cfg, "eigendecomposition")
     counts = [len(qs) for qs in vectors]
     return ([tuple(c) for c in _chunks(new_q, counts, "precondition_shampoo")],
             [tuple(c) for c in _chunks(new_v, counts, "precondition_shampoo")], failures)

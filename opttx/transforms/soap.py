@@ -63,8 +63,8 @@ from ..base import (GradientTransformation, Params, Role, Traits, Updates, advan
 from ..kernels import cast_like, foreach, foreach_ema
 from ..tree import (PyTree, flatten_matching, state_dtype, stats_like, tree_cond, tree_flatten,
                     tree_map, tree_structure, tree_unflatten)
-from .shampoo import (_chunks, _contract_factor, _from_upper, _update_factors,
-                      matrix_eigendecomposition, meta_bias_correction)
+from .shampoo import (_chunks, _contract_factor, _decomposed, _from_upper, _prepared_factor,
+                      _update_factors, meta_bias_correction)
 
 __all__ = ["EigenvalueCorrectedState", "precondition_eigenvalue_corrected"]
 
@@ -347,24 +347,9 @@ def _new_basis(f: torch.Tensor, q_old: torch.Tensor, scale: torch.Tensor | None,
                cfg: _ECConfig, method: str) -> torch.Tensor:
     """The eigenbasis of one factor (``eigh`` or Meta's QR), computed as Meta computes it;
     the old basis is kept when the factor or the result is not finite."""
-    f = _from_upper(f)                       # the factor Meta's packed triangle holds
-    a = f if scale is None else f / scale
-    if cfg.use_trace_scaling:
-        a = a * torch.pow(torch.clamp(torch.trace(a), min=cfg.epsilon),
-                          -cfg.trace_scaling_exponent)
-    finite = torch.isfinite(a).all()
-    a = torch.where(finite, a, torch.zeros_like(a))
-    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
-    if not _number(cfg.epsilon) and cfg.perturb_before:       # injected: always added
-        a = a + cfg.epsilon.to(a.dtype) * eye
-    elif cfg.epsilon and cfg.perturb_before:
-        a = a.add(eye, alpha=cfg.epsilon)
-    q = matrix_eigendecomposition(a, q_old.to(a.dtype), "qr" if method == "qr" else "eigh",
-                                  cfg.qr_iterations, cfg.tolerance)[1]
-    # contiguous, as Meta copies it into its buffer: eigh's column-major result would make
-    # the rotations' matrix products round differently
-    q = q.to(q_old.dtype)
-    return torch.where(finite & torch.isfinite(q).all(), q, q_old).contiguous()
+    a, finite = _prepared_factor(f, scale, cfg)
+    return _decomposed(a, finite, q_old, None, cfg.perturb_before, cfg.epsilon,
+                       "qr" if method == "qr" else "eigh", cfg.qr_iterations, cfg.tolerance)[1]
 
 
 def _refresh(factors: list[tuple], bases: list[tuple], scale: torch.Tensor | None,
