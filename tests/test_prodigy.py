@@ -29,7 +29,6 @@ from opttx.testing import (assert_shard_invariant, assert_trees_close, gradient_
 import optax_reference
 
 STEPS = 20
-TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
 
 
 def drifting_gradients(tree: dict, seed: int) -> list[dict]:
@@ -77,16 +76,11 @@ def test_prodigy_equals_optax_contrib_prodigy(dtype: torch.dtype) -> None:
         expected, d_expected = run_optax(optax.contrib.prodigy(theirs_lr, **h), drawn.tree,
                                          grads)
         actual, state = run_transform(opttx.prodigy(ours_lr, **h), drawn.tree, grads)
-        tol = TOLERANCE[dtype]
+        tol = optax_reference.TOLERANCE[dtype]
         assert math.isclose(float(state.estim_lr), d_expected, rel_tol=tol), \
             (float(state.estim_lr), d_expected)
-        for k, x0 in drawn.tree.items():
-            if dtype == torch.float64:     # relative to the distance travelled
-                scale = float((expected[k] - x0).abs().max())
-            else:                          # relative to the leaf's magnitude
-                scale = max(float(x0.abs().max()), float(expected[k].abs().max()))
-            assert_trees_close(actual[k], expected[k], rtol=tol, atol=tol * scale,
-                               what=f"prodigy vs optax.contrib.prodigy params[{k}]")
+        optax_reference.assert_params_close(actual, expected, drawn.tree, dtype,
+                                            "prodigy vs optax.contrib.prodigy")
         assert float(state.estim_lr) > h["estim_lr0"]     # the estimate did move
     prop()
 
