@@ -391,14 +391,20 @@ def _eigen_scale(order: int, cfg: _ECConfig) -> float:
 
 def _adam_in_basis(x: list[torch.Tensor], bases: list[tuple], nu: list[torch.Tensor],
                    scale: torch.Tensor | None, cfg: _ECConfig) -> list[torch.Tensor]:
-    """``Q[(Q^T x Q) / ((nu / scale)^e + eps)]Q^T`` for every leaf (Meta's order of ops)."""
-    out = []
-    for xi, qs, v in zip(x, bases, nu):
-        y = _rotate(xi, qs)
-        denom = (v if scale is None else v.div(scale)).pow(_eigen_scale(max(xi.dim(), 1), cfg))
-        y = torch.div(y, denom.add(cfg.epsilon)).to(y.dtype)
-        out.append(_rotate(y, qs, back=True))
-    return out
+    """``Q[(Q^T x Q) / ((nu / scale)^e + eps)]Q^T`` for every leaf (Meta's order of ops): the
+    rotations per leaf (matrix products), the element-wise part in grouped kernels, one
+    ``pow`` per distinct exponent."""
+    if not x:
+        return []
+    rotated = [_rotate(xi, qs) for xi, qs in zip(x, bases)]
+    denom = list(nu) if scale is None else foreach("div", nu, scale)
+    exponents = [_eigen_scale(max(xi.dim(), 1), cfg) for xi in x]
+    for e in dict.fromkeys(exponents):
+        group = [i for i, f in enumerate(exponents) if f == e]
+        for i, d in zip(group, foreach("pow", [denom[i] for i in group], e)):
+            denom[i] = d
+    y = cast_like(foreach("div", rotated, foreach("add", denom, cfg.epsilon)), rotated)
+    return [_rotate(yi, qs, back=True) for yi, qs in zip(y, bases)]
 
 
 def _second_moment(g: list[torch.Tensor], bases: list[tuple], nu: list[torch.Tensor],
