@@ -63,7 +63,8 @@ def configs(draw):
         nesterov=draw(st.booleans()),
         use_trace_scaling=draw(st.sampled_from([False, False, True])),
         drop_weighting_factor_on_gsquare=draw(st.sampled_from([False, False, True])),
-        use_symmetric_packing=draw(st.booleans()),     # Meta's default: packed
+        # opttx's layout only: its numbers are those of Meta's packed factors either way
+        use_symmetric_packing=draw(st.booleans()),
     )
     if (cfg["grafting"] == "sgd" and beta1 and cfg["beta3"] is None
             and not cfg["use_bias_correction"]):
@@ -98,7 +99,8 @@ def meta_optimizer(params: list[torch.nn.Parameter], cfg: dict, dtype: torch.dty
         preconditioner_config=ds.RootInvShampooPreconditionerConfig(
             factor_matrix_dtype=dtype, inv_factor_matrix_dtype=dtype,
             use_trace_scaling=cfg["use_trace_scaling"],
-            use_symmetric_packing=cfg.get("use_symmetric_packing", True),
+            # Meta's default, packed (unpacked, Meta reads its unsymmetrised matrices)
+            use_symmetric_packing=True,
             drop_weighting_factor_on_gsquare=cfg.get("drop_weighting_factor_on_gsquare", False)))
 
 
