@@ -670,30 +670,21 @@ def _plan_cost(tx: GradientTransformation | None, cost: Callable[[Sequence[int]]
 
 def _state_cost(tx: GradientTransformation, dtype: torch.dtype
                 ) -> Callable[[Sequence[int]], float]:
-    """The state bytes ``tx.init`` allocates for one leaf of ``shape`` (on meta tensors; the
-    bytes it allocates for no leaf subtracted), cached per shape."""
-    from ..tree import tree_leaves
+    """The state bytes ``tx.init`` allocates for one leaf of ``shape`` (`zero.state_costs` on
+    a one-leaf tree of meta tensors), cached per shape."""
+    from .zero import state_costs
     cache: dict[tuple[int, ...], float] = {}
-
-    def nbytes(tree: list) -> int:
-        try:
-            with reducer_during_init(None):
-                state = tx.init(tree)
-        except Exception as e:  # noqa: BLE001 - a transform that needs real data at init
-            raise ValueError(f"on_owners: cost='state' measures tx.init on meta tensors, "
-                             f"which this transform refuses ({type(e).__name__}: {e}); "
-                             "balance by work (the default cost) instead.") from e
-        return sum(x.numel() * x.element_size() for x in tree_leaves(state)
-                   if isinstance(x, torch.Tensor))
-    base: list[int] = []
 
     def cost(shape: Sequence[int]) -> float:
         key = tuple(shape)
         if key not in cache:
-            if not base:
-                base.append(nbytes([MaskedNode()]))
-            leaf = torch.empty(key, dtype=dtype, device="meta")
-            cache[key] = float(max(0, nbytes([leaf]) - base[0]))
+            with reducer_during_init(None):        # the leaf alone, whole
+                measured = state_costs(tx, [torch.empty(key, dtype=dtype, device="meta")])
+            if measured is None:
+                raise ValueError("on_owners: cost='state' measures tx.init on meta tensors, "
+                                 "which this transform refuses; balance by work (the "
+                                 "default cost) instead.")
+            cache[key] = measured[0]
         return cache[key]
     return cost
 
