@@ -15,7 +15,7 @@ Two conventions differ from JAX and are worth knowing:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.utils._pytree as _pytree
@@ -227,15 +227,17 @@ def tree_cond(pred: torch.Tensor, true_fn: Callable, false_fn: Callable,
     if not torch.compiler.is_compiling():
         return true_fn(*operands) if bool(pred) else false_fn(*operands)
     leaves, spec = tree_flatten(operands)
-
-    def flat_branch(fn: Callable) -> Callable:
-        def branch(*flat: torch.Tensor) -> tuple:
-            out = tree_flatten(fn(*tree_unflatten(list(flat), spec)))[0]
-            return tuple(t.clone() if any(t is i for i in flat) else t for t in out)
-        return branch
-
-    out = torch.cond(pred, flat_branch(true_fn), flat_branch(false_fn), tuple(leaves))
+    out = torch.cond(pred, _on_leaves(true_fn, spec), _on_leaves(false_fn, spec), tuple(leaves))
     return tree_unflatten(list(out), spec)
+
+
+def _on_leaves(fn: Callable, spec: Any) -> Callable:
+    """``fn`` of the operands' tree as a function of their flat leaves returning flat leaves,
+    an output that is an input cloned (the control-flow operators forbid aliasing)."""
+    def flat(*leaves: torch.Tensor) -> tuple:
+        out = tree_flatten(fn(*tree_unflatten(list(leaves), spec)))[0]
+        return tuple(t.clone() if any(t is i for i in leaves) else t for t in out)
+    return flat
 
 
 def tree_while(cond_fn: Callable, body_fn: Callable, operands: tuple) -> Any:
@@ -256,14 +258,10 @@ def tree_while(cond_fn: Callable, body_fn: Callable, operands: tuple) -> Any:
     def flat_cond(*flat: torch.Tensor) -> torch.Tensor:
         return cond_fn(*tree_unflatten(list(flat), spec))
 
-    def flat_body(*flat: torch.Tensor) -> tuple:
-        out = tree_flatten(body_fn(*tree_unflatten(list(flat), spec)))[0]
-        return tuple(t.clone() if any(t is i for i in flat) else t for t in out)
-
     while_loop = getattr(torch, "while_loop", None)
     if while_loop is None:                   # torch < 2.12 has it under its private name
         from torch._higher_order_ops.while_loop import while_loop
-    out = while_loop(flat_cond, flat_body, tuple(leaves))
+    out = while_loop(flat_cond, _on_leaves(body_fn, spec), tuple(leaves))
     return tree_unflatten(list(out), spec)
 
 
