@@ -537,3 +537,39 @@ def test_spectral_and_sign_descent_configs_are_opttx_chains(kind, beta1) -> None
         assert all(torch.equal(ours[k], theirs[k]) for k in tree)
     else:
         assert max(displacement_gaps(ours, theirs, tree).values()) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(8, 6), (6, 8), (5, 5)])
+def test_iterative_roots_equal_metas_matrix_inverse_root(shape, dtype) -> None:
+    """opttx.matrix_inverse_root against Meta's matrix_inverse_root on G G^T: coupled Newton
+    (integer roots) and three coupled higher-order configs (orders 2 to 4, relative and
+    absolute epsilon, tolerances; roots 2, 4 and 5/2) give the same matrix bit for bit, and
+    where Meta rejects the root (ArithmeticError) opttx returns NaN."""
+    from fractions import Fraction
+
+    from distributed_shampoo.preconditioner.matrix_functions import matrix_inverse_root
+    from distributed_shampoo.preconditioner.matrix_functions_types import (
+        CoupledHigherOrderConfig, CoupledNewtonConfig)
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)), dtype=dtype)
+    a = g @ g.T
+    higher = [CoupledHigherOrderConfig(rel_epsilon=1e-5, abs_epsilon=0.0),
+              CoupledHigherOrderConfig(rel_epsilon=0.0, abs_epsilon=1e-6, order=2),
+              CoupledHigherOrderConfig(rel_epsilon=1e-6, abs_epsilon=1e-6, order=4,
+                                       tolerance=1e-6)]
+    for root in (Fraction(2), Fraction(4), Fraction(5, 2)):
+        if root.denominator == 1:
+            theirs = matrix_inverse_root(a, root, CoupledNewtonConfig(), epsilon=1e-6)
+            ours = opttx.matrix_inverse_root(a, float(root), 1e-6, "newton")
+            assert torch.equal(ours, theirs), ("newton", root)
+        for cfg in higher:
+            ours = opttx.matrix_inverse_root(
+                a, float(root), cfg.abs_epsilon, "higher_order",
+                max_iterations=cfg.max_iterations, tolerance=cfg.tolerance, order=cfg.order,
+                rel_epsilon=cfg.rel_epsilon)
+            try:
+                theirs = matrix_inverse_root(a, root, cfg)
+            except ArithmeticError:
+                assert torch.isnan(ours).all(), ("rejected by Meta", cfg, root)
+                continue
+            assert torch.equal(ours, theirs), (cfg, root)
