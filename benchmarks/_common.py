@@ -73,6 +73,17 @@ def wait_idle(max_wait: float, threshold: float = 0.15,
             return
 
 
+def meta_optimizers_dir() -> "os.PathLike[str]":
+    """Where Meta's ``distributed_shampoo`` package is read from: ``$OPTTX_META_OPTIMIZERS``
+    if set (a copy carried to another machine), else ``shared/refs/meta-optimizers`` beside the
+    repository."""
+    from pathlib import Path
+    env = os.environ.get("OPTTX_META_OPTIMIZERS")
+    if env:
+        return Path(env).resolve()
+    return Path(__file__).resolve().parents[2] / "shared" / "refs" / "meta-optimizers"
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -36,8 +36,8 @@ same settings) and ``opttx.soap`` (b1 0.9, b2 = shampoo_beta 0.999, eps 1e-8, no
 decay, same frequency, max_precond_dim 1024), each compiled and eager (the same step function
 called without ``torch.compile``), ``shampoo`` eager too; and, as torch.optim-style optimizers
 run eagerly (``loss.backward()``, ``opt.step()``, ``opt.zero_grad(set_to_none=True)``), Meta's
-``DistributedShampoo`` (from ``shared/refs/meta-optimizers`` beside the repository; skipped
-with the reason when absent) with its default ``RootInvShampooPreconditionerConfig`` and with
+``DistributedShampoo`` (from ``shared/refs/meta-optimizers`` beside the repository, or
+``$OPTTX_META_OPTIMIZERS``; skipped with the reason when absent) with its default ``RootInvShampooPreconditionerConfig`` and with
 ``EigenvalueCorrectedShampooPreconditionerConfig()`` (eigh), both at opttx.shampoo's settings
 (lr, betas, epsilon, precondition_frequency = start_preconditioning_step,
 max_preconditioner_dim 1024, Adam grafting beta2 0.999 eps 1e-8, bias correction, no weight
@@ -59,6 +59,7 @@ recorded: there the eigendecompositions of the root steps dominate.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import logging
 import os
 import platform
@@ -66,12 +67,12 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cpu_model, cpu_times, early_cache_dir, git_state, other_load, own_code, wait_idle  # noqa: E402,E501
+from _common import (cpu_model, cpu_times, early_cache_dir, git_state,  # noqa: E402
+                     meta_optimizers_dir, other_load, own_code, wait_idle)
 
 early_cache_dir("opttx_shampoo_step_")
 
@@ -90,7 +91,7 @@ TARGET_GPU_RATIO = 1.25
 META_RATIO = 1.10
 LOSS_WINDOW = 10  # the "final loss" is the mean of the last this many training losses
 TARGET_META_RATIO = 0.5  # issue 16: compiled opttx Shampoo step <= 0.5x Meta's, same settings
-META = Path(__file__).resolve().parents[2] / "shared" / "refs" / "meta-optimizers"
+META = meta_optimizers_dir()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,9 +199,15 @@ def reference_runs(a: argparse.Namespace, cfg: GPTConfig, device: torch.device,
                              compiled=compiled))
     for run in runs:
         run.refresh = after_adam if run.name.startswith("soap") else on_freq
-    if not (META / "distributed_shampoo").is_dir():
+    globs = a.reference_rows.split(",")
+
+    def wanted(name: str) -> bool:
+        return any(fnmatch.fnmatch(name, g) for g in globs)
+    runs = [run for run in runs if wanted(run.name)]
+    meta_rows = [name for name in ("meta-root", "meta-ec") if wanted(name)]
+    if meta_rows and not (META / "distributed_shampoo").is_dir():
         print(f"references: Meta's DistributedShampoo skipped: no {META / 'distributed_shampoo'}")
-    else:
+    elif meta_rows:
         sys.path.insert(0, str(META))
         try:
             import distributed_shampoo as ds
@@ -211,6 +218,8 @@ def reference_runs(a: argparse.Namespace, cfg: GPTConfig, device: torch.device,
             logging.getLogger("distributed_shampoo").setLevel(logging.ERROR)
             for name, pc in (("meta-root", ds.RootInvShampooPreconditionerConfig()),
                              ("meta-ec", ds.EigenvalueCorrectedShampooPreconditionerConfig())):
+                if name not in meta_rows:
+                    continue
                 runs.append(make_optim_run(name, lambda ps, pc=pc: ds.DistributedShampoo(
                     ps, lr=lr, betas=betas, epsilon=epsilon, weight_decay=0.0,
                     max_preconditioner_dim=1024, precondition_frequency=freq,
@@ -218,6 +227,8 @@ def reference_runs(a: argparse.Namespace, cfg: GPTConfig, device: torch.device,
                     grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
                     preconditioner_config=pc), cfg, a.seed, device))
                 runs[-1].refresh = on_freq
+    if not wanted("hb-soap"):
+        return runs
     try:
         import heavyball
     except ImportError as e:
@@ -351,6 +362,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="add rows: opttx eigenvalue-corrected shampoo and soap (compiled and "
                    "eager), shampoo eager, Meta's DistributedShampoo (root-inverse and "
                    "eigenvalue-corrected) and heavyball's SOAP (eager)")
+    p.add_argument("--reference-rows", default="*", metavar="GLOBS",
+                   help="with --references, only the rows matching these comma-separated "
+                   "globs (rows: shampoo-eager, shampoo-packed, shampoo-ec, shampoo-ec-eager, "
+                   "soap, soap-eager, meta-root, meta-ec, hb-soap; default all)")
     p.add_argument("--heavyball-compile", action="store_true",
                    help="keep heavyball's internal torch.compile of its helpers (off by default)")
     a = p.parse_args(argv)

@@ -19,7 +19,8 @@ step recomputes roots or bases, so both kinds of step are timed with preconditio
 After 2 x frequency warm-up steps (compilation included), ``--steps`` steps per optimizer are
 timed round-robin (one step of each per round), ``time.perf_counter`` (CUDA events on a GPU);
 the table gives the median of the steps that recompute (``refresh``) and of the others.
-Meta's package is read from ``shared/refs/meta-optimizers`` beside the repository.
+Meta's package is read from ``shared/refs/meta-optimizers`` beside the repository (or from
+``$OPTTX_META_OPTIMIZERS``).
 
 Examples:
   python benchmarks/shampoo_update.py
@@ -34,17 +35,16 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cpu_model, git_state  # noqa: E402
+from _common import cpu_model, git_state, meta_optimizers_dir  # noqa: E402
 
 import torch  # noqa: E402
 
 import opttx  # noqa: E402
 from opttx.bench.model import GPT, GPTConfig  # noqa: E402
 
-META = Path(__file__).resolve().parents[2] / "shared" / "refs" / "meta-optimizers"
+META = meta_optimizers_dir()
 
 
 def problem(d_model: int, layers: int, device: torch.device) -> tuple[dict, dict]:

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The GPU checks of opttx as one command, for a lent GPU machine (one NVIDIA GPU, its own
+# python3 with torch and CUDA). Each section runs under its own time limit and writes its whole
+# log to $OUT/<section>.log; the last lines of every log are printed at the end, so a section
+# that runs out of time still leaves the others' figures.
+#
+# Before the call, on the machine that has the repository (both folders are git-ignored via
+# .git/info/exclude and travel with `carry`):
+#   .gpu/meta-optimizers   a copy of ../shared/refs/meta-optimizers (Meta's Shampoo)
+#   .whl/                  wheels missing there (heavyball)
+#
+# Usage (on the GPU machine, in the repository root):
+#   bash benchmarks/gpu_session.sh [section ...]    # default: all, in this order
+# Sections: env tests update step gpu_step
+set -u
+OUT=${OUT:-/tmp/opttx_gpu}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+[ -d .gpu/meta-optimizers ] && export OPTTX_META_OPTIMIZERS=$PWD/.gpu/meta-optimizers
+
+run() {  # run NAME LIMIT_S COMMAND...: the command's output to $OUT/NAME.log
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    echo "=== $name (limit $limit s): $*"
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    rc=$?
+    echo "=== $name: rc $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/$name.log"
+}
+
+env_check() {
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm \
+        --format=csv
+    python3 -c "import torch, opttx; print('torch', torch.__version__, 'cuda', \
+torch.version.cuda, torch.cuda.get_device_name(0)); print('opttx', opttx.__file__)"
+    python3 -c "import heavyball; print('heavyball', heavyball.__file__)" || true
+    ls "${OPTTX_META_OPTIMIZERS:-/nonexistent}/distributed_shampoo" > /dev/null && echo "meta: ok"
+}
+
+sections=${*:-env tests update step gpu_step}
+for s in $sections; do
+    case $s in
+        env) export -f env_check; run env 30 bash -c env_check ;;
+        # The CUDA-only tests (peak memory), and the device-scalar test on a real GPU.
+        tests) run tests 60 python3 -m pytest -q -p no:cacheprovider -x \
+                   tests/test_memory_tracker.py ;;
+        # Issue 16: the optimizer step alone, compiled opttx vs Meta (root-inverse and EC).
+        update) run update 170 python3 benchmarks/shampoo_update.py --device cuda --steps 40 ;;
+        # Issue 16 and the Shampoo <= 1.25x AdamW target: whole compiled training steps.
+        step) run step 220 python3 benchmarks/shampoo_step.py --device cuda --references \
+                  --reference-rows "meta-root,meta-ec,shampoo-ec" ;;
+        # AdamW on the 1.1B shape set: compiled opttx vs torch's fused kernel.
+        gpu_step) run gpu_step 110 python3 benchmarks/gpu_step.py --device cuda --steps 30 \
+                      --only "adamw.torch_foreach,adamw.torch_fused,adamw.opttx_compiled,adamw.opttx_compiled_cg,adamw.opttx_stacked" \
+                      --json "$OUT/gpu_step.json" ;;
+        *) echo "unknown section $s" ;;
+    esac
+done
+
+echo
+echo "################ summary: the end of each log ################"
+for s in $sections; do
+    [ -f "$OUT/$s.log" ] || continue
+    echo "---------------- $s ----------------"
+    case $s in
+        env|tests) tail -n 8 "$OUT/$s.log" ;;
+        update) tail -n 9 "$OUT/$s.log" ;;
+        step) tail -n 22 "$OUT/$s.log" ;;
+        gpu_step) tail -n 40 "$OUT/$s.log" ;;
+    esac
+done
