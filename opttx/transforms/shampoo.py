@@ -366,8 +366,10 @@ def inverse_root_from_eigendecomposition(
     :math:`-\min(\lambda_{\min}, 0) + \epsilon`, ``pseudo_inverse`` zeroes the powers of
     eigenvalues at or below :math:`\max(\text{rank\_rtol} \cdot \lambda_{\max},
     \text{rank\_atol})`."""
-    # Meta's exponent: -1 / Fraction(root), a float64 division of the exact root
-    power = -1.0 / Fraction(root)
+    # Meta's exponent, -1 / Fraction(root), is this float64 division: a float's Fraction
+    # converts back to the same float (written without Fraction, which Dynamo of torch 2.11
+    # cannot trace)
+    power = -1.0 / float(root)
     if rank_deficient == "pseudo_inverse":
         rtol = eigenvalues.numel() * torch.finfo(eigenvalues.dtype).eps \
             if rank_rtol is None else rank_rtol
