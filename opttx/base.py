@@ -9,7 +9,7 @@ import dataclasses
 import enum
 import math
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator, Literal, NamedTuple, Protocol
+from typing import Any, Callable, Iterator, Literal, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -21,6 +21,7 @@ from .tree import (MaskedNode, PyTree, assert_same_structure, tree_flatten, tree
 Params = PyTree
 Updates = PyTree
 State = PyTree
+NamedTupleT = TypeVar("NamedTupleT", bound=tuple)
 
 __all__ = [
     "ELEMENTWISE",
@@ -523,6 +524,28 @@ def apply_updates_(params: Params, updates: Updates, *, stochastic_rounding: boo
 # ---------------------------------------------------------------------------------------------
 
 
+def replace_state(state: NamedTupleT, **fields: Any) -> NamedTupleT:
+    """``state._replace(**fields)``: a copy of the NamedTuple ``state`` with ``fields``
+    changed, built by its constructor.
+
+    Transforms use this, never ``_replace``: torch 2.11's Dynamo reconstructs a NamedTuple
+    made by a traced ``_replace`` as an *empty* tuple when it leaves the graph, so a compiled
+    step that returns its state would return ``TraceState()`` with no fields (fixed in later
+    torch; `tests/test_compile.py` checks that no transform calls ``_replace``).
+
+    Example:
+      >>> from opttx.transforms.moments import TraceState
+      >>> s = opttx.base.replace_state(TraceState(trace={"w": 0}), trace={"w": 1})
+      >>> s.trace
+      {'w': 1}
+    """
+    unknown = set(fields) - set(state._fields)
+    if unknown:
+        raise TypeError(f"{type(state).__name__} has no field(s) {sorted(unknown)}")
+    return type(state)(*(fields[f] if f in fields else v
+                         for f, v in zip(state._fields, state)))
+
+
 def advance_counts(state: State) -> State:
     """``state`` with every step counter (a field declared `Role.COUNT`, at any depth)
     advanced by one and nothing else changed: what an update on a tree without leaves leaves
@@ -605,11 +628,12 @@ def leafwise(state_type: type, step: LeafwiseStep, *, needs_params: str | None =
 
     Example (the whole update of a Lion-like transform):
       >>> from opttx.kernels import foreach, foreach_ema
+      >>> from opttx.base import replace_state
       >>> from opttx.transforms.moments import ScaleByLionState
       >>> b1, b2 = 0.9, 0.99
       >>> def step(g, state, params, extra_args):
       ...     out = foreach("sign", foreach_ema(state.mu, g, b1))   # sign(b1·mu + (1-b1)·g)
-      ...     return out, state._replace(mu=foreach_ema(state.mu, g, b2))
+      ...     return out, replace_state(state, mu=foreach_ema(state.mu, g, b2))
       >>> update = leafwise(ScaleByLionState, step)
     """
     roles = state_roles(state_type)
@@ -637,10 +661,10 @@ def leafwise(state_type: type, step: LeafwiseStep, *, needs_params: str | None =
         p = leaves.pop() if needs_params is not None else None
         fields = dict(zip(tree_fields, leaves))
         fields.update({f: safe_increment(getattr(state, f)) for f in counters})
-        out, new = step(g, state._replace(**fields), p, extra_args)
+        out, new = step(g, replace_state(state, **fields), p, extra_args)
         return (tree_unflatten(out, spec),
-                new._replace(**{f: tree_unflatten(list(getattr(new, f)), spec)
-                                for f in tree_fields}))
+                replace_state(new, **{f: tree_unflatten(list(getattr(new, f)), spec)
+                                       for f in tree_fields}))
 
     return update
 

@@ -210,6 +210,31 @@ def _in_place_step(tx):
     return step
 
 
+def test_no_transform_builds_its_state_with_namedtuple_replace() -> None:
+    """torch 2.11's Dynamo hands a NamedTuple made by a traced ``_replace`` back as an empty
+    tuple, so a compiled step returning its state returned ``TraceState()``: the first compiled
+    step of ``sgd(momentum=0.9, nesterov=True)`` then recompiled, and any later step read no
+    state. opttx builds states with `opttx.base.replace_state` instead. Later torch versions
+    trace ``_replace`` correctly, so only the source can show a regression here."""
+    import pathlib
+    import re
+    root = pathlib.Path(opttx.__file__).parent
+    calls = [f"{path.relative_to(root)}:{i}" for path in sorted(root.rglob("*.py"))
+             for i, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(r"\w\._replace\(", line) and "``" not in line]
+    assert calls == [], f"NamedTuple._replace in {calls}: use opttx.base.replace_state"
+
+
+def test_replace_state_keeps_every_field_and_rejects_unknown_ones() -> None:
+    from opttx.base import replace_state
+    from opttx.transforms.moments import ScaleByAdamState
+    state = ScaleByAdamState(count=torch.tensor(3), mu={"w": 1}, nu={"w": 2})
+    new = replace_state(state, nu={"w": 5})
+    assert type(new) is ScaleByAdamState and new == state._replace(nu={"w": 5})
+    with pytest.raises(TypeError, match="no field"):
+        replace_state(state, velocity=1)
+
+
 @pytest.mark.parametrize("name", [n for n in ALIASES if n not in HOST_BRANCHING])
 def test_compiled_step_reads_no_device_scalar_back_to_the_host(name: str) -> None:
     """Off the CPU a 0-dim coefficient (a bias correction, an injected hyperparameter) given

@@ -15,7 +15,7 @@ import torch
 
 from .._checks import check_nonnegative, check_unit_interval
 from ..base import (ELEMENTWISE, GradientTransformation, Params, Role, Updates,
-                    check_init_params, declare_roles, leafwise, zero_count)
+                    check_init_params, declare_roles, leafwise, replace_state, zero_count)
 from ..kernels import cast_like, foreach, foreach_ema, foreach_ema_sq, foreach_op_
 from ..schedules import Schedule
 from ..tree import stats_like
@@ -111,6 +111,6 @@ def scale_by_ademamix(b1: float = 0.9, b2: float = 0.999,
         denom = foreach_op_("add", denom, eps)
         num = foreach_op_("add", foreach("div", m1, bc1), foreach("mul", m2, alpha_t))
         out = _divide(cast_like(num, nu), denom)
-        return _fresh(out, g), state._replace(m1=m1, m2=m2, nu=nu)
+        return _fresh(out, g), replace_state(state, m1=m1, m2=m2, nu=nu)
 
     return GradientTransformation(init, leafwise(ScaleByAdemamixState, step), ELEMENTWISE)

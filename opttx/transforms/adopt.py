@@ -15,7 +15,7 @@ import torch
 
 from .._checks import check_nonnegative, check_positive, check_unit_interval
 from ..base import (ELEMENTWISE, GradientTransformation, Params, Role, Updates,
-                    check_init_params, declare_roles, leafwise, zero_count)
+                    check_init_params, declare_roles, leafwise, replace_state, zero_count)
 from ..kernels import cast_like, foreach, foreach_ema, foreach_ema_sq, foreach_op_
 from ..tree import stats_like
 from .moments import _as_float64, _divide, _fresh
@@ -117,6 +117,6 @@ def scale_by_adopt(b1: float = 0.9, b2: float = 0.9999, eps: float = 1e-6,
             out = _fresh(foreach("lerp", cast_like(normed, mu), mu, b1_t), g)
         else:
             out = cast_like(mu, g)      # aliases the state: not a temporary
-        return out, state._replace(mu=mu, nu=nu)
+        return out, replace_state(state, mu=mu, nu=nu)
 
     return GradientTransformation(init, leafwise(ScaleByAdoptState, step), ELEMENTWISE)

@@ -17,7 +17,7 @@ import torch
 from .._checks import check_nonnegative, check_unit_interval
 from ..base import (ELEMENTWISE, PRECONDITIONER, GradientTransformation, Params, Role, Updates,
                     check_init_params, declare_roles, leafwise, precondition_leaves,
-                    safe_increment, zero_count)
+                    replace_state, safe_increment, zero_count)
 from ..kernels import (Scalar, cast_like, foreach, foreach_, foreach_accumulate_sq, foreach_ema,
                        foreach_ema_sq, foreach_op_, foreach_scale_add, mark_scratch,
                        new_buffers)
@@ -181,7 +181,7 @@ def trace(decay: float, nesterov: bool = False,
 
         def step(g, state, params, extra_args):
             buf = foreach_scale_add(state.trace, decay, cast_like(g, state.trace))
-            return nesterov_out(g, buf), state._replace(trace=buf)
+            return nesterov_out(g, buf), replace_state(state, trace=buf)
 
         return GradientTransformation(init, leafwise(TraceState, step), ELEMENTWISE)
 
@@ -197,7 +197,7 @@ def trace(decay: float, nesterov: bool = False,
                            _as_float64(1 - dampening, state.count))
         buf = foreach_scale_add(state.trace, decay,
                                 foreach("mul", cast_like(g, state.trace), keep))
-        return nesterov_out(g, buf), state._replace(trace=buf)
+        return nesterov_out(g, buf), replace_state(state, trace=buf)
 
     return GradientTransformation(damped_init, leafwise(DampedTraceState, damped_step),
                                   ELEMENTWISE)
@@ -250,7 +250,7 @@ def ema(decay: float, debias: bool = True,
             out = _fresh(_div_by(avg, debias_factor(decay, state.count)), g)
         else:
             out = cast_like(avg, g)
-        return out, state._replace(ema=avg)
+        return out, replace_state(state, ema=avg)
 
     return GradientTransformation(init, leafwise(EmaState, step), ELEMENTWISE)
 
@@ -344,10 +344,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
     def step(g, state, params, extra_args):
         mu = foreach_ema(state.mu, g, b1)
         nu = foreach_ema_sq(state.nu, g, b2)
-        new_state = state._replace(mu=mu, nu=nu)
+        new_state = replace_state(state, mu=mu, nu=nu)
         if amsgrad:
             nu_max = new_buffers(state.nu_max, foreach("maximum", state.nu_max, nu))
-            new_state = new_state._replace(nu_max=nu_max)
+            new_state = replace_state(new_state, nu_max=nu_max)
         else:
             nu_max = nu
         if bias_correction:
@@ -432,7 +432,7 @@ def scale_by_nadam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         grad_part = foreach("mul", cast_like(g, nu), (1 - mu_t) / (1 - mu_product))
         mom_part = foreach("mul", cast_like(mu, nu), mu_next / (1 - mu_product * mu_next))
         out = foreach("div", foreach("add", grad_part, mom_part), denom)
-        return _fresh(out, g), state._replace(mu_product=mu_product, mu=mu, nu=nu)
+        return _fresh(out, g), replace_state(state, mu_product=mu_product, mu=mu, nu=nu)
 
     return GradientTransformation(init, leafwise(ScaleByNadamState, step), ELEMENTWISE)
 
@@ -532,7 +532,7 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
             adaptive = foreach("mul", cast_like(mu_hat, nu), rect)
         adaptive = _divide(adaptive, denom)
         out = [torch.where(tractable, a, m.to(a.dtype)) for a, m in zip(adaptive, mu_hat)]
-        return _fresh(out, g), state._replace(mu=mu, nu=nu)
+        return _fresh(out, g), replace_state(state, mu=mu, nu=nu)
 
     return GradientTransformation(init, leafwise(ScaleByRadamState, step), ELEMENTWISE)
 
@@ -581,7 +581,7 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999,
         nu = new_buffers(state.nu, foreach("maximum", foreach("mul", state.nu, b2),
                                            magnitude))
         out = _div_by(foreach("div", cast_like(mu, nu), nu), debias_factor(b1, state.count))
-        return _fresh(out, g), state._replace(mu=mu, nu=nu)
+        return _fresh(out, g), replace_state(state, mu=mu, nu=nu)
 
     return GradientTransformation(init, leafwise(ScaleByAdamaxState, step), ELEMENTWISE)
 
@@ -638,7 +638,7 @@ def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16,
         denom = foreach_op_("sqrt", _div_by(nu, debias_factor(b2, state.count)))
         denom = foreach_op_("add", denom, eps)
         out = _divide(cast_like(mu_hat, nu), denom)
-        return _fresh(out, g), state._replace(mu=mu, nu=nu)
+        return _fresh(out, g), replace_state(state, mu=mu, nu=nu)
 
     return GradientTransformation(init, leafwise(ScaleByBeliefState, step), ELEMENTWISE)
 
@@ -704,7 +704,7 @@ def scale_by_rms(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0
         nu = foreach_ema_sq(state.nu, g, decay)
         nu_hat = _div_by(nu, debias_factor(decay, state.count)) if bias_correction else nu
         out = _divide_by_root(precondition_leaves(g, extra_args), nu_hat, eps, eps_in_sqrt)
-        return _fresh(out, g), state._replace(nu=nu)
+        return _fresh(out, g), replace_state(state, nu=nu)
 
     return GradientTransformation(init, leafwise(ScaleByRmsState, step), PRECONDITIONER)
 
@@ -751,7 +751,7 @@ def scale_by_stddev(decay: float = 0.9, eps: float = 1e-8, initial_scale: float 
             mu_hat, nu_hat = mu, nu
         variance = foreach("sub", nu_hat, foreach("mul", mu_hat, mu_hat))
         out = _divide_by_root(g, variance, eps, eps_in_sqrt)
-        return _fresh(out, g), state._replace(mu=mu, nu=nu)
+        return _fresh(out, g), replace_state(state, mu=mu, nu=nu)
 
     return GradientTransformation(init, leafwise(ScaleByStddevState, step), ELEMENTWISE)
 
@@ -789,7 +789,7 @@ def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7,
         out = _divide_by_root(precondition_leaves(g, extra_args), sos, eps, eps_in_sqrt)
         if not (isinstance(eps, (int, float)) and eps > 0):
             out = [torch.where(s > 0, u, torch.zeros_like(u)) for s, u in zip(sos, out)]
-        return _fresh(out, g), state._replace(sum_of_squares=sos)
+        return _fresh(out, g), replace_state(state, sum_of_squares=sos)
 
     return GradientTransformation(init, leafwise(ScaleByRssState, step), PRECONDITIONER)
 
@@ -832,6 +832,6 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99,
     def step(g, state, params, extra_args):
         g_mu = cast_like(g, state.mu)
         direction = foreach_op_("sign", foreach("lerp", state.mu, g_mu, 1 - b1))
-        return _fresh(direction, g), state._replace(mu=foreach_ema(state.mu, g_mu, b2))
+        return _fresh(direction, g), replace_state(state, mu=foreach_ema(state.mu, g_mu, b2))
 
     return GradientTransformation(init, leafwise(ScaleByLionState, step), ELEMENTWISE)
