@@ -84,6 +84,22 @@ def meta_optimizers_dir() -> "os.PathLike[str]":
     return Path(__file__).resolve().parents[2] / "shared" / "refs" / "meta-optimizers"
 
 
+def inductor_workarounds(device_type: str) -> None:
+    """Switch off what crashes Inductor in the torch in use (printed when it applies).
+
+    torch < 2.13 on CUDA: the loop reordering after fusion asserts that every node of a fused
+    node is a ``SchedulerNode`` (``reorder_loops_by_dep_pair``, scheduler.py) and fails to
+    compile Shampoo's step (seen with torch 2.11 on an H100); torch 2.13 returns False there
+    instead. ``TORCHINDUCTOR_LOOP_ORDERING_AFTER_FUSION=0`` is the same switch."""
+    import torch
+    from torch.torch_version import TorchVersion
+    if device_type == "cuda" and TorchVersion(torch.__version__) < "2.13" \
+            and torch._inductor.config.loop_ordering_after_fusion:
+        torch._inductor.config.loop_ordering_after_fusion = False
+        print(f"torch {torch.__version__}: Inductor's loop_ordering_after_fusion switched off "
+              "(its assertion fails on Shampoo's graph before torch 2.13)", flush=True)
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:

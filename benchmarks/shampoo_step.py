@@ -72,7 +72,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (cpu_model, cpu_times, early_cache_dir, git_state,  # noqa: E402
-                     meta_optimizers_dir, other_load, own_code, wait_idle)
+                     inductor_workarounds, meta_optimizers_dir, other_load, own_code, wait_idle)
 
 early_cache_dir("opttx_shampoo_step_")
 
@@ -433,6 +433,7 @@ def print_references(rows: list[dict], width: int, freq: int, device: torch.devi
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     device = torch.device(a.device)
+    inductor_workarounds(device.type)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("--device cuda: CUDA is not available", file=sys.stderr)
         return 2

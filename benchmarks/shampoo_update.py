@@ -37,7 +37,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cpu_model, git_state, meta_optimizers_dir  # noqa: E402
+from _common import cpu_model, git_state, inductor_workarounds, meta_optimizers_dir  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -104,6 +104,7 @@ def main() -> int:
     import distributed_shampoo as ds
     logging.getLogger("distributed_shampoo").setLevel(logging.ERROR)
     device = torch.device(a.device)
+    inductor_workarounds(device.type)
     params, grads = problem(a.d_model, a.layers, device)
     kw = dict(betas=(0.9, 0.999), grafting="adam", grafting_beta2=0.999, grafting_epsilon=1e-8,
               precondition_frequency=a.frequency, start_preconditioning_step=a.frequency,
