@@ -845,31 +845,6 @@ def _nonzero(value: Any) -> bool:
     return isinstance(value, torch.Tensor) or value != 0
 
 
-def _eigendecomposed_options(args: dict) -> dict:
-    """`precondition_shampoo`'s eigendecomposed-caching arguments from `shampoo`'s."""
-    if args["preconditioner"] != "eigendecomposed":
-        return {}
-    return dict(eigendecomposed=True, eigendecomposition=args["eigendecomposition"],
-                qr_iterations=args["qr_iterations"],
-                eigendecomposition_tolerance=args["eigendecomposition_tolerance"])
-
-
-def _eigenvalue_corrected_options(args: dict) -> dict:
-    """`precondition_eigenvalue_corrected`'s keyword arguments from `shampoo`'s."""
-    return dict(eigendecomposition=args["eigendecomposition"],
-                qr_iterations=args["qr_iterations"],
-                tolerance=args["eigendecomposition_tolerance"],
-                preconditioner_dtype=args["preconditioner_dtype"],
-                basis_dtype=args["inv_factor_matrix_dtype"],
-                use_bias_correction=args["use_bias_correction"],
-                eigenvalue_exponent=args["inverse_exponent_override"] or {},
-                ignored_basis_change_dims=args["ignored_basis_change_dims"],
-                drop_weighting_factor_on_gsquare=args["drop_weighting_factor_on_gsquare"],
-                rank_deficient=args["rank_deficient"],
-                use_trace_scaling=args["use_trace_scaling"],
-                trace_scaling_exponent=args["trace_scaling_exponent"])
-
-
 def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] = (0.9, 1.0),
             epsilon: float = 1e-12, momentum: float = 0.0, nesterov: bool = False,
             weight_decay: float = 0.0, use_decoupled_weight_decay: bool = True,
@@ -1017,13 +992,27 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
                              "the root-inverse preconditioner; the eigenvalue-corrected one "
                              "takes eigendecomposition=, qr_iterations=, "
                              "eigendecomposition_tolerance=.")
+        # (keywords spelled out: Dynamo of torch 2.11 cannot trace locals(), and
+        # inject_hyperparams calls this factory inside a compiled step)
         direction = precondition_eigenvalue_corrected(
-            beta2, epsilon, precondition_frequency, start, **_eigenvalue_corrected_options(
-                locals()))
+            beta2, epsilon, precondition_frequency, start,
+            eigendecomposition=eigendecomposition, qr_iterations=qr_iterations,
+            tolerance=eigendecomposition_tolerance, preconditioner_dtype=preconditioner_dtype,
+            basis_dtype=inv_factor_matrix_dtype, use_bias_correction=use_bias_correction,
+            eigenvalue_exponent=inverse_exponent_override or {},
+            ignored_basis_change_dims=ignored_basis_change_dims,
+            drop_weighting_factor_on_gsquare=drop_weighting_factor_on_gsquare,
+            rank_deficient=rank_deficient, use_trace_scaling=use_trace_scaling,
+            trace_scaling_exponent=trace_scaling_exponent)
         # without grafting, Meta runs its (identity-basis) direction from the first step
         graft_start = start if grafting is not None else 0
     else:
         graft_start = start
+        eigendecomposed = dict(
+            eigendecomposed=True, eigendecomposition=eigendecomposition,
+            qr_iterations=qr_iterations,
+            eigendecomposition_tolerance=eigendecomposition_tolerance,
+        ) if preconditioner == "eigendecomposed" else {}
         direction = precondition_shampoo(beta2, epsilon, precondition_frequency, start,
                                          root_method, preconditioner_dtype=preconditioner_dtype,
                                          use_bias_correction=use_bias_correction,
@@ -1041,7 +1030,7 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
                                          else root_rel_epsilon,
                                          root_abs_epsilon=root_abs_epsilon,
                                          use_symmetric_packing=use_symmetric_packing,
-                                         **_eigendecomposed_options(locals()))
+                                         **eigendecomposed)
     links: list[GradientTransformation] = [
         graft(magnitudes[grafting](), direction, graft_start, beta1, use_bias_correction,
               rescale=grafting is not None, beta3=beta3)]
