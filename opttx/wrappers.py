@@ -210,7 +210,7 @@ def _all_finite_everywhere(updates: Updates, extra_args: dict[str, Any]) -> torc
     total = torch.stack(counts).sum() if counts else torch.zeros(())
     reducer = current_reducer(extra_args)
     if reducer is not None:
-        return _sum_over_every_rank(total, bool(leaves), reducer) == 0
+        return _sum_over_every_rank(total, len(leaves) > 0, reducer) == 0
     return reduce_across_leaves(total, extra_args) == 0
 
 

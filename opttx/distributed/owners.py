@@ -42,7 +42,7 @@ from ..base import (REDUCER_KEY, TOTALS_KEY, GradientTransformation, Params, Sta
                     current_reducer, reducer_during_init, traits_of)
 from ..tree import MaskedNode, PyTree, tree_paths
 from .reducer import CollectiveStats, ShardedReducer, pack_all_reduce
-from .specs import Shard
+from .specs import Shard, shard_groups
 
 __all__ = ["OwnerPlan", "default_cost", "on_owners", "plan_owners"]
 
@@ -181,7 +181,7 @@ class OwnerPlan:
 
     def owned(self) -> list[bool]:
         """Per param leaf, whether this rank computes it (or a row segment of it)."""
-        return [leaf is not None and (leaf.owner == self.rank or bool(leaf.segments))
+        return [leaf is not None and (leaf.owner == self.rank or len(leaf.segments) > 0)
                 for leaf in self.leaves]
 
     def owners(self) -> list[int | None]:
@@ -191,7 +191,7 @@ class OwnerPlan:
 
     def split(self) -> list[bool]:
         """Per param leaf, whether it is split into row segments over the owners."""
-        return [leaf is not None and bool(leaf.segments) for leaf in self.leaves]
+        return [leaf is not None and len(leaf.segments) > 0 for leaf in self.leaves]
 
     def routes(self) -> list[_Leaf]:
         """The routes in a fixed order: whole leaves, and the segments of split ones."""
@@ -218,9 +218,9 @@ def default_cost(shape: Sequence[int]) -> float:
 def _owner_group(flat_specs: list[tuple[Shard, ...]], group: Any) -> Any:
     if group is not None:
         return group
-    groups = {id(s.group): s.group for shards in flat_specs for s in shards}
+    groups = shard_groups(flat_specs)
     if len(groups) == 1:
-        return next(iter(groups.values()))
+        return groups[0]
     return dist.group.WORLD
 
 
@@ -351,7 +351,7 @@ def plan_owners(params: Params, specs: PyTree | None = None, owner_group: Any = 
       ...                                     plan.owned()) if owned]
     """
     from ..tree import tree_flatten
-    from .specs import flatten_specs, shard_groups, specs_from_dtensors
+    from .specs import flatten_specs, specs_from_dtensors
     from .shapes import is_dtensor
     leaves, treespec = tree_flatten(params)
     flat = flatten_specs(params, specs if specs is not None else specs_from_dtensors(params))

@@ -9,7 +9,7 @@ issues one functional all-reduce per (group, op) per call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -31,16 +31,13 @@ class CollectiveStats:
     calls: int = 0
     collectives: int = 0
     bytes: int = 0
-    per_group: dict[int, int] = field(default_factory=dict)
 
     def reset(self) -> None:
         self.calls = self.collectives = self.bytes = 0
-        self.per_group.clear()
 
     def record(self, group: Any, buffer: torch.Tensor) -> None:
         self.collectives += 1
         self.bytes += buffer.numel() * buffer.element_size()
-        self.per_group[id(group)] = self.per_group.get(id(group), 0) + 1
 
 
 def collective_device(group: Any) -> torch.device:
@@ -233,16 +230,16 @@ class ShardedReducer:
             self.stats.calls += 1
         is_tuple, trees, flat_dims = self._split_trees(partials, dims)
         values = [list(t) for t in trees]
-        # which (tree, leaf) goes through which groups
-        todo: dict[int, list[tuple[int, int]]] = {}
+        # which (tree, leaf) goes through which groups (found by identity: Dynamo of torch
+        # 2.11 cannot trace id() of a process group)
+        todo: list[list[tuple[int, int]]] = [[] for _ in self.groups]
         for t, (tree, tdims) in enumerate(zip(trees, flat_dims)):
             for i, (x, d) in enumerate(zip(tree, tdims)):
                 if not isinstance(x, torch.Tensor):
                     continue
                 for g in self._groups_of(i, d):
-                    todo.setdefault(id(g), []).append((t, i))
-        for group in self.groups:                    # the same order on every rank
-            members = todo.get(id(group))
+                    todo[next(k for k, h in enumerate(self.groups) if h is g)].append((t, i))
+        for group, members in zip(self.groups, todo):   # the same order on every rank
             if self.check:
                 self._check_lengths(group, [values[t][i] for t, i in members or ()])
             if not members:

@@ -124,11 +124,13 @@ def flatten_specs(params: PyTree, specs: PyTree) -> list[tuple[Shard, ...]]:
 def shard_groups(flat_specs: list[tuple[Shard, ...]]) -> list[Any]:
     """The distinct process groups of ``flat_specs`` in order of first appearance (leaf order,
     then mesh-dim order): the order in which every rank issues its collectives."""
-    seen: dict[int, Any] = {}
+    seen: list[Any] = []
     for shards in flat_specs:
         for s in shards:
-            seen.setdefault(id(s.group), s.group)
-    return list(seen.values())
+            # by identity, without id(): Dynamo of torch 2.11 cannot trace id() of a group
+            if not any(s.group is g for g in seen):
+                seen.append(s.group)
+    return seen
 
 
 def local_shard(full: torch.Tensor, spec: LeafSpec | None) -> torch.Tensor:
