@@ -203,6 +203,11 @@ def test_iterative_roots_refuse_what_they_cannot_compute() -> None:
         opttx.matrix_inverse_root(a, 2, 1e-6, "qr")
     with pytest.raises(ValueError, match="setting of the 'eigh' root"):
         opttx.shampoo(root_method="newton", rank_deficient="pseudo_inverse", epsilon=0.0)
+    # when the optimizer is built, not at its first root computation
+    for override in (2.5, {2: 0.4}, {2: {1: 0.4}}):
+        with pytest.raises(ValueError, match="not an integer"):
+            opttx.shampoo(root_method="newton", inverse_exponent_override=override)
+    opttx.shampoo(root_method="newton", inverse_exponent_override={2: {0: 0.25, 1: 0}})
     with pytest.raises(ValueError, match="eigenvalue-corrected"):
         opttx.shampoo(preconditioner="eigenvalue_corrected", root_method="newton")
     # a singular matrix without epsilon: the higher-order method's accuracy check rejects it

@@ -825,6 +825,17 @@ def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int
     if root_method not in ("eigh", "newton", "higher_order"):
         raise ValueError("root_method must be 'eigh', 'newton' or 'higher_order', got "
                          f"{root_method!r}.")
+    if root_method == "newton":             # its iteration takes integer roots only
+        if isinstance(inverse_exponent_override, dict):
+            roots = [1 / e for given in inverse_exponent_override.values()
+                     for e in (given.values() if isinstance(given, dict) else [given]) if e]
+        else:
+            roots = [] if inverse_exponent_override is None else [inverse_exponent_override]
+        if any(not float(r).is_integer() for r in roots):
+            raise ValueError(f"inverse_exponent_override={inverse_exponent_override!r} asks "
+                             "for a root that is not an integer; the coupled Newton iteration "
+                             "takes integer roots only (as Meta's CoupledNewtonConfig): use "
+                             "root_method='higher_order' or 'eigh'.")
     if root_method != "eigh" and rank_deficient != "perturb_before":
         raise ValueError(f"rank_deficient={rank_deficient!r} is a setting of the 'eigh' root "
                          f"method (Meta's EigenConfig), not of {root_method!r}.")
