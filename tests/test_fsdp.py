@@ -317,6 +317,8 @@ def test_fsdp2_world2_equals_single_device(world2: list[dict], name: str) -> Non
     """World 2, uneven dim-0 splits: the FSDP2 model trained by the alias through
     opttx.Optimizer and through the functional API has the single-device params after each of
     5 steps (rtol 1e-5), with at most the alias's bound of collectives per step."""
+    if name == "adamw_dtensor" and torch.__version__ < "2.13":
+        pytest.skip("DTensor of torch < 2.13 has no sharding rule for _foreach_lerp.Scalar")
     _check(world2, name, ["optimizer", "functional"])
 
 
