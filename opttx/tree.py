@@ -196,7 +196,9 @@ def tree_copy_(dst: PyTree, src: PyTree) -> PyTree:
     """Copy every leaf of ``src`` into the matching leaf of ``dst`` in place; return ``dst``.
 
     In a compiled step this is how new optimizer state lands in the old buffers: ``copy_`` into
-    graph inputs lowers to in-place writes, so the step does not hold two states.
+    graph inputs lowers to in-place writes, so the step does not hold two states. Compiled, it
+    is one ``copy_`` per leaf, which Inductor folds into the kernel computing the value (a
+    grouped ``_foreach_copy_`` it does not fold on CUDA: see `opttx.kernels.foreach_copy_`).
     """
     dst_leaves, spec = tree_flatten(dst)
     src_leaves = tree_leaves(src)
