@@ -503,13 +503,22 @@ def test_eigendecomposed_caching_equals_meta(shapes_, seed, method, mode, dtype,
         (1e-8 if dtype == torch.float64 else 1e-5)
 
 
+def l_infinity_scale(grad: torch.Tensor) -> torch.Tensor:
+    """Meta's example ``scale_fn`` of sign descent: steepest descent under the L-inf norm."""
+    return grad.abs().sum()
+
+
 @pytest.mark.parametrize("beta1", [0.0, 0.9])
-@pytest.mark.parametrize("kind", ["spectral", "sign"])
+@pytest.mark.parametrize("kind", ["spectral", "sign", "sign_scaled"])
 def test_spectral_and_sign_descent_configs_are_opttx_chains(kind, beta1) -> None:
     """Meta's SpectralDescentPreconditionerConfig (Newton-Schulz, Muon's coefficients) and
     SignDescentPreconditionerConfig, no grafting, every leaf one matrix: the chain
-    block_by_dims(chain(ema(beta1, debias=True), orthogonalize | scale_by_sign, lr), inf, 2).
-    Sign descent is bit for bit; spectral descent within 1e-5 (Meta iterates on the tall
+    block_by_dims(chain(ema(beta1, debias=True), orthogonalize | scale_by_sign, lr), inf, 2);
+    a ``scale_fn`` is ``stateless_with_tree_map(lambda g, p: torch.sign(g) * scale_fn(g))``
+    in scale_by_sign's place (per block, as Meta calls it per block).
+    Sign descent is bit for bit (with a scale_fn and beta1 > 0 within 1e-6, measured 3.4e-7:
+    the scale reads the debiased EMA, whose float32 bias correction Meta computes its own
+    way); spectral descent within 1e-5 (Meta iterates on the tall
     orientation, X^T X, and normalises by max(||G||, 1e-8); opttx on the wide one, X X^T,
     as torch.optim.Muon, by ||G|| + eps: the same polynomial, other roundings)."""
     from distributed_shampoo.preconditioner.matrix_functions_types import (
@@ -522,19 +531,23 @@ def test_spectral_and_sign_descent_configs_are_opttx_chains(kind, beta1) -> None
     config = SpectralDescentPreconditionerConfig(
         orthogonalization_config=NewtonSchulzOrthogonalizationConfig(
             num_iterations=5, coefficients=coefficients)) if kind == "spectral" \
+        else SignDescentPreconditionerConfig(scale_fn=l_infinity_scale) if kind == "sign_scaled" \
         else SignDescentPreconditionerConfig()
     theirs = step_meta(tree, grads, lambda ps: ds.DistributedShampoo(
         ps, lr=LR, betas=(beta1, 1.0), epsilon=1e-12,
         max_preconditioner_dim=math.inf, grafting_config=None, preconditioner_config=config,
         distributed_config=SingleDeviceDistributedConfig(target_parameter_dimensionality=2)))
     direction = opttx.orthogonalize(5, coefficients, eps=0.0) if kind == "spectral" \
-        else opttx.scale_by_sign()
+        else opttx.stateless_with_tree_map(lambda g, p: torch.sign(g) * l_infinity_scale(g)) \
+        if kind == "sign_scaled" else opttx.scale_by_sign()
     links = ([opttx.ema(beta1, debias=True)] if beta1 else []) + [
         direction, opttx.scale_by_learning_rate(LR)]
     tx = opttx.block_by_dims(opttx.chain(*links), math.inf, 2)
     ours = run_transform(tx, tree, grads)[0]
-    if kind == "sign":
+    if kind == "sign" or (kind == "sign_scaled" and not beta1):
         assert all(torch.equal(ours[k], theirs[k]) for k in tree)
+    elif kind == "sign_scaled":  # the scale reads the debiased EMA (Meta's float32 correction)
+        assert max(displacement_gaps(ours, theirs, tree).values()) <= 1e-6
     else:
         assert max(displacement_gaps(ours, theirs, tree).values()) <= 1e-5
 
