@@ -207,6 +207,9 @@ def test_bad_input_is_refused() -> None:
         opttx.schedule_free_adamw(-1.0)
     with pytest.raises(TypeError, match="inner"):
         opttx.schedule_free(opttx.sgd, 0.1)
+    for c in (0.0, 1.5, "0.1"):
+        with pytest.raises(ValueError, match="averaging_weight"):
+            opttx.schedule_free(opttx.sgd(0.1), 0.1, averaging_weight=c)
     tx = opttx.schedule_free_sgd()
     state = tx.init({"w": torch.zeros(2)})
     with pytest.raises(ValueError, match="params"):

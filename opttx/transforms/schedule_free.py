@@ -56,8 +56,8 @@ def _f64(value: Scalar, like: torch.Tensor) -> torch.Tensor:
 
 def schedule_free(inner: GradientTransformation, learning_rate: float | Schedule,
                   b1: float = 0.9, weight_lr_power: float = 2.0, warmup_steps: int = 0,
-                  r: float = 0.0, state_dtype: torch.dtype | None = None
-                  ) -> GradientTransformation:
+                  r: float = 0.0, state_dtype: torch.dtype | None = None, *,
+                  averaging_weight: float | None = None) -> GradientTransformation:
     r"""Make ``inner`` schedule-free: its updates move :math:`z`; the parameters are :math:`y`.
 
     With :math:`u_t` the update of ``inner`` at :math:`y_t` (for SGD :math:`-\gamma g_t`),
@@ -98,6 +98,12 @@ def schedule_free(inner: GradientTransformation, learning_rate: float | Schedule
       r: :math:`r`: polynomial weighting :math:`t^r` of the average (``schedulefree``'s
         ``r``; optax has none, i.e. 0).
       state_dtype: dtype of :math:`z` (default: the parameters', float32 for 16-bit ones).
+      averaging_weight: a constant :math:`c_{t+1} = c` in (0, 1] instead of the weighted
+        average above (``weight_lr_power`` and ``r`` then play no part): generalized primal
+        averaging (Defazio et al., arXiv 2512.17131), Meta's
+        ``GeneralizedPrimalAveragingConfig(eval_interp_coeff=1 - c, train_interp_coeff=b1)``;
+        with ``b1=1`` it is heavy-ball momentum on ``inner``'s updates with the learning rate
+        scaled by ``1 - c`` (``tests/test_shampoo_meta.py``).
 
     Returns:
       A `GradientTransformation` that needs ``params`` in ``update``; its state is a
@@ -129,6 +135,10 @@ def schedule_free(inner: GradientTransformation, learning_rate: float | Schedule
     check_nonnegative("r", r)
     if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
         raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}.")
+    if averaging_weight is not None and not (isinstance(averaging_weight, (int, float))
+                                             and 0 < averaging_weight <= 1):
+        raise ValueError(f"averaging_weight must be a number in (0, 1] (x <- (1 - c) x + c z), "
+                         f"got {averaging_weight!r}.")
 
     def init(params: Params) -> ScheduleFreeState:
         check_init_params(params)
@@ -156,7 +166,8 @@ def schedule_free(inner: GradientTransformation, learning_rate: float | Schedule
         if not (isinstance(r, (int, float)) and r == 0):
             weight = weight * t ** _f64(r, count)
         weight_sum = state.weight_sum + weight
-        ck = torch.where(weight_sum == 0, torch.zeros_like(weight), weight / weight_sum)
+        ck = torch.where(weight_sum == 0, torch.zeros_like(weight), weight / weight_sum) \
+            if averaging_weight is None else _f64(averaging_weight, count)
         beta = _f64(b1, count)
 
         inner_updates, inner_state = inner.update(updates, state.inner_state, params,
