@@ -867,7 +867,8 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
             root_order: int = 3, root_rel_epsilon: float | None = None,
             root_abs_epsilon: float | None = None,
             use_symmetric_packing: bool = False,
-            target_parameter_dimensionality: int | float = 1) -> GradientTransformation:
+            target_parameter_dimensionality: int | float = 1,
+            kl_shampoo: bool = False) -> GradientTransformation:
     r"""Shampoo as Meta's Distributed Shampoo computes it, composed from transforms.
 
     ``block_by_dims(chain(graft(grafted method, precondition_shampoo, beta1),
@@ -938,6 +939,11 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
     ``amortized_computation_config``), ``inv_factor_matrix_dtype`` the dtype of the
     eigenvectors and eigenvalues (see `precondition_shampoo`).
 
+    ``kl_shampoo=True`` is KL-Shampoo (Meta's ``RootInvKLShampooPreconditionerConfig``, with
+    ``preconditioner="eigendecomposed"`` its ``EigendecomposedKLShampooPreconditionerConfig``):
+    each factor takes in the gradient preconditioned along the other dims by the roots in use
+    (see `precondition_shampoo`).
+
     Equal to ``DistributedShampoo`` with its default ``RootInvShampooPreconditionerConfig``
     on one device (``tests/test_shampoo_meta.py``: drawn trees and settings, float64 to 1e-8
     relative, float32 to 1e-5 or Meta's own one-ulp spread; measured bitwise equal on CPU in
@@ -985,6 +991,9 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
         raise ValueError("preconditioner must be 'root_inverse', 'eigendecomposed' or "
                          f"'eigenvalue_corrected', got {preconditioner!r}.")
     if preconditioner == "eigenvalue_corrected":
+        if kl_shampoo:
+            raise ValueError("kl_shampoo is a setting of the root-inverse and eigendecomposed "
+                             "preconditioners (Meta has no eigenvalue-corrected KL-Shampoo).")
         if root_method != "eigh" or root_max_iterations is not None \
                 or root_tolerance is not None or root_rel_epsilon is not None \
                 or root_abs_epsilon is not None or use_symmetric_packing:
@@ -1030,7 +1039,7 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
                                          else root_rel_epsilon,
                                          root_abs_epsilon=root_abs_epsilon,
                                          use_symmetric_packing=use_symmetric_packing,
-                                         **eigendecomposed)
+                                         kl_shampoo=kl_shampoo, **eigendecomposed)
     links: list[GradientTransformation] = [
         graft(magnitudes[grafting](), direction, graft_start, beta1, use_bias_correction,
               rescale=grafting is not None, beta3=beta3)]

@@ -143,6 +143,9 @@ CASES: list[Case] = [
     # factors and roots as packed upper triangles (1-D state leaves)
     case("shampoo/packed", opttx.shampoo, learning_rate=LR, max_preconditioner_dim=4,
          use_symmetric_packing=True, stacked=_VMAP_COND),
+    # KL-Shampoo: the factors take in the gradient preconditioned by the other dims' roots
+    case("shampoo/kl", opttx.shampoo, learning_rate=LR, max_preconditioner_dim=4,
+         kl_shampoo=True, stacked=_VMAP_COND),
     # a large epsilon: the factors of a few steps are rank-deficient, their null-space basis
     # is eigh's choice (another one when batched under stacked), and the rounding noise of
     # the gradient along it is divided by sqrt(nu) + epsilon

@@ -41,9 +41,10 @@ The eigenvalue-corrected config (SOAP) is `precondition_eigenvalue_corrected` in
 retries an ``eigh`` root in float64 and keeps the previous root); Meta's in-place aliasing of
 its filtered gradient with SGD grafting before the start step, ``beta3 = beta1`` and no bias
 correction (a Meta bug); 16-bit parameters (opttx keeps statistics in float32, Meta in the
-parameter's dtype); and Meta's options not mapped (KL-Shampoo, iterate averaging other than
-classic momentum). The eigendecomposed config (``eigendecomposed=True``) and symmetric
-packing (``use_symmetric_packing``) are equal too.
+parameter's dtype). The eigendecomposed config (``eigendecomposed=True``), symmetric
+packing (``use_symmetric_packing``) and KL-Shampoo (``kl_shampoo=True``, root-inverse or
+eigendecomposed) are equal too; Meta's generalized primal averaging and Schedule-Free are
+`opttx.schedule_free` around `opttx.shampoo` (``docs/mapping.md``).
 """
 
 from __future__ import annotations
@@ -628,8 +629,8 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
                          root_rel_epsilon: float = 0.0, root_abs_epsilon: float | None = None,
                          use_symmetric_packing: bool = False, eigendecomposed: bool = False,
                          eigendecomposition: Literal["eigh", "qr"] = "eigh",
-                         qr_iterations: int = 1, eigendecomposition_tolerance: float = 0.0
-                         ) -> GradientTransformation:
+                         qr_iterations: int = 1, eigendecomposition_tolerance: float = 0.0,
+                         kl_shampoo: bool = False) -> GradientTransformation:
     r"""Shampoo's Kronecker-factored preconditioner, applied to every leaf (block) as a whole.
 
     For a block :math:`G` of order :math:`k` and each dim :math:`i`,
@@ -721,6 +722,12 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
         diagonalise the factor to ``eigendecomposition_tolerance``
         (`matrix_eigendecomposition`). ``inv_factor_matrix_dtype`` is the dtype of the
         eigenvectors and eigenvalues (Meta's two dtypes). Root method ``"eigh"`` only.
+      kl_shampoo: KL-Shampoo (Lin et al., arXiv 2509.03378; Meta's
+        ``RootInvKLShampooPreconditionerConfig`` and, with ``eigendecomposed``,
+        ``EigendecomposedKLShampooPreconditionerConfig``): factor :math:`i` takes in the
+        gradient preconditioned along every *other* dim by the roots in use before this
+        step's recomputation, :math:`L_i \leftarrow \beta_2 L_i + w\,(G \times_{j \ne i}
+        R_j) \otimes_i (G \times_{j \ne i} R_j)`, formed in the roots' dtype.
 
     Example:
       >>> tx = opttx.block_by_dims(opttx.precondition_shampoo(epsilon=1e-12), 1024)
@@ -743,7 +750,8 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
         root_order=root_order, root_rel_epsilon=root_rel_epsilon,
         root_abs_epsilon=root_abs_epsilon, symmetric_packing=use_symmetric_packing,
         eigendecomposed=eigendecomposed, eigendecomposition=eigendecomposition,
-        qr_iterations=qr_iterations, eigendecomposition_tolerance=eigendecomposition_tolerance)
+        qr_iterations=qr_iterations, eigendecomposition_tolerance=eigendecomposition_tolerance,
+        kl_shampoo=kl_shampoo)
 
     def init(params: Params) -> ShampooState:
         check_init_params(params)
@@ -780,6 +788,7 @@ class _ShampooConfig:
     symmetric_packing: bool             # factors and roots kept as packed upper triangles
     eigen_options: dict | None          # eigendecomposed caching: matrix_eigendecomposition's
                                         # method/qr_iterations/tolerance (None: roots cached)
+    kl_shampoo: bool = False            # factors take in G preconditioned along the other dims
 
 
 def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int,
@@ -795,7 +804,8 @@ def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int
                     root_abs_epsilon: float | None = None,
                     symmetric_packing: bool = False, eigendecomposed: bool = False,
                     eigendecomposition: str = "eigh", qr_iterations: int = 1,
-                    eigendecomposition_tolerance: float = 0.0) -> _ShampooConfig:
+                    eigendecomposition_tolerance: float = 0.0,
+                    kl_shampoo: bool = False) -> _ShampooConfig:
     """Validate `precondition_shampoo`'s arguments and resolve them into a `_ShampooConfig`."""
     check_unit_interval("beta2", beta2, closed_right=True)
     check_nonnegative("epsilon", epsilon)
@@ -879,7 +889,8 @@ def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int
         root_epsilon=root_abs_epsilon if root_method == "higher_order"
         and root_abs_epsilon is not None else epsilon, symmetric_packing=symmetric_packing,
         eigen_options=dict(method=eigendecomposition, qr_iterations=qr_iterations,
-                           tolerance=eigendecomposition_tolerance) if eigendecomposed else None)
+                           tolerance=eigendecomposition_tolerance) if eigendecomposed else None,
+        kl_shampoo=bool(kl_shampoo))
 
 
 def _roots_of_order(order: int, override: float | dict | None) -> list[float | None]:
@@ -937,8 +948,10 @@ def _unpacked(vectors: tuple, block: torch.Tensor) -> tuple:
                  for k, v in enumerate(vectors))
 
 
-def _update_factors(g: torch.Tensor, factors: tuple, cfg: _ShampooConfig) -> tuple:
-    """One block's factors after the gradient ``g``: L_k <- beta2 L_k + w G (x)_k G."""
+def _update_factors(g: torch.Tensor, factors: tuple, cfg: _ShampooConfig,
+                    kl_roots: tuple | None = None) -> tuple:
+    """One block's factors after the gradient ``g``: L_k <- beta2 L_k + w G (x)_k G; with
+    ``kl_roots`` (KL-Shampoo) G is first multiplied by the roots of every dim but k."""
     # Meta contracts in the gradient's dtype (float32 at least here, for 16-bit gradients),
     # then L *= beta2 (when beta2 != 1), L += w * outer in L's dtype (add with alpha, as its
     # _foreach_add_). Packed factors take in the packed triangle of the contraction (the same
@@ -950,12 +963,20 @@ def _update_factors(g: torch.Tensor, factors: tuple, cfg: _ShampooConfig) -> tup
         if f.shape[0] != (d * (d + 1) // 2 if cfg.symmetric_packing else d):
             out.append(f)                        # a dim not preconditioned: (0, 0) or (0,)
             continue
-        outer = _contract_factor(g, k)
+        outer = _contract_factor(g if kl_roots is None else _by_other_roots(g, kl_roots, k), k)
         if getattr(cfg, "symmetric_packing", False):
             outer = pack_symmetric(outer)
         out.append(torch.add(f * cfg.beta2 if cfg.beta2 != 1 else f, outer,
                              alpha=cfg.weight).to(f.dtype))
     return tuple(out)
+
+
+def _by_other_roots(g: torch.Tensor, roots: tuple, k: int) -> torch.Tensor:
+    """KL-Shampoo's input to factor ``k``: ``g`` times the roots of every other dim, in the
+    roots' dtype (Meta contracts the gradient with its inverse factor matrices as they are)."""
+    dtype = next((r.dtype for r in roots if r.numel()), g.dtype)
+    skip = torch.zeros((0, 0), dtype=dtype, device=g.device)
+    return _apply_roots(g.to(dtype), [skip if j == k else r for j, r in enumerate(roots)])
 
 
 def _root_inputs(factors: list[tuple], count: torch.Tensor, cfg: _ShampooConfig
@@ -1133,19 +1154,26 @@ def _update_shampoo(updates: Updates, state: ShampooState, target: Updates,
     roots = [tuple(c) for c in _chunks(tree_flatten(state.roots)[0], orders,
                                        "precondition_shampoo")]
     count = safe_increment(state.count)
-    new_factors = [_update_factors(gi, fs, cfg) for gi, fs in zip(g, factors)]
-    due = ((count % cfg.precondition_frequency == 0) & (count > cfg.start)) \
-        | (count == cfg.start)
     # packed factors and roots: full matrices only where needed, as temporaries (the
     # factors inside the root recomputation, the roots to precondition)
     full = (lambda ms: [_unpacked(m, gi) for m, gi in zip(ms, g)]) if cfg.symmetric_packing \
         else (lambda ms: ms)
+    if cfg.eigen_options is not None:
+        values = [tuple(c) for c in _chunks(tree_flatten(state.eigenvalues)[0], orders,
+                                            "precondition_shampoo")]
+    if cfg.kl_shampoo:       # the roots in use before this step's recomputation
+        in_use = [_roots_from_eigen(qs, vs, cfg) for qs, vs in zip(roots, values)] \
+            if cfg.eigen_options is not None else full(roots)
+        new_factors = [_update_factors(gi, fs, cfg, rs)
+                       for gi, fs, rs in zip(g, factors, in_use)]
+    else:
+        new_factors = [_update_factors(gi, fs, cfg) for gi, fs in zip(g, factors)]
+    due = ((count % cfg.precondition_frequency == 0) & (count > cfg.start)) \
+        | (count == cfg.start)
     factor_spec = tree_structure(state.factors)
     new_state = dict(count=count,
                      factors=tree_unflatten([m for fs in new_factors for m in fs], factor_spec))
     if cfg.eigen_options is not None:
-        values = [tuple(c) for c in _chunks(tree_flatten(state.eigenvalues)[0], orders,
-                                            "precondition_shampoo")]
         roots, values, failures = tree_cond(
             due, lambda q, v, f: _recompute_eigen(full(new_factors), q, v, f, count, cfg),
             lambda q, v, f: (q, v, f), (roots, values, state.failures))
