@@ -399,30 +399,42 @@ def matrix_eigendecomposition(a: torch.Tensor, estimate: torch.Tensor | None = N
     (the refresh skipped while the old basis still diagonalises the matrix). ``qr``: Meta's QR
     algorithm from ``estimate``: while that criterion fails, at most ``qr_iterations`` times,
     :math:`B = Q'R,\ B \leftarrow RQ',\ Q \leftarrow QQ'`; then the diagonal of :math:`B`
-    sorted ascending (stably) with the columns of :math:`Q` (a fixed number of iterations
-    selected with ``torch.where``, so it compiles without a data-dependent loop).
+    sorted ascending (stably) with the columns of :math:`Q`. What the criterion skips is not
+    computed: a Python branch in eager mode (one device sync per test, as Meta's), a
+    ``torch.cond`` per test when compiled (`opttx.tree.tree_cond`).
     """
     if method == "qr":
         if estimate is None:
             raise ValueError("matrix_eigendecomposition: the QR algorithm needs an estimate.")
-        q, b = estimate, estimate.T @ a @ estimate
+        b, q = estimate.T @ a @ estimate, estimate
         for _ in range(qr_iterations):
-            done = off_diagonal_small(b, tolerance)
-            qq, r = torch.linalg.qr(b)
-            b, q = torch.where(done, b, r @ qq), torch.where(done, q, q @ qq)
+            b, q = tree_cond(off_diagonal_small(b, tolerance), lambda b, q: (b, q),
+                             _qr_step, (b, q))
         values, order = b.diag().sort(stable=True)
         return values, q[:, order]
     if method != "eigh":
         raise ValueError(f"method must be 'eigh' or 'qr', got {method!r}.")
+    if not (isinstance(tolerance, torch.Tensor) or tolerance):
+        return torch.linalg.eigh(a)
+    if estimate is None:
+        raise ValueError("matrix_eigendecomposition: a tolerance needs an estimate.")
+    b = estimate.T @ a @ estimate
+    return tree_cond(off_diagonal_small(b, tolerance), lambda v, q: (v, q),
+                     lambda v, q: _eigh_like(a, q), (b.diag(), estimate))
+
+
+def _eigh_like(a: torch.Tensor, estimate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``eigh(a)`` with the eigenvectors in ``estimate``'s memory layout (``torch.cond`` needs
+    both branches' outputs laid out alike; eigh's are column-major)."""
     values, vectors = torch.linalg.eigh(a)
-    if isinstance(tolerance, torch.Tensor) or tolerance:
-        if estimate is None:
-            raise ValueError("matrix_eigendecomposition: a tolerance needs an estimate.")
-        b = estimate.T @ a @ estimate
-        small = off_diagonal_small(b, tolerance)
-        values = torch.where(small, b.diag(), values)
-        vectors = torch.where(small, estimate, vectors)
-    return values, vectors
+    return values, vectors.contiguous() if estimate.is_contiguous() else vectors
+
+
+def _qr_step(b: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""One step of the QR algorithm: :math:`B = Q'R,\ B \leftarrow RQ',\ Q \leftarrow
+    QQ'`."""
+    qq, r = torch.linalg.qr(b)
+    return r @ qq, q @ qq
 
 
 def off_diagonal_small(b: torch.Tensor, tolerance: float) -> torch.Tensor:
@@ -964,7 +976,7 @@ def _update_factors(g: torch.Tensor, factors: tuple, cfg: _ShampooConfig,
             out.append(f)                        # a dim not preconditioned: (0, 0) or (0,)
             continue
         outer = _contract_factor(g if kl_roots is None else _by_other_roots(g, kl_roots, k), k)
-        if getattr(cfg, "symmetric_packing", False):
+        if cfg.symmetric_packing:
             outer = pack_symmetric(outer)
         out.append(torch.add(f * cfg.beta2 if cfg.beta2 != 1 else f, outer,
                              alpha=cfg.weight).to(f.dtype))
