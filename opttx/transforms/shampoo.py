@@ -1186,10 +1186,17 @@ def _update_shampoo(updates: Updates, state: ShampooState, target: Updates,
     new_state = dict(count=count,
                      factors=tree_unflatten([m for fs in new_factors for m in fs], factor_spec))
     if cfg.eigen_options is not None:
-        roots, values, failures = tree_cond(
-            due, lambda q, v, f: _recompute_eigen(full(new_factors), q, v, f, count, cfg),
-            lambda q, v, f: (q, v, f), (roots, values, state.failures))
-        applied = [_roots_from_eigen(qs, vs, cfg) for qs, vs in zip(roots, values)]
+        # KL-Shampoo formed the roots of the old decompositions already: they serve again
+        # unless refreshed (the others are formed after the refresh, once)
+        def refreshed(q, v, f, r):
+            q, v, f = _recompute_eigen(full(new_factors), q, v, f, count, cfg)
+            return q, v, f, ([_roots_from_eigen(qs, vs, cfg) for qs, vs in zip(q, v)]
+                             if cfg.kl_shampoo else r)
+        roots, values, failures, applied = tree_cond(
+            due, refreshed, lambda q, v, f, r: (q, v, f, r),
+            (roots, values, state.failures, in_use if cfg.kl_shampoo else []))
+        if not cfg.kl_shampoo:
+            applied = [_roots_from_eigen(qs, vs, cfg) for qs, vs in zip(roots, values)]
         new_state["eigenvalues"] = tree_unflatten([v for vs in values for v in vs],
                                                   tree_structure(state.eigenvalues))
     else:
