@@ -13,7 +13,6 @@ seeds; collectives counted per step; at world 2 Shampoo's split plan also runs c
 
 from __future__ import annotations
 
-from functools import partial
 
 import pytest
 import torch
@@ -22,7 +21,9 @@ import opttx
 from opttx.distributed import (CollectiveStats, Replicated, Shard, local_shard, on_owners,
                                sharded)
 from opttx.testing import gradient_stream, max_relative_error, spawn_ranks
-from opttx.tree import tree_leaves
+
+from test_distributed import _shard_tree
+from test_zero_split import _state_bytes
 
 STEPS = 5
 
@@ -51,18 +52,13 @@ def model(seed: int, vocab: int) -> tuple[dict, dict]:
     return params, specs
 
 
-def _state_bytes(state) -> int:
-    return sum(x.numel() * x.element_size() for x in tree_leaves(state)
-               if isinstance(x, torch.Tensor) and x.ndim > 0)
-
-
 def worker(rank: int, world: int) -> dict:
     out = {}
     for name, make in TXS.items():
         for seed, vocab in ((0, 61), (1, 96)):
             full, specs = model(seed, vocab)
             grads = gradient_stream(full, STEPS, seed=seed + 7)
-            local = {k: local_shard(v, specs[k]) for k, v in full.items()}
+            local = _shard_tree(full, specs)
             ref, p_ref = make(), full
             s_ref = ref.init(full)
             results = {}
@@ -72,8 +68,7 @@ def worker(rank: int, world: int) -> dict:
                 p, state, counts = local, tx.init(local), []
                 for g in grads:
                     stats.reset()
-                    u, state = tx.update({k: local_shard(v, specs[k]) for k, v in g.items()},
-                                         state, p)
+                    u, state = tx.update(_shard_tree(g, specs), state, p)
                     counts.append(stats.collectives)
                     p = opttx.apply_updates(p, u)
                 results[split] = (p, _state_bytes(state), counts)
@@ -84,13 +79,12 @@ def worker(rank: int, world: int) -> dict:
                 tx = sharded(on_owners(make(), cost="state", split_above_mb=0.0), specs)
                 p, state = local, tx.init(local)
                 for g in grads:
-                    u, state = tx.update({k: local_shard(v, specs[k]) for k, v in g.items()},
-                                         state, p)
+                    u, state = tx.update(_shard_tree(g, specs), state, p)
                     p = opttx.apply_updates(p, u)
                 assert all(torch.equal(p[k], results[0.0][0][k]) for k in full)
                 results["state"] = (p, _state_bytes(state), [])
                 # updates sent back in bf16: one step against the float32 one
-                g0 = {k: local_shard(v, specs[k]) for k, v in grads[0].items()}
+                g0 = _shard_tree(grads[0], specs)
                 sent = {}
                 for dtype in (None, torch.bfloat16):
                     stats = CollectiveStats()
@@ -113,8 +107,7 @@ def worker(rank: int, world: int) -> dict:
                 step = torch.compile(tx.update, backend=counter, fullgraph=True)
                 p, state = local, tx.init(local)
                 for g in grads:
-                    u, state = step({k: local_shard(v, specs[k]) for k, v in g.items()},
-                                    state, p)
+                    u, state = step(_shard_tree(g, specs), state, p)
                     p = opttx.apply_updates(p, u)
                 compiled = {"frames": counter.frame_count,
                             "error": max(max_relative_error(p[k], results[0.0][0][k])
