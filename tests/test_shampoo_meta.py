@@ -104,15 +104,20 @@ def meta_optimizer(params: list[torch.nn.Parameter], cfg: dict, dtype: torch.dty
             drop_weighting_factor_on_gsquare=cfg.get("drop_weighting_factor_on_gsquare", False)))
 
 
-def step_meta(tree: dict, grads: list[dict], make) -> dict:
-    """The parameters after Meta's optimizer ``make(parameters)`` stepped on ``grads``."""
+def step_meta(tree: dict, grads: list[dict], make, with_eval: bool = False):
+    """The parameters after Meta's optimizer ``make(parameters)`` stepped on ``grads``; with
+    ``with_eval``, also those after its ``eval()`` (iterate averaging), as a pair."""
     params = {k: torch.nn.Parameter(v.clone()) for k, v in tree.items()}
     opt = make(list(params.values()))
     for g in grads:
         for k, p in params.items():
             p.grad = g[k].clone()
         opt.step()
-    return {k: p.detach() for k, p in params.items()}
+    trained = {k: p.detach().clone() for k, p in params.items()}
+    if not with_eval:
+        return trained
+    opt.eval()
+    return trained, {k: p.detach().clone() for k, p in params.items()}
 
 
 def run_meta(tree: dict, grads: list[dict], cfg: dict, dtype: torch.dtype) -> dict:
@@ -611,20 +616,13 @@ def test_iterate_averaging_configs_are_schedule_free(averaging, dtype) -> None:
     tree, grads = draw_problem({"a": (6, 4), "b": (5,), "c": (2, 3, 4)}, 3, dtype)
     settings_ = dict(betas=(0.9, 0.999), epsilon=1e-6, max_preconditioner_dim=5,
                      precondition_frequency=2, start_preconditioning_step=2)
-    params = {k: torch.nn.Parameter(v.clone()) for k, v in tree.items()}
-    opt = ds.DistributedShampoo(
-        list(params.values()), lr=LR, weight_decay=0.0, use_bias_correction=True,
+    theirs_train, theirs_eval = step_meta(tree, grads, lambda ps: ds.DistributedShampoo(
+        ps, lr=LR, weight_decay=0.0, use_bias_correction=True,
         grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
         iterate_averaging_config=config,
         preconditioner_config=ds.RootInvShampooPreconditionerConfig(
-            factor_matrix_dtype=dtype, inv_factor_matrix_dtype=dtype), **settings_)
-    for g in grads:
-        for k, p in params.items():
-            p.grad = g[k].clone()
-        opt.step()
-    theirs_train = {k: p.detach().clone() for k, p in params.items()}
-    opt.eval()
-    theirs_eval = {k: p.detach().clone() for k, p in params.items()}
+            factor_matrix_dtype=dtype, inv_factor_matrix_dtype=dtype), **settings_),
+        with_eval=True)
 
     inner = opttx.shampoo(LR, grafting="adam", grafting_beta2=0.999, grafting_epsilon=1e-8,
                           preconditioner_dtype=dtype, **settings_)
