@@ -92,8 +92,7 @@ def inductor_workarounds(device_type: str) -> None:
     compile Shampoo's step (seen with torch 2.11 on an H100); torch 2.13 returns False there
     instead. ``TORCHINDUCTOR_LOOP_ORDERING_AFTER_FUSION=0`` is the same switch."""
     import torch
-    from torch.torch_version import TorchVersion
-    if device_type == "cuda" and TorchVersion(torch.__version__) < "2.13" \
+    if device_type == "cuda" and torch.__version__ < "2.13" \
             and torch._inductor.config.loop_ordering_after_fusion:
         torch._inductor.config.loop_ordering_after_fusion = False
         print(f"torch {torch.__version__}: Inductor's loop_ordering_after_fusion switched off "

@@ -50,7 +50,7 @@ sections=${*:-env tests update step state_copy}
 for s in $sections; do
     case $s in
         env) export -f env_check; run env 30 bash -c env_check ;;
-        # The CUDA-only tests (peak memory), and the device-scalar test on a real GPU.
+        # The CUDA-only test (peak memory, skipped on CPU).
         tests) run tests 60 python3 -m pytest -q -p no:cacheprovider -x \
                    tests/test_memory_tracker.py ;;
         # Issue 16: the optimizer step alone, compiled opttx vs Meta (root-inverse and EC).

@@ -89,7 +89,7 @@ def main() -> None:
     n = sum(torch.Size(s).numel() for s in shapes.values())
     tok_mb = torch.Size(shapes["tok"]).numel() * 4 / 2**20
     full, grads = problem(shapes, 0, a.steps)
-    tx, state = make_tx(), None
+    tx = make_tx()
     state = tx.init(full)
     for g in grads:
         _, state = tx.update(g, state, full)

@@ -17,7 +17,8 @@ epsilon 1e-12, Adam grafting (0.999, 1e-8), max_preconditioner_dim 1024,
 precondition_frequency = start_preconditioning_step = ``--frequency`` (default 2: every other
 step recomputes roots or bases, so both kinds of step are timed with preconditioning active).
 After 2 x frequency warm-up steps (compilation included), ``--steps`` steps per optimizer are
-timed round-robin (one step of each per round), ``time.perf_counter`` (CUDA events on a GPU);
+timed round-robin (one step of each per round), ``time.perf_counter`` (after a device
+synchronize on a GPU);
 the table gives the median of the steps that recompute (``refresh``) and of the others.
 Meta's package is read from ``shared/refs/meta-optimizers`` beside the repository (or from
 ``$OPTTX_META_OPTIMIZERS``).
@@ -93,6 +94,10 @@ def main() -> int:
     p.add_argument("--frequency", type=int, default=2)
     p.add_argument("--steps", type=int, default=60, help="timed steps per optimizer")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--profile", metavar="NAME", default=None,
+                   help="after the timing, profile 10 more steps of this row that refresh "
+                        "nothing (e.g. 'opttx eigenvalue-corrected') with torch.profiler: "
+                        "its costliest ops and the share of the matrix products")
     p.add_argument("--report-frequency", type=int, default=100,
                    help="the refresh frequency of the per-step mean reported (default 100, "
                         "shampoo_step.py's): (other x (f - 1) + refresh) / f")
@@ -155,7 +160,39 @@ def main() -> int:
               f"(other steps), {median(ours, True) / median(theirs, True):.2f}x (refresh steps), "
               f"{mean[0] / mean[1]:.2f}x per step at a refresh every {f} steps "
               f"(issue 16's target: <= 0.5x)")
+    if a.profile:
+        profile(runs[a.profile], a.profile, sync, 2 * a.frequency + a.steps + 1, a.frequency)
     return 0
+
+
+def profile(run, name: str, sync, next_step: int, frequency: int) -> None:
+    """torch.profiler over 10 steps of ``run`` that refresh nothing (a refresh step in between
+    runs unprofiled): self CPU time per step of its costliest ops, and the share of
+    ``aten::mm`` (the matrix products both implementations compute alike)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    totals: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    profiled = 0
+    while profiled < 10:
+        if next_step % frequency == 0:
+            run()
+        else:
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                run()
+                sync()
+            for e in prof.key_averages():
+                totals[e.key] = totals.get(e.key, 0.0) + e.self_cpu_time_total
+                calls[e.key] = calls.get(e.key, 0) + e.count
+            profiled += 1
+        sync()
+        next_step += 1
+    per_step = {k: v / 1e3 / profiled for k, v in totals.items()}     # ms
+    print(f"\nprofile of {name!r}, {profiled} steps without a refresh (self CPU ms per step):")
+    for key, ms in sorted(per_step.items(), key=lambda kv: -kv[1])[:6]:
+        print(f"  {key[:45]:45s} {ms:8.2f}  ({calls[key] / profiled:.0f} calls)")
+    mm, total = per_step.get("aten::mm", 0.0), sum(per_step.values())
+    print(f"aten::mm: {calls.get('aten::mm', 0) / profiled:.0f} calls per step, {mm:.2f} of "
+          f"{total:.2f} ms per step ({100 * mm / max(total, 1e-9):.0f} %)")
 
 
 if __name__ == "__main__":
