@@ -224,13 +224,26 @@ def tree_cond(pred: torch.Tensor, true_fn: Callable, false_fn: Callable,
     dtypes in both branches). Under ``torch.compile`` this is ``torch.cond`` over the flat
     leaves (one graph holds both branches and nothing recompiles when ``pred`` flips);
     outputs that are operands are cloned, as ``torch.cond`` forbids aliasing. In eager mode it
-    is a Python branch on the value of ``pred``, so only one branch runs.
+    is a Python branch on the value of ``pred``, so only one branch runs; under ``vmap``
+    (`opttx.stacked`), where ``pred`` holds one value per slice, both run and each element is
+    selected with ``torch.where``.
     """
     if not torch.compiler.is_compiling():
+        if _is_batched(pred):
+            chosen = tree_flatten(true_fn(*operands))[0]
+            other, spec = tree_flatten(false_fn(*operands))
+            return tree_unflatten([torch.where(pred, a, b) for a, b in zip(chosen, other)],
+                                  spec)
         return true_fn(*operands) if bool(pred) else false_fn(*operands)
     leaves, spec = tree_flatten(operands)
     out = torch.cond(pred, _on_leaves(true_fn, spec), _on_leaves(false_fn, spec), tuple(leaves))
     return tree_unflatten(list(out), spec)
+
+
+def _is_batched(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a tensor of ``torch.vmap`` (its value differs per slice)."""
+    check = getattr(torch._C._functorch, "is_batchedtensor", None)
+    return bool(check is not None and isinstance(x, torch.Tensor) and check(x))
 
 
 def _on_leaves(fn: Callable, spec: Any) -> Callable:
