@@ -151,6 +151,10 @@ CASES: list[Case] = [
     # the gradient along it is divided by sqrt(nu) + epsilon
     case("shampoo/eigenvalue_corrected", opttx.shampoo, learning_rate=LR,
          max_preconditioner_dim=4, preconditioner="eigenvalue_corrected", epsilon=1.0),
+    # the filtered gradient kept rotated into the eigenbasis, carried to new bases at refreshes
+    case("shampoo/eigenvalue_corrected/eigenbasis_moment", opttx.shampoo, learning_rate=LR,
+         max_preconditioner_dim=4, preconditioner="eigenvalue_corrected", epsilon=1.0,
+         precondition_frequency=2, grafting="adam", first_moment_in_eigenbasis=True),
     case("soap", opttx.soap, learning_rate=LR, precondition_frequency=2),
     case("galore_adamw", opttx.galore_adamw, learning_rate=LR, rank=2, update_proj_gap=2),
     case("galore_adamw_8bit", opttx.galore_adamw_8bit, learning_rate=LR, rank=2,

@@ -178,6 +178,136 @@ def test_meta_first_step_is_adam_in_the_standard_basis() -> None:
 # The SOAP paper's algorithm: pytorch_optimizer.SOAP (its reference code) and heavyball.SOAP
 # ---------------------------------------------------------------------------------------------
 
+# ---------------------------------------------------------------------------------------------
+# first_moment_in_eigenbasis: the filtered gradient kept rotated into the eigenbasis
+# ---------------------------------------------------------------------------------------------
+
+
+def one_ulp(grads: list[dict]) -> list[dict]:
+    """The gradients moved by one ulp away from zero."""
+    return [{k: torch.nextafter(v, v.sign() * math.inf) for k, v in g.items()} for g in grads]
+
+
+@FAST
+@given(shapes_=trees, cfg=meta_configs(), seed=st.integers(0, 2**16),
+       beta3=st.sampled_from([None, 0.5]))
+def test_first_moment_in_eigenbasis_equals_rotating_it_each_step(shapes_, cfg, seed,
+                                                                   beta3) -> None:
+    """Drawn trees and Meta settings (refreshes by eigh or QR every 1-3 steps, grafting or
+    not, bias correction on/off, beta3), float64, 12 steps: the same parameters as the
+    default path, which rotates the filtered gradient every step (and equals Meta's), up to
+    the roundings along the null space of rank-deficient factors, divided by epsilon there.
+    At epsilon 1e-8 within 1e-6 (measured up to 1.3e-7 over 150 draws); at 1e-12 within ten
+    times the default path's own gap when its gradients move by one ulp (measured up to 4
+    times: 4e-5 against 1e-5, without grafting)."""
+    cfg = {**cfg, "betas": (0.9, cfg["betas"][1])}
+    tree, grads = problem(shapes_, 12, seed, torch.float64)
+    plain = run_opttx(opttx_shampoo(cfg, torch.float64, beta3=beta3), tree, grads)
+    kept = run_opttx(opttx_shampoo(cfg, torch.float64, beta3=beta3,
+                                   first_moment_in_eigenbasis=True), tree, grads)
+    g = gaps(kept, plain, tree)
+    if cfg["epsilon"] >= 1e-8:
+        assert max(g.values()) <= 1e-6, (g, cfg)
+        return
+    spread = gaps(run_opttx(opttx_shampoo(cfg, torch.float64, beta3=beta3), tree,
+                            one_ulp(grads)), plain, tree)
+    for k in g:
+        assert g[k] <= max(1e-6, 10 * spread[k]), (k, g[k], spread[k], cfg)
+
+
+def test_first_moment_in_eigenbasis_equals_meta_in_float32() -> None:
+    """Three matrices merged into 1-D blocks (Meta's default merging: 25-, 36- and 16-dim
+    factors, rank-deficient for the 12 steps), epsilon 1e-12, refreshed every 3 steps, Adam
+    grafting, float32: within 1e-5 of Meta's EigenvalueCorrectedShampoo (measured 1.3e-6;
+    the default path is bitwise equal)."""
+    ds = _meta()
+    cfg = dict(betas=(0.9, 0.999), epsilon=1e-12, precondition_frequency=3,
+               start_preconditioning_step=3, max_preconditioner_dim=1024, grafting="adam",
+               use_bias_correction=True, weight_decay=0.0, qr=False, qr_iterations=1)
+    tree, grads = problem({"m": (5, 5), "t": (6, 6), "w": (4, 4)}, 12, 3, torch.float32)
+    theirs = run_torch(meta_shampoo(ds, cfg, torch.float32), tree, grads)
+    ours = run_opttx(opttx_shampoo(cfg, torch.float32, first_moment_in_eigenbasis=True),
+                     tree, grads)
+    assert max(gaps(ours, theirs, tree).values()) <= 1e-5
+
+
+def test_first_moment_in_eigenbasis_state_is_the_rotated_filtered_gradient() -> None:
+    """After a refresh (the bases changed twice), the kept EMA is Q_L^T m Q_R of the filtered
+    gradient that graft keeps for the grafted method; without grafting graft keeps none."""
+    tree, grads = problem({"m": (6, 4)}, 7, 5, torch.float64)
+    kw = dict(betas=(0.9, 0.999), epsilon=1e-8, precondition_frequency=3,
+              preconditioner="eigenvalue_corrected", preconditioner_dtype=torch.float64,
+              target_parameter_dimensionality=2, first_moment_in_eigenbasis=True)
+    tx = opttx.shampoo(LR, grafting="adam", **kw)
+    _, state = run_transform(tx, tree, grads)
+    graft_state = state[0]
+    ec = graft_state.direction
+    ((q_l, q_r),) = ec.bases["m"]            # one block (block_by_dims)
+    (m,) = graft_state.filtered["m"]
+    torch.testing.assert_close(ec.mu["m"][0], q_l.mT @ m @ q_r, rtol=1e-12, atol=1e-14)
+    assert not torch.allclose(q_l, torch.eye(6, dtype=torch.float64))
+    _, state = run_transform(opttx.shampoo(LR, grafting=None, **kw), tree, grads)
+    assert state[0].filtered == () and state[0].direction.mu["m"][0].shape == (6, 4)
+
+
+def _mm_count(tx, tree, grads, steps: int) -> int:
+    """The matrix products of the last of ``steps`` eager updates."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default):
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+    state = tx.init(tree)
+    for g in grads[:steps - 1]:
+        _, state = tx.update(g, state, tree)
+    with Count():
+        tx.update(grads[steps - 1], state, tree)
+    return Count.n
+
+
+@pytest.mark.parametrize("alias", ["shampoo", "soap"])
+def test_first_moment_in_eigenbasis_saves_two_products_per_matrix(alias) -> None:
+    """A step without a refresh of one (6, 4) matrix: eight matrix products (two factors, the
+    gradient and the filtered gradient into the eigenbasis, the result back), six with the
+    EMA kept in the eigenbasis."""
+    tree, grads = problem({"m": (6, 4)}, 5, 6, torch.float32)
+
+    def make(keep):
+        if alias == "soap":
+            return opttx.soap(3e-3, 0.9, 0.95, weight_decay=0.0, precondition_frequency=100,
+                              first_moment_in_eigenbasis=keep)
+        return opttx.shampoo(LR, betas=(0.9, 0.999), grafting="adam",
+                             preconditioner="eigenvalue_corrected", precondition_frequency=100,
+                             start_preconditioning_step=2, target_parameter_dimensionality=2,
+                             first_moment_in_eigenbasis=keep)
+    assert _mm_count(make(False), tree, grads, 5) == 8
+    assert _mm_count(make(True), tree, grads, 5) == 6
+
+
+def test_first_moment_in_eigenbasis_soap_equals_rotating_it() -> None:
+    """`opttx.soap` (power refreshes every 2 Adam steps, the second moment permuted with the
+    columns), float64, 12 steps: the same parameters as rotating Adam's first moment."""
+    tree, grads = problem(FULL_RANK, 12, 7, torch.float64)
+    kw = dict(eps=1e-12, weight_decay=0.0, precondition_frequency=2, precondition_1d=True,
+              preconditioner_dtype=torch.float64)
+    plain = run_opttx(opttx.soap(3e-3, 0.95, 0.95, **kw), tree, grads)
+    kept = run_opttx(opttx.soap(3e-3, 0.95, 0.95, first_moment_in_eigenbasis=True, **kw),
+                     tree, grads)
+    assert max(gaps(kept, plain, tree).values()) <= 1e-8
+
+
+def test_first_moment_in_eigenbasis_needs_an_ema_and_the_ec_preconditioner() -> None:
+    with pytest.raises(ValueError, match="beta1 > 0"):
+        opttx.shampoo(LR, betas=(0.0, 0.999), preconditioner="eigenvalue_corrected",
+                      first_moment_in_eigenbasis=True)
+    with pytest.raises(ValueError, match="eigenvalue-corrected"):
+        opttx.shampoo(LR, first_moment_in_eigenbasis=True)
+
+
 # factors of full rank after the first gradient (square matrices; every unfolding of the 3-D
 # leaf has at least as many columns as rows), plus a 1-D leaf (Adam unless precondition_1d)
 FULL_RANK = {"m": (5, 5), "v": (7,), "t": (3, 4, 4)}

@@ -618,7 +618,7 @@ def meta_bias_correction(beta: float, count: torch.Tensor, shift: int = 0,
     it is :math:`1 - \mathrm{fl}_{32}(0.999) = 0.00099998713`, 1.3e-5 relative away from
     0.001; `precondition_shampoo` and `graft` use it so that their numbers equal Meta's."""
     power = torch.pow(beta, count - shift if shift else count)   # float32, as Meta's
-    return 1.0 - (scale * power if scale != 1.0 else power)
+    return 1.0 - (scale * power if isinstance(scale, torch.Tensor) or scale != 1.0 else power)
 
 
 def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
@@ -1364,7 +1364,8 @@ def scale_by_grafted_diagonal(beta2: float = 1.0, epsilon: float = 1e-10,
     """
     check_unit_interval("beta2", beta2, closed_right=True)
     check_nonnegative("epsilon", epsilon)
-    correct = use_bias_correction and beta2 < 1
+    injected = isinstance(beta2, torch.Tensor)     # inject_hyperparams: its value may change
+    correct = use_bias_correction and (injected or beta2 < 1)
 
     def init(params: Params) -> DiagonalGraftState:
         check_init_params(params)
@@ -1377,10 +1378,15 @@ def scale_by_grafted_diagonal(beta2: float = 1.0, epsilon: float = 1e-10,
             return updates, advance_counts(state)
         nu = flatten_matching(updates, state.nu)[2]
         count = safe_increment(state.count)
-        nu = foreach("mul", nu, beta2) if beta2 != 1 else list(nu)
+        nu = foreach("mul", nu, beta2) if injected or beta2 != 1 else list(nu)
         nu = foreach("addcmul", nu, cast_like(g, nu), cast_like(g, nu), value=weighting_factor)
-        denom = foreach("div", nu, meta_bias_correction(beta2, count)) if correct \
-            else [torch.div(v, 1.0) for v in nu]
+        if correct:
+            b = meta_bias_correction(beta2, count)
+            if injected:    # a sum (beta2 = 1) is not corrected
+                b = torch.where(beta2 < 1, b, torch.ones_like(b))
+            denom = foreach("div", nu, b)
+        else:
+            denom = [torch.div(v, 1.0) for v in nu]
         foreach_("sqrt", denom)
         foreach_("add", denom, epsilon)
         x = flatten_matching(precondition_target(updates, extra_args))[1]

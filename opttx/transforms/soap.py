@@ -41,7 +41,8 @@ Where the references differ (each difference is tested in ``tests/test_soap.py``
   does not change their eigenvectors.
 * **first moment**: Meta and SOAP keep the gradient EMA in the parameters' basis and rotate it
   every step; heavyball keeps it in the eigenbasis and rotates it on each refresh (the same
-  numbers in exact arithmetic).
+  numbers in exact arithmetic, two matrix products per 2-D block fewer each step; opttx's
+  ``first_moment_in_eigenbasis=True``).
 * **1-D and large dims**: Meta blocks every dim at ``max_preconditioner_dim`` and preconditions
   1-D blocks with a full factor; SOAP leaves 1-D leaves (unless ``precondition_1d``) and dims
   larger than ``max_precond_dim`` in the standard basis (``max_basis_dim``, and
@@ -77,8 +78,9 @@ class EigenvalueCorrectedState(NamedTuple):
                             # that is not rotated
     bases: PyTree           # per leaf: tuple of (d_k, d_k) eigenvectors of the factors
                             # (identity until the first refresh), (0, 0) where not rotated
-    mu: Updates             # like params: EMA of the gradient in the parameters' basis
-                            # (empty when beta1 = 0)
+    mu: Updates             # like params: EMA of the gradient in the parameters' basis, or
+                            # rotated into the bases (first_moment_in_eigenbasis, in the
+                            # bases' dtype); empty when beta1 = 0
     nu: Updates             # like params: EMA (or sum) of the squared gradient rotated into
                             # the bases (Meta's "corrected eigenvalues")
     __roles__ = declare_roles(count=Role.COUNT, factors=Role.FACTOR_MATRIX,
@@ -98,6 +100,9 @@ class _FactorDecay:
 class _ECConfig:
     """The static settings of one `precondition_eigenvalue_corrected` (plain data)."""
     beta1: float
+    beta3: float                  # weight of the EMA in the preconditioned average ("meta")
+    eigenbasis_moment: bool       # keep the EMA rotated into the bases
+    moment_correction: bool       # divide the EMA by its bias correction
     beta2: float                  # second-moment decay
     weight: float                 # w in nu <- beta2 nu + w (Q^T g Q)^2
     factor: _FactorDecay          # decay and weight of the factors
@@ -122,6 +127,7 @@ class _ECConfig:
 def precondition_eigenvalue_corrected(
         beta2: float = 0.999, epsilon: float = 1e-12, precondition_frequency: int = 1,
         start_preconditioning_step: int | None = None, *, beta1: float = 0.0,
+        beta3: float | None = None, first_moment_in_eigenbasis: bool = False,
         shampoo_beta: float | None = None,
         eigendecomposition: Literal["eigh", "qr", "power"] = "eigh", qr_iterations: int = 1,
         tolerance: float = 0.0, schedule: Literal["meta", "soap"] = "meta",
@@ -151,10 +157,12 @@ def precondition_eigenvalue_corrected(
         \times_1 Q_1 \cdots \times_k Q_k
 
     where :math:`X` is the input (``extra_args[PRECONDITION_INPUT]`` inside `graft`, Meta's
-    filtered gradient; or the bias-corrected EMA :math:`m_t / (1 - \beta_1^t)` of the gradient
-    with ``beta1 > 0``; else the gradient), :math:`w = 1 - \beta_2` (1 when
-    :math:`\beta_2 = 1`: Adagrad in the eigenbasis), :math:`b_t = 1 - \beta_2^t`, :math:`e = 1/2`
-    (``eigenvalue_exponent``). A dim that is not rotated (``ignored_basis_change_dims``, a size
+    filtered gradient; else the gradient), or with ``beta1 > 0`` the transform's own EMA
+    :math:`m_t = \beta_1 m_{t-1} + (1 - \beta_1) G` made into Meta's filtered gradient
+    :math:`(\beta_3 m_{t-1} + (1 - \beta_3) G) / (1 - \beta_3 \beta_1^{t-1})` (``"meta"``, as
+    `graft` computes it) or Adam's :math:`m_t / (1 - \beta_1^t)` (``"soap"``);
+    :math:`w = 1 - \beta_2` (1 when :math:`\beta_2 = 1`: Adagrad in the eigenbasis),
+    :math:`b_t = 1 - \beta_2^t`, :math:`e = 1/2` (``eigenvalue_exponent``). A dim that is not rotated (``ignored_basis_change_dims``, a size
     above ``max_basis_dim``) keeps the standard basis and no factor. See the module docstring
     for the two schedules (``"meta"``: Meta's order; ``"soap"``: the SOAP paper's, with a zero
     first update) and how Meta, SOAP and heavyball differ.
@@ -165,7 +173,18 @@ def precondition_eigenvalue_corrected(
         the second moment.
       precondition_frequency: refresh the bases every this many steps (``"soap"``: Adam steps).
       start_preconditioning_step: first refresh (``"meta"``; default the frequency).
-      beta1: keep an EMA of the gradient and precondition it (the SOAP schedule's Adam).
+      beta1: keep an EMA of the gradient and precondition it instead of the input (the SOAP
+        schedule's Adam; with ``"meta"``, Meta's filtered gradient).
+      beta3: Meta's ``beta3``, the weight of the EMA in what is preconditioned (``"meta"``;
+        default ``beta1``).
+      first_moment_in_eigenbasis: keep the EMA rotated into the bases, as heavyball's SOAP
+        does: :math:`\tilde m \leftarrow \beta_1 \tilde m + (1 - \beta_1) \tilde G` reuses the
+        rotation of the gradient that the second moment needs, so two matrix products per 2-D
+        block fewer every step (six instead of eight); each refresh carries :math:`\tilde m`
+        from the old bases to the new ones (four products, refresh steps only). The same
+        numbers in exact arithmetic; rounding differs, which matters only where Shampoo's own
+        rounding does (the null space of a rank-deficient factor at a tiny ``epsilon``).
+        Needs ``beta1 > 0``.
       shampoo_beta: decay of the factors (SOAP's name; default ``beta2``).
       eigendecomposition: ``"eigh"``; ``"qr"``: Meta's QR algorithm (``qr_iterations`` steps
         of :math:`B = Q^\top A Q = Q' R`, :math:`Q \leftarrow Q Q'`, columns sorted by the
@@ -197,7 +216,8 @@ def precondition_eigenvalue_corrected(
       using Adam (arXiv 2409.11321); Shi et al. (arXiv 2309.06497).
     """
     cfg = _ec_config(
-        beta1=beta1, beta2=beta2, shampoo_beta=shampoo_beta, epsilon=epsilon,
+        beta1=beta1, beta3=beta3, first_moment_in_eigenbasis=first_moment_in_eigenbasis,
+        beta2=beta2, shampoo_beta=shampoo_beta, epsilon=epsilon,
         precondition_frequency=precondition_frequency,
         start_preconditioning_step=start_preconditioning_step,
         eigendecomposition=eigendecomposition, qr_iterations=qr_iterations,
@@ -215,7 +235,8 @@ def precondition_eigenvalue_corrected(
             count=zero_count(params),
             factors=tree_map(lambda x: _empty_mats(x, cfg, cfg.dtype, torch.zeros), params),
             bases=tree_map(lambda x: _empty_mats(x, cfg, cfg.basis_dtype, _eye), params),
-            mu=stats_like(params) if _has(cfg.beta1) else (),
+            mu=(stats_like(params, cfg.basis_dtype) if cfg.eigenbasis_moment
+                else stats_like(params)) if _has(cfg.beta1) else (),
             nu=stats_like(params, cfg.basis_dtype))
 
     def update(updates: Updates, state: EigenvalueCorrectedState, params: Params | None = None,
@@ -227,14 +248,19 @@ def precondition_eigenvalue_corrected(
                                                        takes_precondition_input=True))
 
 
-def _ec_config(*, beta1, beta2, shampoo_beta, epsilon, precondition_frequency,
-               start_preconditioning_step, eigendecomposition, qr_iterations, tolerance,
+def _ec_config(*, beta1, beta3, first_moment_in_eigenbasis, beta2, shampoo_beta, epsilon,
+               precondition_frequency, start_preconditioning_step, eigendecomposition, qr_iterations, tolerance,
                schedule, preconditioner_dtype, basis_dtype, use_bias_correction,
                eigenvalue_exponent, ignored_basis_change_dims, max_basis_dim,
                drop_weighting_factor_on_gsquare, rank_deficient, use_trace_scaling,
                trace_scaling_exponent) -> _ECConfig:
     """Validate `precondition_eigenvalue_corrected`'s arguments into an `_ECConfig`."""
     check_unit_interval("beta1", beta1, closed_right=False)
+    beta3 = beta1 if beta3 is None else beta3
+    check_unit_interval("beta3", beta3, closed_right=False)
+    if first_moment_in_eigenbasis and not _has(beta1):
+        raise ValueError("first_moment_in_eigenbasis keeps the EMA of the gradient (beta1) in "
+                         "the eigenbasis: it needs beta1 > 0.")
     check_unit_interval("beta2", beta2, closed_right=True)
     sbeta = beta2 if shampoo_beta is None else shampoo_beta
     check_unit_interval("shampoo_beta", sbeta, closed_right=True)
@@ -269,7 +295,8 @@ def _ec_config(*, beta1, beta2, shampoo_beta, epsilon, precondition_frequency,
                          f"{trace_scaling_exponent}.")
     drop = drop_weighting_factor_on_gsquare
     return _ECConfig(
-        beta1=beta1, beta2=beta2, weight=_weight(beta2, drop),
+        beta1=beta1, beta3=beta3, eigenbasis_moment=bool(first_moment_in_eigenbasis),
+        moment_correction=use_bias_correction, beta2=beta2, weight=_weight(beta2, drop),
         factor=_FactorDecay(beta2=sbeta, weight=_weight(sbeta, drop)),
         epsilon=epsilon, frequency=precondition_frequency, start=start,
         method=eigendecomposition, qr_iterations=qr_iterations, tolerance=tolerance,
@@ -390,15 +417,18 @@ def _eigen_scale(order: int, cfg: _ECConfig) -> float:
 
 
 def _adam_in_basis(x: list[torch.Tensor], bases: list[tuple], nu: list[torch.Tensor],
-                   scale: torch.Tensor | None, cfg: _ECConfig) -> list[torch.Tensor]:
+                   scale: torch.Tensor | None, cfg: _ECConfig,
+                   rotated: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """``Q[(Q^T x Q) / ((nu / scale)^e + eps)]Q^T`` for every leaf (Meta's order of ops): the
     rotations per leaf (matrix products), the element-wise part in grouped kernels, one
-    ``pow`` per distinct exponent."""
-    if not x:
+    ``pow`` per distinct exponent. ``rotated`` is ``Q^T x Q`` when it is already at hand (the
+    EMA kept in the eigenbasis); ``x`` is then not read."""
+    if not nu:
         return []
-    rotated = [_rotate(xi, qs) for xi, qs in zip(x, bases)]
+    if rotated is None:
+        rotated = [_rotate(xi, qs) for xi, qs in zip(x, bases)]
     denom = list(nu) if scale is None else foreach("div", nu, scale)
-    exponents = [_eigen_scale(max(xi.dim(), 1), cfg) for xi in x]
+    exponents = [_eigen_scale(max(xi.dim(), 1), cfg) for xi in rotated]
     for e in dict.fromkeys(exponents):
         group = [i for i, f in enumerate(exponents) if f == e]
         for i, d in zip(group, foreach("pow", [denom[i] for i in group], e)):
@@ -407,10 +437,16 @@ def _adam_in_basis(x: list[torch.Tensor], bases: list[tuple], nu: list[torch.Ten
     return [_rotate(yi, qs, back=True) for yi, qs in zip(y, bases)]
 
 
-def _second_moment(g: list[torch.Tensor], bases: list[tuple], nu: list[torch.Tensor],
-                   cfg: _ECConfig) -> list[torch.Tensor]:
-    """``nu <- beta2 nu + w (Q^T g Q)^2``: the squared gradient in the eigenbases."""
-    rotated = cast_like([_rotate(gi, qs) for gi, qs in zip(g, bases)], nu)
+def _in_bases(g: list[torch.Tensor], bases: list[tuple], nu: list[torch.Tensor]
+              ) -> list[torch.Tensor]:
+    """``Q^T g Q`` for every leaf, in the dtype of ``nu`` (the second moment's)."""
+    return cast_like([_rotate(gi, qs) for gi, qs in zip(g, bases)], nu)
+
+
+def _second_moment(rotated: list[torch.Tensor], nu: list[torch.Tensor], cfg: _ECConfig
+                   ) -> list[torch.Tensor]:
+    """``nu <- beta2 nu + w (Q^T g Q)^2``: the squared gradient in the eigenbases (``rotated``
+    is `_in_bases` of the gradient)."""
     nu = foreach("mul", nu, cfg.beta2) if not _number(cfg.beta2) or cfg.beta2 != 1 \
         else list(nu)
     return foreach("addcmul", nu, rotated, rotated, value=cfg.weight)
@@ -418,10 +454,32 @@ def _second_moment(g: list[torch.Tensor], bases: list[tuple], nu: list[torch.Ten
 
 def _first_moment(g: list[torch.Tensor], mu: list[torch.Tensor], steps: torch.Tensor,
                   cfg: _ECConfig) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The EMA of the gradient and its bias-corrected value (float64 correction)."""
-    mu = foreach_ema(mu, cast_like(g, mu), cfg.beta1)
-    correction = 1.0 - torch.pow(torch.as_tensor(cfg.beta1, dtype=torch.float64), steps)
-    return mu, foreach("div", mu, correction)
+    """The EMA of the gradient (in whichever basis ``g`` and ``mu`` are) and what is
+    preconditioned: ``"meta"``, Meta's filtered gradient as `graft` computes it,
+    ``(beta3 m_{t-1} + (1 - beta3) g) / (1 - beta3 beta1^{t-1})`` (float32 correction);
+    ``"soap"``, Adam's ``m_t / (1 - beta1^t)`` (float64 correction, Adam's step count)."""
+    g = cast_like(g, mu)
+    if cfg.schedule == "soap":
+        mu = foreach_ema(mu, g, cfg.beta1)
+        if not cfg.moment_correction:
+            return mu, list(mu)
+        correction = 1.0 - torch.pow(torch.as_tensor(cfg.beta1, dtype=torch.float64), steps)
+        return mu, foreach("div", mu, correction)
+    same = cfg.beta3 is cfg.beta1 or (_number(cfg.beta3) and _number(cfg.beta1)
+                                      and cfg.beta3 == cfg.beta1)
+    bar = None if same else foreach("lerp", mu, g, 1 - cfg.beta3)
+    mu = foreach_ema(mu, g, cfg.beta1)
+    bar = list(mu) if bar is None else bar
+    if not cfg.moment_correction:
+        return mu, bar
+    return mu, foreach("div", bar, meta_bias_correction(cfg.beta1, steps, shift=1,
+                                                        scale=cfg.beta3))
+
+
+def _rebased(mu: list[torch.Tensor], old: list[tuple], new: list[tuple]) -> list[torch.Tensor]:
+    """The EMA kept in the eigenbasis carried from the ``old`` bases to the ``new`` ones:
+    ``Q_new^T (Q_old m Q_old^T) Q_new`` (exact for orthogonal bases, up to rounding)."""
+    return [_rotate(_rotate(m, qo, back=True), qn) for m, qo, qn in zip(mu, old, new)]
 
 
 def _meta_step(g, x, factors, bases, nu, mu, count, cfg):
@@ -431,13 +489,24 @@ def _meta_step(g, x, factors, bases, nu, mu, count, cfg):
     fscale = meta_bias_correction(cfg.factor.beta2, count) \
         if cfg.bias_correction and (not _number(cfg.factor.beta2) or cfg.factor.beta2 < 1) \
         else None
-    (bases,) = tree_cond(due, lambda b: (_refresh(factors, b, fscale, cfg, cfg.method),),
-                         lambda b: (b,), (bases,))
-    nu = _second_moment(g, bases, nu, cfg)
+    if cfg.eigenbasis_moment:
+        def refresh(b, m):
+            new = _refresh(factors, b, fscale, cfg, cfg.method)
+            return new, _rebased(m, b, new)
+        bases, mu = tree_cond(due, refresh, lambda b, m: (b, m), (bases, mu))
+    else:
+        (bases,) = tree_cond(due, lambda b: (_refresh(factors, b, fscale, cfg, cfg.method),),
+                             lambda b: (b,), (bases,))
+    g_rot = _in_bases(g, bases, nu)
+    nu = _second_moment(g_rot, nu, cfg)
+    rotated = None
     if _has(cfg.beta1):
-        mu, x = _first_moment(g, mu, count, cfg)
+        if cfg.eigenbasis_moment:      # Q^T x Q from the gradient's rotation: no product
+            mu, rotated = _first_moment(g_rot, mu, count, cfg)
+        else:
+            mu, x = _first_moment(g, mu, count, cfg)
     scale = meta_bias_correction(cfg.beta2, count) if cfg.bias_correction else None
-    return _adam_in_basis(x, bases, nu, scale, cfg), factors, bases, nu, mu
+    return _adam_in_basis(x, bases, nu, scale, cfg, rotated), factors, bases, nu, mu
 
 
 def _soap_step(g, x, factors, bases, nu, mu, count, cfg):
@@ -446,25 +515,41 @@ def _soap_step(g, x, factors, bases, nu, mu, count, cfg):
     Adam steps."""
     first = count == 1
     steps = torch.clamp(count - 1, min=1)                     # Adam's step count
-    new_nu = _second_moment(g, bases, nu, cfg)
+    g_rot = _in_bases(g, bases, nu)
+    new_nu = _second_moment(g_rot, nu, cfg)
+    rotated = None
     if _has(cfg.beta1):
-        new_mu, x = _first_moment(g, mu, steps, cfg)
+        if cfg.eigenbasis_moment:
+            new_mu, rotated = _first_moment(g_rot, mu, steps, cfg)
+        else:
+            new_mu, x = _first_moment(g, mu, steps, cfg)
         mu = [torch.where(first, m, n) for m, n in zip(mu, new_mu)]
     scale = 1.0 - torch.pow(torch.as_tensor(cfg.beta2, dtype=torch.float64), steps) \
         if cfg.bias_correction else None
     out = [torch.where(first, torch.zeros_like(u), u)
-           for u in _adam_in_basis(x, bases, new_nu, scale, cfg)]
+           for u in _adam_in_basis(x, bases, new_nu, scale, cfg, rotated)]
     nu = [torch.where(first, n, m) for n, m in zip(nu, new_nu)]
     factors = [_factors_after(gi, fs, cfg) for gi, fs in zip(g, factors)]
+    # (the first step leaves the EMA at zero, which needs no carrying into the first bases)
     (bases,) = tree_cond(first, lambda b: (_refresh(factors, b, None, cfg, "eigh"),),
                          lambda b: (b,), (bases,))
     due = ~first & ((count - 1) % cfg.frequency == 0)
-    if cfg.method == "power":
-        bases, nu = tree_cond(due, lambda b, n: _power_refresh(factors, b, n),
-                              lambda b, n: (b, n), (bases, nu))
-    else:
-        (bases,) = tree_cond(due, lambda b: (_refresh(factors, b, None, cfg, cfg.method),),
-                             lambda b: (b,), (bases,))
+    # through the branch: the bases, nu when the power step permutes it, the EMA when it is
+    # kept in the eigenbasis (what a branch returns unchanged is copied under torch.cond)
+    power, eig = cfg.method == "power", cfg.eigenbasis_moment
+
+    def refresh(b, *rest):
+        n, m = (rest[0] if power else None), (rest[-1] if eig else None)
+        if power:
+            new, n = _power_refresh(factors, b, n)
+        else:
+            new = _refresh(factors, b, None, cfg, cfg.method)
+        return (new,) + ((n,) if power else ()) + ((_rebased(m, b, new),) if eig else ())
+    carried = tree_cond(due, refresh, lambda *ops: ops,
+                        (bases,) + ((nu,) if power else ()) + ((mu,) if eig else ()))
+    bases = carried[0]
+    nu = carried[1] if power else nu
+    mu = carried[-1] if eig else mu
     return out, factors, bases, nu, mu
 
 
