@@ -564,6 +564,12 @@ def _contract_factor(g: torch.Tensor, k: int) -> torch.Tensor:
     every step). The ``triu`` also keeps a bare matmul away from ``add(..., alpha=w)``, which
     Inductor (torch 2.13, CPU) rewrites into an ``addmm`` that drops ``alpha``."""
     others = [d for d in range(g.dim()) if d != k]
+    if all(g.shape[d] == 1 for d in others):
+        # an outer product (a 1-D block): each entry is one product, as in a matmul with an
+        # inner size of 1, so the same numbers; written element-wise it fuses into the
+        # factor's update instead of being one more matmul call
+        v = g.reshape(-1)
+        return torch.triu(v[:, None] * v[None, :])
     return torch.triu(torch.tensordot(g, g, dims=(others, others)))
 
 
