@@ -31,8 +31,10 @@ Examples:
 
 ``--references`` adds rows, in the same run on the same model and batches: opttx.shampoo
 with ``use_symmetric_packing=True`` (compiled; factors and roots stored as packed upper
-triangles, as Meta's default), opttx's eigenvalue-corrected Shampoo (``shampoo(..., preconditioner="eigenvalue_corrected")``, the
-same settings) and ``opttx.soap`` (b1 0.9, b2 = shampoo_beta 0.999, eps 1e-8, no weight
+triangles, as Meta's default), opttx's eigenvalue-corrected Shampoo (``shampoo(...,
+preconditioner="eigenvalue_corrected")``, the same settings; ``shampoo-ec-mq``, compiled
+only, with ``first_moment_in_eigenbasis=True``: the filtered gradient kept in the
+eigenbasis, six matrix products per 2-D block instead of eight) and ``opttx.soap`` (b1 0.9, b2 = shampoo_beta 0.999, eps 1e-8, no weight
 decay, same frequency, max_precond_dim 1024), each compiled and eager (the same step function
 called without ``torch.compile``), ``shampoo`` eager too; and, as torch.optim-style optimizers
 run eagerly (``loss.backward()``, ``opt.step()``, ``opt.zero_grad(set_to_none=True)``), Meta's
@@ -190,7 +192,10 @@ def reference_runs(a: argparse.Namespace, cfg: GPTConfig, device: torch.device,
     runs = [make_run("shampoo-eager", opttx.shampoo(lr, **shampoo_kw), cfg, a.seed, device,
                      compiled=False),
             make_run("shampoo-packed", opttx.shampoo(lr, use_symmetric_packing=True,
-                                                     **shampoo_kw), cfg, a.seed, device)]
+                                                     **shampoo_kw), cfg, a.seed, device),
+            make_run("shampoo-ec-mq", opttx.shampoo(
+                lr, preconditioner="eigenvalue_corrected", first_moment_in_eigenbasis=True,
+                **shampoo_kw), cfg, a.seed, device)]
     for suffix, compiled in (("", True), ("-eager", False)):
         runs.append(make_run("shampoo-ec" + suffix, opttx.shampoo(
             lr, preconditioner="eigenvalue_corrected", **shampoo_kw), cfg, a.seed, device,
@@ -364,8 +369,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "eigenvalue-corrected) and heavyball's SOAP (eager)")
     p.add_argument("--reference-rows", default="*", metavar="GLOBS",
                    help="with --references, only the rows matching these comma-separated "
-                   "globs (rows: shampoo-eager, shampoo-packed, shampoo-ec, shampoo-ec-eager, "
-                   "soap, soap-eager, meta-root, meta-ec, hb-soap; default all)")
+                   "globs (rows: shampoo-eager, shampoo-packed, shampoo-ec-mq, shampoo-ec, "
+                   "shampoo-ec-eager, soap, soap-eager, meta-root, meta-ec, hb-soap; default all)")
     p.add_argument("--heavyball-compile", action="store_true",
                    help="keep heavyball's internal torch.compile of its helpers (off by default)")
     a = p.parse_args(argv)
@@ -418,7 +423,8 @@ def print_references(rows: list[dict], width: int, freq: int, device: torch.devi
               "(Meta's DistributedShampoo was skipped).")
         return
     where = "on this GPU" if device.type == "cuda" else "on this CPU"
-    for ours, theirs in (("shampoo", "meta-root"), ("shampoo-ec", "meta-ec")):
+    for ours, theirs in (("shampoo", "meta-root"), ("shampoo-ec", "meta-ec"),
+                         ("shampoo-ec-mq", "meta-ec")):
         if ours in row_of and theirs in row_of:
             o, t = row_of[ours], row_of[theirs]
             rm, rmean = o["median"] / t["median"], o["mean"] / t["mean"]

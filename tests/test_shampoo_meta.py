@@ -595,7 +595,8 @@ def test_iterative_roots_equal_metas_matrix_inverse_root(shape, dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("averaging", ["gpa_heavy_ball", "gpa", "schedule_free"])
-def test_iterate_averaging_configs_are_schedule_free(averaging, dtype) -> None:
+@pytest.mark.parametrize("weight_decay", [0.0, 0.5])
+def test_iterate_averaging_configs_are_schedule_free(averaging, dtype, weight_decay) -> None:
     """Meta's iterate averaging around Shampoo is `opttx.schedule_free` around `opttx.shampoo`:
     ``GeneralizedPrimalAveragingConfig(eval_interp_coeff=mx, train_interp_coeff=my)`` with
     ``b1=my, averaging_weight=1 - mx``, ``ScheduleFreeConfig(train_interp_coeff=my,
@@ -603,9 +604,11 @@ def test_iterate_averaging_configs_are_schedule_free(averaging, dtype) -> None:
     Meta weights by this step's rate, opttx by the largest so far). The training parameters
     after 5 steps, and the evaluation ones (Meta's ``eval()``, opttx's
     `schedule_free_eval_params`), agree as parameter displacements within 1e-6 in float64
-    (measured <= 2.4e-7: Meta keeps its coefficients in float32, 0.9 is 0.89999998 there)
-    and 1e-5 in float32 (measured <= 4.5e-6: one last bit of a parameter of size 1 against a
-    5-step displacement of 0.04; most leaves are bit for bit)."""
+    (measured <= 3.5e-7: Meta keeps its coefficients in float32, 0.9 is 0.89999998 there)
+    and 2e-5 in float32 (measured <= 9.0e-6: one last bit of a parameter of size 1 against a
+    5-step displacement of 0.04; most leaves are bit for bit). Meta's decoupled weight decay
+    under iterate averaging shrinks its z buffer: ``z_weight_decay`` (without it, 0.28-0.69
+    away at weight decay 0.5)."""
     from distributed_shampoo.shampoo_types import (GeneralizedPrimalAveragingConfig,
                                                    ScheduleFreeConfig)
     mx, my = {"gpa_heavy_ball": (0.9, 1.0), "gpa": (0.9, 0.8), "schedule_free": (None, 0.8)}[
@@ -617,7 +620,7 @@ def test_iterate_averaging_configs_are_schedule_free(averaging, dtype) -> None:
     settings_ = dict(betas=(0.9, 0.999), epsilon=1e-6, max_preconditioner_dim=5,
                      precondition_frequency=2, start_preconditioning_step=2)
     theirs_train, theirs_eval = step_meta(tree, grads, lambda ps: ds.DistributedShampoo(
-        ps, lr=LR, weight_decay=0.0, use_bias_correction=True,
+        ps, lr=LR, weight_decay=weight_decay, use_bias_correction=True,
         grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
         iterate_averaging_config=config,
         preconditioner_config=ds.RootInvShampooPreconditionerConfig(
@@ -626,11 +629,13 @@ def test_iterate_averaging_configs_are_schedule_free(averaging, dtype) -> None:
 
     inner = opttx.shampoo(LR, grafting="adam", grafting_beta2=0.999, grafting_epsilon=1e-8,
                           preconditioner_dtype=dtype, **settings_)
-    tx = opttx.schedule_free(inner, LR, b1=my, weight_lr_power=2) if mx is None \
-        else opttx.schedule_free(inner, LR, b1=my, averaging_weight=1 - mx)
+    tx = opttx.schedule_free(inner, LR, b1=my, weight_lr_power=2,
+                             z_weight_decay=weight_decay) if mx is None \
+        else opttx.schedule_free(inner, LR, b1=my, averaging_weight=1 - mx,
+                                 z_weight_decay=weight_decay)
     ours_train, state = run_transform(tx, tree, grads)
     ours_eval = opttx.schedule_free_eval_params(state, ours_train)
-    tol = 1e-5 if dtype == torch.float32 else 1e-6
+    tol = 2e-5 if dtype == torch.float32 else 1e-6
     assert max(displacement_gaps(ours_train, theirs_train, tree).values()) <= tol
     assert max(displacement_gaps(ours_eval, theirs_eval, tree).values()) <= tol
 

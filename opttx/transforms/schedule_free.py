@@ -57,7 +57,8 @@ def _f64(value: Scalar, like: torch.Tensor) -> torch.Tensor:
 def schedule_free(inner: GradientTransformation, learning_rate: float | Schedule,
                   b1: float = 0.9, weight_lr_power: float = 2.0, warmup_steps: int = 0,
                   r: float = 0.0, state_dtype: torch.dtype | None = None, *,
-                  averaging_weight: float | None = None) -> GradientTransformation:
+                  averaging_weight: float | None = None,
+                  z_weight_decay: float = 0.0) -> GradientTransformation:
     r"""Make ``inner`` schedule-free: its updates move :math:`z`; the parameters are :math:`y`.
 
     With :math:`u_t` the update of ``inner`` at :math:`y_t` (for SGD :math:`-\gamma g_t`),
@@ -104,6 +105,12 @@ def schedule_free(inner: GradientTransformation, learning_rate: float | Schedule
         ``GeneralizedPrimalAveragingConfig(eval_interp_coeff=1 - c, train_interp_coeff=b1)``;
         with ``b1=1`` it is heavy-ball momentum on ``inner``'s updates with the learning rate
         scaled by ``1 - c`` (``tests/test_shampoo_meta.py``).
+      z_weight_decay: :math:`\lambda`: decoupled weight decay of :math:`z` before each step,
+        :math:`z_t \leftarrow (1 - \gamma_t \lambda) z_t` (the factor in float32), where
+        Meta's Distributed Shampoo decays under iterate averaging (its
+        ``WeightDecayType.DECOUPLED`` with ``weight_decay=``:math:`\lambda`; for ``CORRECTED``
+        and ``INDEPENDENT`` pass the :math:`\lambda` Meta derives). ``schedulefree``'s
+        optimizers decay at :math:`y` instead: put ``add_decayed_weights`` in ``inner``.
 
     Returns:
       A `GradientTransformation` that needs ``params`` in ``update``; its state is a
@@ -139,6 +146,8 @@ def schedule_free(inner: GradientTransformation, learning_rate: float | Schedule
                                              and 0 < averaging_weight <= 1):
         raise ValueError(f"averaging_weight must be a number in (0, 1] (x <- (1 - c) x + c z), "
                          f"got {averaging_weight!r}.")
+    check_nonnegative("z_weight_decay", z_weight_decay)
+    decay_z = not (isinstance(z_weight_decay, (int, float)) and z_weight_decay == 0)
 
     def init(params: Params) -> ScheduleFreeState:
         check_init_params(params)
@@ -176,6 +185,9 @@ def schedule_free(inner: GradientTransformation, learning_rate: float | Schedule
                                          what="updates, z and params")
         new_z, out = z, []
         if u:
+            if decay_z:   # z <- (1 - lr wd) z, the factor in float32 (Meta keeps lr so)
+                factor = 1 - lr.to(torch.float32) * z_weight_decay
+                z = foreach_("mul", z, factor) if is_donating() else foreach("mul", z, factor)
             u = cast_like(u, z)
             if warm is not None:
                 u = foreach("mul", u, warm)
