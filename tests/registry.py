@@ -158,11 +158,7 @@ CASES: list[Case] = [
     case("soap", opttx.soap, learning_rate=LR, precondition_frequency=2),
     case("galore_adamw", opttx.galore_adamw, learning_rate=LR, rank=2, update_proj_gap=2),
     case("galore_adamw_8bit", opttx.galore_adamw_8bit, learning_rate=LR, rank=2,
-         update_proj_gap=2, min_size=8, block_size=8,
-         known_bugs=(("checkpoint", "the checkpoint keys match quantize_state's per-leaf "
-                      "states to parameters by the shape of their codes; inside "
-                      "project_lowrank the codes have the projected shapes, so the keys "
-                      "cannot be built (a clear ValueError, no wrong keys)"),)),
+         update_proj_gap=2, min_size=8, block_size=8),
     case("adamw_8bit", opttx.adamw_8bit, learning_rate=LR, min_size=8, block_size=8),
     case("radam", opttx.radam, learning_rate=LR, weight_decay=0.01,
          decoupled_weight_decay=True),

@@ -16,6 +16,7 @@ test process loads it again on one device (``4 -> 1``). One spawn per world size
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import traceback
 from collections.abc import Callable
@@ -31,7 +32,7 @@ import torch.multiprocessing as mp
 import opttx
 from opttx.distributed import (Shard, check_checkpoint, global_factor_axes, load_state_dict,
                                on_owners, param_paths, sharded, state_dict, zero, zero_plan)
-from opttx.testing import exit_rank
+from opttx.testing import exit_rank, gradient_stream
 from opttx.tree import tree_flatten, tree_map
 
 pytestmark = pytest.mark.timeout(300)
@@ -705,3 +706,31 @@ def test_quantized_state_over_unknown_leaves_asks_for_owned() -> None:
     assert set(sd["state"]) == {"b", "c"}
     assert sd["state"]["b"]["0.inner_state.quantized.mu.codes"].shape == (10,)
     assert sd["state"]["c"]["0.inner_state.dense.mu"].shape == (3,)
+
+
+def test_quantized_state_inside_project_lowrank_is_keyed_by_the_projected_shapes() -> None:
+    """galore_adamw_8bit: quantize_state runs on the projected leaves, so its codes have the
+    projected shapes ((k, n) for a left projection, (m, k) for a right one), not the
+    parameters'; the keys still name the right parameters, the projected leaf's codes
+    under its path, and a round trip through torch.save restores every tensor."""
+    params = {"wide": torch.randn(8, 24), "tall": torch.randn(24, 8), "b": torch.randn(24),
+              "small": torch.randn(2, 3)}
+    tx = opttx.galore_adamw_8bit(1e-2, rank=2, update_proj_gap=2, min_size=8, block_size=8)
+    state = tx.init(params)
+    grads = gradient_stream(params, 3, seed=11)
+    for g in grads:
+        updates, state = tx.update(g, state, params)
+        params = opttx.apply_updates(params, updates)
+    sd = state_dict(state, params)
+    codes = {path: {k: tuple(v.shape) for k, v in fields.items() if k.endswith("mu.codes")}
+             for path, fields in sd["state"].items()}
+    assert list(codes["wide"].values()) == [(2, 24)]     # U^T G: U is 8 x 2
+    assert list(codes["tall"].values()) == [(24, 2)]     # G V^T: V^T is 2 x 8
+    assert list(codes["b"].values()) == [(24,)]          # 1-D: not projected, quantized
+    assert codes["small"] == {}                           # 6 elements < min_size: dense
+    buffer = io.BytesIO()
+    torch.save(sd, buffer)
+    buffer.seek(0)
+    loaded = load_state_dict(tx.init(params), torch.load(buffer, weights_only=True), params)
+    for a, b in zip(opttx.tree.tree_leaves(loaded), opttx.tree.tree_leaves(state)):
+        assert torch.equal(a, b)

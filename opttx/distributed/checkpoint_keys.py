@@ -95,11 +95,20 @@ def _field(node_path: str, inner: str) -> str:
 def _walk(node: Any, path: tuple, view: _View, out_state: dict, out_shared: dict) -> None:
     """Sort the tensors of ``node`` (at ``path`` in the state) into per-parameter entries
     (``out_state[param path][field path]``) and shared ones (``out_shared[field path]``)."""
+    from ..transforms.lowrank import ProjectLowrankState
     from ..transforms.quantized import QuantizedState
     if isinstance(node, (MaskedNode, EmptyState)):
         return
     if isinstance(node, QuantizedState):
         _walk_quantized(node, path, view, out_state, out_shared)
+        return
+    if isinstance(node, ProjectLowrankState):
+        # the inner state is over the projected leaves: same paths, the projected shapes
+        # (which `quantize_state`'s per-leaf states are matched by)
+        inner_view = _projected_view(node, view)
+        for key, child in _children(node) or []:
+            _walk(child, path + (key,), inner_view if child is node.inner_state else view,
+                  out_state, out_shared)
         return
     if not view.spec.is_leaf():
         try:
@@ -125,6 +134,37 @@ def _walk(node: Any, path: tuple, view: _View, out_state: dict, out_shared: dict
         return
     for key, child in children:
         _walk(child, path + (key,), view, out_state, out_shared)
+
+
+def _projected_view(node: Any, view: _View) -> _View:
+    """``view`` with the shapes of the leaves as `project_lowrank` hands them to its inner
+    transform, read from its bases: ``U^T G`` is ``(..., k, n)`` for ``U`` of shape
+    ``(..., m, k)``, ``G V^T`` is ``(..., m, k)`` for ``V^T`` of shape ``(..., k, n)``, both
+    ``(..., k_U, k_V)``; a leaf that is not projected (empty bases) keeps its shape."""
+    if view.spec.is_leaf():
+        lefts, rights = [node.left], [node.right]
+    else:
+        try:
+            lefts = view.spec.flatten_up_to(node.left)
+            rights = view.spec.flatten_up_to(node.right)
+        except (ValueError, TypeError, RuntimeError):
+            return view
+    shapes = []
+    for shape, u, v in zip(view.shapes, lefts, rights):
+        has_u = _is_tensor(u) and u.numel() > 0 and u.dim() >= 2
+        has_v = _is_tensor(v) and v.numel() > 0 and v.dim() >= 2
+        if not (has_u or has_v):
+            shapes.append(shape)
+            continue
+        batch = tuple((u if has_u else v).shape[:-2])
+        rows = _numel(shape) // max(_numel(batch), 1)        # m * n of the matrix form
+        if has_u and has_v:
+            shapes.append(batch + (u.shape[-1], v.shape[-2]))
+        elif has_u:
+            shapes.append(batch + (u.shape[-1], rows // u.shape[-2]))
+        else:
+            shapes.append(batch + (rows // v.shape[-1], v.shape[-2]))
+    return _View(view.spec, view.paths, view.present, tuple(shapes))
 
 
 def _put(table: dict, key: str, x: torch.Tensor) -> None:
