@@ -53,11 +53,12 @@ for s in $sections; do
         # The CUDA-only test (peak memory, skipped on CPU).
         tests) run tests 60 python3 -m pytest -q -p no:cacheprovider -x \
                    tests/test_memory_tracker.py ;;
-        # Issue 16: the optimizer step alone, compiled opttx vs Meta (root-inverse and EC).
-        update) run update 170 python3 benchmarks/shampoo_update.py --device cuda --steps 40 ;;
+        # Issue 16: the optimizer step alone, compiled opttx vs Meta (root-inverse and EC,
+        # and EC with first_moment_in_eigenbasis: one more compile than at stop 23)
+        update) run update 200 python3 benchmarks/shampoo_update.py --device cuda --steps 40 ;;
         # Issue 16 and the Shampoo <= 1.25x AdamW target: whole compiled training steps.
-        step) run step 220 python3 benchmarks/shampoo_step.py --device cuda --references \
-                  --reference-rows "meta-root,meta-ec,shampoo-ec" ;;
+        step) run step 260 python3 benchmarks/shampoo_step.py --device cuda --references \
+                  --reference-rows "meta-root,meta-ec,shampoo-ec,shampoo-ec-mq" ;;
         # How a compiled step writes its state back (AdamW, 307 M parameters).
         state_copy) run state_copy 120 python3 benchmarks/state_copy.py --device cuda ;;
         # AdamW on the 1.1B shape set: compiled opttx vs torch's fused kernel.
