@@ -34,8 +34,8 @@ with ``use_symmetric_packing=True`` (compiled; factors and roots stored as packe
 triangles, as Meta's default), opttx's eigenvalue-corrected Shampoo (``shampoo(...,
 preconditioner="eigenvalue_corrected")``, the same settings; ``shampoo-ec-mq``, compiled
 only, with ``first_moment_in_eigenbasis=True``: the filtered gradient kept in the
-eigenbasis, six matrix products per 2-D block instead of eight) and ``opttx.soap`` (b1 0.9, b2 = shampoo_beta 0.999, eps 1e-8, no weight
-decay, same frequency, max_precond_dim 1024), each compiled and eager (the same step function
+eigenbasis, six matrix products per 2-D block instead of eight) and ``opttx.soap`` (b1 0.9,
+b2 = shampoo_beta 0.999, eps 1e-8, no weight decay, same frequency, max_precond_dim 1024), each compiled and eager (the same step function
 called without ``torch.compile``), ``shampoo`` eager too; and, as torch.optim-style optimizers
 run eagerly (``loss.backward()``, ``opt.step()``, ``opt.zero_grad(set_to_none=True)``), Meta's
 ``DistributedShampoo`` (from ``shared/refs/meta-optimizers`` beside the repository, or

@@ -14,8 +14,9 @@ for the root-inverse pair (``opttx.shampoo`` / ``RootInvShampooPreconditionerCon
 eigenvalue-corrected pair (``preconditioner="eigenvalue_corrected"`` /
 ``EigenvalueCorrectedShampooPreconditionerConfig``), plus opttx's eigenvalue-corrected step with
 ``first_moment_in_eigenbasis=True`` (the filtered gradient kept rotated into the eigenbasis:
-six matrix products per 2-D block instead of eight; the same numbers up to rounding), all at lr 1e-3, betas (0.9, 0.999),
-epsilon 1e-12, Adam grafting (0.999, 1e-8), max_preconditioner_dim 1024,
+six matrix products per 2-D block instead of eight; the same numbers up to rounding), all at
+lr 1e-3, betas (0.9, 0.999), epsilon 1e-12, Adam grafting (0.999, 1e-8),
+max_preconditioner_dim 1024,
 precondition_frequency = start_preconditioning_step = ``--frequency`` (default 2: every other
 step recomputes roots or bases, so both kinds of step are timed with preconditioning active).
 After 2 x frequency warm-up steps (compilation included), ``--steps`` steps per optimizer are

@@ -1001,9 +1001,6 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
         if kl_shampoo:
             raise ValueError("kl_shampoo is a setting of the root-inverse and eigendecomposed "
                              "preconditioners (Meta has no eigenvalue-corrected KL-Shampoo).")
-        # the direction keeps its own (rotated) filtered gradient; graft keeps one only for
-        # the grafted method (without grafting nothing reads it)
-        own_moment = first_moment_in_eigenbasis   # (refused with betas[0] = 0)
         if root_method != "eigh" or root_max_iterations is not None \
                 or root_tolerance is not None or root_rel_epsilon is not None \
                 or root_abs_epsilon is not None or use_symmetric_packing:
@@ -1023,11 +1020,15 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
             drop_weighting_factor_on_gsquare=drop_weighting_factor_on_gsquare,
             rank_deficient=rank_deficient, use_trace_scaling=use_trace_scaling,
             trace_scaling_exponent=trace_scaling_exponent,
-            beta1=beta1 if own_moment else 0.0, beta3=beta3 if own_moment else None,
-            first_moment_in_eigenbasis=own_moment)
+            # with first_moment_in_eigenbasis the direction keeps its own (rotated) filtered
+            # gradient (refused with betas[0] = 0); graft keeps one only for the grafted
+            # method, so none without grafting
+            beta1=beta1 if first_moment_in_eigenbasis else 0.0,
+            beta3=beta3 if first_moment_in_eigenbasis else None,
+            first_moment_in_eigenbasis=first_moment_in_eigenbasis)
         # without grafting, Meta runs its (identity-basis) direction from the first step
         graft_start = start if grafting is not None else 0
-        graft_beta1 = 0.0 if own_moment and grafting is None else beta1
+        graft_beta1 = 0.0 if first_moment_in_eigenbasis and grafting is None else beta1
     else:
         if first_moment_in_eigenbasis:
             raise ValueError("first_moment_in_eigenbasis is a setting of the "

@@ -157,13 +157,13 @@ def _projected_view(node: Any, view: _View) -> _View:
             shapes.append(shape)
             continue
         batch = tuple((u if has_u else v).shape[:-2])
-        rows = _numel(shape) // max(_numel(batch), 1)        # m * n of the matrix form
+        mn = _numel(shape) // max(_numel(batch), 1)          # m * n of the matrix form
         if has_u and has_v:
             shapes.append(batch + (u.shape[-1], v.shape[-2]))
         elif has_u:
-            shapes.append(batch + (u.shape[-1], rows // u.shape[-2]))
+            shapes.append(batch + (u.shape[-1], mn // u.shape[-2]))
         else:
-            shapes.append(batch + (rows // v.shape[-1], v.shape[-2]))
+            shapes.append(batch + (mn // v.shape[-1], v.shape[-2]))
     return _View(view.spec, view.paths, view.present, tuple(shapes))
 
 

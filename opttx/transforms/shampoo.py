@@ -627,6 +627,27 @@ def meta_bias_correction(beta: float, count: torch.Tensor, shift: int = 0,
     return 1.0 - (scale * power if isinstance(scale, torch.Tensor) or scale != 1.0 else power)
 
 
+def _filtered_gradient(m: list[torch.Tensor], g: list[torch.Tensor], beta1: Any,
+                       beta3: Any, count: torch.Tensor, bias_correction: bool
+                       ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    r"""Meta's filtered gradient, for the leaves ``m`` of its EMA and the gradients ``g``:
+    :math:`\tilde G_t = \beta_1 \tilde G_{t-1} + (1 - \beta_1) G_t` (the new ``m``) and
+    :math:`\bar G_t = (\beta_3 \tilde G_{t-1} + (1 - \beta_3) G_t) / (1 - \beta_3
+    \beta_1^{t-1})` (:math:`\bar G_t = \tilde G_t / (1 - \beta_1^t)` when
+    :math:`\beta_3 = \beta_1`; no division without ``bias_correction``), the correction
+    computed as Meta's (`meta_bias_correction`). Used by `graft` and by
+    `precondition_eigenvalue_corrected`'s own EMA (in whichever basis ``m`` and ``g`` are)."""
+    g = cast_like(g, m)
+    same = beta3 is beta1 or (not isinstance(beta3, torch.Tensor)
+                              and not isinstance(beta1, torch.Tensor) and beta3 == beta1)
+    bar = None if same else foreach("lerp", m, g, 1 - beta3)
+    m = foreach_ema(m, g, beta1)
+    bar = list(m) if bar is None else bar
+    if bias_correction:
+        bar = foreach("div", bar, meta_bias_correction(beta1, count, shift=1, scale=beta3))
+    return m, bar
+
+
 def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
                          precondition_frequency: int = 1,
                          start_preconditioning_step: int | None = None,
@@ -1307,12 +1328,8 @@ def graft(magnitude: GradientTransformation | None, direction: GradientTransform
         filtered = state.filtered
         if beta1:
             _, m = flatten_matching(updates, state.filtered)[1:]
-            bar = foreach("lerp", m, cast_like(g, m), 1 - b3) if b3 != beta1 else None
-            m = foreach_ema(m, g, beta1)
+            m, bar = _filtered_gradient(m, g, beta1, b3, count, use_bias_correction)
             filtered = tree_unflatten(m, spec)
-            bar = list(m) if bar is None else bar
-            if use_bias_correction:
-                bar = foreach("div", bar, meta_bias_correction(beta1, count, shift=1, scale=b3))
         else:
             bar = list(g)
         bar_tree = tree_unflatten(bar, spec)
@@ -1390,10 +1407,9 @@ def scale_by_grafted_diagonal(beta2: float = 1.0, epsilon: float = 1e-10,
             b = meta_bias_correction(beta2, count)
             if injected:    # a sum (beta2 = 1) is not corrected
                 b = torch.where(beta2 < 1, b, torch.ones_like(b))
-            denom = foreach("div", nu, b)
+            denom = foreach_("sqrt", foreach("div", nu, b))
         else:
-            denom = [torch.div(v, 1.0) for v in nu]
-        foreach_("sqrt", denom)
+            denom = foreach("sqrt", nu)      # new tensors: nu is the state
         foreach_("add", denom, epsilon)
         x = flatten_matching(precondition_target(updates, extra_args))[1]
         out = [(xi.to(d.dtype) / d).to(gi.dtype) for xi, d, gi in zip(x, denom, g)]

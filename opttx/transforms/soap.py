@@ -64,8 +64,8 @@ from ..base import (GradientTransformation, Params, Role, Traits, Updates, advan
 from ..kernels import cast_like, foreach, foreach_ema
 from ..tree import (PyTree, flatten_matching, state_dtype, stats_like, tree_cond, tree_flatten,
                     tree_map, tree_structure, tree_unflatten)
-from .shampoo import (_chunks, _contract_factor, _decomposed, _from_upper, _prepared_factor,
-                      _update_factors, meta_bias_correction)
+from .shampoo import (_chunks, _contract_factor, _decomposed, _filtered_gradient, _from_upper,
+                      _prepared_factor, _update_factors, meta_bias_correction)
 
 __all__ = ["EigenvalueCorrectedState", "precondition_eigenvalue_corrected"]
 
@@ -162,10 +162,11 @@ def precondition_eigenvalue_corrected(
     :math:`(\beta_3 m_{t-1} + (1 - \beta_3) G) / (1 - \beta_3 \beta_1^{t-1})` (``"meta"``, as
     `graft` computes it) or Adam's :math:`m_t / (1 - \beta_1^t)` (``"soap"``);
     :math:`w = 1 - \beta_2` (1 when :math:`\beta_2 = 1`: Adagrad in the eigenbasis),
-    :math:`b_t = 1 - \beta_2^t`, :math:`e = 1/2` (``eigenvalue_exponent``). A dim that is not rotated (``ignored_basis_change_dims``, a size
-    above ``max_basis_dim``) keeps the standard basis and no factor. See the module docstring
-    for the two schedules (``"meta"``: Meta's order; ``"soap"``: the SOAP paper's, with a zero
-    first update) and how Meta, SOAP and heavyball differ.
+    :math:`b_t = 1 - \beta_2^t`, :math:`e = 1/2` (``eigenvalue_exponent``). A dim that is not
+    rotated (``ignored_basis_change_dims``, a size above ``max_basis_dim``) keeps the standard
+    basis and no factor. See the module docstring for the two schedules (``"meta"``: Meta's
+    order; ``"soap"``: the SOAP paper's, with a zero first update) and how Meta, SOAP and
+    heavyball differ.
 
     Args:
       beta2: decay of the second moment (and of the factors unless ``shampoo_beta``).
@@ -249,9 +250,9 @@ def precondition_eigenvalue_corrected(
 
 
 def _ec_config(*, beta1, beta3, first_moment_in_eigenbasis, beta2, shampoo_beta, epsilon,
-               precondition_frequency, start_preconditioning_step, eigendecomposition, qr_iterations, tolerance,
-               schedule, preconditioner_dtype, basis_dtype, use_bias_correction,
-               eigenvalue_exponent, ignored_basis_change_dims, max_basis_dim,
+               precondition_frequency, start_preconditioning_step, eigendecomposition,
+               qr_iterations, tolerance, schedule, preconditioner_dtype, basis_dtype,
+               use_bias_correction, eigenvalue_exponent, ignored_basis_change_dims, max_basis_dim,
                drop_weighting_factor_on_gsquare, rank_deficient, use_trace_scaling,
                trace_scaling_exponent) -> _ECConfig:
     """Validate `precondition_eigenvalue_corrected`'s arguments into an `_ECConfig`."""
@@ -458,22 +459,13 @@ def _first_moment(g: list[torch.Tensor], mu: list[torch.Tensor], steps: torch.Te
     preconditioned: ``"meta"``, Meta's filtered gradient as `graft` computes it,
     ``(beta3 m_{t-1} + (1 - beta3) g) / (1 - beta3 beta1^{t-1})`` (float32 correction);
     ``"soap"``, Adam's ``m_t / (1 - beta1^t)`` (float64 correction, Adam's step count)."""
-    g = cast_like(g, mu)
-    if cfg.schedule == "soap":
-        mu = foreach_ema(mu, g, cfg.beta1)
-        if not cfg.moment_correction:
-            return mu, list(mu)
-        correction = 1.0 - torch.pow(torch.as_tensor(cfg.beta1, dtype=torch.float64), steps)
-        return mu, foreach("div", mu, correction)
-    same = cfg.beta3 is cfg.beta1 or (_number(cfg.beta3) and _number(cfg.beta1)
-                                      and cfg.beta3 == cfg.beta1)
-    bar = None if same else foreach("lerp", mu, g, 1 - cfg.beta3)
+    if cfg.schedule == "meta":
+        return _filtered_gradient(mu, g, cfg.beta1, cfg.beta3, steps, cfg.moment_correction)
     mu = foreach_ema(mu, g, cfg.beta1)
-    bar = list(mu) if bar is None else bar
     if not cfg.moment_correction:
-        return mu, bar
-    return mu, foreach("div", bar, meta_bias_correction(cfg.beta1, steps, shift=1,
-                                                        scale=cfg.beta3))
+        return mu, list(mu)
+    correction = 1.0 - torch.pow(torch.as_tensor(cfg.beta1, dtype=torch.float64), steps)
+    return mu, foreach("div", mu, correction)
 
 
 def _rebased(mu: list[torch.Tensor], old: list[tuple], new: list[tuple]) -> list[torch.Tensor]:
