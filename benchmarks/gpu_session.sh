@@ -54,7 +54,8 @@ for s in $sections; do
         tests) run tests 60 python3 -m pytest -q -p no:cacheprovider -x \
                    tests/test_memory_tracker.py ;;
         # Issue 16: the optimizer step alone, compiled opttx vs Meta (root-inverse and EC,
-        # and EC with first_moment_in_eigenbasis: one more compile than at stop 23)
+        # and EC with first_moment_in_eigenbasis). The limits of this and the step section
+        # are guesses: neither has run on a GPU with the first_moment_in_eigenbasis row.
         update) run update 200 python3 benchmarks/shampoo_update.py --device cuda --steps 40 ;;
         # Issue 16 and the Shampoo <= 1.25x AdamW target: whole compiled training steps.
         step) run step 260 python3 benchmarks/shampoo_step.py --device cuda --references \

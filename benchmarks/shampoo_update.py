@@ -32,6 +32,8 @@ calls its kernels from C++ instead of Python: less overhead per kernel, a longer
 Examples:
   python benchmarks/shampoo_update.py
   python benchmarks/shampoo_update.py --cpp-wrapper
+  python benchmarks/shampoo_update.py --steps 40 --kernel-profile \
+      --profile "opttx eigenvalue-corr., m in Q"     # where that row's step goes
   python benchmarks/shampoo_update.py --d-model 256 --steps 40
 """
 
@@ -106,6 +108,10 @@ def main() -> int:
                    help="after the timing, profile 10 more steps of this row that refresh "
                         "nothing (e.g. 'opttx eigenvalue-corrected') with torch.profiler: "
                         "its costliest ops and the share of the matrix products")
+    p.add_argument("--kernel-profile", action="store_true",
+                   help="with --profile: Inductor records each generated kernel (its "
+                        "cpp.enable_kernel_profile, set before compiling), so the profile "
+                        "names them")
     p.add_argument("--cpp-wrapper", action="store_true",
                    help="compile the opttx rows with torch._inductor.config.cpp_wrapper")
     p.add_argument("--report-frequency", type=int, default=100,
@@ -120,9 +126,11 @@ def main() -> int:
     logging.getLogger("distributed_shampoo").setLevel(logging.ERROR)
     device = torch.device(a.device)
     inductor_workarounds(device.type)
+    import torch._inductor.config as inductor_config
     if a.cpp_wrapper:
-        import torch._inductor.config as inductor_config
         inductor_config.cpp_wrapper = True
+    if a.kernel_profile:
+        inductor_config.cpp.enable_kernel_profile = True
     params, grads = problem(a.d_model, a.layers, device)
     kw = dict(betas=(0.9, 0.999), grafting="adam", grafting_beta2=0.999, grafting_epsilon=1e-8,
               precondition_frequency=a.frequency, start_preconditioning_step=a.frequency,
@@ -158,7 +166,7 @@ def main() -> int:
 
     def median(name: str, refresh: bool) -> float:
         return 1e3 * statistics.median(t for i, t in times[name]
-                                       if ((step0 + i) % a.frequency == 0) == refresh)
+                                       if refreshes(step0 + i, a.frequency) == refresh)
     n = sum(x.numel() for x in params.values())
     print(f"opttx shampoo_update: GPT d_model={a.d_model} layers={a.layers}: {n:,} parameters "
           f"in {len(params)} tensors; frequency {a.frequency}; {a.steps} timed steps each, "
@@ -180,21 +188,29 @@ def main() -> int:
               f"{mean[0] / mean[1]:.2f}x per step at a refresh every {f} steps "
               f"(issue 16's target: <= 0.5x)")
     if a.profile:
-        profile(runs[a.profile], a.profile, sync, 2 * a.frequency + a.steps + 1, a.frequency)
+        profile(runs[a.profile], a.profile, sync, step0 + a.steps, a.frequency,
+                rows=12 if a.kernel_profile else 6)
     return 0
 
 
-def profile(run, name: str, sync, next_step: int, frequency: int) -> None:
+def refreshes(step: int, frequency: int) -> bool:
+    """Whether the 1-based ``step`` recomputes roots or bases (start step = frequency)."""
+    return step % frequency == 0
+
+
+def profile(run, name: str, sync, next_step: int, frequency: int, rows: int) -> None:
     """torch.profiler over 10 steps of ``run`` that refresh nothing (a refresh step in between
-    runs unprofiled): self CPU time per step of its costliest ops, and the share of
+    runs unprofiled): self CPU time per step of its ``rows`` costliest ops (with
+    ``--kernel-profile`` Inductor's generated kernels among them), and the share of
     ``aten::mm`` (the matrix products both implementations compute alike)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     totals: dict[str, float] = {}
     calls: dict[str, int] = {}
     profiled = 0
     while profiled < 10:
-        if next_step % frequency == 0:
+        if refreshes(next_step, frequency):
             run()
+            sync()
         else:
             with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
                 run()
@@ -203,11 +219,10 @@ def profile(run, name: str, sync, next_step: int, frequency: int) -> None:
                 totals[e.key] = totals.get(e.key, 0.0) + e.self_cpu_time_total
                 calls[e.key] = calls.get(e.key, 0) + e.count
             profiled += 1
-        sync()
         next_step += 1
     per_step = {k: v / 1e3 / profiled for k, v in totals.items()}     # ms
     print(f"\nprofile of {name!r}, {profiled} steps without a refresh (self CPU ms per step):")
-    for key, ms in sorted(per_step.items(), key=lambda kv: -kv[1])[:6]:
+    for key, ms in sorted(per_step.items(), key=lambda kv: -kv[1])[:rows]:
         print(f"  {key[:45]:45s} {ms:8.2f}  ({calls[key] / profiled:.0f} calls)")
     mm, total = per_step.get("aten::mm", 0.0), sum(per_step.values())
     print(f"aten::mm: {calls.get('aten::mm', 0) / profiled:.0f} calls per step, {mm:.2f} of "

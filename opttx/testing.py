@@ -33,11 +33,13 @@ __all__ = [
     "assert_shard_invariant",
     "assert_trees_close",
     "bind_mesh",
+    "displacement_gaps",
     "exit_rank",
     "gradient_stream",
     "hyperparameters",
     "log_uniform",
     "max_relative_error",
+    "one_ulp",
     "param_trees",
     "run_transform",
     "shapes",
@@ -106,6 +108,30 @@ def gradient_stream(params: PyTree, steps: int, seed: int = 0,
     return [tree_map(lambda p: (scale * torch.randn(p.shape, generator=gen,
                                                     dtype=torch.float64)).to(p.dtype), params)
             for _ in range(steps)]
+
+
+def one_ulp(grads: Sequence[PyTree]) -> list[PyTree]:
+    """``grads`` with every entry moved by one ulp away from zero (zeros stay): the input
+    perturbation whose effect on a reference implementation measures its own rounding
+    spread, the bound for comparisons where that spread is large (Shampoo's rank-deficient
+    factors at a tiny epsilon)."""
+    return [tree_map(lambda g: torch.nextafter(g, g.sign() * torch.inf), tree) for tree in grads]
+
+
+def displacement_gaps(actual: PyTree, expected: PyTree, start: PyTree) -> dict[str, float]:
+    r"""Per leaf, :math:`\lVert a - e \rVert / \lVert e - s \rVert` in float64: how far
+    ``actual`` is from ``expected`` relative to how far ``expected`` moved from ``start``
+    (parameters after some steps of two optimizers from the same start). Keyed by the dict's
+    keys for a flat dict, else by the leaves' paths."""
+    if isinstance(expected, dict) and all(isinstance(v, torch.Tensor) for v in expected.values()):
+        return {k: _displacement_gap(actual[k], expected[k], start[k]) for k in expected}
+    paths = [keystr(p) for p, _ in tree_flatten_with_path(expected)[0]]
+    return {p: _displacement_gap(a, e, s) for p, a, e, s in zip(
+        paths, tree_leaves(actual), tree_leaves(expected), tree_leaves(start), strict=True)}
+
+
+def _displacement_gap(a: torch.Tensor, e: torch.Tensor, s: torch.Tensor) -> float:
+    return float((a - e).double().norm() / (e - s).double().norm().clamp_min(1e-30))
 
 
 def run_transform(tx: GradientTransformation, params: PyTree, grads: Sequence[PyTree],

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 import opttx
 from opttx.distributed import (Shard, check_checkpoint, global_factor_axes, load_state_dict,
                                on_owners, param_paths, sharded, state_dict, zero, zero_plan)
-from opttx.testing import exit_rank, gradient_stream
+from opttx.testing import exit_rank, gradient_stream, run_transform
 from opttx.tree import tree_flatten, tree_map
 
 pytestmark = pytest.mark.timeout(300)
@@ -94,8 +94,10 @@ def _reference(name: str) -> dict:
     return _train(tx, params, tx.init(params), 0, K + N)[0]
 
 
-def _equal(a: dict, b: dict) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(tree_flatten(a)[0], tree_flatten(b)[0]))
+def _equal(a: Any, b: Any) -> bool:
+    """The same tree structure and every leaf bitwise equal."""
+    (xs, spec_a), (ys, spec_b) = tree_flatten(a), tree_flatten(b)
+    return spec_a == spec_b and all(torch.equal(x, y) for x, y in zip(xs, ys))
 
 
 def _save(tx: opttx.GradientTransformation, name: str, path: Path) -> None:
@@ -716,11 +718,7 @@ def test_quantized_state_inside_project_lowrank_is_keyed_by_the_projected_shapes
     params = {"wide": torch.randn(8, 24), "tall": torch.randn(24, 8), "b": torch.randn(24),
               "small": torch.randn(2, 3)}
     tx = opttx.galore_adamw_8bit(1e-2, rank=2, update_proj_gap=2, min_size=8, block_size=8)
-    state = tx.init(params)
-    grads = gradient_stream(params, 3, seed=11)
-    for g in grads:
-        updates, state = tx.update(g, state, params)
-        params = opttx.apply_updates(params, updates)
+    params, state = run_transform(tx, params, gradient_stream(params, 3, seed=11))
     sd = state_dict(state, params)
     codes = {path: {k: tuple(v.shape) for k, v in fields.items() if k.endswith("mu.codes")}
              for path, fields in sd["state"].items()}
@@ -732,5 +730,4 @@ def test_quantized_state_inside_project_lowrank_is_keyed_by_the_projected_shapes
     torch.save(sd, buffer)
     buffer.seek(0)
     loaded = load_state_dict(tx.init(params), torch.load(buffer, weights_only=True), params)
-    for a, b in zip(opttx.tree.tree_leaves(loaded), opttx.tree.tree_leaves(state)):
-        assert torch.equal(a, b)
+    assert _equal(loaded, state)

@@ -231,22 +231,13 @@ def test_stacked_equals_per_leaf_or_is_refused(case: Case) -> None:
         with pytest.raises((NotImplementedError, ValueError, RuntimeError)):
             run(opttx.stacked(case.make()), stack.buffers, [stack.stack(g) for g in grads])
         return
-    if torch.__version__ < "2.13" and _holds_quantized_codes(case.make().init(params)):
+    if torch.__version__ < "2.13" and opttx.tree.find_instances(case.make().init(params),
+                                                                opttx.QuantizedTensor):
         pytest.skip("stacked over 8-bit states needs torch 2.13: the vmap of older torch has no "
                     "batching rule for Tensor.view(dtype), which the codes use")
     per_leaf, _ = run(case.make(), params, grads)
     buffers, _ = run(opttx.stacked(case.make()), stack.buffers, [stack.stack(g) for g in grads])
     assert_trees_close(stack.unstack(buffers), per_leaf, rtol=1e-6, atol=1e-7, what=case.name)
-
-
-def _holds_quantized_codes(state) -> bool:
-    """Whether any NamedTuple in ``state`` declares a `Role.QUANTIZED` field."""
-    if isinstance(state, tuple) and hasattr(state, "_fields") and \
-            opttx.base.fields_with_role(state, opttx.Role.QUANTIZED):
-        return True
-    children = state.values() if isinstance(state, dict) else \
-        state if isinstance(state, (list, tuple)) else ()
-    return any(_holds_quantized_codes(c) for c in children)
 
 
 @pytest.mark.parametrize("case", cases_for("checkpoint"))

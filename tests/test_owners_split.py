@@ -13,7 +13,6 @@ seeds; collectives counted per step; at world 2 Shampoo's split plan also runs c
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import opttx
-from opttx.testing import gradient_stream, run_transform
+from opttx.testing import displacement_gaps, gradient_stream, one_ulp, run_transform
 
 META = Path(__file__).resolve().parents[2] / "shared" / "refs" / "meta-optimizers"
 if not (META / "distributed_shampoo").is_dir():
@@ -129,12 +129,6 @@ def run_opttx(tree: dict, grads: list[dict], cfg: dict, dtype: torch.dtype) -> d
                                        preconditioner_dtype=dtype, **cfg), tree, grads)[0]
 
 
-def displacement_gaps(ours: dict, theirs: dict, start: dict) -> dict:
-    """Per leaf: ||ours - theirs|| / ||theirs - start||."""
-    return {k: float((ours[k] - theirs[k]).double().norm()
-                     / (theirs[k] - start[k]).double().norm().clamp_min(1e-30)) for k in ours}
-
-
 def draw_problem(shapes_: dict, seed: int, dtype: torch.dtype) -> tuple[dict, list[dict]]:
     gen = torch.Generator().manual_seed(seed)
     tree = {k: torch.randn(s, generator=gen).to(dtype) for k, s in shapes_.items()}
@@ -155,11 +149,6 @@ def test_float64_equals_meta_to_1e_8(shapes_, cfg, seed) -> None:
     ours = run_opttx(tree, grads, cfg, torch.float64)
     gaps = displacement_gaps(ours, theirs, tree)
     assert max(gaps.values()) <= 1e-8, (gaps, cfg)
-
-
-def one_ulp(grads: list[dict]) -> list[dict]:
-    """The gradients moved by one ulp away from zero."""
-    return [{k: torch.nextafter(v, v.sign() * math.inf) for k, v in g.items()} for g in grads]
 
 
 @FAST
