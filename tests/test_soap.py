@@ -186,7 +186,7 @@ def test_first_moment_in_eigenbasis_equals_rotating_it_each_step(shapes_, cfg, s
     default path, which rotates the filtered gradient every step (and equals Meta's), up to
     the roundings along the null space of rank-deficient factors, divided by epsilon there.
     At epsilon 1e-8 within 1e-6; at 1e-12 within ten times the default path's own gap when its
-    gradients move by one ulp (an absolute floor of 1e-6). Measured by this test with
+    gradients move by one ulp (an absolute floor of 1e-6 and ceiling of 1e-2). Measured by this test with
     ``max_examples`` raised to 150 and then 300 (450 draws): up to 1.3e-7 at 1e-8, and up to
     4 times the one-ulp gap at 1e-12 (4e-5 against 1e-5, without grafting)."""
     cfg = {**cfg, "betas": (0.9, cfg["betas"][1])}
@@ -200,8 +200,8 @@ def test_first_moment_in_eigenbasis_equals_rotating_it_each_step(shapes_, cfg, s
         return
     spread = displacement_gaps(run_opttx(opttx_shampoo(cfg, torch.float64, beta3=beta3), tree,
                             one_ulp(grads)), plain, tree)
-    for k in g:
-        assert g[k] <= max(1e-6, 10 * spread[k]), (k, g[k], spread[k], cfg)
+    for k in g:   # (the ceiling: a wrong basis change is O(1) away, whatever the spread)
+        assert g[k] <= min(1e-2, max(1e-6, 10 * spread[k])), (k, g[k], spread[k], cfg)
 
 
 def test_first_moment_in_eigenbasis_equals_meta_in_float32() -> None:
