@@ -7,7 +7,8 @@ says which arguments give torch's.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import functools
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -32,7 +33,8 @@ from .transforms.scaling import add_decayed_weights, scale, scale_by_learning_ra
 from .transforms.scaling import scale as scale_transform, scale_by_schedule
 from .transforms.shampoo import (block_by_dims, graft, precondition_shampoo,
                                  scale_by_grafted_diagonal)
-from .transforms.soap import precondition_eigenvalue_corrected
+from .transforms.soap import (merge_dims_heavyball, merge_dims_soap,
+                              precondition_eigenvalue_corrected)
 from .tree import PyTree, mask_leaves, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = ["adabelief", "adafactor", "adagrad", "adalomo", "adam", "adamax", "radam",
@@ -1352,7 +1354,7 @@ def adopt(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9999, 
 def soap(learning_rate: ScalarOrSchedule = 3e-3, b1: float = 0.95, b2: float = 0.95,
          shampoo_beta: float | None = None, eps: float = 1e-8, weight_decay: float = 0.01,
          precondition_frequency: int = 10, max_precond_dim: int = 10000,
-         merge_dims: bool = False, precondition_1d: bool = False, *,
+         merge_dims: bool | Literal["heavyball"] = False, precondition_1d: bool = False, *,
          eigendecomposition: str = "power", preconditioner_dtype: torch.dtype = torch.float32,
          mask: Mask = None, first_moment_in_eigenbasis: bool = False) -> GradientTransformation:
     r"""SOAP: Adam in the eigenbasis of Shampoo's factors, as the SOAP paper's algorithm.
@@ -1377,7 +1379,14 @@ def soap(learning_rate: ScalarOrSchedule = 3e-3, b1: float = 0.95, b2: float = 0
     basis. Arguments and defaults are the SOAP paper's reference code's (Vyas et al.;
     ``pytorch_optimizer.SOAP``); heavyball's ``SOAP`` takes the same names with other defaults
     (``betas=(0.9, 0.95)``, ``precondition_frequency=2``, ``max_precond_dim=2048``,
-    ``merge_dims=True``). ``merge_dims=True`` is not supported (it raises).
+    ``merge_dims=True``). ``merge_dims=True`` reshapes each leaf as the reference code does
+    (`merge_dims_soap`: dims multiplied together from the first while the product stays
+    <= ``max_precond_dim``, so a convolution ``(128, 64, 3, 3)`` is preconditioned as
+    ``(8192, 9)`` below 10000, and a matrix that fits as one dim); ``merge_dims="heavyball"``
+    as heavyball does (`merge_dims_heavyball`: dim 0 kept, the kernel merged into the fan-in:
+    ``(128, 576)``). The moments keep the leaves' shapes; the factors and bases are those of
+    the merged dims. 1-D leaves follow ``precondition_1d`` (a matrix merged into one dim is
+    rotated, as in the reference code).
     ``first_moment_in_eigenbasis=True`` keeps Adam's first moment rotated into the eigenbasis
     (heavyball's layout): six matrix products per 2-D block and step instead of eight, the
     same numbers up to rounding (see `precondition_eigenvalue_corrected`).
@@ -1395,17 +1404,18 @@ def soap(learning_rate: ScalarOrSchedule = 3e-3, b1: float = 0.95, b2: float = 0
     References:
       Vyas et al., SOAP: Improving and Stabilizing Shampoo using Adam (arXiv 2409.11321).
     """
-    if merge_dims:
-        raise NotImplementedError("soap: merge_dims=True is not supported; reshape the "
-                                  "parameters or use shampoo(preconditioner="
-                                  "'eigenvalue_corrected'), which merges and blocks dims.")
+    if merge_dims not in (False, True, "heavyball"):
+        raise ValueError(f"soap: merge_dims must be False, True (the SOAP reference code's "
+                         f"merging) or 'heavyball', got {merge_dims!r}.")
+    rule = {True: merge_dims_soap, "heavyball": merge_dims_heavyball}.get(merge_dims)
     links = [precondition_eigenvalue_corrected(
         b2, eps, precondition_frequency, beta1=b1, shampoo_beta=shampoo_beta,
         eigendecomposition=eigendecomposition, schedule="soap",
         preconditioner_dtype=preconditioner_dtype,
         first_moment_in_eigenbasis=first_moment_in_eigenbasis,
         ignored_basis_change_dims=None if precondition_1d else {1: [0]},
-        max_basis_dim=max_precond_dim)]
+        max_basis_dim=max_precond_dim,
+        merge_dims=None if rule is None else functools.partial(rule, max_dim=max_precond_dim))]
     if _nonzero(weight_decay):
         links.append(add_decayed_weights(weight_decay, mask))
     links.append(scale_by_learning_rate(learning_rate))

@@ -30,7 +30,8 @@ from .shampoo import (DiagonalGraftState, GraftState, ShampooState, block_by_dim
                       matrix_inverse_root, merge_small_dims, meta_bias_correction,
                       pack_symmetric, precondition_shampoo, scale_by_grafted_diagonal,
                       unpack_symmetric)
-from .soap import EigenvalueCorrectedState, precondition_eigenvalue_corrected
+from .soap import (EigenvalueCorrectedState, merge_dims_heavyball, merge_dims_soap,
+                   precondition_eigenvalue_corrected)
 
 __all__ = [
     "ProjectLowrankState", "project_lowrank",
@@ -42,7 +43,8 @@ __all__ = [
     "DiagonalGraftState", "meta_bias_correction", "scale_by_grafted_diagonal",
     "pack_symmetric", "unpack_symmetric", "matrix_eigendecomposition",
     "inverse_root_from_eigendecomposition",
-    "EigenvalueCorrectedState", "precondition_eigenvalue_corrected",
+    "EigenvalueCorrectedState", "precondition_eigenvalue_corrected", "merge_dims_soap",
+    "merge_dims_heavyball",
     "FactoredState", "ScaleByCameState", "add_step_scaled_decayed_weights", "clip_by_rms",
     "clip_by_rms_and_scale_by_param_rms",
     "factored_axes", "relative_step_schedule", "scale_by_came", "scale_by_factored_rms",

@@ -47,11 +47,16 @@ Where the references differ (each difference is tested in ``tests/test_soap.py``
   1-D blocks with a full factor; SOAP leaves 1-D leaves (unless ``precondition_1d``) and dims
   larger than ``max_precond_dim`` in the standard basis (``max_basis_dim``, and
   ``ignored_basis_change_dims`` which is Meta's option of that name).
+* **merging dims**: Meta merges from the last dim (`merge_small_dims`, inside `block_by_dims`);
+  the SOAP reference code from the first (`merge_dims_soap`; a small matrix becomes one dim);
+  heavyball keeps dim 0 and merges the others from the last (`merge_dims_heavyball`, its
+  default). The last two are ``merge_dims`` here and in `opttx.soap`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -67,7 +72,8 @@ from ..tree import (PyTree, flatten_matching, state_dtype, stats_like, tree_cond
 from .shampoo import (_chunks, _contract_factor, _decomposed, _filtered_gradient, _from_upper,
                       _prepared_factor, _update_factors, meta_bias_correction)
 
-__all__ = ["EigenvalueCorrectedState", "precondition_eigenvalue_corrected"]
+__all__ = ["EigenvalueCorrectedState", "merge_dims_heavyball", "merge_dims_soap",
+           "precondition_eigenvalue_corrected"]
 
 
 class EigenvalueCorrectedState(NamedTuple):
@@ -82,7 +88,8 @@ class EigenvalueCorrectedState(NamedTuple):
                             # rotated into the bases (first_moment_in_eigenbasis, in the
                             # bases' dtype); empty when beta1 = 0
     nu: Updates             # like params: EMA (or sum) of the squared gradient rotated into
-                            # the bases (Meta's "corrected eigenvalues")
+                            # the bases (Meta's "corrected eigenvalues"); with merge_dims
+                            # the rotated (merged) tensor kept in the leaf's shape
     __roles__ = declare_roles(count=Role.COUNT, factors=Role.FACTOR_MATRIX,
                               bases=Role.PROJECTION, mu=Role.FIRST_MOMENT,
                               nu=Role.SECOND_MOMENT)
@@ -118,6 +125,7 @@ class _ECConfig:
     bias_correction: bool
     exponent: Any                 # a number, or Meta's {order: exponent}
     ignored: dict                 # Meta's ignored_basis_change_dims: {order: [dims]}
+    merge: Any                    # shape -> merged shape (merge_dims), or None
     max_basis_dim: float
     perturb_before: bool
     use_trace_scaling: bool
@@ -137,7 +145,8 @@ def precondition_eigenvalue_corrected(
         ignored_basis_change_dims: dict | None = None, max_basis_dim: int | float = math.inf,
         drop_weighting_factor_on_gsquare: bool = False,
         rank_deficient: Literal["perturb_before", "perturb_after"] = "perturb_before",
-        use_trace_scaling: bool = False, trace_scaling_exponent: float = 0.5
+        use_trace_scaling: bool = False, trace_scaling_exponent: float = 0.5,
+        merge_dims: Callable[[tuple[int, ...]], Sequence[int]] | None = None
 ) -> GradientTransformation:
     r"""Eigenvalue-corrected Shampoo (SOAP): Adam's second moment kept in the eigenbasis of
     Shampoo's factors.
@@ -207,6 +216,14 @@ def precondition_eigenvalue_corrected(
       drop_weighting_factor_on_gsquare, rank_deficient, use_trace_scaling,
         trace_scaling_exponent: Meta's options of these names (``rank_deficient`` is its
         ``PerturbationConfig(perturb_before_computation=...)``).
+      merge_dims: a leaf's shape -> the shape it is preconditioned in (same number of
+        elements; `merge_dims_soap`, `merge_dims_heavyball`), as SOAP's and heavyball's
+        ``merge_dims``: the factors and bases are those of the merged dims, the moments stay
+        in the leaf's shape (a reshape, no copy), the update comes back in the leaf's shape.
+        ``ignored_basis_change_dims`` then only takes ``{1: [0]}``, read on the leaf as
+        given: 1-D leaves stay in the standard basis while a matrix merged into one dim is
+        rotated, as the SOAP reference code does. (Meta's merging is `block_by_dims`
+        around this transform.)
 
     Example:
       >>> tx = opttx.block_by_dims(opttx.precondition_eigenvalue_corrected(0.95, 1e-8, 10))
@@ -228,7 +245,7 @@ def precondition_eigenvalue_corrected(
         ignored_basis_change_dims=ignored_basis_change_dims, max_basis_dim=max_basis_dim,
         drop_weighting_factor_on_gsquare=drop_weighting_factor_on_gsquare,
         rank_deficient=rank_deficient, use_trace_scaling=use_trace_scaling,
-        trace_scaling_exponent=trace_scaling_exponent)
+        trace_scaling_exponent=trace_scaling_exponent, merge_dims=merge_dims)
 
     def init(params: Params) -> EigenvalueCorrectedState:
         check_init_params(params)
@@ -254,7 +271,7 @@ def _ec_config(*, beta1, beta3, first_moment_in_eigenbasis, beta2, shampoo_beta,
                qr_iterations, tolerance, schedule, preconditioner_dtype, basis_dtype,
                use_bias_correction, eigenvalue_exponent, ignored_basis_change_dims, max_basis_dim,
                drop_weighting_factor_on_gsquare, rank_deficient, use_trace_scaling,
-               trace_scaling_exponent) -> _ECConfig:
+               trace_scaling_exponent, merge_dims=None) -> _ECConfig:
     """Validate `precondition_eigenvalue_corrected`'s arguments into an `_ECConfig`."""
     check_unit_interval("beta1", beta1, closed_right=False)
     beta3 = beta1 if beta3 is None else beta3
@@ -288,6 +305,9 @@ def _ec_config(*, beta1, beta3, first_moment_in_eigenbasis, beta2, shampoo_beta,
         if order < 0 or any(not 0 <= d <= max(order - 1, 0) for d in dims):
             raise ValueError(f"ignored_basis_change_dims[{order}]={dims!r}: dims must be in "
                              f"[0, {max(order - 1, 0)}].")
+    if merge_dims is not None and any(order != 1 for order in ignored):
+        raise ValueError(f"ignored_basis_change_dims={ignored!r} with merge_dims: only "
+                         "{1: [0]} (leaves that are 1-D as given) is defined on merged leaves.")
     if max_basis_dim != math.inf:
         check_positive_int("max_basis_dim", max_basis_dim)
     if use_trace_scaling and _number(trace_scaling_exponent) \
@@ -307,7 +327,7 @@ def _ec_config(*, beta1, beta3, first_moment_in_eigenbasis, beta2, shampoo_beta,
         and (not _number(beta2) or beta2 < 1),
         exponent=eigenvalue_exponent, ignored=ignored, max_basis_dim=max_basis_dim,
         perturb_before=rank_deficient == "perturb_before", use_trace_scaling=use_trace_scaling,
-        trace_scaling_exponent=trace_scaling_exponent)
+        trace_scaling_exponent=trace_scaling_exponent, merge=merge_dims)
 
 
 def _number(value: Any) -> bool:
@@ -344,17 +364,84 @@ def _eye(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> to
     return torch.eye(shape[0], dtype=dtype, device=device)
 
 
-def _rotated_dims(shape: tuple[int, ...], cfg: _ECConfig) -> list[bool]:
-    """Which dims of a leaf of this shape (at least 1-D) are rotated into an eigenbasis."""
-    ignored = cfg.ignored.get(len(shape), ())
+def _rotated_dims(shape: tuple[int, ...], cfg: _ECConfig,
+                  order: int | None = None) -> list[bool]:
+    """Which dims of a leaf of this shape (at least 1-D) are rotated into an eigenbasis;
+    ``order``: the leaf's own order where ``shape`` is its merged shape."""
+    ignored = cfg.ignored.get(len(shape) if order is None else order, ())
     return [d not in ignored and n <= cfg.max_basis_dim for d, n in enumerate(shape)]
 
 
+def _merged_shape(shape: torch.Size | tuple, cfg: _ECConfig) -> tuple[int, ...]:
+    """The shape a leaf is preconditioned in: ``merge_dims``'s, else its own (1-D at least)."""
+    if cfg.merge is None:
+        return tuple(shape) or (1,)
+    merged = tuple(int(d) for d in cfg.merge(tuple(shape)))
+    if math.prod(merged) != math.prod(shape) or not merged:
+        raise ValueError(f"merge_dims gave {merged} for a leaf of shape {tuple(shape)}: "
+                         "it must keep the number of elements.")
+    return merged
+
+
 def _empty_mats(x: torch.Tensor, cfg: _ECConfig, dtype: torch.dtype, make) -> tuple:
-    """One matrix per dim of ``x`` (zeros or identities), (0, 0) for a dim not rotated."""
-    shape = tuple(x.shape) or (1,)
+    """One matrix per (merged) dim of ``x`` (zeros or identities), (0, 0) for a dim not
+    rotated."""
+    shape = _merged_shape(x.shape, cfg)
+    rotated = _rotated_dims(shape, cfg, max(x.dim(), 1) if cfg.merge is not None else None)
     return tuple(make((d, d) if r else (0, 0), dtype=dtype, device=x.device)
-                 for d, r in zip(shape, _rotated_dims(shape, cfg)))
+                 for d, r in zip(shape, rotated))
+
+
+def merge_dims_soap(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
+    """The SOAP reference code's ``merge_dims``: walking from the first dim, multiply dims
+    together while the product stays <= ``max_dim``; a dim larger than ``max_dim`` stands
+    alone; size-1 dims vanish (a shape of ones is ``(1,)``).
+
+    >>> merge_dims_soap((128, 64, 3, 3), 10000)
+    (8192, 9)
+    >>> merge_dims_soap((1, 2, 512, 1, 2048, 1, 3, 4), 1024)
+    (1024, 2048, 12)
+    """
+    merged: list[int] = []
+    current = 1
+    for d in shape:
+        if current * d <= max_dim:
+            current *= d
+        elif current > 1:
+            merged.append(current)
+            current = d
+        else:
+            merged.append(d)
+    if current > 1 or not merged:
+        merged.append(current)
+    return tuple(merged)
+
+
+def merge_dims_heavyball(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
+    """heavyball's ``merge_dims`` (its ``dim_merger`` without ``split``): dim 0 (fan-out)
+    stays; the others merge from the last one while the product stays <= ``max_dim``, so a
+    convolution's kernel goes into its fan-in; size-1 dims among them vanish.
+
+    >>> merge_dims_heavyball((128, 64, 3, 3), 10000)
+    (128, 576)
+    >>> merge_dims_heavyball((128, 64, 3, 3), 100)
+    (128, 64, 9)
+    """
+    if len(shape) <= 1:
+        return tuple(shape) or (1,)
+    merged: list[int] = []
+    current = 1
+    for d in reversed(shape[1:]):
+        if current * d <= max_dim:
+            current *= d
+        elif current > 1:
+            merged.append(current)
+            current = d
+        else:
+            merged.append(d)
+    if current > 1:
+        merged.append(current)
+    return (shape[0], *reversed(merged))
 
 
 def _rotate(x: torch.Tensor, bases: tuple, back: bool = False) -> torch.Tensor:
@@ -554,6 +641,10 @@ def _update_ec(updates: Updates, state: EigenvalueCorrectedState, target: Update
     x = flatten_matching(target)[1]
     nu = flatten_matching(updates, state.nu)[2]
     mu = flatten_matching(updates, state.mu)[2] if _has(cfg.beta1) else []
+    shapes = [gi.shape for gi in g]
+    if cfg.merge is not None:       # every leaf (and its moments) in its merged shape
+        merged = [_merged_shape(s, cfg) for s in shapes]
+        g, x, nu, mu = ([t.reshape(m) for t, m in zip(ts, merged)] for ts in (g, x, nu, mu))
     orders = [max(gi.dim(), 1) for gi in g]
     who = "precondition_eigenvalue_corrected"
     factors = [tuple(c) for c in _chunks(tree_flatten(state.factors)[0], orders, who)]
@@ -563,6 +654,8 @@ def _update_ec(updates: Updates, state: EigenvalueCorrectedState, target: Update
     out, factors, bases, nu, mu = step(g, x, factors, bases, nu, mu, count, cfg)
     mat_spec = tree_structure(state.factors)
     out = [o.to(gi.dtype) for o, gi in zip(out, g)]
+    if cfg.merge is not None:
+        out, nu, mu = ([t.reshape(s) for t, s in zip(ts, shapes)] for ts in (out, nu, mu))
     return tree_unflatten(out, spec), EigenvalueCorrectedState(
         count=count,
         factors=tree_unflatten([m for fs in factors for m in fs], mat_spec),
