@@ -1385,8 +1385,9 @@ def soap(learning_rate: ScalarOrSchedule = 3e-3, b1: float = 0.95, b2: float = 0
     ``(8192, 9)`` below 10000, and a matrix that fits as one dim); ``merge_dims="heavyball"``
     as heavyball does (`merge_dims_heavyball`: dim 0 kept, the kernel merged into the fan-in:
     ``(128, 576)``). The moments keep the leaves' shapes; the factors and bases are those of
-    the merged dims. 1-D leaves follow ``precondition_1d`` (a matrix merged into one dim is
-    rotated, as in the reference code).
+    the merged dims. 1-D leaves follow ``precondition_1d``; a leaf merged into one dim is
+    rotated, as in the reference code (heavyball leaves one, e.g. an ``(n, 1)`` leaf, in the
+    standard basis unless ``precondition_1d``).
     ``first_moment_in_eigenbasis=True`` keeps Adam's first moment rotated into the eigenbasis
     (heavyball's layout): six matrix products per 2-D block and step instead of eight, the
     same numbers up to rounding (see `precondition_eigenvalue_corrected`).

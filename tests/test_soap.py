@@ -506,6 +506,22 @@ def test_soap_merge_dims_heavyball_equals_heavyball(keep) -> None:
     assert displacement_gaps(reference_rule, theirs, tree)["d"] > 1e-3
 
 
+def test_heavyball_leaves_a_leaf_merged_into_one_dim_unrotated() -> None:
+    """An ``(n, 1)`` leaf merges into one dim: heavyball keeps it in the standard basis (as a
+    1-D leaf), opttx rotates it as the reference code rotates any merged leaf: another
+    optimizer on that leaf (documented in `opttx.soap`)."""
+    hb = pytest.importorskip("heavyball")
+    tree, grads = problem({"m": (5, 5), "n": (6, 1)}, 10, 0, torch.float32)
+    theirs = run_torch(lambda params: hb.SOAP(
+        params, lr=3e-3, betas=(0.95, 0.95), shampoo_beta=0.95, eps=1e-8, weight_decay=0.0,
+        precondition_frequency=100, max_precond_dim=8, merge_dims=True), tree, grads)
+    tx = opttx.soap(3e-3, 0.95, 0.95, eps=1e-8, weight_decay=0.0, precondition_frequency=100,
+                    max_precond_dim=8, merge_dims="heavyball")
+    gaps = displacement_gaps(run_opttx(tx, tree, grads), theirs, tree)
+    assert gaps["m"] <= 3e-5 and gaps["n"] > 1e-3
+    assert [tuple(q.shape) for q in tx.init(tree)[0].bases["n"]] == [(6, 6)]
+
+
 def test_soap_merge_dims_state_layout() -> None:
     """Factors and bases are those of the merged dims, the moments keep the leaves' shapes; a
     matrix merged into one dim is rotated, a 1-D leaf is not (``precondition_1d=False``), as

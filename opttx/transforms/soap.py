@@ -427,7 +427,7 @@ def merge_dims_heavyball(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
     >>> merge_dims_heavyball((128, 64, 3, 3), 100)
     (128, 64, 9)
     """
-    if len(shape) <= 1:
+    if len(shape) <= 1 or 0 in shape:
         return tuple(shape) or (1,)
     merged: list[int] = []
     current = 1
