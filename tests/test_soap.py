@@ -14,6 +14,9 @@
   already-updated parameters), and for heavyball either no refresh within the run or a
   refresh every step (its refresh comes one step earlier than the reference's, and its QR
   step is lifted by ``max(eps, 64 n eps_dtype) |lambda|_max``). The differences are tested.
+* ``soap(merge_dims=True)`` / ``merge_dims="heavyball"`` equal the reference code's and
+  heavyball's ``merge_dims=True`` (their merging rules, ``merge_dims_soap`` and
+  ``merge_dims_heavyball``, checked on drawn shapes).
 
 Meta's package is read from ``shared/refs/meta-optimizers`` beside the repository; its tests
 skip with a reason when it is absent.
