@@ -572,9 +572,9 @@ def test_soap_merge_dims_state_layout() -> None:
 def test_soap_merge_dims_under_stacked_equals_per_leaf() -> None:
     """`opttx.stacked` runs the merged leaves slice by slice with the per-leaf numbers: 1e-5
     (measured 0.0 on the stacked merged leaves, 1.7e-6 on the (5, 5) one; unmerged, the
-    merged leaves are 0.5 away). Leaves whose merged factors have full rank: the conformance registry's (2, 3, 4) leaf merges
-    into a rank-deficient first factor, whose null-space basis batched ``eigh`` picks
-    differently, so the registry has no merged case)."""
+    merged leaves are 0.5 away). The leaves' merged factors have full rank: the conformance
+    registry's (2, 3, 4) leaf merges into a rank-deficient first factor, whose null-space
+    basis batched ``eigh`` picks differently, so the registry has no merged case."""
     tree, grads = problem({"c0": (2, 4, 2, 4), "c1": (2, 4, 2, 4), "c2": (2, 4, 2, 4),
                            "m": (5, 5)}, 6, 5, torch.float32)
     make = lambda: opttx.soap(3e-3, merge_dims=True, max_precond_dim=8,  # noqa: E731
