@@ -56,7 +56,7 @@ Where the references differ (each difference is tested in ``tests/test_soap.py``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -402,16 +402,7 @@ def merge_dims_soap(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
     >>> merge_dims_soap((1, 2, 512, 1, 2048, 1, 3, 4), 1024)
     (1024, 2048, 12)
     """
-    merged: list[int] = []
-    current = 1
-    for d in shape:
-        if current * d <= max_dim:
-            current *= d
-        elif current > 1:
-            merged.append(current)
-            current = d
-        else:
-            merged.append(d)
+    merged, current = _products_up_to(shape, max_dim)
     if current > 1 or not merged:
         merged.append(current)
     return tuple(merged)
@@ -429,9 +420,19 @@ def merge_dims_heavyball(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
     """
     if len(shape) <= 1 or 0 in shape:
         return tuple(shape) or (1,)
+    merged, current = _products_up_to(reversed(shape[1:]), max_dim)
+    if current > 1:
+        merged.append(current)
+    return (shape[0], *reversed(merged))
+
+
+def _products_up_to(dims: Iterable[int], max_dim: int) -> tuple[list[int], int]:
+    """The merging walk both rules share: ``dims`` in walking order multiplied together while
+    the product stays <= ``max_dim`` (a larger dim alone); the finished products and the
+    running one."""
     merged: list[int] = []
     current = 1
-    for d in reversed(shape[1:]):
+    for d in dims:
         if current * d <= max_dim:
             current *= d
         elif current > 1:
@@ -439,9 +440,7 @@ def merge_dims_heavyball(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
             current = d
         else:
             merged.append(d)
-    if current > 1:
-        merged.append(current)
-    return (shape[0], *reversed(merged))
+    return merged, current
 
 
 def _rotate(x: torch.Tensor, bases: tuple, back: bool = False) -> torch.Tensor:
