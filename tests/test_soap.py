@@ -293,6 +293,31 @@ def test_first_moment_in_eigenbasis_soap_equals_rotating_it() -> None:
     assert max(displacement_gaps(kept, plain, tree).values()) <= 1e-8
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["rotated", "kept_in_eigenbasis"])
+def test_soap_compiles_to_one_graph(keep) -> None:
+    """`opttx.soap` compiled (aot_eager, a 1-D leaf left in the standard basis): one graph and
+    the eager numbers over 6 steps (the first step's bases, two power refreshes). (With the
+    EMA kept in the eigenbasis, the unrotated leaf's EMA once came out of the refresh as a
+    view of its input, which ``torch.cond`` refuses.)"""
+    tree, grads = problem({"m": (5, 5), "v": (7,)}, 6, 8, torch.float32)
+    tx = opttx.soap(3e-3, 0.95, 0.95, weight_decay=0.0, precondition_frequency=2,
+                    first_moment_in_eigenbasis=keep)
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, inputs)
+    compiled = torch.compile(tx.update, backend=backend, fullgraph=True)
+    state, eager_state, params = tx.init(tree), tx.init(tree), dict(tree)
+    for g in grads:
+        u, state = compiled(g, state, params)
+        v, eager_state = tx.update(g, eager_state, params)
+        for k in u:
+            torch.testing.assert_close(u[k], v[k], rtol=1e-5, atol=1e-8)
+        params = opttx.apply_updates(params, v)
+    assert len(graphs) == 1
+
+
 def test_first_moment_in_eigenbasis_needs_an_ema_and_the_ec_preconditioner() -> None:
     with pytest.raises(ValueError, match="beta1 > 0"):
         opttx.shampoo(LR, betas=(0.0, 0.999), preconditioner="eigenvalue_corrected",

@@ -556,8 +556,11 @@ def _first_moment(g: list[torch.Tensor], mu: list[torch.Tensor], steps: torch.Te
 
 def _rebased(mu: list[torch.Tensor], old: list[tuple], new: list[tuple]) -> list[torch.Tensor]:
     """The EMA kept in the eigenbasis carried from the ``old`` bases to the ``new`` ones:
-    ``Q_new^T (Q_old m Q_old^T) Q_new`` (exact for orthogonal bases, up to rounding)."""
-    return [_rotate(_rotate(m, qo, back=True), qn) for m, qo, qn in zip(mu, old, new)]
+    ``Q_new^T (Q_old m Q_old^T) Q_new`` (exact for orthogonal bases, up to rounding). A leaf
+    with no rotated dim is ``m`` itself (its rotations would be views of ``m``, which a
+    ``torch.cond`` branch may not return; ``m`` itself it copies)."""
+    return [_rotate(_rotate(m, qo, back=True), qn) if any(q.shape[0] for q in qn) else m
+            for m, qo, qn in zip(mu, old, new)]
 
 
 def _meta_step(g, x, factors, bases, nu, mu, count, cfg):
