@@ -294,11 +294,13 @@ def test_first_moment_in_eigenbasis_soap_equals_rotating_it() -> None:
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["rotated", "kept_in_eigenbasis"])
-def test_soap_compiles_to_one_graph(keep) -> None:
-    """`opttx.soap` compiled (aot_eager, a 1-D leaf left in the standard basis): one graph and
-    the eager numbers over 6 steps (the first step's bases, two power refreshes). (With the
-    EMA kept in the eigenbasis, the unrotated leaf's EMA once came out of the refresh as a
-    view of its input, which ``torch.cond`` refuses.)"""
+def test_soap_compiles_to_one_graph_with_one_cond_per_step(keep) -> None:
+    """`opttx.soap` compiled (aot_eager, a 1-D leaf left in the standard basis): one graph,
+    the eager numbers over 6 steps (the first step's bases, two power refreshes), and one
+    ``torch.cond`` per step: the periodic refresh is nested in the first step's branch, so the
+    bases are copied through one branch, not two. (With the EMA kept in the eigenbasis, the
+    unrotated leaf's EMA once came out of the refresh as a view of its input, which
+    ``torch.cond`` refuses.)"""
     tree, grads = problem({"m": (5, 5), "v": (7,)}, 6, 8, torch.float32)
     tx = opttx.soap(3e-3, 0.95, 0.95, weight_decay=0.0, precondition_frequency=2,
                     first_moment_in_eigenbasis=keep)
@@ -316,6 +318,8 @@ def test_soap_compiles_to_one_graph(keep) -> None:
             torch.testing.assert_close(u[k], v[k], rtol=1e-5, atol=1e-8)
         params = opttx.apply_updates(params, v)
     assert len(graphs) == 1
+    conds = [n for n in graphs[0].graph.nodes if n.target is torch.ops.higher_order.cond]
+    assert len(conds) == 1
 
 
 def test_first_moment_in_eigenbasis_needs_an_ema_and_the_ec_preconditioner() -> None:

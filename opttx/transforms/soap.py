@@ -611,13 +611,14 @@ def _soap_step(g, x, factors, bases, nu, mu, count, cfg):
            for u in _adam_in_basis(x, bases, new_nu, scale, cfg, rotated)]
     nu = [torch.where(first, n, m) for n, m in zip(nu, new_nu)]
     factors = [_factors_after(gi, fs, cfg) for gi, fs in zip(g, factors)]
-    # (the first step leaves the EMA at zero, which needs no carrying into the first bases)
-    (bases,) = tree_cond(first, lambda b: (_refresh(factors, b, None, cfg, "eigh"),),
-                         lambda b: (b,), (bases,))
-    due = ~first & ((count - 1) % cfg.frequency == 0)
-    # through the branch: the bases, nu when the power step permutes it, the EMA when it is
-    # kept in the eigenbasis (what a branch returns unchanged is copied under torch.cond)
+    due = (count - 1) % cfg.frequency == 0                    # read after the first step
+    # through the branches: the bases, nu when the power step permutes it, the EMA when it
+    # is kept in the eigenbasis
     power, eig = cfg.method == "power", cfg.eigenbasis_moment
+
+    def first_bases(b, *rest):
+        # eigh of the first factors (the EMA is still zero: nothing to carry)
+        return (_refresh(factors, b, None, cfg, "eigh"),) + rest
 
     def refresh(b, *rest):
         n, m = (rest[0] if power else None), (rest[-1] if eig else None)
@@ -626,7 +627,10 @@ def _soap_step(g, x, factors, bases, nu, mu, count, cfg):
         else:
             new = _refresh(factors, b, None, cfg, cfg.method)
         return (new,) + ((n,) if power else ()) + ((_rebased(m, b, new),) if eig else ())
-    carried = tree_cond(due, refresh, lambda *ops: ops,
+    # the periodic refresh nested in the first step's branch: one cond per step, so what is
+    # kept unchanged is copied once (torch.cond returns copies of operands it passes through)
+    carried = tree_cond(first, first_bases,
+                        lambda *ops: tree_cond(due, refresh, lambda *o: o, ops),
                         (bases,) + ((nu,) if power else ()) + ((mu,) if eig else ()))
     bases = carried[0]
     nu = carried[1] if power else nu
