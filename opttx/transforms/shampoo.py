@@ -1412,7 +1412,7 @@ def scale_by_grafted_diagonal(beta2: float = 1.0, epsilon: float = 1e-10,
             denom = foreach("sqrt", nu)      # new tensors: nu is the state
         foreach_("add", denom, epsilon)
         x = flatten_matching(precondition_target(updates, extra_args))[1]
-        out = [(xi.to(d.dtype) / d).to(gi.dtype) for xi, d, gi in zip(x, denom, g)]
+        out = cast_like(foreach("div", cast_like(x, denom), denom), g)
         return tree_unflatten(out, spec), DiagonalGraftState(count=count,
                                                              nu=tree_unflatten(nu, spec))
 
