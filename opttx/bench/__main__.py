@@ -4,7 +4,8 @@ Under ``torchrun`` (``WORLD_SIZE`` > 1) a rank that has finished (its process gr
 destroyed, its report written) leaves with ``os._exit`` after flushing its output, skipping
 the interpreter's teardown: a two-rank gloo run on CPU was once seen to abort after its
 work was done ("terminate called without an active exception", in a full test-suite run;
-not reproduced in 18 reruns), which made torchrun fail the run. An exception in the run still ends the process as usual.
+not reproduced in 18 reruns), which made torchrun fail the run. An exception in the run
+still ends the process as usual.
 """
 
 import os
