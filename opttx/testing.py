@@ -115,7 +115,8 @@ def one_ulp(grads: Sequence[PyTree]) -> list[PyTree]:
     perturbation whose effect on a reference implementation measures its own rounding
     spread, the bound for comparisons where that spread is large (Shampoo's rank-deficient
     factors at a tiny epsilon)."""
-    return [tree_map(lambda g: torch.nextafter(g, g.sign() * torch.inf), tree) for tree in grads]
+    return [tree_map(lambda g: torch.where(g == 0, g, torch.nextafter(g, g.sign() * torch.inf)),
+                     tree) for tree in grads]
 
 
 def displacement_gaps(actual: PyTree, expected: PyTree, start: PyTree) -> dict[str, float]:
@@ -135,9 +136,10 @@ def _displacement_gap(a: torch.Tensor, e: torch.Tensor, s: torch.Tensor) -> floa
 
 
 def run_transform(tx: GradientTransformation, params: PyTree, grads: Sequence[PyTree],
-                  **extra_args: Any) -> tuple[PyTree, Any]:
-    """Apply ``tx`` for each gradient tree in ``grads``; return final params and state."""
-    state = tx.init(params)
+                  state: Any = None, **extra_args: Any) -> tuple[PyTree, Any]:
+    """Apply ``tx`` for each gradient tree in ``grads``, from ``state`` (default
+    ``tx.init(params)``); return final params and state."""
+    state = tx.init(params) if state is None else state
     for g in grads:
         updates, state = tx.update(g, state, params, **extra_args)
         params = apply_updates(params, updates)

@@ -21,8 +21,8 @@ import opttx
 from opttx.base import REDUCER_KEY, TOTALS_KEY
 from opttx.distributed import Replicated, Shard
 from opttx.testing import (MeshDim, assert_equivalent, assert_shard_invariant, bind_mesh,
-                           hyperparameters, log_uniform, param_trees, sharding_specs,
-                           spawn_ranks)
+                           gradient_stream, hyperparameters, log_uniform, one_ulp,
+                           param_trees, run_transform, sharding_specs, spawn_ranks)
 
 SHAPES = {"w": (9, 6), "u": (6, 5), "t": (3, 5, 4), "b": (5,), "s": ()}
 
@@ -283,3 +283,22 @@ def test_sharding_specs_drawn_alike_in_every_rank() -> None:
     assert first == second and len(first) == 8
     shards = [s for tree in first for spec in tree.values() for s in spec]
     assert shards and all(is_world for _, is_world in shards)
+
+
+def test_one_ulp_moves_every_nonzero_entry_by_one_ulp_and_keeps_zeros() -> None:
+    g = torch.tensor([0.0, -0.0, 1.0, -3.5, 1e-30])
+    (moved,) = one_ulp([{"g": g}])
+    m = moved["g"]
+    assert torch.equal(m[:2], g[:2]) and not m.isnan().any()
+    assert torch.equal(m[2:], torch.nextafter(g[2:], g[2:].sign() * torch.inf))
+    assert (m[2:].abs() > g[2:].abs()).all()
+
+
+def test_run_transform_continues_from_a_given_state() -> None:
+    params = {"w": torch.randn(3, 2)}
+    grads = gradient_stream(params, 4, seed=2)
+    tx = opttx.adam(1e-2)
+    whole = run_transform(tx, params, grads)
+    half_params, half_state = run_transform(tx, params, grads[:2])
+    rest = run_transform(tx, half_params, grads[2:], half_state)
+    assert torch.equal(rest[0]["w"], whole[0]["w"])
