@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import opttx
@@ -240,7 +241,14 @@ def test_first_moment_in_eigenbasis_state_is_the_rotated_filtered_gradient() -> 
     torch.testing.assert_close(ec.mu["m"][0], q_l.mT @ m @ q_r, rtol=1e-12, atol=1e-14)
     assert not torch.allclose(q_l, torch.eye(6, dtype=torch.float64))
     _, state = run_transform(opttx.shampoo(LR, grafting=None, **kw), tree, grads)
-    assert state[0].filtered == () and state[0].direction.mu["m"][0].shape == (6, 4)
+    assert state[0].filtered == ()
+    ec = state[0].direction
+    ((q_l, q_r),) = ec.bases["m"]
+    plain_kw = {**kw, "first_moment_in_eigenbasis": False}
+    # the default path keeps the EMA only inside graft (beta1), unrotated
+    (m,) = run_transform(opttx.shampoo(LR, grafting="adam", **plain_kw), tree, grads)[1][0] \
+        .filtered["m"]
+    torch.testing.assert_close(ec.mu["m"][0], q_l.mT @ m @ q_r, rtol=1e-12, atol=1e-14)
 
 
 def _mm_count(tx, tree, grads, steps: int) -> int:
@@ -405,11 +413,11 @@ def test_soap_weight_decay_differs_from_the_reference() -> None:
     assert diff > 1e-3
 
 
-def heavyball_soap(freq: int):
+def heavyball_soap(freq: int, max_precond_dim: int = 10000, merge_dims: bool = False):
     hb = pytest.importorskip("heavyball")
     return lambda params: hb.SOAP(params, lr=3e-3, betas=(0.95, 0.95), shampoo_beta=0.95,
                                   eps=1e-8, weight_decay=0.0, precondition_frequency=freq,
-                                  max_precond_dim=10000, merge_dims=False)
+                                  max_precond_dim=max_precond_dim, merge_dims=merge_dims)
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["rotated", "kept_in_eigenbasis"])
@@ -460,8 +468,9 @@ merge_shapes = st.lists(st.integers(1, 40), min_size=1, max_size=4).map(tuple)
 @settings(max_examples=200, deadline=None)
 @given(shape=merge_shapes, max_dim=st.sampled_from([1, 8, 64, 1000]))
 def test_merge_dims_heavyball_is_heavyballs_dim_merger(shape, max_dim) -> None:
-    utils = pytest.importorskip("heavyball.utils")
-    theirs = tuple(utils.dim_merger(torch.empty(shape, device="meta"), max_dim).shape)
+    pytest.importorskip("heavyball")
+    from heavyball.utils import dim_merger
+    theirs = tuple(dim_merger(torch.empty(shape, device="meta"), max_dim).shape)
     assert opttx.merge_dims_heavyball(shape, max_dim) == theirs
 
 
@@ -472,11 +481,13 @@ def test_merge_dims_soap_is_the_reference_merging(shape, max_dim) -> None:
     alike: no size-1 dim, none above ``max_dim``, two merged dims or more (it keeps size-1
     dims and maps a shape that merges into one dim to ``[1]``, which its SOAP cannot reshape
     to); elsewhere the reference code's own examples and rules."""
-    shape_utils = pytest.importorskip("pytorch_optimizer.optimizer.utils.shape")
+    pytest.importorskip("pytorch_optimizer")
+    from pytorch_optimizer.optimizer.utils.shape import merge_small_dims
     ours = opttx.merge_dims_soap(shape, max_dim)
     assert math.prod(ours) == math.prod(shape)
-    if all(1 < d <= max_dim for d in shape) and len(ours) > 1:
-        assert ours == tuple(shape_utils.merge_small_dims(shape, max_dim))
+    if all(1 < d <= max_dim for d in shape):
+        theirs = tuple(merge_small_dims(shape, max_dim))
+        assert ours == ((math.prod(shape),) if theirs == (1,) else theirs)
     assert all(d <= max_dim for d in ours if d not in shape)      # merged dims fit
     assert 1 not in ours or ours == (1,)
 
@@ -521,32 +532,28 @@ def test_soap_merge_dims_heavyball_equals_heavyball(keep) -> None:
     float32, 10 steps, no refresh: 3e-5 (measured up to 9.3e-6, on the unmerged (5, 5)
     leaf with the moment kept in the eigenbasis; the merged leaves up to 4e-6; merging or not
     is 0.35 apart); the reference code's merging (``merge_dims=True``) is another optimizer on
-    the (4, 4, 2, 2) leaf (0.45)."""
-    hb = pytest.importorskip("heavyball")
+    the (4, 4, 2, 2) leaf (0.45). Both contrasts are asserted."""
     tree, grads = problem(MERGED_HEAVYBALL, 10, 0, torch.float32)
-    theirs = run_torch(lambda params: hb.SOAP(
-        params, lr=3e-3, betas=(0.95, 0.95), shampoo_beta=0.95, eps=1e-8, weight_decay=0.0,
-        precondition_frequency=100, max_precond_dim=8, merge_dims=True), tree, grads)
-    ours = run_opttx(opttx.soap(3e-3, 0.95, 0.95, eps=1e-8, weight_decay=0.0,
-                                precondition_frequency=100, max_precond_dim=8,
-                                merge_dims="heavyball", first_moment_in_eigenbasis=keep),
-                     tree, grads)
-    assert max(displacement_gaps(ours, theirs, tree).values()) <= 3e-5
-    reference_rule = run_opttx(opttx.soap(3e-3, 0.95, 0.95, eps=1e-8, weight_decay=0.0,
-                                          precondition_frequency=100, max_precond_dim=8,
-                                          merge_dims=True), tree, grads)
-    assert displacement_gaps(reference_rule, theirs, tree)["d"] > 1e-3
+    theirs = run_torch(heavyball_soap(100, max_precond_dim=8, merge_dims=True), tree, grads)
+
+    def ours(**kw):
+        return run_opttx(opttx.soap(3e-3, 0.95, 0.95, eps=1e-8, weight_decay=0.0,
+                                    precondition_frequency=100, max_precond_dim=8, **kw),
+                         tree, grads)
+    gaps = displacement_gaps(ours(merge_dims="heavyball", first_moment_in_eigenbasis=keep),
+                             theirs, tree)
+    assert max(gaps.values()) <= 3e-5
+    assert displacement_gaps(ours(first_moment_in_eigenbasis=keep), theirs, tree)["c"] > 1e-2
+    assert displacement_gaps(ours(merge_dims=True, first_moment_in_eigenbasis=keep), theirs,
+                             tree)["d"] > 1e-2
 
 
 def test_heavyball_leaves_a_leaf_merged_into_one_dim_unrotated() -> None:
     """An ``(n, 1)`` leaf merges into one dim: heavyball keeps it in the standard basis (as a
     1-D leaf), opttx rotates it as the reference code rotates any merged leaf: another
     optimizer on that leaf (documented in `opttx.soap`)."""
-    hb = pytest.importorskip("heavyball")
     tree, grads = problem({"m": (5, 5), "n": (6, 1)}, 10, 0, torch.float32)
-    theirs = run_torch(lambda params: hb.SOAP(
-        params, lr=3e-3, betas=(0.95, 0.95), shampoo_beta=0.95, eps=1e-8, weight_decay=0.0,
-        precondition_frequency=100, max_precond_dim=8, merge_dims=True), tree, grads)
+    theirs = run_torch(heavyball_soap(100, max_precond_dim=8, merge_dims=True), tree, grads)
     tx = opttx.soap(3e-3, 0.95, 0.95, eps=1e-8, weight_decay=0.0, precondition_frequency=100,
                     max_precond_dim=8, merge_dims="heavyball")
     gaps = displacement_gaps(run_opttx(tx, tree, grads), theirs, tree)
@@ -569,7 +576,7 @@ def test_soap_merge_dims_state_layout() -> None:
     assert [tuple(q.shape) for q in ec.bases["bias"]] == [(0, 0)]
     assert {k: tuple(v.shape) for k, v in ec.nu.items()} == {k: v.shape for k, v in tree.items()}
     assert float(ec.bases["small"][0].diagonal().abs().min()) < 0.99      # a rotation
-    counter = torch._dynamo.testing.CompileCounter()
+    counter = CompileCounter()
     compiled = torch.compile(tx.update, backend=counter, fullgraph=True)
     st_ = tx.init(tree)
     eager_st = tx.init(tree)
@@ -580,7 +587,11 @@ def test_soap_merge_dims_state_layout() -> None:
             torch.testing.assert_close(u[k], v[k], rtol=1e-5, atol=1e-7)
     assert counter.frame_count == 1
     saved = opttx.distributed.state_dict(state, params)
-    assert set(saved) == set(opttx.distributed.state_dict(tx.init(tree), tree))
+    fresh = opttx.distributed.state_dict(tx.init(tree), tree)
+    assert set(saved["state"]) == set(tree)
+    assert {p: set(f) for p, f in saved["state"].items()} == \
+        {p: set(f) for p, f in fresh["state"].items()}
+    assert set(saved["shared"]) == set(fresh["shared"])
     buffer = io.BytesIO()
     torch.save(saved, buffer)
     buffer.seek(0)
@@ -588,30 +599,29 @@ def test_soap_merge_dims_state_layout() -> None:
                                                                          weights_only=True),
                                                 params)
     more = problem({k: v.shape for k, v in tree.items()}, 3, 4, torch.float32)[1]
-    runs = []
-    for s in (state, resumed):
-        p = params
-        for g in more:
-            u, s = tx.update(g, s, p)
-            p = opttx.apply_updates(p, u)
-        runs.append(p)
-    assert all(torch.equal(runs[0][k], runs[1][k]) for k in tree)
+    expected = run_transform(tx, params, more, state)[0]
+    got = run_transform(tx, params, more, resumed)[0]
+    assert all(torch.equal(got[k], expected[k]) for k in tree)
 
 
 def test_soap_merge_dims_under_stacked_equals_per_leaf() -> None:
     """`opttx.stacked` runs the merged leaves slice by slice with the per-leaf numbers: 1e-5
     (measured 0.0 on the stacked merged leaves, 1.7e-6 on the (5, 5) one; unmerged, the
-    merged leaves are 0.5 away). The leaves' merged factors have full rank: the conformance
+    merged leaves are 0.5 away, asserted). The leaves' merged factors have full rank: the conformance
     registry's (2, 3, 4) leaf merges into a rank-deficient first factor, whose null-space
     basis batched ``eigh`` picks differently, so the registry has no merged case."""
     tree, grads = problem({"c0": (2, 4, 2, 4), "c1": (2, 4, 2, 4), "c2": (2, 4, 2, 4),
                            "m": (5, 5)}, 6, 5, torch.float32)
-    make = lambda: opttx.soap(3e-3, merge_dims=True, max_precond_dim=8,  # noqa: E731
-                              precondition_frequency=2)
+    def make(merge_dims=True):
+        return opttx.soap(3e-3, merge_dims=merge_dims, max_precond_dim=8,
+                          precondition_frequency=2)
     per_leaf = run_opttx(make(), tree, grads)
     stack = opttx.StackedParams(tree)
-    buffers = run_opttx(opttx.stacked(make()), stack.buffers, [stack.stack(g) for g in grads])
+    stacked_grads = [stack.stack(g) for g in grads]
+    buffers = run_opttx(opttx.stacked(make()), stack.buffers, stacked_grads)
     assert max(displacement_gaps(stack.unstack(buffers), per_leaf, tree).values()) <= 1e-5
+    unmerged = run_opttx(opttx.stacked(make(False)), stack.buffers, stacked_grads)
+    assert displacement_gaps(stack.unstack(unmerged), per_leaf, tree)["c0"] > 1e-2
 
 
 def test_soap_rejects_bad_arguments() -> None:
