@@ -52,6 +52,7 @@ __all__ = [
     "foreach_sum_of_squares",
     "is_donating",
     "is_scratch",
+    "keeping_state",
     "mark_scratch",
     "new_buffers",
 ]
@@ -101,6 +102,16 @@ def donating(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _DONATION.reset(token)
+
+
+def keeping_state() -> contextlib.AbstractContextManager:
+    """``donating(False)`` in eager mode, nothing under ``torch.compile`` (where donation is
+    off anyway and Dynamo cannot enter the context variable): for code that reads an old
+    state buffer after a helper that would otherwise overwrite it in place (a step that keeps
+    the old moment on some condition, a wrapper that may drop the new state)."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return donating(False)
 
 
 def mark_scratch(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -252,10 +263,12 @@ def foreach_sum_of_squares(tensors: Tensors, dtype: torch.dtype | None = None
 
 
 def _maybe_inplace(op: str, tensors: Tensors, *args: Any) -> list[torch.Tensor]:
-    """``op`` in place on ``tensors`` when donating, else out of place."""
+    """``op`` in place on ``tensors`` when donating, else out of place; either way in the
+    dtypes of ``tensors`` (a 0-dim leaf times a 0-dim float64 coefficient would otherwise be
+    promoted to float64 out of place, while the in-place op rounds back to the leaf's dtype)."""
     if is_donating():
         return foreach_(op, tensors, *args)
-    return foreach(op, tensors, *args)
+    return cast_like(foreach(op, tensors, *args), tensors)
 
 
 def cast_like(tensors: Tensors, like: Tensors) -> list[torch.Tensor]:
@@ -280,7 +293,8 @@ def foreach_ema_sq(old: Tensors, new: Tensors, decay: Scalar) -> list[torch.Tens
     new = cast_like(new, old)
     out = _maybe_inplace("mul", old, decay)
     if isinstance(decay, torch.Tensor):
-        return foreach_op_("add", out, foreach("mul", foreach("mul", new, new), 1 - decay))
+        return cast_like(foreach_op_("add", out, foreach("mul", foreach("mul", new, new),
+                                                         1 - decay)), old)
     return foreach_op_("addcmul", out, new, new, 1 - decay)
 
 

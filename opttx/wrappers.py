@@ -12,7 +12,7 @@ from ._checks import check_positive_int
 from .base import (GradientTransformation, Params, Role, State, Updates, combine_traits,
                    current_reducer, declare_roles, reduce_across_leaves, safe_increment,
                    zero_count)
-from .kernels import donating, foreach, foreach_axpy
+from .kernels import donating, foreach, foreach_axpy, keeping_state
 from .tree import (PyTree, find_instances, flatten_matching, stats_like, tree_cond,
                    tree_leaves, tree_map, tree_unflatten)
 
@@ -280,7 +280,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, 
                **extra_args: Any) -> tuple[Updates, ApplyIfFiniteState]:
         if check_state:
             # the old state must survive a rejected step (a compiled step never donates)
-            with contextlib.nullcontext() if torch.compiler.is_compiling() else donating(False):
+            with keeping_state():
                 new_updates, new_inner = inner.update(updates, state.inner_state, params,
                                                       **extra_args)
             floating = [x for x in tree_leaves(new_inner)

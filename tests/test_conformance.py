@@ -240,6 +240,42 @@ def test_stacked_equals_per_leaf_or_is_refused(case: Case) -> None:
     assert_trees_close(stack.unstack(buffers), per_leaf, rtol=1e-6, atol=1e-7, what=case.name)
 
 
+DONATION_STEPS = 30
+
+
+def _leaves_0d_to_4d(case: Case, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A 0-D to a 4-D leaf (2-D to 4-D for transforms of matrices only), two matrices of one
+    shape, and a tall one: the shapes whose special cases a transform may take."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"s": (), "b": (5,), "w": (6, 5), "v": (6, 5), "tall": (7, 3), "t": (2, 3, 4),
+              "q": (2, 3, 2, 2)}
+    if case.matrices_only:
+        del shapes["s"], shapes["b"]
+    return {k: torch.randn(s, generator=gen, dtype=torch.float64).float()
+            for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize("case", cases_for("donation"))
+def test_donating_paths_equal_the_functional_path_bitwise(case: Case) -> None:
+    """The in-place paths give the functional numbers bit for bit over 30 steps, on 0-D to
+    4-D leaves (first steps, warm-ups and periodic refreshes included): ``update`` inside
+    `opttx.donating` with `opttx.apply_updates_`. A transform that writes a state buffer in
+    place and reads the old value afterwards (SOAP's kept first moment, once) fails here."""
+    params = _leaves_0d_to_4d(case)
+    if case.name == "stacked":      # its leaves are stacks: two matrices and two vectors
+        params = opttx.StackedParams({"w": params["w"], "v": params["v"]}).buffers
+    grads = gradient_stream(params, DONATION_STEPS, seed=9)
+    tx = case.make()
+    expected = run(tx, params, grads)
+    donated_params, donated_state = clone(params), tx.init(params)
+    for g in grads:
+        with opttx.donating():
+            updates, donated_state = tx.update(g, donated_state, donated_params)
+        opttx.apply_updates_(donated_params, updates)
+    assert_trees_close((donated_params, donated_state), expected, rtol=0.0,
+                       what=f"{case.name}: donating + apply_updates_")
+
+
 def _key_paths(tree: dict, prefix: tuple = ()) -> set[tuple]:
     """Every key path of a nested dict down to its tensors (a checkpoint's keys)."""
     out = set()

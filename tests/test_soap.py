@@ -368,6 +368,21 @@ def test_soap_equals_reference_code(freq, precondition_1d) -> None:
     assert max(g.values()) <= 1e-5
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_soap_through_the_optimizer_equals_reference_code(keep) -> None:
+    """The bench's path: ``opttx.Optimizer(params, opttx.soap(...))``, which donates the state
+    (in-place updates), over 30 steps with refreshes every 3, against the reference code:
+    1e-5 as the functional path (the kept first moment was overwritten before SOAP's first
+    step kept it at zero, and the second update of a 1-D leaf was -(b1 g1 + g2) / |g2|: 96
+    away)."""
+    tree, grads = problem(FULL_RANK, 30, 2, torch.float32)
+    theirs = run_torch(soap_ref(3, 1e-12), tree, grads)
+    ours = run_torch(lambda ps: opttx.Optimizer(ps, opttx.soap(
+        3e-3, 0.95, 0.95, eps=1e-12, weight_decay=0.0, precondition_frequency=3,
+        first_moment_in_eigenbasis=keep)), tree, grads)
+    assert max(displacement_gaps(ours, theirs, tree).values()) <= 1e-5
+
+
 def test_soap_float64_equals_reference_without_refresh() -> None:
     """float64 (the reference's QR runs in float32, so no refresh within the run): 1e-8."""
     tree, grads = problem(FULL_RANK, 10, 1, torch.float64)

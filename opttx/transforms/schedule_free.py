@@ -195,7 +195,9 @@ def schedule_free(inner: GradientTransformation, learning_rate: float | Schedule
             out = foreach("sub", z, cast_like(y, z))
             out = foreach_("mul", out, ck)
             out = foreach_("add", out, foreach("mul", u, 1 - beta * (1 - ck)))
-            new_z = foreach_("add", z, u) if is_donating() else foreach("add", z, u)
+            # in z's dtype (a 0-dim leaf's u is float64 after the float64 warm-up factor)
+            new_z = foreach_("add", z, u) if is_donating() else \
+                cast_like(foreach("add", z, u), z)
             out = mark_scratch(cast_like(out, tree_flatten(updates)[0]))
         new_state = ScheduleFreeState(count=count, b1=beta, weight_sum=weight_sum,
                                       max_lr=max_lr, z=tree_unflatten(list(new_z), spec),

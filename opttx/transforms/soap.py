@@ -66,7 +66,7 @@ from .._checks import check_nonnegative, check_positive_int, check_unit_interval
 from ..base import (GradientTransformation, Params, Role, Traits, Updates, advance_counts,
                     check_init_params, declare_roles, precondition_target,
                     require_whole_leaves, safe_increment, zero_count)
-from ..kernels import cast_like, foreach, foreach_ema
+from ..kernels import cast_like, foreach, foreach_ema, keeping_state, new_buffers
 from ..tree import (PyTree, flatten_matching, state_dtype, stats_like, tree_cond, tree_flatten,
                     tree_map, tree_structure, tree_unflatten)
 from .shampoo import (_chunks, _contract_factor, _decomposed, _filtered_gradient, _from_upper,
@@ -600,11 +600,14 @@ def _soap_step(g, x, factors, bases, nu, mu, count, cfg):
     new_nu = _second_moment(g_rot, nu, cfg)
     rotated = None
     if _has(cfg.beta1):
-        if cfg.eigenbasis_moment:
-            new_mu, rotated = _first_moment(g_rot, mu, steps, cfg)
-        else:
-            new_mu, x = _first_moment(g, mu, steps, cfg)
-        mu = [torch.where(first, m, n) for m, n in zip(mu, new_mu)]
+        # out of place: the old EMA is kept on the first step (read by the where below),
+        # then written into its own buffers when the state is donated
+        with keeping_state():
+            if cfg.eigenbasis_moment:
+                new_mu, rotated = _first_moment(g_rot, mu, steps, cfg)
+            else:
+                new_mu, x = _first_moment(g, mu, steps, cfg)
+        mu = new_buffers(mu, [torch.where(first, m, n) for m, n in zip(mu, new_mu)])
     scale = 1.0 - torch.pow(torch.as_tensor(cfg.beta2, dtype=torch.float64), steps) \
         if cfg.bias_correction else None
     out = [torch.where(first, torch.zeros_like(u), u)
