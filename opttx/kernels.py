@@ -174,7 +174,9 @@ def coefficient(value: Any, tensors: Sequence[torch.Tensor], op: str | None = No
         # The Tensor-scalar overload, not the list form ``[value * 1]``: with the list form
         # Inductor inlines the scalar's arithmetic again (compiled AdamW measured 2.68x torch
         # fused, against 1.03x with this form; benchmarks/RESULTS.md, 25 Nov)
-        return torch._foreach_add([value.new_zeros(())], value * 1)[0]
+        # (aten's Tensor overload named explicitly: Dynamo without fullgraph=True resolves
+        # the Python binding to the Scalar overload, whose .item() breaks the graph)
+        return torch.ops.aten._foreach_add.Tensor([value.new_zeros(())], value * 1)[0]
     return value
 
 
@@ -188,19 +190,40 @@ def _prepared(op: str, tensors: Sequence[torch.Tensor], args: tuple) -> tuple:
                  for a in args)
 
 
+# grouped ops whose Tensor overload takes a 0-dim tensor as the scalar
+_TENSOR_OVERLOADS = frozenset({"add", "mul", "div"})
+
+
+def _grouped(name: str, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
+    """``torch._foreach_<name>(tensors, *args, **kwargs)``. Compiled, a 0-dim tensor scalar
+    goes to an overload that takes a tensor (the Tensor overload, or the List overload with
+    it repeated): the Python binding picks the Scalar overload, whose ``.item()`` is a
+    data-dependent output that breaks the graph unless ``fullgraph=True`` (where Dynamo
+    captures scalar outputs), so ``torch.compile(opt.step)`` would be many graphs."""
+    if torch.compiler.is_compiling() and tensors and any(
+            isinstance(a, torch.Tensor) and a.dim() == 0 for a in args):
+        base = name.rstrip("_")
+        if base in _TENSOR_OVERLOADS and len(args) == 1:
+            return getattr(getattr(torch.ops.aten, f"_foreach_{name}"), "Tensor")(
+                tensors, *args, **kwargs)
+        if base in _LIST_OVERLOADS:
+            args = tuple([a] * len(tensors) if isinstance(a, torch.Tensor) and a.dim() == 0
+                         else a for a in args)
+    return getattr(torch, f"_foreach_{name}")(tensors, *args, **kwargs)
+
+
 def foreach(op: str, tensors: Tensors, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
     """``torch._foreach_<op>(tensors, *args, **kwargs)`` as new tensors, 0-dim tensor
     arguments prepared with `coefficient`."""
     tensors = list(tensors)
-    return list(getattr(torch, f"_foreach_{op}")(tensors, *_prepared(op, tensors, args),
-                                                 **kwargs))
+    return list(_grouped(op, tensors, _prepared(op, tensors, args), kwargs))
 
 
 def foreach_(op: str, tensors: Tensors, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
     """``torch._foreach_<op>_(tensors, *args, **kwargs)``: in place on ``tensors`` (which the
     caller owns), 0-dim tensor arguments prepared with `coefficient`; returns the list."""
     tensors = list(tensors)
-    getattr(torch, f"_foreach_{op}_")(tensors, *_prepared(op, tensors, args), **kwargs)
+    _grouped(f"{op}_", tensors, _prepared(op, tensors, args), kwargs)
     return tensors
 
 
