@@ -41,7 +41,10 @@ from .transforms import __all__ as _transforms_all
 from .kernels import donating
 from .tree import MaskedNode, tree_copy_
 from .wrappers import (ApplyIfFiniteState, InjectHyperparamsState, MultiSteps, MultiStepsState,
-                       apply_if_finite, inject_hyperparams, set_hyperparams_)
+                       apply_if_finite, hyperparameter_roles, inject_all_hyperparams,
+                       inject_hyperparams, set_hyperparams_)
+from .base import (HyperRole, Recipe, declare, describe_transform, recipe_of)
+from .tree import Static
 
 __version__ = "0.1.0"
 
@@ -66,6 +69,9 @@ __all__ = [
     # the vocabulary for writing a transform (docs/guide/writing.md)
     "ELEMENTWISE", "LEAFWISE", "PRECONDITIONER", "Role", "Traits", "check_init_params",
     "combine_traits", "declare_roles", "leafwise", "state_roles", "traits_of", "zero_count",
+    # declarations: hyperparameters, configuration and the identity of states (issue 26)
+    "HyperRole", "Recipe", "Static", "declare", "describe_transform", "hyperparameter_roles",
+    "inject_all_hyperparams", "recipe_of",
     # torch.optim's remaining first-order set (issue 17)
     "adabelief", "adamax", "radam",
     # ADOPT and AdEMAMix (issue 17)

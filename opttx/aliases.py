@@ -12,7 +12,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from .base import GradientTransformation
+from .base import (GradientTransformation, HyperRole, declare)
 from .combine import chain, masked, partition
 from .schedules import Schedule
 from .transforms.ademamix import scale_by_ademamix
@@ -47,6 +47,8 @@ ScalarOrSchedule = float | torch.Tensor | Schedule
 Mask = PyTree | Callable[[PyTree], PyTree] | None
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "momentum": HyperRole.MOMENTUM,
+                      "dampening": None})
 def sgd(learning_rate: ScalarOrSchedule, momentum: float | None = None, nesterov: bool = False,
         accumulator_dtype: torch.dtype | None = None, *,
         dampening: float = 0.0) -> GradientTransformation:
@@ -78,6 +80,8 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: float | None = None, nesterov
     return chain(*links)
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
+                      "b2": HyperRole.B2, "eps": HyperRole.EPS, "eps_root": None})
 def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
          eps_root: float = 0.0, mu_dtype: torch.dtype | None = None, *,
          nesterov: bool = False, nu_dtype: torch.dtype | None = None,
@@ -103,6 +107,9 @@ def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
                  scale_by_learning_rate(learning_rate))
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
+                      "b2": HyperRole.B2, "eps": HyperRole.EPS, "eps_root": None,
+                      "weight_decay": HyperRole.WEIGHT_DECAY})
 def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: torch.dtype | None = None,
           weight_decay: float = 1e-4, mask: Mask = None, *,
@@ -139,6 +146,9 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
                  scale_by_learning_rate(learning_rate))
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
+                      "b2": HyperRole.B2, "eps": HyperRole.EPS, "eps_root": None,
+                      "weight_decay": HyperRole.WEIGHT_DECAY})
 def adamw_8bit(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
                eps: float = 1e-8, weight_decay: float = 1e-2, block_size: int = 256,
                min_size: int = 4096, mask: Mask = None, *, eps_root: float = 0.0,
@@ -186,6 +196,9 @@ def adamw_8bit(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
                  scale_by_learning_rate(learning_rate))
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
+                      "b2": HyperRole.B2, "eps": HyperRole.EPS, "eps_root": None,
+                      "momentum_decay": None})
 def nadam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: torch.dtype | None = None,
           momentum_decay: float | None = None) -> GradientTransformation:
@@ -210,6 +223,9 @@ def nadam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
     return chain(direction, scale_by_learning_rate(learning_rate))
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
+                      "b2": HyperRole.B2, "eps": HyperRole.EPS, "eps_root": None,
+                      "threshold": None, "weight_decay": HyperRole.WEIGHT_DECAY})
 def radam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8, eps_root: float = 0.0, threshold: float = 5.0, *,
           nesterov: bool = False, weight_decay: float = 0.0,
@@ -255,6 +271,8 @@ def radam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
     return chain(*links)
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
+                      "b2": HyperRole.B2, "eps": HyperRole.EPS})
 def adamax(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
            eps: float = 1e-8) -> GradientTransformation:
     r"""Adamax: `scale_by_adamax` then `scale_by_learning_rate`.
@@ -276,6 +294,8 @@ def adamax(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
     return chain(scale_by_adamax(b1, b2, eps), scale_by_learning_rate(learning_rate))
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
+                      "b2": HyperRole.B2, "eps": HyperRole.EPS, "eps_root": None})
 def adabelief(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
               eps: float = 1e-16, eps_root: float = 1e-16, *,
               nesterov: bool = False) -> GradientTransformation:
@@ -298,6 +318,8 @@ def adabelief(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99
                  scale_by_learning_rate(learning_rate))
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "initial_accumulator_value": None,
+                      "eps": HyperRole.EPS})
 def adagrad(learning_rate: ScalarOrSchedule, initial_accumulator_value: float = 0.1,
             eps: float = 1e-7, eps_in_sqrt: bool = True) -> GradientTransformation:
     r"""Adagrad: `scale_by_rss` then `scale_by_learning_rate`.
@@ -316,6 +338,8 @@ def adagrad(learning_rate: ScalarOrSchedule, initial_accumulator_value: float = 
                  scale_by_learning_rate(learning_rate))
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "decay": HyperRole.RMS_DECAY,
+                      "eps": HyperRole.EPS, "initial_scale": None, "momentum": HyperRole.MOMENTUM})
 def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9, eps: float = 1e-8,
             initial_scale: float = 0.0, eps_in_sqrt: bool = True, centered: bool = False,
             momentum: float | None = None, nesterov: bool = False,
@@ -343,6 +367,8 @@ def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9, eps: float = 1e
     return chain(*links)
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
+                      "b2": HyperRole.B2, "weight_decay": HyperRole.WEIGHT_DECAY})
 def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
          mu_dtype: torch.dtype | None = None, weight_decay: float = 1e-3,
          mask: Mask = None) -> GradientTransformation:
@@ -368,6 +394,11 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
 __all__ += ["mars"]
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
+                      "b2": HyperRole.B2, "gamma": None, "eps": HyperRole.EPS,
+                      "weight_decay": HyperRole.WEIGHT_DECAY, "max_norm": None,
+                      "learning_rate_1d": HyperRole.LEARNING_RATE,
+                      "weight_decay_1d": HyperRole.WEIGHT_DECAY})
 def mars(learning_rate: ScalarOrSchedule = 3e-3, b1: float = 0.95, b2: float = 0.99,
          gamma: float = 0.025, eps: float = 1e-8, weight_decay: float = 0.0,
          optimizer: str = "adamw", max_norm: float | None = 1.0,
@@ -469,6 +500,10 @@ def _mars_adam(b1: float, b2: float, eps: float, mu_dtype: torch.dtype | None,
 # ---------------------------------------------------------------------------------------------
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "decay_rate": None,
+                      "clipping_threshold": None, "momentum": HyperRole.MOMENTUM,
+                      "weight_decay_rate": HyperRole.WEIGHT_DECAY, "eps": HyperRole.EPS,
+                      "param_scale_eps": None, "eps_clamp": None}, runtime=("decay_offset",))
 def adafactor(learning_rate: ScalarOrSchedule | None = None, min_dim_size_to_factor: int = 128,
               decay_rate: float = 0.8, decay_offset: int = 0,
               multiply_by_parameter_scale: bool = True, clipping_threshold: float | None = 1.0,
@@ -560,6 +595,8 @@ def adafactor(learning_rate: ScalarOrSchedule | None = None, min_dim_size_to_fac
     return chain(*links)
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "clip_threshold": None,
+                      "decay_rate": None, "weight_decay": HyperRole.WEIGHT_DECAY})
 def adalomo(learning_rate: ScalarOrSchedule = 1e-3, eps: tuple[float, float] = (1e-30, 1e-3),
             clip_threshold: float = 1.0, decay_rate: float = 0.8, weight_decay: float = 0.0,
             weight_decay_mask: Mask = None) -> GradientTransformation:
@@ -604,6 +641,9 @@ def adalomo(learning_rate: ScalarOrSchedule = 1e-3, eps: tuple[float, float] = (
     return chain(*links)
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
+                      "b2": HyperRole.B2, "b3": None, "eps1": None, "eps2": None,
+                      "clip_threshold": None, "weight_decay": HyperRole.WEIGHT_DECAY})
 def came(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
          b3: float = 0.9999, eps1: float = 1e-30, eps2: float = 1e-16,
          clip_threshold: float = 1.0, weight_decay: float = 0.0, mask: Mask = None, *,
@@ -629,6 +669,9 @@ def came(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
                  scale_by_learning_rate(learning_rate))
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
+                      "b2": HyperRole.B2, "eps": HyperRole.EPS, "eps_root": None,
+                      "weight_decay": HyperRole.WEIGHT_DECAY})
 def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
          eps_root: float = 0.0, weight_decay: float = 0.0, mask: Mask = None, *,
          bias_correction: bool = True, trust_ratio_mask: Mask = None,
@@ -659,6 +702,9 @@ def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
                  scale_by_learning_rate(learning_rate))
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE,
+                      "weight_decay": HyperRole.WEIGHT_DECAY, "trust_coefficient": None,
+                      "eps": HyperRole.EPS, "momentum": HyperRole.MOMENTUM})
 def lars(learning_rate: ScalarOrSchedule, weight_decay: float = 0.0,
          weight_decay_mask: Mask = True, trust_coefficient: float = 0.001, eps: float = 0.0,
          trust_ratio_mask: Mask = True, momentum: float = 0.9,
@@ -703,6 +749,9 @@ def _lr_then_decay(learning_rate: ScalarOrSchedule, weight_decay: float,
     return links
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "scale": None, "b1": HyperRole.B1,
+                      "b2": HyperRole.B2, "eps": HyperRole.EPS,
+                      "weight_decay": HyperRole.WEIGHT_DECAY}, runtime=("update_proj_gap",))
 def galore_adamw(learning_rate: ScalarOrSchedule, rank: int = 128, update_proj_gap: int = 200,
                  scale: float = 0.25, proj_type: ProjType = "std", b1: float = 0.9,
                  b2: float = 0.999, eps: float = 1e-6, weight_decay: float = 0.0,
@@ -771,6 +820,9 @@ def galore_adamw(learning_rate: ScalarOrSchedule, rank: int = 128, update_proj_g
     return chain(*links, *_lr_then_decay(learning_rate, weight_decay, mask))
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "scale": None, "b1": HyperRole.B1,
+                      "b2": HyperRole.B2, "eps": HyperRole.EPS,
+                      "weight_decay": HyperRole.WEIGHT_DECAY}, runtime=("update_proj_gap",))
 def galore_adamw_8bit(learning_rate: ScalarOrSchedule, rank: int = 128,
                       update_proj_gap: int = 200, scale: float = 0.25,
                       proj_type: ProjType = "std", b1: float = 0.9, b2: float = 0.999,
@@ -847,6 +899,14 @@ def _nonzero(value: Any) -> bool:
     return isinstance(value, torch.Tensor) or value != 0
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "epsilon": HyperRole.EPS,
+                      "momentum": HyperRole.MOMENTUM, "weight_decay": HyperRole.WEIGHT_DECAY,
+                      "grafting_beta2": None, "grafting_epsilon": None, "beta3": None},
+         runtime=("precondition_frequency", "start_preconditioning_step",
+                  "trace_scaling_exponent", "inverse_exponent_override", "rank_atol", "rank_rtol",
+                  "qr_iterations", "eigendecomposition_tolerance", "root_max_iterations",
+                  "root_tolerance", "root_order", "root_rel_epsilon", "root_abs_epsilon",
+                  "root_method"))
 def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] = (0.9, 1.0),
             epsilon: float = 1e-12, momentum: float = 0.0, nesterov: bool = False,
             weight_decay: float = 0.0, use_decoupled_weight_decay: bool = True,
@@ -1106,6 +1166,12 @@ def muon_hidden_matrices(params: PyTree) -> PyTree:
          for x, path in zip(leaves, paths)], spec)
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "beta": HyperRole.MOMENTUM,
+                      "eps": HyperRole.EPS, "weight_decay": HyperRole.WEIGHT_DECAY,
+                      "consistent_rms": None, "adam_b1": HyperRole.B1, "adam_b2": HyperRole.B2,
+                      "adam_eps_root": None, "adam_weight_decay": HyperRole.WEIGHT_DECAY,
+                      "adam_learning_rate": HyperRole.LEARNING_RATE}, runtime=("ns_steps",
+                                                                               "ns_coeffs"))
 def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS, ns_steps: int = 5,
          beta: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.0,
          weight_decay_mask: Mask = None, mu_dtype: torch.dtype | None = None, *,
@@ -1200,6 +1266,10 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS, ns_steps: 
 # ---------------------------------------------------------------------------------------------
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
+                      "b2": HyperRole.B2, "eps": HyperRole.EPS,
+                      "weight_decay": HyperRole.WEIGHT_DECAY, "weight_lr_power": None, "r": None},
+         runtime=("warmup_steps",))
 def schedule_free_adamw(learning_rate: float = 0.0025, warmup_steps: int = 0, b1: float = 0.9,
                         b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
                         weight_lr_power: float = 2.0, r: float = 0.0,
@@ -1237,6 +1307,9 @@ def schedule_free_adamw(learning_rate: float = 0.0025, warmup_steps: int = 0, b1
                          state_dtype)
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
+                      "weight_decay": HyperRole.WEIGHT_DECAY, "weight_lr_power": None, "r": None},
+         runtime=("warmup_steps",))
 def schedule_free_sgd(learning_rate: float = 1.0, warmup_steps: int = 0, b1: float = 0.9,
                       weight_decay: float = 0.0, weight_lr_power: float = 2.0, r: float = 0.0,
                       state_dtype: torch.dtype | None = None) -> GradientTransformation:
@@ -1258,6 +1331,9 @@ def schedule_free_sgd(learning_rate: float = 1.0, warmup_steps: int = 0, b1: flo
                          state_dtype)
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "beta3": None,
+                      "eps": HyperRole.EPS, "estim_lr0": None, "estim_lr_coef": None,
+                      "weight_decay": HyperRole.WEIGHT_DECAY, "growth_rate": None})
 def prodigy(learning_rate: ScalarOrSchedule = 1.0, betas: tuple[float, float] = (0.9, 0.999),
             beta3: float | None = None, eps: float = 1e-8, estim_lr0: float = 1e-6,
             estim_lr_coef: float = 1.0, weight_decay: float = 0.0,
@@ -1281,6 +1357,9 @@ def prodigy(learning_rate: ScalarOrSchedule = 1.0, betas: tuple[float, float] = 
                             weight_decay, safeguard_warmup, growth_rate, flip_sign=True)
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
+                      "b2": HyperRole.B2, "b3": None, "alpha": None, "eps": HyperRole.EPS,
+                      "eps_root": None, "weight_decay": HyperRole.WEIGHT_DECAY})
 def ademamix(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
              b3: float | Schedule = 0.9999, alpha: float | Schedule = 5.0, eps: float = 1e-8,
              eps_root: float = 0.0, mu_dtype: torch.dtype | None = None,
@@ -1312,6 +1391,9 @@ def ademamix(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999
                  scale_by_learning_rate(learning_rate))
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
+                      "b2": HyperRole.B2, "eps": HyperRole.EPS,
+                      "weight_decay": HyperRole.WEIGHT_DECAY, "clip_value_fn": None})
 def adopt(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9999, eps: float = 1e-6,
           mu_dtype: torch.dtype | None = None, weight_decay: float = 0.0, mask: Mask = None, *,
           nesterov: bool = False, use_clipping: bool = True,
@@ -1351,6 +1433,9 @@ def adopt(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9999, 
                  scale_by_learning_rate(learning_rate))
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
+                      "b2": HyperRole.B2, "shampoo_beta": None, "eps": HyperRole.EPS,
+                      "weight_decay": HyperRole.WEIGHT_DECAY}, runtime=("precondition_frequency",))
 def soap(learning_rate: ScalarOrSchedule = 3e-3, b1: float = 0.95, b2: float = 0.95,
          shampoo_beta: float | None = None, eps: float = 1e-8, weight_decay: float = 0.01,
          precondition_frequency: int = 10, max_precond_dim: int = 10000,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Hashable, Mapping, NamedTuple
 
-from .base import (GradientTransformation, Params, Role, State, Updates, combine_traits,
-                   declare_roles, set_to_zero)
-from .tree import (MaskedNode, PyTree, flatten_matching, leaf_labels, mask_leaves, tree_flatten,
-                   tree_leaves, tree_structure, tree_unflatten)
+from .base import (GradientTransformation, Params, State, Updates, check_state_type,
+                   combine_traits, declare, declare_roles, set_to_zero, step_local_transforms)
+from .tree import (MaskedNode, PyTree, Static, flatten_matching, leaf_labels, mask_leaves,
+                   tree_flatten, tree_leaves, tree_structure, tree_unflatten)
 
 __all__ = [
     "MaskedState",
@@ -21,6 +21,7 @@ __all__ = [
 ]
 
 
+@declare()
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Apply transforms one after another; the state is the tuple of their states.
 
@@ -40,10 +41,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     def update(updates: Updates, state: tuple, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, tuple]:
-        if not isinstance(state, tuple):
-            raise TypeError(f"chain of {len(transforms)} transforms got a state of type "
-                            f"{type(state).__name__}, expected the tuple its init returns "
-                            "(state = tx.init(params)).")
+        check_state_type(state, tuple, f"chain of {len(transforms)} transforms",
+                         "the tuple its init returns (state = tx.init(params))")
         if len(state) != len(transforms):
             raise ValueError(f"chain of {len(transforms)} transforms got a state of "
                              f"{len(state)} entries; was it built by this chain's init?")
@@ -53,10 +52,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    # the links let opttx.Optimizer fold a final constant scale into its write
-    return GradientTransformation(init, update, combine_traits(transforms, links=transforms))
+    return GradientTransformation(init, update, combine_traits(transforms))
 
 
+@declare()
 def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTransformation:
     """`chain` whose state is a dict keyed by the given names (easier to inspect and edit).
 
@@ -90,6 +89,7 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
 class MaskedState(NamedTuple):
     """State of `masked`."""
     inner_state: State  # the inner transform's state over the masked-in leaves only
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles()
 
 
@@ -98,6 +98,7 @@ def _mask_tree(tree: PyTree, keep: list[bool]) -> PyTree:
     return tree_unflatten([x if k else MaskedNode() for x, k in zip(leaves, keep)], spec)
 
 
+@declare()
 def masked(inner: GradientTransformation,
            mask: PyTree | Callable[[Params], PyTree]) -> GradientTransformation:
     """Apply ``inner`` to the leaves where ``mask`` is True; pass the others through unchanged.
@@ -123,6 +124,7 @@ def masked(inner: GradientTransformation,
 
     def update(updates: Updates, state: MaskedState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, MaskedState]:
+        check_state_type(state, MaskedState, "masked")
         keep = keep_of(params if params is not None else updates)
         spec, leaves = flatten_matching(updates)
         masked_params = None if params is None else _mask_tree(params, keep)
@@ -130,11 +132,13 @@ def masked(inner: GradientTransformation,
                                         masked_params, **extra_args)
         new_leaves = iter(tree_leaves(new))
         out = [next(new_leaves) if k else x for x, k in zip(leaves, keep)]
-        return tree_unflatten(out, spec), MaskedState(inner_state=inner_state)
+        return tree_unflatten(out, spec), MaskedState(inner_state=inner_state,
+                                                      made_by=state.made_by)
 
     return GradientTransformation(init, update, combine_traits((inner,)))
 
 
+@declare()
 def freeze(mask: PyTree | Callable[[Params], PyTree]) -> GradientTransformation:
     """Zero the updates of the leaves where ``mask`` is True (those parameters do not move).
 
@@ -153,9 +157,11 @@ def freeze(mask: PyTree | Callable[[Params], PyTree]) -> GradientTransformation:
 class PartitionState(NamedTuple):
     """State of `partition`."""
     inner_states: dict  # label -> MaskedState of that label's transform
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles()
 
 
+@declare()
 def partition(transforms: Mapping[Hashable, GradientTransformation],
               param_labels: PyTree | Callable[[Params], PyTree]) -> GradientTransformation:
     """Apply a different transform to each group of leaves, chosen by a label per leaf.
@@ -192,12 +198,15 @@ def partition(transforms: Mapping[Hashable, GradientTransformation],
 
     def update(updates: Updates, state: PartitionState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, PartitionState]:
+        check_state_type(state, PartitionState, "partition")
         masks = group_masks(params if params is not None else updates)
         new_states = {}
         for name, tx in transforms.items():
-            updates, new_states[name] = masked(tx, masks[name]).update(
+            with step_local_transforms():
+                label_tx = masked(tx, masks[name])
+            updates, new_states[name] = label_tx.update(
                 updates, state.inner_states[name], params, **extra_args)
-        return updates, PartitionState(inner_states=new_states)
+        return updates, PartitionState(inner_states=new_states, made_by=state.made_by)
 
     return GradientTransformation(init, update, combine_traits(tuple(transforms.values())))
 

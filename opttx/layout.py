@@ -31,8 +31,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .base import GradientTransformation, Role, check_init_params, combine_traits, declare_roles
-from .tree import PyTree, tree_flatten, tree_unflatten
+from .base import (GradientTransformation, check_init_params, combine_traits, declare,
+                   declare_roles)
+from .tree import PyTree, Static, tree_flatten, tree_unflatten
 
 __all__ = ["FlatParams", "FlattenState", "flatten"]
 
@@ -40,6 +41,7 @@ __all__ = ["FlatParams", "FlattenState", "flatten"]
 class FlattenState(NamedTuple):
     """State of `flatten`."""
     inner_state: Any   # the inner transform's state over the tuple of flat buffers
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles()
 
 
@@ -56,6 +58,7 @@ def _pack(leaves: list[torch.Tensor], groups: list[list[int]]) -> tuple[torch.Te
                  else leaves[g[0]].reshape(-1) for g in groups)
 
 
+@declare()
 def flatten(inner: GradientTransformation) -> GradientTransformation:
     r"""Run the element-wise transform ``inner`` on one flat buffer per (device, dtype).
 
@@ -106,7 +109,7 @@ def flatten(inner: GradientTransformation) -> GradientTransformation:
             sizes = [leaves[i].numel() for i in g]
             for i, piece in zip(g, torch.split(buf, sizes)):
                 out[i] = piece.view(leaves[i].shape)
-        return tree_unflatten(out, spec), FlattenState(inner_state)
+        return tree_unflatten(out, spec), FlattenState(inner_state, made_by=state.made_by)
 
     return GradientTransformation(init, update, combine_traits((inner,)))
 

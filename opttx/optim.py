@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator, Mapping
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from .base import (GradientTransformation, _foreach_add, _kind, _stochastic_pairs,
-                   round_stochastic_, traits_of)
+from .base import (GradientTransformation, HyperRole, _foreach_add, _kind, _stochastic_pairs,
+                   describe_transform, recipe_of, round_stochastic_)
 from .distributed.checkpoint_keys import (dtensor_placement, keyed_state,
                                           local_entries_as_dtensors, param_paths)
 from .kernels import donating, foreach
 from .tree import PyTree, tree_leaves
 from .transforms.schedule_free import find_schedule_free_states, schedule_free_params_
-from .wrappers import find_injected_states, inject_hyperparams
+from .wrappers import find_injected_states, hyperparameter_roles, inject_all_hyperparams
 
 __all__ = ["Optimizer"]
 
@@ -44,24 +44,26 @@ def _local_pairs(params: list, updates: list) -> tuple[list, list]:
 
 
 SHARED = "shared."   # prefix of a group's shared state entries (on its first parameter)
+TRANSFORM_KEY = "transform"   # the param-group key naming what made the group's state
 
 # torch.optim's names for opttx arguments: constructor keywords and param-group keys
 _TORCH_KEYWORDS = {"lr": ("learning_rate",), "betas": ("b1", "b2"), "alpha": ("decay",)}
-# opttx names that the param groups show under torch's key
-_OPTTX_NAMES = {"learning_rate": "lr", "b1": "betas", "b2": "betas"}
-# opttx float arguments a torch user may write as ints (``lr=1``); made floats so they inject
-_FLOAT_ARGUMENTS = frozenset({"learning_rate", "b1", "b2", "eps", "weight_decay", "momentum",
-                              "decay"})
-# param-group keys that are hyperparameters in torch.optim: writing one that this optimizer
-# cannot apply raises instead of being ignored
-_HYPERPARAMETER_KEYS = frozenset({"lr", "betas", "momentum", "weight_decay", "eps", "alpha",
-                                  "dampening", "lr_decay", "momentum_decay", "decay"})
+# param-group keys of torch.optim that change no number (implementation choices): accepted
+_IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable"})
+# param-group keys of torch.optim that change the numbers: a group that gives one which its
+# transform cannot honour (neither a live hyperparameter nor an argument of its factory)
+# raises instead of ignoring it
+_NUMERIC_KEYS = frozenset({"lr", "betas", "momentum", "weight_decay", "eps", "alpha",
+                           "dampening", "lr_decay", "momentum_decay", "decay", "nesterov",
+                           "amsgrad", "centered", "decoupled_weight_decay", "rho", "lambd",
+                           "t0", "etas", "step_sizes", "initial_accumulator_value",
+                           "weight_decouple", "differentiable"})
 
 
 def _torch_arguments(factory: Callable[..., GradientTransformation],
                      kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` with torch.optim's names (``lr``, ``betas``, ``alpha``) translated to the
-    arguments of ``factory`` and integer hyperparameters made floats."""
+    arguments of ``factory``."""
     accepted = inspect.signature(factory).parameters
     out: dict[str, Any] = {}
     for key, value in kwargs.items():
@@ -78,18 +80,8 @@ def _torch_arguments(factory: Callable[..., GradientTransformation],
         for name, v in zip(names, values):
             if name in out:
                 raise TypeError(f"{name!r} given twice (as {key!r} and {name!r}).")
-            if name in _FLOAT_ARGUMENTS and isinstance(v, int) and not isinstance(v, bool):
-                v = float(v)
             out[name] = v
     return out
-
-
-def _injected(factory: Callable[..., GradientTransformation], kwargs: dict[str, Any],
-              dtype: torch.dtype) -> GradientTransformation:
-    """``factory(**kwargs)`` (torch's names accepted) with its float hyperparameters injected
-    as 0-dim tensors of ``dtype``."""
-    return inject_hyperparams(factory, hyperparam_dtype=dtype)(
-        **_torch_arguments(factory, kwargs))
 
 
 def _hyperparameter_dtype(params: list) -> torch.dtype:
@@ -111,43 +103,124 @@ def _hyperparameter_dtype(params: list) -> torch.dtype:
     return torch.float64 if wide else torch.float32
 
 
-def _exact_values(factory: Callable[..., GradientTransformation],
-                  kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The Python values of the float arguments of ``factory(**kwargs)`` (defaults
-    included) under their param-group keys: what the groups show, not the float32 roundings."""
-    bound = inspect.signature(factory).bind(**_torch_arguments(factory, kwargs))
-    bound.apply_defaults()
-    args = {k: v for k, v in bound.arguments.items()
-            if isinstance(v, float) and not isinstance(v, bool)}
-    out: dict[str, Any] = {}
-    if "b1" in args and "b2" in args:
-        out["betas"] = (args.pop("b1"), args.pop("b2"))
-    for name, value in args.items():
-        out["lr" if name == "learning_rate" else name] = value
+class _Place(NamedTuple):
+    """One injected hyperparameter of a group's state, found by `_places`."""
+    hyperparams: dict           # the injected state's ``hyperparams`` (re-read at each write)
+    name: str
+    role: HyperRole | None
+    schedule: bool
+    given: Any                  # the Python number given at construction, or None
+
+
+def _places(state: Any) -> list[_Place]:
+    """Every injected hyperparameter in ``state``, in the state's order (outermost injected
+    transform first, then the order of its arguments)."""
+    out = []
+    for injected in find_injected_states(state):
+        roles = hyperparameter_roles(injected)
+        for name in injected.hyperparams:
+            role, schedule, given = roles.get(name, (None, False, None))
+            out.append(_Place(injected.hyperparams, name, role, schedule, given))
     return out
 
 
-def _live_hyperparameters(state: Any) -> dict[str, list[tuple[dict, tuple[str, ...]]]]:
-    """Param-group key -> where it lives: per injected state, its ``hyperparams`` dict and
-    the names the key sets there (two for ``"betas"``); torch's key where there is one
-    (``lr``, ``betas``), the opttx name otherwise."""
-    live: dict[str, list[tuple[dict, tuple[str, ...]]]] = {}
-    for injected in find_injected_states(state):
-        h = injected.hyperparams
-        names = set(h)
-        if "b1" in names and "b2" in names:
-            live.setdefault("betas", []).append((h, ("b1", "b2")))
-            names -= {"b1", "b2"}
-        for name in h:
-            if name in names:
-                key = "lr" if name == "learning_rate" else name
-                live.setdefault(key, []).append((h, (name,)))
-    return live
+_ROLE_NAMES = {HyperRole.LEARNING_RATE: "learning_rate", HyperRole.B1: "b1",
+               HyperRole.B2: "b2"}   # shown under the role's key only
 
 
-def _group_value(where: tuple[dict, tuple[str, ...]]) -> Any:
-    values = tuple(where[0][name].item() for name in where[1])
-    return values if len(values) > 1 else values[0]
+def _group_keys(places: list[_Place]) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Param-group key -> per component of its value (two for ``"betas"``), the indices of
+    the places it sets: torch's key for each declared role (``lr``, ``betas`` when both betas
+    are declared, ``momentum``, ``weight_decay``, ``eps``, ``alpha``), and each hyperparameter
+    under its own name too (all places of that name), except a learning rate and the two
+    betas, which torch shows only as ``lr`` and ``betas``."""
+    by_role: dict[HyperRole, list[int]] = {}
+    by_name: dict[str, list[int]] = {}
+    for i, place in enumerate(places):
+        if place.role is not None:
+            by_role.setdefault(place.role, []).append(i)
+        by_name.setdefault(place.name, []).append(i)
+    keys: dict[str, tuple[tuple[int, ...], ...]] = {}
+    for role, idx in by_role.items():
+        if role in (HyperRole.B1, HyperRole.B2):
+            continue
+        keys[role.group_key] = (tuple(idx),)
+    if HyperRole.B1 in by_role and HyperRole.B2 in by_role:
+        keys["betas"] = (tuple(by_role[HyperRole.B1]), tuple(by_role[HyperRole.B2]))
+    shown_as = {HyperRole.LEARNING_RATE: "lr", HyperRole.B1: "betas", HyperRole.B2: "betas"}
+    for name, idx in by_name.items():
+        if name in keys:
+            continue
+        if all(_ROLE_NAMES.get(places[i].role) == name and shown_as[places[i].role] in keys
+               for i in idx):
+            continue            # learning_rate, b1, b2: torch shows them as lr and betas
+        keys[name] = (tuple(idx),)
+    return keys
+
+
+def _place_value(place: _Place) -> Any:
+    return place.given if place.given is not None else place.hyperparams[place.name].item()
+
+
+def _as_transform(tx: Any) -> Any:
+    """A `opttx.MultiSteps` as its `GradientTransformation`; anything else unchanged."""
+    to_transform = getattr(tx, "gradient_transformation", None)
+    if not isinstance(tx, (GradientTransformation, type)) and callable(to_transform) and \
+            hasattr(tx, "init") and hasattr(tx, "update"):
+        return to_transform()
+    return tx
+
+
+def _honour_group_keys(tx: GradientTransformation, group: dict, given: set[str]
+                       ) -> tuple[GradientTransformation, set[str]]:
+    """``tx`` rebuilt with the group keys that are configuration arguments of its factory
+    (``nesterov``, ``amsgrad``, torch's names translated), and the keys so honoured."""
+    recipe = recipe_of(tx)
+    honoured: set[str] = set()
+    if recipe is None:
+        return tx, honoured
+    changes: dict[str, Any] = {}
+    for key in given:
+        names = _TORCH_KEYWORDS.get(key, (key,))
+        if not all(n in recipe.arguments and n not in recipe.declaration.hyperparams
+                   for n in names):
+            continue
+        value = group[key]
+        values = tuple(value) if len(names) > 1 else (value,)
+        for name, v in zip(names, values):
+            current = recipe.arguments[name]
+            if not (type(current) is type(v) and current == v):
+                changes[name] = v
+        honoured.add(key)
+    return (recipe.rebuild(**changes) if changes else tx), honoured
+
+
+def _check_unhonoured_key(key: str, value: Any, tx: GradientTransformation) -> None:
+    """Refuse a group key of torch.optim that changes the numbers and that the group's
+    transform neither has as a hyperparameter nor as an argument (``maximize`` and the
+    implementation flags are honoured by the Optimizer itself)."""
+    if key in _IMPLEMENTATION_KEYS or key == "maximize" or key not in _NUMERIC_KEYS:
+        return
+    if key == "differentiable" and not value:
+        return
+    raise ValueError(f"param group key {key!r} cannot take effect: this group's transform, "
+                     f"{describe_transform(tx, values=False)}, declares no hyperparameter "
+                     f"with that role and its factory no argument of that name (see "
+                     f"opttx.declare). Drop the key, or use a transform that has it.")
+
+
+def _write_place(place: _Place, value: Any, ratio: float, share: bool) -> None:
+    """Set one injected hyperparameter to ``value * ratio``."""
+    h, name = place.hyperparams, place.name
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and share and ratio == 1.0 and \
+            value.device == h[name].device:
+        # the state holds the group's tensor itself: a scheduler's in-place
+        # ``group["lr"].fill_(x)`` is the state's value at once
+        h[name] = value
+    elif isinstance(value, torch.Tensor):
+        h[name].copy_(value * ratio)
+    else:
+        h[name].fill_(value * ratio)
 
 
 class _Group(dict):
@@ -160,6 +233,8 @@ class _Group(dict):
 
     def __setitem__(self, key: str, value: Any) -> None:
         if self._owner is not None:
+            if self._owner._write_by_name(self._slot, key, value):
+                return        # an opttx name shown under torch's key (b1 -> betas)
             self._owner._write_hyperparameter(self._slot, key, value)
         super().__setitem__(key, value)
 
@@ -174,11 +249,11 @@ class _Group(dict):
 
     def __missing__(self, key: str) -> Any:
         if key == "lr" and self._owner is not None:
-            raise KeyError("'lr': this param group's transform has no learning rate that can "
-                           "be changed (no injected hyperparameter and no constant final "
-                           "scale). Build the Optimizer from the alias itself, e.g. "
-                           "opttx.Optimizer(params, opttx.adamw, lr=1e-3), or pass "
-                           "opttx.inject_hyperparams(alias)(...).")
+            raise KeyError("'lr': this param group's transform declares no learning rate: "
+                           "none of its factories declares a hyperparameter with the role "
+                           "HyperRole.LEARNING_RATE (a transform without a step size, such as "
+                           "clip_by_global_norm alone, or one built from an (init, update) "
+                           "pair; decorate its factory with opttx.declare).")
         raise KeyError(key)
 
     def __reduce_ex__(self, protocol: Any) -> tuple:
@@ -251,32 +326,50 @@ class Optimizer(torch.optim.Optimizer):
     memory is that of the transform's state plus its temporaries, as torch's foreach
     optimizers.
 
-    **Hyperparameters and LR schedulers.** Pass the alias itself with its arguments, torch's
-    names accepted (``lr`` for ``learning_rate``, ``betas`` for ``(b1, b2)``, ``alpha`` for
-    ``decay``): ``Optimizer(params, opttx.adamw, lr=1e-3, betas=(0.9, 0.95),
-    weight_decay=0.1)``. Its float hyperparameters are then injected (`opttx.inject_hyperparams`,
-    as float32 0-dim tensors, float64 for a model with float64 parameters) and live in
-    every param group under torch's keys (``"lr"``,
-    ``"betas"``, ``"weight_decay"``, ``"eps"``, ``"momentum"``, ...) and in ``defaults``.
-    Writing a group key (a torch or HF LR scheduler, a hand-written warm-up, OneCycleLR or
-    CyclicLR cycling ``betas``/``momentum``) writes the value into the state at once; a
-    per-group value in a param-group dict applies to that group; a 0-dim tensor ``lr`` is
-    shared with the state, so a scheduler's in-place ``fill_`` applies too. A transform built
-    with `opttx.inject_hyperparams` behaves the same. A transform built with fixed numbers
-    shows ``"lr"`` when it ends in a constant learning rate (every alias given a float lr):
-    the group's ``lr`` then replaces that final scale; a key it cannot apply (``lr`` of a
-    chain not ending in a constant scale, ``weight_decay`` of a built ``adamw``) raises
-    instead of being ignored.
+    **Hyperparameters and LR schedulers.** Give the transform built (``Optimizer(params,
+    opttx.adamw(1e-3, weight_decay=0.1))``, any chain or wrapper of declared transforms) or
+    the alias with its arguments, torch's names accepted (``lr`` for ``learning_rate``,
+    ``betas`` for ``(b1, b2)``, ``alpha`` for ``decay``): ``Optimizer(params, opttx.adamw,
+    lr=1e-3, betas=(0.9, 0.95))``; the two are the same optimizer. The transform is rebuilt
+    from its recipe with every hyperparameter its factories *declare* injected
+    (`opttx.inject_all_hyperparams`; float32 0-dim tensors, float64 for a model with float64
+    parameters), and each param group shows them under torch's keys, read from their declared
+    roles (`opttx.HyperRole`): ``"lr"``, ``"betas"``, ``"momentum"``, ``"weight_decay"``,
+    ``"eps"``, ``"alpha"``, and every other hyperparameter under its own name
+    (``"eps_root"``, ``"adam_learning_rate"``, ``"max_norm"`` of a ``clip_by_global_norm``
+    link). A key shows the value given at construction. Writing a group key (a torch or HF LR
+    scheduler, a hand-written warm-up, OneCycleLR or CyclicLR cycling ``betas`` /
+    ``momentum``) writes the value into the state at once; a per-group value in a
+    param-group dict applies to that group.
 
-    **torch.compile.** ``torch.compile(opt.step)`` (``fullgraph=True`` works, LR scheduler
-    attached) is one graph; the hyperparameters are tensor inputs, so a scheduler changing
-    them recompiles nothing. Donation (`opttx.donating`) is an eager-mode saving and is
-    off in the compiled step.
+    *Several learning rates* (muon's ``adam_learning_rate``, a partition's links, a chain
+    with two scaled links): ``"lr"`` shows the first in the transform's order (a chain's first
+    link that has one, a partition's first label) and writing it sets every learning rate,
+    each keeping its ratio to the first as given at construction (all of them to the value
+    when the first was 0); each also has its own key. Writing another role key
+    (``weight_decay`` of two links) sets every hyperparameter of that role to the value. A
+    0-dim tensor ``lr`` is shared with the state, so a scheduler's in-place ``fill_`` applies
+    too (refused when the group has several learning rates: they could not follow it). A
+    hyperparameter given as a schedule shows its current value and cannot be written.
+
+    *Other group keys.* A key that is an argument of the transform's factory but not a
+    hyperparameter (``nesterov``, ``amsgrad``, ``centered``) rebuilds that group's transform
+    with it; ``maximize=True`` steps along the gradient (as torch); ``foreach``, ``fused`` and
+    ``capturable`` change no number and are accepted; any other key of torch.optim that the
+    transform cannot honour raises instead of being ignored. Keys of your own are kept.
+
+    **torch.compile.** ``torch.compile(opt.step)`` is one graph (also without
+    ``fullgraph=True``, and with an LR scheduler attached); the hyperparameters are tensor
+    inputs, so a scheduler changing them recompiles nothing. Donation (`opttx.donating`) is
+    an eager-mode saving and is off in the compiled step.
 
     **torch.optim's contract.** State-dict and load-state-dict hooks and step hooks run; a
     state dict saved from ``named_parameters()`` loads into one built from ``parameters()``
-    and back; an optimizer built from an alias pickles (it is rebuilt from the alias and its
-    arguments). ``optimizer.state[p]`` holds the parameter's entries of the transform state
+    and back; the optimizer pickles and deep-copies (declared transforms are rebuilt from
+    their recipes). Each group's ``"transform"`` key names the transform and configuration
+    that made its state (`opttx.describe_transform`): `load_state_dict` refuses a state dict
+    made by another one before writing anything, naming both. ``optimizer.state[p]`` holds
+    the parameter's entries of the transform state
     under their field paths (``"inner_state.0.mu"``, not torch's ``"exp_avg"``):
     ``torch.distributed.checkpoint``'s state-dict helpers read ``optimizer.state``, so extra
     names there would be saved twice, and the field paths name every transform alike (a
@@ -339,33 +432,36 @@ class Optimizer(torch.optim.Optimizer):
         if isinstance(params, torch.Tensor):
             raise TypeError("params argument given to the optimizer should be an iterable of "
                             "Tensors or dicts, but got " + torch.typename(params))
-        self._recipe: tuple[Callable[..., GradientTransformation], dict, torch.dtype] | None = \
-            None
         params = list(params) if params is not None else params   # torch's error on None
         if params:                # a group's params given as a generator are read once, here
             kept = (torch.Tensor, list, tuple, set, frozenset)   # sets: torch's error
             params = [dict(g, params=list(g["params"])) if isinstance(g, dict) and
                       not isinstance(g.get("params", []), kept) else g for g in params]
+        tx = _as_transform(tx)
         if isinstance(tx, GradientTransformation):
             if hyperparameters:
                 raise TypeError(f"Hyperparameter keywords {sorted(hyperparameters)} are for a "
                                 "factory (opttx.Optimizer(params, opttx.adamw, lr=1e-3)); this "
                                 "transform is already built.")
         elif callable(tx):
-            dtype = _hyperparameter_dtype(params) if params is not None else torch.float32
-            self._recipe = (tx, dict(hyperparameters), dtype)
+            factory = tx
             try:
-                tx = _injected(tx, hyperparameters, dtype)
+                tx = factory(**_torch_arguments(factory, hyperparameters))
             except TypeError as e:
-                name = getattr(tx, "__name__", "the factory")
+                name = getattr(factory, "__name__", "the factory")
                 raise TypeError(f"{name} is given to the Optimizer as a factory, to be called "
                                 f"with the hyperparameter keywords (opttx.Optimizer(params, "
                                 f"opttx.adamw, lr=1e-3)); pass them, or a built "
                                 f"GradientTransformation: {e}") from None
+            tx = _as_transform(tx)
+            if not isinstance(tx, GradientTransformation):
+                raise TypeError(f"{getattr(factory, '__name__', factory)} returned a "
+                                f"{type(tx).__name__}, not a GradientTransformation.")
         else:
             raise TypeError(f"tx must be a GradientTransformation or a function returning "
                             f"one (an alias such as opttx.adamw), got {type(tx).__name__}.")
-        self.tx = tx
+        self.tx = tx                       # as built; each group runs it with live hyperparams
+        self._dtype = _hyperparameter_dtype(params) if params is not None else torch.float32
         self.stochastic_rounding = stochastic_rounding
         self.generator = generator
         self._tx_states: list[Any] = []
@@ -373,9 +469,9 @@ class Optimizer(torch.optim.Optimizer):
         self._state_extras: dict[Any, Any] = {}   # ``state`` entries not keyed by a parameter
         self._tree_names: list[list[str] | None] = []   # per state: its tree's names, if any
         self._slot_groups: list[_Group] = []       # the group of each transform state
-        self._live: list[frozenset[str]] = []      # group keys that set injected values
-        self._lr_is_scale: list[bool] = []         # lr applied as the final constant scale
-        self._lr_values: list[torch.Tensor] = []   # that lr as a float32 0-dim tensor
+        self._keys: list[dict[str, tuple[tuple[int, ...], ...]]] = []   # live group keys
+        self._ratios: list[dict[int, float]] = []  # per learning rate: its ratio to the first
+        self._honoured: list[frozenset[str]] = []  # group keys built into the transform
         params = list(params)     # None: torch's TypeError
         if _is_named(params):
             params = [{"params": [p for _, p in params],
@@ -387,26 +483,14 @@ class Optimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         # torch.optim.Optimizer keeps only defaults, state and param_groups: the transform and
-        # its states would be dropped silently (copy.deepcopy, pickle). Keep everything; the
-        # live ``state`` view is rebuilt on the copy. An optimizer built from a factory is
-        # saved with its recipe instead of the transform (closures do not pickle).
+        # its states would be dropped silently (copy.deepcopy, pickle). Keep everything (the
+        # transforms pickle through their recipes); the live ``state`` view is rebuilt.
         out = dict(self.__dict__)
         out.pop("state", None)
-        if self._recipe is not None:
-            out["tx"] = None
-            groups = {id(g): _Group({k: (None if v is self.tx else v) for k, v in g.items()})
-                      for g in self.param_groups}
-            out["param_groups"] = [groups[id(g)] for g in self.param_groups]
-            out["_slot_groups"] = [groups[id(g)] for g in self._slot_groups]
         return out
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        if self._recipe is not None and self.tx is None:
-            self.tx = _injected(*self._recipe)
-            for group in self._slot_groups:
-                if group.get("tx", self) is None:
-                    dict.__setitem__(group, "tx", self.tx)
         for slot, group in enumerate(self._slot_groups):
             group._owner, group._slot = self, slot
         self.state = _ParamStates(self)
@@ -448,109 +532,136 @@ class Optimizer(torch.optim.Optimizer):
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
         param_group = _Group(self._name_group(param_group))
-        given = set(param_group) - {"params", "param_names", "tx"}
-        tx = param_group.setdefault("tx", self.tx)
-        if not isinstance(tx, GradientTransformation):
+        given = set(param_group) - {"params", "param_names", "tx", TRANSFORM_KEY}
+        built = _as_transform(param_group.get("tx", self.tx))
+        if not isinstance(built, GradientTransformation):
             raise TypeError(f"param group 'tx' must be a GradientTransformation, got "
-                            f"{type(tx).__name__}.")
+                            f"{type(built).__name__}.")
+        built, honoured = _honour_group_keys(built, param_group, given)
+        tx = inject_all_hyperparams(built, self._dtype)
+        dict.__setitem__(param_group, "tx", tx)
         super().add_param_group(param_group)   # fills in torch's checks and the defaults
         group = param_group
         with torch.no_grad():
             tree = self._tree(group, [p.detach() for p in group["params"]])
             state = tx.init(tree)
-        live = _live_hyperparameters(state)
-        initial = {key: _group_value(places[0]) for key, places in live.items()}
-        if self._recipe is not None and tx is self.tx:
-            exact = _exact_values(*self._recipe[:2])
-            initial.update({k: v for k, v in exact.items() if k in initial})
-        factor = self._final_scale(tx)
-        lr_is_scale = "lr" not in live and factor is not None and factor < 0
-        if lr_is_scale:
-            initial["lr"] = -factor
+        places = _places(state)
+        keys = _group_keys(places)
+        initial = {key: (tuple(_place_value(places[c[0]]) for c in comps) if len(comps) > 1
+                         else _place_value(places[comps[0][0]]))
+                   for key, comps in keys.items()}
         for key in given:
-            if key in _HYPERPARAMETER_KEYS and key not in initial:
-                raise ValueError(self._not_live(key))
-        for key in set(group) - given - {"params", "param_names", "tx"}:
+            if key not in keys and key not in honoured:
+                _check_unhonoured_key(key, group[key], tx)
+        for key in set(group) - given - {"params", "param_names", "tx", TRANSFORM_KEY}:
             if key not in initial:
                 dict.pop(group, key)           # a default of another group's transform
         for key, value in initial.items():
             if key not in given:
                 dict.__setitem__(group, key, value)
+        dict.__setitem__(group, TRANSFORM_KEY, describe_transform(tx, values=False))
         if not self.defaults:
             self.defaults.update(initial)
+        lr_places = keys.get("lr", ((),))[0]
+        first = _place_value(places[lr_places[0]]) if lr_places else 0.0
         slot = len(self._tx_states)
         self._tx_states.append(state)
         self._slot_groups.append(group)
         self._tree_names.append(list(group["param_names"]) if "param_names" in group else None)
-        self._live.append(frozenset(live))
-        self._lr_is_scale.append(lr_is_scale)
-        self._lr_values.append(torch.tensor(float(group["lr"]) if lr_is_scale else 0.0,
-                                            dtype=torch.float32))
+        self._keys.append(keys)
+        self._ratios.append({i: (_place_value(places[i]) / first if first else 1.0)
+                             for i in lr_places})
+        self._honoured.append(frozenset(honoured))
         group._owner, group._slot = self, slot
         if find_schedule_free_states(state):
             dict.__setitem__(group, "train_mode", True)    # see `train` and `eval`
-        for key in given & set(initial):
+        for key in given & set(keys):
             self._write_hyperparameter(slot, key, group[key])
-
-    @staticmethod
-    def _not_live(key: str) -> str:
-        return (f"param group key {key!r} cannot take effect: this group's transform was built "
-                f"with fixed hyperparameters (no injected {key!r}). Build the Optimizer from "
-                f"the alias itself, e.g. opttx.Optimizer(params, opttx.adamw, lr=1e-3, "
-                f"weight_decay=0.1), or pass opttx.inject_hyperparams(alias)(...).")
-
-    @staticmethod
-    def _final_scale(tx: GradientTransformation) -> float | None:
-        links = traits_of(tx).links
-        factor = traits_of(links[-1]).constant_scale if links else None
-        if not isinstance(factor, (int, float)) or isinstance(factor, bool):
-            return None
-        return float(factor)
 
     @torch.no_grad()
     def _check_hyperparameter(self, slot: int, key: str, value: Any) -> None:
-        """Refuse a value of a live group key (``lr``, ``betas``, ...) that is not a number
-        or a real tensor, naming the key (before: a bare error from ``float()`` or
-        ``fill_``)."""
-        if key in self._live[slot] or (key == "lr" and self._lr_is_scale[slot]):
-            for v in (tuple(value) if key == "betas" and isinstance(value, (tuple, list))
-                      else (value,)):
+        """Refuse a value of a group key that this group cannot take, naming the key: a live
+        hyperparameter that is not a number or a real 0-dim tensor (or that follows a
+        schedule), a configuration key changed after the group was built, a key of
+        torch.optim that the transform cannot honour."""
+        keys = self._keys[slot]
+        if key in keys:
+            comps = keys[key]
+            values = tuple(value) if len(comps) > 1 and isinstance(value, (tuple, list)) \
+                else (value,)
+            if len(values) != len(comps):
+                raise ValueError(f"param group {key!r} must have {len(comps)} values, got "
+                                 f"{value!r}.")
+            for v in values:
                 number = isinstance(v, (int, float)) and not isinstance(v, bool)
                 real = isinstance(v, torch.Tensor) and not v.is_complex() and \
                     v.dtype != torch.bool
                 if not (number or real):
                     raise TypeError(f"param group {key!r} must be a number or a 0-dim tensor, "
                                     f"got {type(v).__name__} {v!r:.40}.")
+            places = _places(self._tx_states[slot])
+            for comp in comps:
+                for i in comp:
+                    if places[i].schedule:
+                        raise ValueError(
+                            f"param group {key!r}: {places[i].name} follows the schedule "
+                            "it was given at construction, so it cannot also be set (by a "
+                            "torch LR scheduler or by hand); give it as a number instead.")
+            if key == "lr" and len(comps[0]) > 1 and isinstance(value, torch.Tensor):
+                raise ValueError(
+                    "param group 'lr': this group has several learning rates "
+                    f"({', '.join(places[i].name for i in comps[0])}) that follow 'lr' at "
+                    "their ratios; a tensor lr would be shared with the first only (an "
+                    "in-place change would leave the others behind). Give lr as a number, or "
+                    "set each learning rate by its own key.")
+        elif key in self._honoured[slot]:
+            if value != self._slot_groups[slot].get(key, value):
+                raise ValueError(
+                    f"param group {key!r} is a configuration argument of this group's "
+                    "transform, built into it when the group was added; it cannot change "
+                    "afterwards. Add a new param group, or build a new Optimizer.")
+        elif key in _NUMERIC_KEYS:
+            _check_unhonoured_key(key, value, self._slot_groups[slot]["tx"])
+
+    def _write_by_name(self, slot: int, name: str, value: Any) -> bool:
+        """``group[name] = value`` for a hyperparameter that the group shows under torch's key
+        only (``learning_rate`` as ``lr``, ``b1``/``b2`` in ``betas``; as older state dicts
+        name them): set it by name, show the new value under torch's key. False when ``name``
+        is not such a hyperparameter."""
+        keys = self._keys[slot]
+        if name in keys:
+            return False
+        places = _places(self._tx_states[slot])
+        hidden = [i for i, p in enumerate(places) if p.name == name]
+        if not hidden:
+            return False
+        for key, comps in keys.items():
+            for c, comp in enumerate(comps):
+                if any(i in comp for i in hidden):
+                    shown = self._slot_groups[slot][key]
+                    values = list(shown) if len(comps) > 1 else [shown]
+                    values[c] = value
+                    self._check_hyperparameter(slot, key,
+                                               tuple(values) if len(comps) > 1 else value)
+                    dict.__setitem__(self._slot_groups[slot], key,
+                                     tuple(values) if len(comps) > 1 else value)
+        for i in hidden:
+            _write_place(places[i], value, 1.0, share=False)
+        return True
 
     def _write_hyperparameter(self, slot: int, key: str, value: Any) -> None:
         """Apply ``group[key] = value`` to the transform state of group ``slot`` (called by
         the group as it is written)."""
         self._check_hyperparameter(slot, key, value)
-        if key in self._live[slot]:
-            places = _live_hyperparameters(self._tx_states[slot])[key]
-            values = tuple(value) if key == "betas" else (value,)
-            if len(values) != len(places[0][1]):
-                raise ValueError(f"param group {key!r} must have {len(places[0][1])} values, "
-                                 f"got {value!r}.")
-            for hyperparams, names in places:
-                for name, v in zip(names, values):
-                    if isinstance(v, torch.Tensor) and v.dim() == 0 and \
-                            v.device == hyperparams[name].device:
-                        # the state holds the group's tensor itself: a scheduler's in-place
-                        # ``group["lr"].fill_(x)`` is the state's value at once
-                        hyperparams[name] = v
-                    elif isinstance(v, torch.Tensor):
-                        hyperparams[name].copy_(v)
-                    else:
-                        hyperparams[name].fill_(v)
-        elif key == "lr" and self._lr_is_scale[slot]:
-            if isinstance(value, torch.Tensor):
-                raise ValueError("a tensor 'lr' needs an injected learning rate: build the "
-                                 "Optimizer from the alias (opttx.Optimizer(params, "
-                                 "opttx.adamw, lr=torch.tensor(1e-3))).")
-            self._lr_values[slot].fill_(float(value))
-        elif key in _HYPERPARAMETER_KEYS:
-            raise ValueError(self._not_live(key))
+        comps = self._keys[slot].get(key)
+        if comps is None:
+            return
+        places = _places(self._tx_states[slot])
+        values = tuple(value) if len(comps) > 1 else (value,)
+        for comp, v in zip(comps, values):
+            for i in comp:
+                ratio = self._ratios[slot].get(i, 1.0) if key == "lr" else 1.0
+                _write_place(places[i], v, ratio, share=len(comp) == 1)
 
     # -- Schedule-Free: train() and eval() ------------------------------------------------------
 
@@ -612,54 +723,30 @@ class Optimizer(torch.optim.Optimizer):
             state = self._tx_states[slot]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             param_tree = self._tree(group, [p.detach() for p in params])
-            lr = None
-            if self._lr_is_scale[slot]:
-                # compiled: the group's lr as a tensor input (a float would be a constant
-                # of the graph, recompiled at every change)
-                lr = self._lr_values[slot] if torch.compiler.is_compiling() else group["lr"]
+            if group.get("maximize", False) and "maximize" not in self._honoured[slot]:
+                grads = foreach("neg", grads)     # torch's maximize: ascend the gradient
             if torch.compiler.is_compiling():
                 # donation is an eager memory saving (Dynamo cannot enter its ContextVar;
                 # under compile the graph reuses buffers itself)
-                updates, state, factor = self._run(group["tx"], self._tree(group, grads),
-                                                   state, param_tree, lr)
+                updates, state = group["tx"].update(self._tree(group, grads), state,
+                                                    param_tree)
             else:
                 with donating():
-                    updates, state, factor = self._run(group["tx"], self._tree(group, grads),
-                                                       state, param_tree, lr)
+                    updates, state = group["tx"].update(self._tree(group, grads), state,
+                                                        param_tree)
             self._tx_states[slot] = state
             moved, deltas = _local_pairs(
                 [p for p, g in zip(params, has_grad) if g],
                 [u for u, g in zip(tree_leaves(updates), has_grad) if g])
-            if isinstance(factor, torch.Tensor):
-                deltas = foreach("mul", deltas, factor)
-                factor = 1.0
             if self.stochastic_rounding:
-                sr_p, sr_u, moved, deltas = _stochastic_pairs(moved, deltas, factor)
+                sr_p, sr_u, moved, deltas = _stochastic_pairs(moved, deltas)
                 for p, u in zip(sr_p, sr_u):
                     round_stochastic_(p, p.float() + u.float(), self.generator)
             else:
                 deltas = [u.to(p.dtype) for p, u in zip(moved, deltas)]
             if moved:
-                _foreach_add(moved, deltas, inplace=True, alpha=factor)
+                _foreach_add(moved, deltas, inplace=True)
         return loss
-
-    @classmethod
-    def _run(cls, tx: GradientTransformation, grads: PyTree, state: Any,
-             params: PyTree, lr: float | None = None) -> tuple[PyTree, Any, float]:
-        """``tx.update``, except that a chain ending in a constant `opttx.scale` (every alias
-        with a fixed learning rate) stops before it and returns the factor, so the write
-        ``p += factor · u`` does the scaling in the same pass (as torch's ``addcdiv_``).
-        ``lr`` (the group's, for such a chain) replaces the factor by ``-lr``."""
-        factor = cls._final_scale(tx)
-        if factor is None:
-            updates, state = tx.update(grads, state, params)
-            return updates, state, 1.0
-        links = traits_of(tx).links
-        new_state = list(state)
-        updates = grads
-        for i, link in enumerate(links[:-1]):
-            updates, new_state[i] = link.update(updates, state[i], params)
-        return updates, tuple(new_state), (factor if lr is None else -lr)
 
     # -- inspection and checkpoints --------------------------------------------------------------
 
@@ -787,6 +874,12 @@ class Optimizer(torch.optim.Optimizer):
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(f"param group {index} has {len(group['params'])} params, "
                              f"the state_dict {len(saved['params'])}.")
+        theirs, mine = saved.get(TRANSFORM_KEY), group.get(TRANSFORM_KEY)
+        if isinstance(theirs, str) and theirs != mine:
+            raise ValueError(f"state_dict of param group {index} was made by {theirs}, but "
+                             f"this group's transform is {mine}: a state of another "
+                             "transform or configuration cannot be loaded (nothing was "
+                             "written). Build the Optimizer with the transform that saved it.")
         current = self._group_entries(group._slot)
         given = [dict(state.get(key, {})) for key in saved["params"]]
         if given and current:
@@ -816,7 +909,7 @@ class Optimizer(torch.optim.Optimizer):
                                      f"{tuple(value.shape)} {value.dtype}, expected "
                                      f"{tuple(leaf.shape)} {leaf.dtype}.")
         for key, value in saved.items():
-            if key not in ("params", "tx", "param_names"):
+            if key not in ("params", "tx", "param_names", TRANSFORM_KEY):
                 self._check_hyperparameter(group._slot, key, value)
         return group, saved, current, given
 
@@ -830,16 +923,18 @@ class Optimizer(torch.optim.Optimizer):
                 src = value.to_local() if hasattr(value, "to_local") else value
                 if src is not dst:
                     dst.copy_(src)
-        live = _live_hyperparameters(self._tx_states[group._slot])
+        keys = self._keys[group._slot]
         for key, value in saved.items():
-            if key in ("params", "tx", "param_names"):
+            if key in ("params", "tx", "param_names", TRANSFORM_KEY):
                 continue
-            if _OPTTX_NAMES.get(key) in live:
-                continue        # an older state dict's opttx name of a live torch key
-            group[key] = value
-        for key, places in live.items():
+            if key not in saved or not self._write_by_name(group._slot, key, value):
+                group[key] = value
+        places = _places(self._tx_states[group._slot])
+        for key, comps in keys.items():
             if key not in saved:        # the state just loaded holds its value
-                dict.__setitem__(group, key, _group_value(places[0]))
+                values = tuple(places[c[0]].hyperparams[places[c[0]].name].item()
+                               for c in comps)
+                dict.__setitem__(group, key, values if len(values) > 1 else values[0])
         if "param_names" in saved and "param_names" not in group:
             group["param_names"] = list(saved["param_names"])   # as torch keeps them
 

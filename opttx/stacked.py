@@ -52,9 +52,9 @@ from typing import Any, NamedTuple
 import torch
 from torch.func import vmap
 
-from .base import (REDUCER_KEY, TOTALS_KEY, GradientTransformation, Role, Traits,
-                   check_init_params, current_reducer, declare_roles, traits_of)
-from .tree import MaskedNode, PyTree, tree_flatten, tree_map, tree_unflatten
+from .base import (GradientTransformation, REDUCER_KEY, TOTALS_KEY, Traits,
+                   check_init_params, current_reducer, declare, declare_roles, traits_of)
+from .tree import MaskedNode, PyTree, Static, tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["StackedParams", "StackedState", "stacked"]
 
@@ -247,6 +247,7 @@ class StackedState(NamedTuple):
     inner_states: tuple   # per stack length L (in order of first appearance): the inner state
                           # over the leaves of that length (the others `MaskedNode`), every
                           # leaf of it stacked along dim 0
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles()
 
 
@@ -304,6 +305,7 @@ def _part(tree: PyTree | None, idx: list[int]) -> PyTree | None:
                            else MaskedNode() for i, x in enumerate(leaves)], spec)
 
 
+@declare()
 def stacked(inner: GradientTransformation) -> GradientTransformation:
     r"""Apply the per-leaf transform ``inner`` to every slice along dim 0 of every leaf.
 
@@ -381,7 +383,7 @@ def stacked(inner: GradientTransformation) -> GradientTransformation:
             for i, x in zip(idx, tree_flatten(u)[0]):
                 out[i] = x.view(leaves[i].shape)
             new_states.append(s)
-        return tree_unflatten(out, spec), StackedState(tuple(new_states))
+        return tree_unflatten(out, spec), StackedState(tuple(new_states), made_by=state.made_by)
 
     inner_traits = traits_of(inner)
     return GradientTransformation(init, update, Traits(elementwise=inner_traits.elementwise,

@@ -15,6 +15,7 @@ Two conventions differ from JAX and are worth knowing:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -27,6 +28,7 @@ PyTree = Any
 __all__ = [
     "MaskedNode",
     "PyTree",
+    "Static",
     "assert_same_structure",
     "find_instances",
     "mark_static_",
@@ -61,6 +63,29 @@ class MaskedNode(NamedTuple):
     It has no children, so flattening a masked tree skips it and a transform never sees it,
     while the tree keeps the structure of the full parameter tree.
     """
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """A value kept in a tree's *structure*, not in its leaves: a node without children whose
+    ``value`` (hashable: strings, numbers, tuples) is part of the tree spec.
+
+    States use it for what describes them without being data: which transform and
+    configuration made them (``made_by``), the roles of injected hyperparameters. Flattening,
+    ``torch.cond``, ``vmap``, grouped kernels and checkpoints see no tensor in it; comparing
+    two tree specs compares the values; ``torch.compile`` treats it as a constant (no
+    recompile while it is unchanged), and ``torch.load(weights_only=True)`` accepts it.
+    """
+
+    value: Any = None
+
+    def __reduce__(self) -> tuple:
+        return (Static, (self.value,))
+
+
+_pytree.register_pytree_node(
+    Static, lambda node: ([], node.value), lambda _, value: Static(value),
+    flatten_with_keys_fn=lambda node: ([], node.value), serialized_type_name="opttx.Static")
 
 
 # ---------------------------------------------------------------------------------------------

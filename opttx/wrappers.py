@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
 import inspect
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
 
 import torch
 
 from ._checks import check_positive_int
-from .base import (GradientTransformation, Params, Role, State, Updates, combine_traits,
-                   current_reducer, declare_roles, reduce_across_leaves, safe_increment,
-                   zero_count)
-from .kernels import donating, foreach, foreach_axpy, keeping_state
-from .tree import (PyTree, find_instances, flatten_matching, stats_like, tree_cond,
+from .base import (Declaration, GradientTransformation, HyperRole, Params, Recipe, Role, State,
+                   Updates, _describe, _public_name, check_made_by, check_state_type,
+                   combine_traits, current_reducer, declaration_of, declare, declare_roles,
+                   recipe_of, reduce_across_leaves, safe_increment, step_local_transforms,
+                   traits_of, zero_count)
+from .kernels import foreach, foreach_axpy, keeping_state
+from .tree import (PyTree, Static, find_instances, flatten_matching, stats_like, tree_cond,
                    tree_leaves, tree_map, tree_unflatten)
 
 __all__ = [
@@ -22,7 +24,12 @@ __all__ = [
     "MultiSteps",
     "MultiStepsState",
     "apply_if_finite",
+    "hyperparameter_roles",
+    "InjectedHyperparameter",
+    "inject_all_hyperparams",
     "inject_hyperparams",
+    "injected",
+    "multi_steps",
     "set_hyperparams_",
 ]
 
@@ -37,7 +44,28 @@ class InjectHyperparamsState(NamedTuple):
     count: torch.Tensor                 # shape (), int32: steps taken (the schedules' argument)
     hyperparams: dict[str, torch.Tensor]  # name -> 0-dim tensor: current value of each
     inner_state: State                  # the wrapped transform's state
+    roles: Static = Static()  # ((name, HyperRole value or None, is a schedule, value given), ...)
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, hyperparams=Role.SCALAR)
+
+
+class InjectedHyperparameter(NamedTuple):
+    """What `hyperparameter_roles` says of one injected hyperparameter."""
+    role: HyperRole | None   # as the factory declared it (None: none, or undeclared factory)
+    schedule: bool           # it follows a schedule of the step count (not settable)
+    given: Any               # the value given at construction (a Python number, or None)
+
+
+def hyperparameter_roles(state: InjectHyperparamsState) -> dict[str, InjectedHyperparameter]:
+    """``name ->`` `InjectedHyperparameter` of the injected hyperparameters of ``state``, as
+    the factory declared them (`opttx.declare`)."""
+    return {name: InjectedHyperparameter(HyperRole(role) if role is not None else None,
+                                         schedule, given)
+            for name, role, schedule, given in (state.roles.value or ())}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _is_injectable(value: Any) -> bool:
@@ -49,15 +77,19 @@ def _is_injectable(value: Any) -> bool:
 
 
 def _is_schedule(value: Any, name: str | None = None) -> bool:
-    """A function of the step count alone: callable with one positional argument. Callables
-    that need more stay Python values (Adafactor's ``decay_rate_fn(step, exponent)``), and so
-    do functions passed as an argument whose ``name`` says it is a mask, labels or axes
-    (functions of the params); another function of one argument that is not a schedule is named in
-    ``static_args``."""
+    """For an undeclared factory: a function of the step count alone (callable with one
+    positional argument). Callables that need more stay Python values (Adafactor's
+    ``decay_rate_fn(step, exponent)``), and so do functions passed as an argument whose
+    ``name`` says it is a mask, labels or axes (functions of the params); another function of
+    one argument that is not a schedule is named in ``static_args``."""
     if not callable(value) or isinstance(value, GradientTransformation):
         return False
     if name is not None and any(word in name for word in ("mask", "label", "axes")):
         return False            # a function of the params (adamw's mask=, muon's matrix_axes=)
+    return _takes_one_argument(value)
+
+
+def _takes_one_argument(value: Any) -> bool:
     try:
         inspect.signature(value).bind(0)
     except TypeError:
@@ -65,6 +97,113 @@ def _is_schedule(value: Any, name: str | None = None) -> bool:
     except ValueError:          # no signature (a builtin): assume a schedule
         return True
     return True
+
+
+def _split_arguments(inner_factory: Callable[..., GradientTransformation], arguments: dict,
+                     static: tuple[str, ...]) -> tuple[dict, dict, dict]:
+    """``(schedules, numbers, other)``: the arguments of ``inner_factory`` to inject as
+    schedules evaluated every step, as 0-dim tensors, and to keep as Python values.
+
+    A declared factory (`opttx.declare`) injects exactly its declared hyperparameters whose
+    values are numbers, 0-dim floating tensors or schedules (functions of the step count); an
+    undeclared one, every float and 0-dim floating tensor, and every function of one
+    argument not named like a mask, labels or axes."""
+    declaration = declaration_of(inner_factory)
+    schedules, numeric, other = {}, {}, {}
+    for name, value in arguments.items():
+        if name in static or isinstance(value, bool):
+            other[name] = value
+        elif declaration is not None:
+            if name not in declaration.hyperparams:
+                other[name] = value
+            elif _is_number(value) or _is_injectable(value):
+                numeric[name] = float(value) if _is_number(value) else value
+            elif callable(value) and not isinstance(value, GradientTransformation) and \
+                    _takes_one_argument(value):
+                schedules[name] = value
+            else:
+                other[name] = value     # None (a part left out), a tuple, a 1-D tensor
+        elif _is_schedule(value, name):
+            schedules[name] = value
+        elif _is_injectable(value):
+            numeric[name] = value
+        else:
+            other[name] = value
+    return schedules, numeric, other
+
+
+def _injected_identity(inner_factory: Callable[..., GradientTransformation],
+                       other: dict) -> tuple:
+    """The identity of an injected transform: the inner factory and its configuration (what is
+    not injected, less the declared hyperparameters and runtime arguments)."""
+    declaration = declaration_of(inner_factory)
+    skip = set(declaration.hyperparams) | declaration.runtime if declaration else set()
+    config = tuple((k, _describe(v, False)) for k, v in other.items() if k not in skip)
+    return ("inject_hyperparams", (("inner", _public_name(inner_factory)),) + config)
+
+
+def injected(inner_factory: Callable[..., GradientTransformation], arguments: Mapping[str, Any],
+             static_args: tuple[str, ...] = (), hyperparam_dtype: torch.dtype | None = None
+             ) -> GradientTransformation:
+    """``inner_factory(**arguments)`` with its hyperparameters in the state: what
+    ``inject_hyperparams(inner_factory, static_args, hyperparam_dtype)(**arguments)`` returns
+    (this function is its recipe: it pickles)."""
+    static = (static_args,) if isinstance(static_args, str) else tuple(static_args)
+    declaration = declaration_of(inner_factory)
+    schedules, numeric, other = _split_arguments(inner_factory, dict(arguments), static)
+    sample = inner_factory(**arguments)  # validates the values once, at construction
+    roles = Static(tuple(
+        (name, (declaration.hyperparams.get(name).value
+                if declaration and declaration.hyperparams.get(name) is not None else None),
+         name in schedules, numeric[name] if isinstance(numeric.get(name), float) else None)
+        for name in list(numeric) + list(schedules)))
+    made_by = Static(_injected_identity(inner_factory, other))
+    dtype = hyperparam_dtype or torch.float64
+
+    def as_tensor(value: Any, device: torch.device) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            return value.detach().clone().to(device)
+        return torch.tensor(value, dtype=dtype, device=device)
+
+    def evaluate_schedules(count: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: torch.as_tensor(fn(count)).to(dtype) for name, fn in schedules.items()}
+
+    def init(params: Params) -> InjectHyperparamsState:
+        count = zero_count(params)
+        hyperparams = {name: as_tensor(v, count.device) for name, v in numeric.items()}
+        hyperparams.update(evaluate_schedules(count))
+        inner = inner_factory(**other, **hyperparams)
+        return InjectHyperparamsState(count=count, hyperparams=hyperparams,
+                                      inner_state=inner.init(params), roles=roles,
+                                      made_by=made_by)
+
+    def update(updates: Updates, state: InjectHyperparamsState,
+               params: Params | None = None, **extra_args: Any
+               ) -> tuple[Updates, InjectHyperparamsState]:
+        if not isinstance(state, InjectHyperparamsState):
+            raise TypeError(f"inject_hyperparams({_public_name(inner_factory)}).update got a "
+                            f"state of type {type(state).__name__}, expected "
+                            "InjectHyperparamsState: pass the state made by its init.")
+        check_made_by(state, made_by.value)
+        hyperparams = dict(state.hyperparams)
+        hyperparams.update(evaluate_schedules(state.count))
+        with step_local_transforms():       # rebuilt for this step only: no recipes
+            inner = inner_factory(**other, **hyperparams)
+        updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+        return updates, InjectHyperparamsState(count=safe_increment(state.count),
+                                               hyperparams=hyperparams,
+                                               inner_state=inner_state, roles=state.roles,
+                                               made_by=state.made_by)
+
+    recipe = Recipe(injected, {"inner_factory": inner_factory, "arguments": dict(arguments),
+                               "static_args": static, "hyperparam_dtype": hyperparam_dtype},
+                    _INJECTED_DECLARATION)
+    object.__setattr__(recipe, "_identity", made_by.value)
+    # what the transform does is unchanged by where its hyperparameters live
+    return GradientTransformation(init, update, traits_of(sample), recipe)
+
+
+_INJECTED_DECLARATION = Declaration(inspect.signature(injected), {}, frozenset())
 
 
 def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
@@ -81,13 +220,16 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
     compiled step. Hyperparameters given as schedules are evaluated at every step from the
     count and their current value is stored in the state too (handy for logging).
 
+    Which arguments are injected is *declared* by the factory (`opttx.declare`): its
+    hyperparameters whose values are numbers, 0-dim floating tensors or schedules (functions
+    of the step count); the state also records each one's role (``state.roles``, read by
+    `opttx.Optimizer` for torch's param-group keys). For a factory that declares nothing, every
+    float and 0-dim floating tensor is injected, and every function of one argument is taken
+    for a schedule unless its name says mask, labels or axes.
+
     Args:
       inner_factory: a function returning a `GradientTransformation` (an alias or transform).
-      static_args: names of arguments to keep as Python values. Booleans, ints (sizes,
-        step counts, offsets: unlike optax, which injects ints too), dtypes, trees (masks)
-        and None are kept as Python values anyway, as are functions passed for an argument
-        named like a mask, labels or axes; any other function of one argument is taken as a
-        schedule of the step count (name it here if it is not one).
+      static_args: names of arguments to keep as Python values even if declared.
       hyperparam_dtype: dtype of the injected values (default float64, so that they equal
         the Python floats they replace).
 
@@ -102,52 +244,60 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
     def wrapped(*args: Any, **kwargs: Any) -> GradientTransformation:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        schedules, numeric, other = {}, {}, {}
-        for name, value in bound.arguments.items():
-            if name in static or isinstance(value, bool):
-                other[name] = value
-            elif _is_schedule(value, name):
-                schedules[name] = value
-            elif _is_injectable(value):
-                numeric[name] = value
-            else:
-                other[name] = value
-        sample = inner_factory(**bound.arguments)  # validates the values once, at construction
-
-        def as_tensor(value: Any, device: torch.device) -> torch.Tensor:
-            if isinstance(value, torch.Tensor):
-                return value.detach().clone().to(device)
-            return torch.tensor(value, dtype=hyperparam_dtype or torch.float64, device=device)
-
-        def evaluate_schedules(count: torch.Tensor) -> dict[str, torch.Tensor]:
-            return {name: torch.as_tensor(fn(count)).to(hyperparam_dtype or torch.float64)
-                    for name, fn in schedules.items()}
-
-        def init(params: Params) -> InjectHyperparamsState:
-            count = zero_count(params)
-            hyperparams = {name: as_tensor(v, count.device) for name, v in numeric.items()}
-            hyperparams.update(evaluate_schedules(count))
-            inner = inner_factory(**other, **hyperparams)
-            return InjectHyperparamsState(count=count, hyperparams=hyperparams,
-                                          inner_state=inner.init(params))
-
-        def update(updates: Updates, state: InjectHyperparamsState,
-                   params: Params | None = None, **extra_args: Any
-                   ) -> tuple[Updates, InjectHyperparamsState]:
-            hyperparams = dict(state.hyperparams)
-            hyperparams.update(evaluate_schedules(state.count))
-            inner = inner_factory(**other, **hyperparams)
-            updates, inner_state = inner.update(updates, state.inner_state, params,
-                                                **extra_args)
-            return updates, InjectHyperparamsState(count=safe_increment(state.count),
-                                                   hyperparams=hyperparams,
-                                                   inner_state=inner_state)
-
-        return GradientTransformation(init, update, combine_traits((sample,)))
+        return injected(inner_factory, dict(bound.arguments), static, hyperparam_dtype)
 
     wrapped.__doc__ = f"`{getattr(inner_factory, '__name__', 'transform')}` with its numeric " \
                       "hyperparameters injected into the state (see opttx.inject_hyperparams)."
+    wrapped.__signature__ = signature       # type: ignore[attr-defined]
     return wrapped
+
+
+def inject_all_hyperparams(tx: GradientTransformation,
+                           hyperparam_dtype: torch.dtype | None = None) -> GradientTransformation:
+    """``tx`` rebuilt from its recipe with every declared hyperparameter injected: each
+    declared factory in it (`opttx.declare`; a chain's links, a wrapper's inner transform, at
+    any depth) is rebuilt as ``inject_hyperparams(factory)(...)`` with the arguments it was
+    given, so the hyperparameters of a *built* transform live in its state as 0-dim tensors.
+    This is what `opttx.Optimizer` does to a transform it is given.
+
+    Transforms without a recipe (built from an ``(init, update)`` pair) and transforms already
+    injected are kept as they are. The numbers are those of ``tx`` (the injected values have
+    ``hyperparam_dtype``: float64 by default, exactly the Python floats).
+
+    Example:
+      >>> tx = opttx.inject_all_hyperparams(opttx.chain(opttx.clip_by_global_norm(1.0),
+      ...                                               opttx.adamw(1e-3)))
+      >>> state = tx.init(params)
+      >>> opttx.set_hyperparams_(state, learning_rate=3e-4)
+    """
+    recipe = recipe_of(tx)
+    if recipe is None or recipe.factory is injected:
+        return tx
+    arguments = dict(recipe.arguments)
+    changed = {}
+    for name, value in arguments.items():
+        new = _with_live_transforms(value, hyperparam_dtype)
+        if new is not value:
+            changed[name] = new
+    arguments.update(changed)
+    schedules, numeric, _ = _split_arguments(recipe.factory, arguments, ())
+    if numeric or schedules:
+        return injected(recipe.factory, arguments, (), hyperparam_dtype)
+    return recipe.rebuild(**changed) if changed else tx
+
+
+def _with_live_transforms(value: Any, dtype: torch.dtype | None) -> Any:
+    """``value`` (an argument of a factory) with the transforms in it made live
+    (`inject_all_hyperparams`); the same object when nothing changed."""
+    if isinstance(value, GradientTransformation):
+        return inject_all_hyperparams(value, dtype)
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        new = [_with_live_transforms(v, dtype) for v in value]
+        return type(value)(new) if any(a is not b for a, b in zip(new, value)) else value
+    if isinstance(value, dict):
+        new = {k: _with_live_transforms(v, dtype) for k, v in value.items()}
+        return type(value)(new) if any(new[k] is not value[k] for k in value) else value
+    return value
 
 
 def find_injected_states(state: PyTree) -> list[InjectHyperparamsState]:
@@ -183,6 +333,7 @@ class ApplyIfFiniteState(NamedTuple):
     last_finite: torch.Tensor      # shape (), bool: whether the last step's updates were finite
     total_notfinite: torch.Tensor  # shape (), int32: non-finite steps skipped in total
     inner_state: State             # the wrapped transform's state
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles()
 
 
@@ -230,6 +381,7 @@ def _sum_over_every_rank(total: torch.Tensor, on_leaf_device: bool, reducer: Any
     return funcol.wait_tensor(funcol.all_reduce(total, "sum", dist.group.WORLD))
 
 
+@declare(runtime=("max_consecutive_errors",))
 def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, *,
                     check_state: bool = False) -> GradientTransformation:
     """Skip steps whose incoming updates hold an inf or NaN: zero updates, state kept.
@@ -278,6 +430,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, 
 
     def update(updates: Updates, state: ApplyIfFiniteState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, ApplyIfFiniteState]:
+        check_state_type(state, ApplyIfFiniteState, "apply_if_finite")
         if check_state:
             # the old state must survive a rejected step (a compiled step never donates)
             with keeping_state():
@@ -307,7 +460,8 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, 
                                              (updates, state.inner_state))
         total = state.total_notfinite + (~finite).to(state.total_notfinite.dtype)
         return updates, ApplyIfFiniteState(notfinite_count=notfinite_count, last_finite=finite,
-                                           total_notfinite=total, inner_state=inner_state)
+                                           total_notfinite=total, inner_state=inner_state,
+                                           made_by=state.made_by)
 
     return GradientTransformation(init, update, combine_traits((inner,), across_leaves=True))
 
@@ -323,6 +477,7 @@ class MultiStepsState(NamedTuple):
     gradient_step: torch.Tensor  # shape (), int32: inner updates made so far
     inner_opt_state: State       # the wrapped transform's state
     acc_grads: Updates           # like params (fp32 for 16-bit leaves): accumulated gradients
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(acc_grads=Role.FIRST_MOMENT)
 
 
@@ -367,6 +522,7 @@ class MultiSteps:
 
     def update(self, updates: Updates, state: MultiStepsState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, MultiStepsState]:
+        check_state_type(state, MultiStepsState, "MultiSteps")
         spec, g, acc = flatten_matching(updates, state.acc_grads)
         if self.use_grad_mean:
             # acc + (g - acc) / (n + 1): a running mean in one buffer
@@ -395,12 +551,23 @@ class MultiSteps:
             mini_step=torch.where(emit, zero, state.mini_step + 1),
             gradient_step=torch.where(emit, safe_increment(state.gradient_step),
                                       state.gradient_step),
-            inner_opt_state=inner_state, acc_grads=acc_tree)
+            inner_opt_state=inner_state, acc_grads=acc_tree, made_by=state.made_by)
 
     def has_updated(self, state: MultiStepsState) -> torch.Tensor:
         """Whether the last call ran the inner transform (0-dim bool)."""
         return (state.mini_step == 0) & (state.gradient_step > 0)
 
     def gradient_transformation(self) -> GradientTransformation:
-        """This accumulator as a plain `GradientTransformation`, for `chain` and friends."""
-        return GradientTransformation(self.init, self.update, combine_traits((self.inner,)))
+        """This accumulator as a plain `GradientTransformation`, for `chain` and friends
+        (declared: it pickles, and `opttx.Optimizer` injects the inner hyperparameters)."""
+        return multi_steps(self.inner, self.every_k_schedule, self.use_grad_mean)
+
+
+@declare(runtime=("every_k_schedule",))
+def multi_steps(opt: GradientTransformation, every_k_schedule: int | Callable,
+                use_grad_mean: bool = True) -> GradientTransformation:
+    """``MultiSteps(opt, every_k_schedule, use_grad_mean).gradient_transformation()``: gradient
+    accumulation as a transform (see `MultiSteps`)."""
+    accumulator = MultiSteps(opt, every_k_schedule, use_grad_mean)
+    return GradientTransformation(accumulator.init, accumulator.update,
+                                  combine_traits((opt,)))

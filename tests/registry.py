@@ -112,6 +112,14 @@ def guide() -> dict[str, Any]:
 
 _VMAP_COND = "data-dependent control flow on per-slice values (vmap refuses it)"
 
+
+@opttx.declare(hyperparams={"learning_rate": opttx.HyperRole.LEARNING_RATE,
+                            "decay": opttx.HyperRole.MOMENTUM})
+def declared_momentum(learning_rate: float, decay: float = 0.9,
+                      nesterov: bool = False) -> opttx.GradientTransformation:
+    """A user's factory declared with `opttx.declare` (hyperparameters and their roles)."""
+    return opttx.chain(opttx.trace(decay, nesterov), opttx.scale_by_learning_rate(learning_rate))
+
 CASES: list[Case] = [
     # --- aliases --------------------------------------------------------------------------
     case("sgd", opttx.sgd, learning_rate=LR, momentum=0.9, nesterov=True),
@@ -270,6 +278,11 @@ CASES: list[Case] = [
                                                                        check_state=True)),
     built("MultiSteps", lambda: opttx.MultiSteps(opttx.adam(LR), 2).gradient_transformation()),
     built("flatten", lambda: opttx.flatten(opttx.adamw(LR, weight_decay=0.1))),
+    # declarations: a user's declared factory, and a built chain with its hyperparameters
+    # injected from the declarations
+    case("declare", declared_momentum, learning_rate=LR, decay=0.8, nesterov=True),
+    built("inject_all_hyperparams", lambda: opttx.inject_all_hyperparams(opttx.chain(
+        opttx.clip_by_global_norm(1.0), opttx.adamw(LR, weight_decay=0.1)))),
     built("stacked", lambda: opttx.stacked(opttx.adam(LR)),
           stacked="already stacked", distributed="needs stacked leaves, not a plain tree"),
     # --- the worked examples of "Writing a transform" -------------------------------------

@@ -325,7 +325,7 @@ def _optimizer_dtensors(root: Path, world: int, results: dict) -> None:
     set_model_state_dict(module, sd["model"])
     set_optimizer_state_dict(module, opt, sd["optim"])
     steps(module, opt, K, K + N)
-    ref = make()
+    ref = opttx.inject_all_hyperparams(make(), torch.float32)   # what the Optimizer runs
     expected = _train(ref, full, ref.init(full), 0, K + N)[0]
     results["optimizer_resumed"] = _equal(
         {n: p.detach().full_tensor() for n, p in module.named_parameters()}, expected)
@@ -533,7 +533,9 @@ def test_fsdp2_optimizer_state_reshards_from_world_4_to_2(world4: list[dict], wo
 def test_another_chain_or_parameter_set_is_refused(world2: list[dict]) -> None:
     _check(world2, "errors")
     for r in world2:
-        assert "missing" in r["other_chain"] and "v_row" in r["other_chain"], r["other_chain"]
+        # another chain: refused by what made its state before any entry is compared
+        assert "another transform" in r["other_chain"] and \
+            "scale_by_factored_rms" in r["other_chain"], r["other_chain"]
         assert "missing" in r["extra_param"] and "bias" in r["extra_param"], r["extra_param"]
         assert "unexpected" in r["fewer_params"] and "layers.2" in r["fewer_params"], \
             r["fewer_params"]
@@ -578,10 +580,13 @@ def test_load_state_dict_names_the_mismatch() -> None:
     params = _params()
     adamw, lion = opttx.adamw(1e-2), opttx.lion(1e-3)
     saved = state_dict(adamw.init(params), params)
-    with pytest.raises(ValueError, match=r"unexpected 8 entries .*state\.embed\.0\.nu"):
+    with pytest.raises(ValueError, match=r"made by scale_by_lion.*checkpoint's by scale_by_adam"):
         load_state_dict(lion.init(params), saved, params)
+    anonymous = {k: v for k, v in saved.items() if k != "made_by"}   # saved before made_by
+    with pytest.raises(ValueError, match=r"unexpected 8 entries .*state\.embed\.0\.nu"):
+        load_state_dict(lion.init(params), anonymous, params)
     with pytest.raises(ValueError, match=r"missing 8 entries .*state\.embed\.0\.trace"):
-        load_state_dict(opttx.sgd(1e-2, momentum=0.9).init(params), saved, params)
+        load_state_dict(opttx.sgd(1e-2, momentum=0.9).init(params), anonymous, params)
     fewer = {k: v for k, v in params.items() if k != "head"}
     with pytest.raises(ValueError, match=r"unexpected 2 entries .*state\.head\.0\.mu"):
         load_state_dict(adamw.init(fewer), saved, fewer)
@@ -675,11 +680,23 @@ def test_optimizer_state_dict_names_fields_per_parameter() -> None:
                                                           opttx.adamw(1e-2)))
     sd = opt.state_dict()
     assert set(sd["state"]) == {0, 1, 2, 3}
-    assert set(sd["state"][0]) == {"1.0.mu", "1.0.nu", "shared.1.0.count"}
-    assert set(sd["state"][3]) == {"1.0.mu", "1.0.nu"}
-    assert bool(opt.state) and set(opt.state[model[2].bias]) == {"1.0.mu", "1.0.nu"}
+    # the Optimizer runs the chain with each link's hyperparameters injected: link 1 is
+    # adamw's InjectHyperparamsState, its inner_state the adamw chain; the injected values
+    # and counts are the group's shared entries, on its first parameter
+    moments = {"1.inner_state.0.mu", "1.inner_state.0.nu"}
+    shared = {"shared.0.count", "shared.0.hyperparams.max_norm", "shared.1.count",
+              "shared.1.inner_state.0.count"} | {
+        f"shared.1.hyperparams.{n}" for n in ("learning_rate", "b1", "b2", "eps", "eps_root",
+                                             "weight_decay")}
+    assert set(sd["state"][0]) == moments | shared
+    assert set(sd["state"][3]) == moments
+    assert bool(opt.state) and set(opt.state[model[2].bias]) == moments
     other = opttx.Optimizer(model.parameters(), opttx.lion(1e-3))
-    with pytest.raises(ValueError, match=r"unexpected \['0: 1.0.mu'"):
+    with pytest.raises(ValueError, match="made by chain.*inner=adamw.*this group's transform "
+                                         "is inject_hyperparams\\(inner=lion"):
+        other.load_state_dict(sd)
+    del sd["param_groups"][0]["transform"]        # a state dict saved before it was recorded
+    with pytest.raises(ValueError, match=r"unexpected \['0: 1.inner_state.0.mu'"):
         other.load_state_dict(sd)
 
 

@@ -259,8 +259,10 @@ def _leaves_0d_to_4d(case: Case, seed: int = 0) -> dict[str, torch.Tensor]:
 def test_donating_paths_equal_the_functional_path_bitwise(case: Case) -> None:
     """The in-place paths give the functional numbers bit for bit over 30 steps, on 0-D to
     4-D leaves (first steps, warm-ups and periodic refreshes included): ``update`` inside
-    `opttx.donating` with `opttx.apply_updates_`. A transform that writes a state buffer in
-    place and reads the old value afterwards (SOAP's kept first moment, once) fails here."""
+    `opttx.donating` with `opttx.apply_updates_`, and `opttx.Optimizer` (which donates its
+    state) against ``update`` and `opttx.apply_updates` of the transform it runs (``tx`` with
+    its declared hyperparameters injected). A transform that writes a state buffer in place
+    and reads the old value afterwards (SOAP's kept first moment, once) fails here."""
     params = _leaves_0d_to_4d(case)
     if case.name == "stacked":      # its leaves are stacks: two matrices and two vectors
         params = opttx.StackedParams({"w": params["w"], "v": params["v"]}).buffers
@@ -274,6 +276,17 @@ def test_donating_paths_equal_the_functional_path_bitwise(case: Case) -> None:
         opttx.apply_updates_(donated_params, updates)
     assert_trees_close((donated_params, donated_state), expected, rtol=0.0,
                        what=f"{case.name}: donating + apply_updates_")
+
+    model = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    optimizer = opttx.Optimizer(list(model.items()), tx)
+    live = optimizer.param_groups[0]["tx"]        # tx with its hyperparameters injected
+    want_params, want_state = run(live, params, grads)
+    for g in grads:
+        for k, p in model.items():
+            p.grad = g[k].clone()
+        optimizer.step()
+    assert_trees_close(({k: p.detach() for k, p in model.items()}, optimizer.tx_states[0]),
+                       (want_params, want_state), rtol=0.0, what=f"{case.name}: Optimizer")
 
 
 def _key_paths(tree: dict, prefix: tuple = ()) -> set[tuple]:

@@ -204,7 +204,7 @@ def test_a_schedule_of_a_tensor_still_works() -> None:
 def test_state_of_another_optimizer_is_refused() -> None:
     params = {"w": torch.zeros(4, 3)}
     tx = opttx.sgd(0.1, momentum=0.9)
-    with pytest.raises(TypeError, match="ScaleByAdamState, expected TraceState"):
+    with pytest.raises(TypeError, match="made by scale_by_adam.*but this transform is trace"):
         tx.update({"w": torch.ones(4, 3)}, opttx.adam(0.1).init(params), params)
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import tempfile
 from typing import Any
 
@@ -49,6 +50,7 @@ import torch
 from torch.nn import Parameter
 
 import opttx
+from opttx.optim import _torch_arguments
 
 common = pytest.importorskip("torch.testing._internal.common_optimizers",
                              reason="torch's OptimizerInfo database (needs expecttest)")
@@ -63,6 +65,11 @@ from torch.optim.optimizer import (
 # ---------------------------------------------------------------------------------------------
 
 
+# the roles of the test factories' hyperparameters: torch's param-group keys (opttx.declare)
+LR, B1, B2 = opttx.HyperRole.LEARNING_RATE, opttx.HyperRole.B1, opttx.HyperRole.B2
+MOM, WD, EPS = opttx.HyperRole.MOMENTUM, opttx.HyperRole.WEIGHT_DECAY, opttx.HyperRole.EPS
+
+
 class NotApplicable(Exception):
     """A configuration opttx has no counterpart for."""
 
@@ -72,12 +79,16 @@ def _maximized(links: list, maximize: bool) -> opttx.GradientTransformation:
     return opttx.chain(opttx.scale(-1.0), *links) if maximize else opttx.chain(*links)
 
 
+@opttx.declare(hyperparams={"learning_rate": LR, "b1": B1, "b2": B2, "eps": EPS,
+                            "weight_decay": WD})
 def adamw_torch(learning_rate: float = 1e-3, b1: float = 0.9, b2: float = 0.999,
                 eps: float = 1e-8, weight_decay: float = 1e-2, maximize: bool = False):
     return _maximized([opttx.adamw(learning_rate, b1, b2, eps, weight_decay=weight_decay)],
                       maximize)
 
 
+@opttx.declare(hyperparams={"learning_rate": LR, "b1": B1, "b2": B2, "eps": EPS,
+                            "weight_decay": WD})
 def adam_torch(learning_rate: float = 1e-3, b1: float = 0.9, b2: float = 0.999,
                eps: float = 1e-8, weight_decay: float = 0.0, maximize: bool = False,
                decoupled_weight_decay: bool = False):
@@ -87,12 +98,15 @@ def adam_torch(learning_rate: float = 1e-3, b1: float = 0.9, b2: float = 0.999,
                        opttx.adam(learning_rate, b1, b2, eps)], maximize)
 
 
+@opttx.declare(hyperparams={"learning_rate": LR, "momentum": MOM, "weight_decay": WD})
 def sgd_torch(learning_rate: float = 1e-3, momentum: float = 0.0, weight_decay: float = 0.0,
               nesterov: bool = False, maximize: bool = False):
     return _maximized([opttx.add_decayed_weights(weight_decay),
                        opttx.sgd(learning_rate, momentum, nesterov=nesterov)], maximize)
 
 
+@opttx.declare(hyperparams={"learning_rate": LR, "weight_decay": WD, "eps": EPS,
+                            "initial_accumulator_value": None})
 def adagrad_torch(learning_rate: float = 1e-2, weight_decay: float = 0.0,
                   initial_accumulator_value: float = 0.0, eps: float = 1e-10,
                   maximize: bool = False):
@@ -101,6 +115,8 @@ def adagrad_torch(learning_rate: float = 1e-2, weight_decay: float = 0.0,
                                      eps_in_sqrt=False)], maximize)
 
 
+@opttx.declare(hyperparams={"learning_rate": LR, "decay": opttx.HyperRole.RMS_DECAY, "eps": EPS,
+                            "weight_decay": WD, "momentum": MOM})
 def rmsprop_torch(learning_rate: float = 1e-2, decay: float = 0.99, eps: float = 1e-8,
                   weight_decay: float = 0.0, momentum: float = 0.0, centered: bool = False,
                   maximize: bool = False):
@@ -114,6 +130,8 @@ def rmsprop_torch(learning_rate: float = 1e-2, decay: float = 0.99, eps: float =
                        opttx.scale_by_learning_rate(learning_rate)], maximize)
 
 
+@opttx.declare(hyperparams={"learning_rate": LR, "b1": B1, "b2": B2, "eps": EPS, "weight_decay": WD,
+                            "momentum_decay": None})
 def nadam_torch(learning_rate: float = 2e-3, b1: float = 0.9, b2: float = 0.999,
                 eps: float = 1e-8, weight_decay: float = 0.0, momentum_decay: float = 4e-3,
                 decoupled_weight_decay: bool = False, maximize: bool = False):
@@ -126,6 +144,10 @@ def nadam_torch(learning_rate: float = 2e-3, b1: float = 0.9, b2: float = 0.999,
                  opttx.scale_by_learning_rate(learning_rate)]
     return _maximized(links, maximize)
 
+
+# OPTTX_GENERIC_FORM=built runs every test on the built form (Optimizer(params,
+# factory(...)) with the groups' keys as torch gives them) instead of the factory form
+BUILT = os.environ.get("OPTTX_GENERIC_FORM", "factory") == "built"
 
 _IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable")
 _STATIC = ("maximize", "nesterov", "centered", "decoupled_weight_decay")
@@ -159,11 +181,25 @@ class _TorchLike(opttx.Optimizer):
 
     def __init__(self, params: Any, **kwargs: Any) -> None:
         outer = self._translate(kwargs)
+        if BUILT:
+            # the built form: the transform built with the constructor's arguments, the
+            # groups' keys (lr, betas, maximize, nesterov, ...) left to opttx.Optimizer
+            if params is not None and not isinstance(params, torch.Tensor):
+                params = [self._built_group(g) if isinstance(g, dict) else g
+                          for g in list(params)]
+            factory = type(self).factory
+            super().__init__(params, factory(**_torch_arguments(factory, outer)))
+            return
         if params is not None and not isinstance(params, torch.Tensor):
             params = list(params)
             if params and isinstance(params[0], dict):
                 params = [self._group(g, outer) for g in params]
         super().__init__(params, type(self).factory, **outer)
+
+    @classmethod
+    def _built_group(cls, group: dict) -> dict:
+        cls._translate({k: v for k, v in group.items() if k not in ("params", "param_names")})
+        return {k: v for k, v in group.items() if k not in cls.refused}
 
     @classmethod
     def _group(cls, group: dict, outer: dict) -> dict:

@@ -42,7 +42,8 @@ the save free of communication and the memory at that of the shards.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import hashlib
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -54,13 +55,64 @@ from .checkpoint_keys import (
     local_entries_as_dtensors,
     param_paths,
 )
-from ..tree import PyTree, tree_flatten
+from ..base import format_identity
+from ..tree import PyTree, Static, tree_flatten
 from .shapes import is_dtensor, raise_on_every_rank
 
 __all__ = ["check_checkpoint", "load_checkpoint", "load_state_dict", "param_paths",
            "state_dict"]
 
-STATE, SHARED = "state", "shared"
+STATE, SHARED, MADE_BY = "state", "shared", "made_by"
+
+
+def _stamps(state: Any, path: tuple = ()) -> dict[str, Any]:
+    """The ``made_by`` of every state node that has one (see `opttx.declare`), by the path
+    of the node in the state (``"0"``: link 0 of a chain; ``"state"``: the root)."""
+    out: dict[str, Any] = {}
+    made = getattr(state, "made_by", None) if isinstance(state, tuple) else None
+    if isinstance(made, Static) and made.value is not None:
+        out[".".join(map(str, path)) or "state"] = made.value
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        children = [(f, getattr(state, f)) for f in state._fields if f != "made_by"]
+    elif isinstance(state, (tuple, list)):
+        children = list(enumerate(state))
+    elif isinstance(state, Mapping):
+        children = list(state.items())
+    else:
+        children = []
+    for key, child in children:
+        out.update(_stamps(child, path + (key,)))
+    return out
+
+
+def _stamp_entries(state: Any) -> dict[str, str]:
+    """``{digest: identity}`` of the state's ``made_by`` stamps: one entry per distinct
+    transform and configuration (not per place in the state, which may depend on the leaves
+    a rank holds), so every rank writes the same entries and a checkpoint moves between world
+    sizes. The digest in the key lets `check_checkpoint` tell from the metadata alone that a
+    checkpoint was made by another transform or configuration; the value names it."""
+    out = {}
+    for identity in _stamps(state).values():
+        text = format_identity(identity)
+        out[hashlib.sha1(text.encode()).hexdigest()[:12]] = text
+    return out
+
+
+def _check_stamps(mine: Mapping[str, str], theirs: Mapping[str, str] | None,
+                  where: str) -> None:
+    """Refuse a checkpoint that lacks one of this run's ``made_by`` entries (its state was
+    made by another transform or configuration), naming both sides."""
+    if theirs is None:
+        return
+    missing = [v for k, v in mine.items() if k not in theirs]
+    if not missing:
+        return
+    extra = [v for k, v in theirs.items() if k not in mine]
+    raise ValueError(f"{where}: the checkpoint's optimizer state was made by another "
+                     f"transform or configuration: this run's state is made by "
+                     f"{'; '.join(missing[:2])}, the checkpoint's by "
+                     f"{'; '.join(extra[:2]) or 'nothing declared'}. Nothing was written; "
+                     "build the transform that saved it.")
 
 
 def _owned_mask(owned: Any, n: int) -> list[bool] | None:
@@ -194,17 +246,29 @@ def state_dict(state: Any, params: PyTree, *, specs: PyTree | None = None,
     per_param, shared = keyed_state(state, params,
                                     _owned_mask(owned, len(tree_flatten(params)[0])))
     per_param = _as_dtensors(per_param, params, specs, per_rank)
-    return {STATE: per_param, SHARED: shared}
+    out: dict[str, dict] = {STATE: per_param, SHARED: shared}
+    stamps = _stamp_entries(state)
+    if stamps:
+        out[MADE_BY] = stamps
+    return out
 
 
 def _flat(sd: Mapping[str, Any]) -> dict[str, Any]:
-    if not isinstance(sd, Mapping) or set(sd) - {STATE, SHARED}:
-        raise ValueError("A state dict of opttx.distributed.state_dict has the keys 'state' and "
-                         f"'shared'; got {sorted(sd) if isinstance(sd, Mapping) else type(sd)}.")
+    """The tensors of a state dict by flat key (the ``made_by`` entries are not tensors:
+    `_made_by` reads them)."""
+    if not isinstance(sd, Mapping) or set(sd) - {STATE, SHARED, MADE_BY}:
+        raise ValueError("A state dict of opttx.distributed.state_dict has the keys 'state', "
+                         "'shared' and 'made_by'; got "
+                         f"{sorted(sd) if isinstance(sd, Mapping) else type(sd)}.")
     out = {f"{STATE}.{p}.{f}": x for p, fields in sd.get(STATE, {}).items()
            for f, x in fields.items()}
     out.update({f"{SHARED}.{f}": x for f, x in sd.get(SHARED, {}).items()})
     return out
+
+
+def _made_by(sd: Mapping[str, Any]) -> dict[str, str] | None:
+    """The ``made_by`` entries of a state dict (None for one saved before they existed)."""
+    return dict(sd[MADE_BY]) if isinstance(sd, Mapping) and MADE_BY in sd else None
 
 
 def _describe(keys: Iterable[str]) -> str:
@@ -253,8 +317,10 @@ def load_state_dict(state: Any, state_dict: Mapping[str, Any], params: PyTree, *
       ValueError: an entry is missing or unexpected, or has another shape or dtype; the
         message names it.
     """
-    template = _flat(globals()["state_dict"](state, params, specs=specs, owned=owned,
-                                             per_rank=per_rank))
+    built = globals()["state_dict"](state, params, specs=specs, owned=owned,
+                                    per_rank=per_rank)
+    _check_stamps(_made_by(built) or {}, _made_by(state_dict), "load_state_dict")
+    template = _flat(built)
     given = _flat(state_dict)
     missing = set(template) - set(given)
     extra = set(given) - set(template)
@@ -306,6 +372,7 @@ def check_checkpoint(state_dict: Mapping[str, Any], metadata: Any, prefix: str =
     mine = {}
     for key, x in _flat(state_dict).items():
         mine[lead + key] = tuple(x.shape)
+    stamps = {f"{lead}{MADE_BY}.{k}": v for k, v in (_made_by(state_dict) or {}).items()}
     everyone = [mine]
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size(group)
@@ -313,6 +380,22 @@ def check_checkpoint(state_dict: Mapping[str, Any], metadata: Any, prefix: str =
     expected: dict[str, tuple[int, ...]] = {}
     for table_r in everyone:
         expected.update(table_r)
+    makers: dict[str, str] = dict(stamps)
+    if dist.is_initialized():
+        every_stamps: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every_stamps, stamps, group=group)
+        for table_r in every_stamps:
+            makers.update(table_r)
+    saved_makers = {k for k in table if k.startswith(f"{lead}{MADE_BY}.")}
+    if saved_makers and saved_makers != set(makers):
+        cut = len(lead + MADE_BY) + 1
+        raise ValueError(
+            f"check_checkpoint: the checkpoint's optimizer state was made by another "
+            f"transform or configuration (made_by entries "
+            f"{sorted(k[cut:] for k in saved_makers)[:3]} in the checkpoint, "
+            f"{sorted(k[cut:] for k in makers)[:3]} in this run, which is "
+            f"{'; '.join(sorted(set(makers.values())))[:600]}). load_checkpoint names both; "
+            "build the transform that saved it.")
     saved = {k: tuple(getattr(v, "size", ())) for k, v in table.items()
              if k.startswith((lead + STATE + ".", lead + SHARED + "."))}
     missing = set(expected) - set(saved)
@@ -380,8 +463,15 @@ def load_checkpoint(state_dict: dict[str, Any], checkpoint_id: Any = None, *,
       >>> state = load_state_dict(state, sd["optim"], params)
     """
     import torch.distributed.checkpoint as dcp
-    fresh = _fresh(state_dict)
     error = None
+    try:       # what made the saved optimizer states, against this run's, before any read
+        _check_saved_makers(state_dict, checkpoint_id, storage_reader)
+    except ValueError as e:
+        error = e
+    raise_on_every_rank(error, group, "load_checkpoint: rank {rank} found the checkpoint made "
+                                      "by another transform (see its error); nothing was "
+                                      "loaded.")
+    fresh = _fresh(state_dict)
     try:
         dcp.load(fresh, checkpoint_id=checkpoint_id, storage_reader=storage_reader,
                  planner=planner, process_group=group)
@@ -391,3 +481,45 @@ def load_checkpoint(state_dict: dict[str, Any], checkpoint_id: Any = None, *,
     raise_on_every_rank(error, group, "load_checkpoint: rank {rank} failed to read the "
                                       "checkpoint (see its error); nothing was loaded.")
     _copy_back(state_dict, fresh)
+
+
+def _opttx_state_dicts(tree: Any, prefix: str = "") -> Iterator[tuple[str, Mapping]]:
+    """``(DCP key prefix, state dict)`` of every `state_dict` nested in ``tree``."""
+    if isinstance(tree, Mapping):
+        if STATE in tree and SHARED in tree:
+            yield prefix, tree
+            return
+        for k, v in tree.items():
+            yield from _opttx_state_dicts(v, f"{prefix}{k}.")
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _opttx_state_dicts(v, f"{prefix}{i}.")
+
+
+def _check_saved_makers(state_dict: Any, checkpoint_id: Any, storage_reader: Any) -> None:
+    """Compare the ``made_by`` entries of the checkpoint (read from its metadata, and their
+    values read alone when they differ) with this run's, for every opttx state dict in
+    ``state_dict``; raise naming both. Checkpoints saved without them pass."""
+    import torch.distributed.checkpoint as dcp
+    tables = list(_opttx_state_dicts(state_dict))
+    if not tables:
+        return
+    reader = storage_reader if storage_reader is not None else (
+        dcp.FileSystemReader(checkpoint_id) if checkpoint_id is not None else None)
+    if reader is None:
+        return
+    saved = set(reader.read_metadata().state_dict_metadata)
+    for prefix, sd in tables:
+        lead = f"{prefix}{MADE_BY}."
+        theirs = {k[len(lead):] for k in saved if k.startswith(lead)}
+        mine = dict(sd.get(MADE_BY, {}))
+        if not theirs or set(mine) <= theirs:
+            continue
+        values: dict[str, Any] = {k: "" for k in theirs}
+        wanted: dict[str, Any] = {MADE_BY: values}
+        for part in reversed(prefix.rstrip(".").split(".") if prefix else []):
+            wanted = {part: wanted}
+        dcp.load(wanted, checkpoint_id=checkpoint_id,
+                 storage_reader=None if checkpoint_id is not None else storage_reader,
+                 no_dist=True)
+        _check_stamps(mine, values, "load_checkpoint")

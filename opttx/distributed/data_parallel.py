@@ -8,11 +8,12 @@ import torch
 import torch.distributed as dist
 
 from .._checks import check_positive
-from ..base import EmptyState, GradientTransformation, Params, Updates, check_init_params
+from ..base import (EmptyState, GradientTransformation, Params, Updates, _describe,
+                    check_init_params, declare)
 from ..tree import tree_flatten, tree_leaves, tree_unflatten
 from .overlap import BackwardLaunches
 from .reducer import CollectiveStats, collective_device, pack_all_reduce
-from .shapes import agree_on_tree, require_member
+from .shapes import agree_on_configuration, agree_on_tree, require_member
 
 __all__ = ["all_reduce_gradients", "plan_buckets"]
 
@@ -40,6 +41,7 @@ def plan_buckets(leaves: list[torch.Tensor], bucket_bytes: int) -> list[list[int
     return buckets
 
 
+@declare()
 def all_reduce_gradients(group: Any = None, bucket_size_mb: float = 25, *,
                          stats: CollectiveStats | None = None,
                          communication_dtype: torch.dtype | None = None,
@@ -104,8 +106,18 @@ def all_reduce_gradients(group: Any = None, bucket_size_mb: float = 25, *,
                       "gradients of the same parameters, alike.")
         checked.append(True)
 
+    settings = [(f"all_reduce_gradients.{k}", _describe(v, True)) for k, v in (
+        ("bucket_size_mb", bucket_size_mb), ("communication_dtype", communication_dtype),
+        ("overlap", overlap))]
+
     def init(params: Params) -> EmptyState:
         check_init_params(params)
+        g = group if group is not None else dist.group.WORLD
+        if dist.is_initialized() and dist.get_world_size(g) > 1:
+            # different settings on different ranks would pair mismatched collectives
+            require_member(group, "opttx.distributed.all_reduce_gradients")
+            agree_on_configuration(settings, g, collective_device(g),
+                                   "opttx.distributed.all_reduce_gradients")
         if overlap:
             leaves = tree_leaves(params)
             if not BackwardLaunches.hookable(leaves):

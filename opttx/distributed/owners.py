@@ -38,8 +38,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from .._checks import check_nonnegative
-from ..base import (REDUCER_KEY, TOTALS_KEY, GradientTransformation, Params, State, Updates,
-                    current_reducer, reducer_during_init, traits_of)
+from ..base import (GradientTransformation, Params, REDUCER_KEY, State, TOTALS_KEY, Updates,
+                    current_reducer, declare, reducer_during_init, traits_of)
 from ..tree import MaskedNode, PyTree, tree_paths
 from .reducer import CollectiveStats, ShardedReducer, pack_all_reduce
 from .specs import Shard, shard_groups
@@ -516,6 +516,7 @@ def _totals(plan: OwnerPlan, stats: CollectiveStats | None,
     return combine
 
 
+@declare(same_state_as="tx")
 def on_owners(tx: GradientTransformation, owner_group: Any = None,
               cost: Callable[[Sequence[int]], float] | str = default_cost,
               stats: CollectiveStats | None = None,

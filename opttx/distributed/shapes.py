@@ -66,6 +66,34 @@ def agree_on_tree(tree: PyTree, group: Any, device: torch.device, message: str) 
     raise ValueError(message + detail)
 
 
+def agree_on_configuration(items: list[tuple[str, str]], group: Any, device: torch.device,
+                           what: str) -> None:
+    """Raise the same ``ValueError`` on every rank of ``group`` when the ranks built different
+    transforms or configurations (``items``: `opttx.base.configuration_items` of the
+    transform and the wrapper's own settings, hyperparameter values included), naming the
+    first setting that differs and both values. Called first in ``init``, before any
+    collective whose size or kind depends on a setting (a different ``communication_dtype``
+    or ``split_above_mb`` on one rank would pair mismatched collectives: a gloo abort or a
+    hang). One all-reduce of a hash; an object gather only to name the difference."""
+    text = repr(items)
+    h = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+    both = torch.tensor([h, -h], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if int(both[0]) == -int(both[1]):
+        return
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, items, group=group)
+    r = next(r for r, t in enumerate(every) if t != every[0])
+    mine, theirs = dict(every[0]), dict(every[r])
+    diffs = [f"{k}: {mine.get(k, '<absent>')} on rank 0, {theirs.get(k, '<absent>')} on "
+             f"rank {r}" for k in dict.fromkeys(list(mine) + list(theirs))
+             if mine.get(k) != theirs.get(k)]
+    raise ValueError(f"{what}: the ranks built different transforms or settings, which would "
+                     f"pair mismatched collectives (an abort or a hang): "
+                     f"{'; '.join(diffs[:4]) or 'their order differs'}. Give every rank the "
+                     "same transform and settings.")
+
+
 def agree_on_state_structure(state: Any, group: Any, device: torch.device, what: str) -> None:
     """Raise the same ``ValueError`` on every rank of ``group`` when the ranks' optimizer
     states differ in their skeleton (the links of a chain, each link's state type and fields;

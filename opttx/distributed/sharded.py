@@ -6,12 +6,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..base import (REDUCER_KEY, GradientTransformation, Params, State, Updates,
-                    reducer_during_init)
+from ..base import (GradientTransformation, Params, REDUCER_KEY, State, Updates, _describe,
+                    configuration_items, declare, reducer_during_init)
 from ..tree import PyTree, tree_flatten, tree_paths
 from .owners import on_owners as _on_owners
 from .reducer import CollectiveStats, ShardedReducer, collective_device
-from .shapes import agree_on_state_structure, global_shapes, is_dtensor, raise_on_every_rank
+from .shapes import (agree_on_configuration, agree_on_state_structure, global_shapes, is_dtensor,
+                     raise_on_every_rank)
 from .specs import flatten_specs, shard_groups, specs_from_dtensors
 
 __all__ = ["sharded"]
@@ -69,6 +70,7 @@ def _agree_on_specs(reducer: ShardedReducer) -> None:
                              "tree and the same specs (its own shards of every leaf).")
 
 
+@declare(same_state_as="tx")
 def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
             stats: CollectiveStats | None = None, check_sizes: bool = True,
             check_collectives: bool = False, on_owners: bool = False,
@@ -174,7 +176,20 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
         reducer.global_shapes = global_shapes(tree, spec_tree, check=check_sizes)
         return reducer
 
+    settings = configuration_items(tx) + [
+        (f"sharded.{k}", _describe(v, True)) for k, v in (
+            ("check_sizes", check_sizes), ("check_collectives", check_collectives),
+            ("on_owners", on_owners), ("split_above_mb", split_above_mb))]
+
+    def agree() -> None:
+        # first of all: a transform or setting that differs across ranks would pair
+        # mismatched collectives (an abort, a hang, or a wrong sum)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            agree_on_configuration(settings, None, collective_device(None),
+                                   "opttx.distributed.sharded")
+
     def init(params: Params) -> State:
+        agree()
         error, reducer = None, None
         try:
             reducer = build(params)
@@ -194,6 +209,7 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
     def update(updates: Updates, state: State, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, State]:
         if not resolved:                  # a restored state: resolved once, here (eagerly)
+            agree()
             resolved[:] = [resolve_shapes(build(updates), updates)]
         reducer = resolved[0]
         local_updates, templates = _to_local(updates)

@@ -20,15 +20,16 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from .._checks import check_floating, check_nonnegative, check_positive
-from ..base import (REDUCER_KEY, TOTALS_KEY, GradientTransformation, Params, State,
-                    Updates, current_reducer, reducer_during_init, traits_of)
+from ..base import (GradientTransformation, Params, REDUCER_KEY, State, TOTALS_KEY, Updates,
+                    _describe, configuration_items, current_reducer, declare, reducer_during_init,
+                    traits_of)
 from ..tree import (MaskedNode, PyTree, assert_same_structure, tree_flatten, tree_leaves,
                     tree_map, tree_paths, tree_unflatten)
 from .overlap import BackwardLaunches
 from .reducer import CollectiveStats, ShardedReducer, collective_device
 from .specs import Shard
-from .shapes import (agree_on_state_structure, agree_on_tree, raise_on_every_rank,
-                     require_member, row_segment_sizes)
+from .shapes import (agree_on_configuration, agree_on_state_structure, agree_on_tree,
+                     raise_on_every_rank, require_member, row_segment_sizes)
 
 __all__ = ["ZeroChunk", "ZeroPlan", "state_costs", "zero", "zero_plan"]
 
@@ -491,6 +492,7 @@ def _to_device(state: State, device: torch.device) -> State:
                     if isinstance(x, torch.Tensor) else x, state)
 
 
+@declare(same_state_as="tx")
 def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
          chunk_size_mb: float | None = None, offload: bool = False, *,
          min_chunk_size_mb: float = 32.0, search_range_mb: float = 32.0,
@@ -618,8 +620,22 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
                        balance=balance, stats=stats, communication_dtype=communication_dtype,
                        overlap=overlap, split_above_mb=split_above_mb)
     resolved: list[_Resolved] = []
+    settings = configuration_items(tx) + [
+        (f"zero.{k}", _describe(v, True)) for k, v in (
+            ("stage", stage), ("chunk_size_mb", chunk_size_mb), ("offload", offload),
+            ("min_chunk_size_mb", min_chunk_size_mb), ("search_range_mb", search_range_mb),
+            ("balance", balance), ("communication_dtype", communication_dtype),
+            ("overlap", overlap), ("split_above_mb", split_above_mb))]
+
+    def agree() -> None:
+        # first of all: a setting that differs across ranks would pair mismatched collectives
+        if dist.is_initialized() and dist.get_world_size(cfg.group) > 1:
+            require_member(cfg.group, "opttx.distributed.zero")
+            agree_on_configuration(settings, cfg.group, collective_device(cfg.group),
+                                   "opttx.distributed.zero")
 
     def init(params: Params) -> State:
+        agree()
         res = _resolve_at_init(params, cfg)
         if cfg.overlap:
             res = _with_launches(res, params, cfg)
@@ -640,6 +656,7 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
                **extra_args: Any) -> tuple[Updates, State]:
         if not resolved:
             require_member(cfg.group, "opttx.distributed.zero")
+            agree()
             resolved[:] = [_resolve(updates, cfg, current_reducer(extra_args))]
         return _zero_update(updates, state, params, extra_args, resolved[0], cfg)
 

@@ -14,11 +14,11 @@ from typing import NamedTuple
 import torch
 
 from .._checks import check_nonnegative, check_unit_interval
-from ..base import (ELEMENTWISE, GradientTransformation, Params, Role, Updates,
-                    check_init_params, declare_roles, leafwise, replace_state, zero_count)
+from ..base import (ELEMENTWISE, GradientTransformation, HyperRole, Params, Role, Updates,
+                    check_init_params, declare, declare_roles, leafwise, replace_state, zero_count)
 from ..kernels import cast_like, foreach, foreach_ema, foreach_ema_sq, foreach_op_
 from ..schedules import Schedule
-from ..tree import stats_like
+from ..tree import Static, stats_like
 from .moments import _divide, _fresh, debias_factor
 
 __all__ = ["ScaleByAdemamixState", "scale_by_ademamix"]
@@ -30,10 +30,13 @@ class ScaleByAdemamixState(NamedTuple):
     m1: Updates          # like params, mu_dtype (fp32 for 16-bit leaves): fast EMA (b1)
     m2: Updates          # like params, mu_dtype (fp32 for 16-bit leaves): slow EMA (b3)
     nu: Updates          # like params (fp32 for 16-bit leaves): EMA of squared gradients
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, m1=Role.FIRST_MOMENT, m2=Role.FIRST_MOMENT,
                               nu=Role.SECOND_MOMENT)
 
 
+@declare(hyperparams={"b1": HyperRole.B1, "b2": HyperRole.B2, "b3": None, "alpha": None,
+                      "eps": HyperRole.EPS, "eps_root": None})
 def scale_by_ademamix(b1: float = 0.9, b2: float = 0.999,
                       b3: float | Schedule = 0.9999, alpha: float | Schedule = 5.0,
                       eps: float = 1e-8, eps_root: float = 0.0,

@@ -14,10 +14,10 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .._checks import check_nonnegative, check_positive, check_unit_interval
-from ..base import (ELEMENTWISE, GradientTransformation, Params, Role, Updates,
-                    check_init_params, declare_roles, leafwise, replace_state, zero_count)
+from ..base import (ELEMENTWISE, GradientTransformation, HyperRole, Params, Role, Updates,
+                    check_init_params, declare, declare_roles, leafwise, replace_state, zero_count)
 from ..kernels import cast_like, foreach, foreach_ema, foreach_ema_sq, foreach_op_
-from ..tree import stats_like
+from ..tree import Static, stats_like
 from .moments import _as_float64, _divide, _fresh
 
 __all__ = ["ScaleByAdoptState", "scale_by_adopt"]
@@ -29,6 +29,7 @@ class ScaleByAdoptState(NamedTuple):
     mu: Updates          # like params, mu_dtype (fp32 for 16-bit leaves): EMA of the
                          #   normalised (and clipped) gradients
     nu: Updates          # like params (fp32 for 16-bit leaves): EMA of squared gradients
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT, nu=Role.SECOND_MOMENT)
 
 
@@ -37,6 +38,8 @@ def _quarter_power(count: torch.Tensor) -> torch.Tensor:
     return count.to(torch.float64) ** 0.25
 
 
+@declare(hyperparams={"b1": HyperRole.B1, "b2": HyperRole.B2, "eps": HyperRole.EPS,
+                      "clip_value_fn": None})
 def scale_by_adopt(b1: float = 0.9, b2: float = 0.9999, eps: float = 1e-6,
                    mu_dtype: torch.dtype | None = None, *, nesterov: bool = False,
                    use_clipping: bool = True,

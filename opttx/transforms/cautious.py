@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 
 from .._checks import check_positive
-from ..base import (GradientTransformation, Params, State, Updates, combine_traits,
+from ..base import (GradientTransformation, Params, State, Updates, combine_traits, declare,
                     reduce_statistics)
 from ..kernels import cast_like, foreach, foreach_op_, mark_scratch
 from ..tree import flatten_matching, tree_unflatten
@@ -24,6 +24,7 @@ __all__ = ["cautious"]
 Direction = Literal["descent", "gradient"]
 
 
+@declare(hyperparams={"min_fraction": None})
 def cautious(inner: GradientTransformation, direction: Direction = "descent",
              min_fraction: float | None = None) -> GradientTransformation:
     r"""Run ``inner``, zero the entries of its update that disagree in sign with the

@@ -12,11 +12,11 @@ from typing import Any, NamedTuple
 import torch
 
 from .._checks import check_nonnegative, check_positive
-from ..base import (ELEMENTWISE, LEAFWISE, GradientTransformation, Params, Role, Traits, Updates,
-                    check_init_params, declare_roles, reduce_across_leaves, reduce_statistics,
-                    stateless_with_extra_args)
+from ..base import (ELEMENTWISE, GradientTransformation, LEAFWISE, Params, Traits, Updates,
+                    check_init_params, declare, declare_roles, reduce_across_leaves,
+                    reduce_statistics, stateless_with_extra_args)
 from ..kernels import foreach, foreach_op_, foreach_scale, foreach_sum_of_squares
-from ..tree import PyTree, flatten_matching, tree_map, tree_unflatten
+from ..tree import PyTree, Static, flatten_matching, tree_map, tree_unflatten
 
 __all__ = [
     "ZeroNansState",
@@ -28,6 +28,7 @@ __all__ = [
 ]
 
 
+@declare(hyperparams={"max_delta": None})
 def clip(max_delta: float) -> GradientTransformation:
     r"""Clamp every element of the updates to :math:`[-\delta, \delta]`."""
     check_nonnegative("max_delta", max_delta)
@@ -64,6 +65,7 @@ def global_norm(updates: PyTree, extra_args: dict[str, Any] | None = None) -> to
     return torch.sqrt(total)                                                 # (c)
 
 
+@declare(hyperparams={"max_norm": None})
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     r"""Scale all updates down together when their global norm exceeds ``max_norm``.
 
@@ -89,6 +91,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     return stateless_with_extra_args(clip_fn, Traits(across_leaves=True))
 
 
+@declare(hyperparams={"threshold": None})
 def clip_by_block_rms(threshold: float) -> GradientTransformation:
     r"""Clip every leaf (block) to a root mean square of at most ``threshold``.
 
@@ -123,9 +126,11 @@ def clip_by_block_rms(threshold: float) -> GradientTransformation:
 class ZeroNansState(NamedTuple):
     """State of `zero_nans`."""
     found_nan: PyTree  # like params, 0-dim bool: whether the leaf's last update had a NaN
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles()
 
 
+@declare()
 def zero_nans() -> GradientTransformation:
     """Replace NaNs in the updates by zeros, recording per leaf whether any were found."""
 
@@ -141,6 +146,7 @@ def zero_nans() -> GradientTransformation:
         nans = [torch.isnan(x) for x in g]
         out = [torch.where(n, torch.zeros_like(x), x) for n, x in zip(nans, g)]
         found = [n.any() for n in nans]
-        return tree_unflatten(out, spec), ZeroNansState(found_nan=tree_unflatten(found, spec))
+        return tree_unflatten(out, spec), ZeroNansState(found_nan=tree_unflatten(found, spec),
+                                                         made_by=state.made_by)
 
     return GradientTransformation(init, update, ELEMENTWISE)

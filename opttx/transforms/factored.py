@@ -21,13 +21,13 @@ import torch
 
 from .._checks import (check_gradient_leaves, check_nonnegative, check_positive,
                        check_unit_interval)
-from ..base import (LEAFWISE, REDUCER_KEY, EmptyState, GradientTransformation, Params, Role,
-                    Updates, advance_counts, check_init_params, current_reducer, declare_roles,
-                    reduce_statistics, require_params, safe_increment, zero_count)
+from ..base import (EmptyState, GradientTransformation, HyperRole, LEAFWISE, Params, REDUCER_KEY,
+                    Role, Updates, advance_counts, check_init_params, current_reducer, declare,
+                    declare_roles, reduce_statistics, require_params, safe_increment, zero_count)
 from ..kernels import Scalar, cast_like, foreach, foreach_ema, foreach_op_, foreach_sum_of_squares
 from ..schedules import Schedule
-from ..tree import (MaskedNode, PyTree, flatten_matching, leaf_labels, state_dtype, tree_flatten,
-                    tree_map, tree_paths, tree_unflatten)
+from ..tree import (MaskedNode, PyTree, Static, flatten_matching, leaf_labels, state_dtype,
+                    tree_flatten, tree_map, tree_paths, tree_unflatten)
 from .clipping import clip_by_block_rms
 
 __all__ = [
@@ -332,6 +332,7 @@ class FactoredState(NamedTuple):
     v_row: Updates       # per leaf: EMA of the means of g² + ε over d1 (empty if unfactored)
     v_col: Updates       # per leaf: EMA of the means of g² + ε over d0 (empty if unfactored)
     v: Updates           # per leaf: EMA of g² + ε for unfactored leaves (empty if factored)
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, v_row=Role.FACTORED_MOMENT,
                               v_col=Role.FACTORED_MOMENT, v=Role.SECOND_MOMENT)
 
@@ -342,6 +343,8 @@ def _decay_rate_pow(step: torch.Tensor, exponent: float) -> torch.Tensor:
     return 1 - torch.pow(t, -exponent)
 
 
+@declare(hyperparams={"decay_rate": None, "epsilon": HyperRole.EPS, "eps_clamp": None},
+         runtime=("step_offset", "decay_rate_fn"))
 def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_offset: int = 0,
                           min_dim_size_to_factor: int = 128, epsilon: float = 1e-30,
                           decay_rate_fn: Callable[[torch.Tensor, float], torch.Tensor] =
@@ -427,11 +430,12 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
         return (tree_unflatten(cast_like(out, g), spec),
                 FactoredState(count=safe_increment(state.count),
                               v_row=tree_unflatten(rows, spec), v_col=tree_unflatten(cols, spec),
-                              v=tree_unflatten(fulls, spec)))
+                              v=tree_unflatten(fulls, spec), made_by=state.made_by))
 
     return GradientTransformation(init, update, LEAFWISE)
 
 
+@declare(hyperparams={"threshold": None})
 def clip_by_rms(threshold: float = 1.0) -> GradientTransformation:
     r"""Adafactor's update clipping: :math:`u / \max(1, \mathrm{RMS}(u) / d)` per leaf.
 
@@ -472,6 +476,7 @@ def _stateless_with_params(name: str, fn: Callable[[Any, list, list, dict], list
     return GradientTransformation(init, update, LEAFWISE)
 
 
+@declare(hyperparams={"min_scale": None})
 def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
     r"""Scale each leaf's update by its parameter's RMS: :math:`u \cdot \max(\epsilon_2,
     \mathrm{RMS}(x))` (Adafactor's ``scale_parameter``; optax's name and default).
@@ -489,6 +494,7 @@ def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
     return _stateless_with_params("scale_by_param_block_rms", scaled)
 
 
+@declare(hyperparams={"threshold": None, "min_scale": None})
 def clip_by_rms_and_scale_by_param_rms(threshold: float = 1.0, min_scale: float = 1e-3
                                        ) -> GradientTransformation:
     r"""`clip_by_rms` then `scale_by_param_block_rms`, both RMS values from one reduction.
@@ -545,6 +551,8 @@ def relative_step_schedule(max_learning_rate: float = 1e-2,
     return schedule
 
 
+@declare(hyperparams={"weight_decay": HyperRole.WEIGHT_DECAY,
+                      "learning_rate": HyperRole.LEARNING_RATE, "min_scale": None})
 def add_step_scaled_decayed_weights(weight_decay: float, learning_rate: float | Schedule,
                                     min_scale: float | None = 1e-3,
                                     mask: PyTree | None = None) -> GradientTransformation:
@@ -588,11 +596,14 @@ class ScaleByCameState(NamedTuple):
     v: Updates           # per leaf: EMA of g² + ε1 for unfactored leaves (empty if factored)
     r_row: Updates       # per leaf: EMA of row means of the instability (û − m)² + ε2
     r_col: Updates       # per leaf: EMA of column means of the instability
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT, v_row=Role.FACTORED_MOMENT,
                            v_col=Role.FACTORED_MOMENT, v=Role.SECOND_MOMENT,
                            r_row=Role.FACTORED_MOMENT, r_col=Role.FACTORED_MOMENT)
 
 
+@declare(hyperparams={"b1": HyperRole.B1, "b2": HyperRole.B2, "b3": None, "eps1": None,
+                      "eps2": None, "clip_threshold": None})
 def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
                   eps1: float = 1e-30, eps2: float = 1e-16, clip_threshold: float = 1.0,
                   factor_axes: FactorAxes = "last", min_dim_size_to_factor: int = 1,
@@ -674,7 +685,8 @@ def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
                                  mu=tree_unflatten(mu, spec), v_row=tree_unflatten(rows, spec),
                                  v_col=tree_unflatten(cols, spec), v=tree_unflatten(fulls, spec),
                                  r_row=tree_unflatten(r_rows, spec),
-                                 r_col=tree_unflatten(r_cols, spec)))
+                                 r_col=tree_unflatten(r_cols, spec),
+                                 made_by=state.made_by))
 
     return GradientTransformation(init, update, LEAFWISE)
 
@@ -684,6 +696,7 @@ def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
 # ---------------------------------------------------------------------------------------------
 
 
+@declare(hyperparams={"min_norm": None, "trust_coefficient": None, "eps": HyperRole.EPS})
 def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,
                          eps: float = 0.0, *, phi_bounds: tuple[float, float] | None = None,
                          mask: PyTree | Callable[[Params], PyTree] | None = None

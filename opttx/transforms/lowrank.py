@@ -20,12 +20,13 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 import torch
 
 from .._checks import check_gradient_leaves, check_number, check_positive_int, matrix_axes_of
-from ..base import (PRECONDITION_INPUT, GradientTransformation, Params, Role, State, Updates,
-                    check_init_params, combine_traits, declare_roles, require_whole_leaves,
-                    safe_increment, traits_of, zero_count)
+from ..base import (GradientTransformation, PRECONDITION_INPUT, Params, Role, State, Updates,
+                    check_init_params, combine_traits, declare, declare_roles,
+                    require_whole_leaves, safe_increment, traits_of, zero_count)
 from ..kernels import mark_scratch
-from ..tree import (MaskedNode, PyTree, flatten_matching, leaf_labels, mask_leaves, tree_cond,
-                    tree_flatten, tree_leaves, tree_paths, tree_structure, tree_unflatten)
+from ..tree import (MaskedNode, PyTree, Static, flatten_matching, leaf_labels, mask_leaves,
+                    tree_cond, tree_flatten, tree_leaves, tree_paths, tree_structure,
+                    tree_unflatten)
 from .quantized import _Field, _walk
 
 __all__ = [
@@ -440,9 +441,11 @@ class ProjectLowrankState(NamedTuple):
     right: Updates       # like params: Vᵀ[..., :k, :] (k × n per matrix) of leaves projected on
                          # the right or both sides, same dtype; empty (0,) elsewhere
     inner_state: State   # the inner transform's state over the projected tree
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, left=Role.PROJECTION, right=Role.PROJECTION)
 
 
+@declare(hyperparams={"scale": None}, runtime=("update_proj_gap",))
 def project_lowrank(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
                     scale: float = 1.0, proj_type: ProjType = "std", *,
                     mask: PyTree | Callable[[Params], PyTree] | None = None,
@@ -596,7 +599,8 @@ def project_lowrank(inner: GradientTransformation, rank: int, update_proj_gap: i
         out_leaves = _back_projected(out, updates, g, plans, lefts, rights, scale)
         return tree_unflatten(out_leaves, spec), ProjectLowrankState(
             count=safe_increment(state.count), left=tree_unflatten(lefts, spec),
-            right=tree_unflatten(rights, spec), inner_state=inner_state)
+            right=tree_unflatten(rights, spec), inner_state=inner_state,
+            made_by=state.made_by)
 
     # an SVD of each whole leaf; per leaf as the inner transform is
     return GradientTransformation(init, update, combine_traits(

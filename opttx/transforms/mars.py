@@ -18,11 +18,11 @@ import torch
 
 from .._checks import (check_gradient_leaves, check_nonnegative, check_positive,
                        check_unit_interval)
-from ..base import (ELEMENTWISE, LEAFWISE, GradientTransformation, Params, Role, Updates,
-                    check_init_params, declare_roles, reduce_statistics)
+from ..base import (ELEMENTWISE, GradientTransformation, HyperRole, LEAFWISE, Params, Role,
+                    Updates, check_init_params, declare, declare_roles, reduce_statistics)
 from ..kernels import (cast_like, foreach, foreach_op_, foreach_sum_of_squares, is_donating,
                        mark_scratch, new_buffers)
-from ..tree import flatten_matching, stats_like, tree_unflatten
+from ..tree import Static, flatten_matching, stats_like, tree_unflatten
 
 __all__ = ["ScaleByMarsState", "scale_by_mars"]
 
@@ -31,9 +31,11 @@ class ScaleByMarsState(NamedTuple):
     """State of `scale_by_mars`."""
     prev_grad: Updates   # like params (fp32 for 16-bit leaves): the previous step's input
                          #   g_{t-1} (zero before the first step)
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(prev_grad=Role.FIRST_MOMENT)
 
 
+@declare(hyperparams={"gamma": None, "b1": HyperRole.B1, "max_norm": None})
 def scale_by_mars(gamma: float = 0.025, b1: float = 0.95, max_norm: float | None = 1.0,
                   state_dtype: torch.dtype | None = None) -> GradientTransformation:
     r"""MARS's variance-reduced gradient :math:`c_t`, clipped per leaf.
@@ -104,7 +106,8 @@ def scale_by_mars(gamma: float = 0.025, b1: float = 0.95, max_norm: float | None
         else:       # a copy: the state must not alias the caller's gradient
             new_prev = [x.clone() if x is y else x for x, y in zip(gs, g)]
         return (tree_unflatten(mark_scratch(cast_like(c, g)), spec),
-                ScaleByMarsState(prev_grad=tree_unflatten(new_prev, spec)))
+                ScaleByMarsState(prev_grad=tree_unflatten(new_prev, spec),
+                                 made_by=state.made_by))
 
     return GradientTransformation(init, update, ELEMENTWISE if max_norm is None else LEAFWISE)
 

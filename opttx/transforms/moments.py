@@ -15,13 +15,13 @@ from typing import Any, NamedTuple
 import torch
 
 from .._checks import check_nonnegative, check_unit_interval
-from ..base import (ELEMENTWISE, PRECONDITIONER, GradientTransformation, Params, Role, Updates,
-                    check_init_params, declare_roles, leafwise, precondition_leaves,
-                    replace_state, safe_increment, zero_count)
+from ..base import (ELEMENTWISE, GradientTransformation, HyperRole, PRECONDITIONER, Params, Role,
+                    Updates, check_init_params, declare, declare_roles, leafwise,
+                    precondition_leaves, replace_state, safe_increment, zero_count)
 from ..kernels import (Scalar, cast_like, foreach, foreach_, foreach_accumulate_sq, foreach_ema,
                        foreach_ema_sq, foreach_op_, foreach_scale_add, mark_scratch,
                        new_buffers)
-from ..tree import stats_like
+from ..tree import Static, stats_like
 
 __all__ = [
     "DampedTraceState",
@@ -125,6 +125,7 @@ def _fresh(out: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tens
 class TraceState(NamedTuple):
     """State of `trace`."""
     trace: Updates  # like params (fp32 for 16-bit leaves): the momentum buffer
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(trace=Role.FIRST_MOMENT)
 
 
@@ -132,9 +133,11 @@ class DampedTraceState(NamedTuple):
     """State of `trace` with a ``dampening``."""
     count: torch.Tensor  # shape (), int32: steps taken (the first step is not dampened)
     trace: Updates       # like params (fp32 for 16-bit leaves): the momentum buffer
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, trace=Role.FIRST_MOMENT)
 
 
+@declare(hyperparams={"decay": HyperRole.MOMENTUM, "dampening": None})
 def trace(decay: float, nesterov: bool = False,
           accumulator_dtype: torch.dtype | None = None, *,
           dampening: float = 0.0) -> GradientTransformation:
@@ -207,9 +210,11 @@ class EmaState(NamedTuple):
     """State of `ema`."""
     count: torch.Tensor  # shape (), int32: steps taken
     ema: Updates         # like params (fp32 for 16-bit leaves): the moving average
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, ema=Role.FIRST_MOMENT)
 
 
+@declare(hyperparams={"decay": None})
 def ema(decay: float, debias: bool = True,
         accumulator_dtype: torch.dtype | None = None, *,
         nesterov: bool = False) -> GradientTransformation:
@@ -265,6 +270,7 @@ class ScaleByAdamState(NamedTuple):
     count: torch.Tensor  # shape (), int32: steps taken
     mu: Updates          # like params, mu_dtype (fp32 for 16-bit leaves): first moment
     nu: Updates          # like params (fp32 for 16-bit leaves): second moment
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT, nu=Role.SECOND_MOMENT)
 
 
@@ -274,10 +280,13 @@ class ScaleByAmsgradState(NamedTuple):
     mu: Updates          # like params, mu_dtype (fp32 for 16-bit leaves): first moment
     nu: Updates          # like params (fp32 for 16-bit leaves): second moment
     nu_max: Updates      # like params, nu's dtype: running maximum of nu (not bias-corrected)
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT, nu=Role.SECOND_MOMENT,
                               nu_max=Role.SECOND_MOMENT)
 
 
+@declare(hyperparams={"b1": HyperRole.B1, "b2": HyperRole.B2, "eps": HyperRole.EPS,
+                      "eps_root": None})
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
                   mu_dtype: torch.dtype | None = None, *,
                   nesterov: bool = False, bias_correction: bool = True,
@@ -381,10 +390,13 @@ class ScaleByNadamState(NamedTuple):
     mu_product: torch.Tensor  # shape (), float64: product of the momentum schedule so far
     mu: Updates               # like params (fp32 for 16-bit leaves): first moment
     nu: Updates               # like params (fp32 for 16-bit leaves): second moment
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, mu_product=Role.SCALAR, mu=Role.FIRST_MOMENT,
                            nu=Role.SECOND_MOMENT)
 
 
+@declare(hyperparams={"b1": HyperRole.B1, "b2": HyperRole.B2, "eps": HyperRole.EPS,
+                      "momentum_decay": None})
 def scale_by_nadam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                    momentum_decay: float = 4e-3,
                    mu_dtype: torch.dtype | None = None) -> GradientTransformation:
@@ -459,9 +471,12 @@ class ScaleByRadamState(NamedTuple):
     count: torch.Tensor  # shape (), int32: steps taken
     mu: Updates          # like params (fp32 for 16-bit leaves): first moment
     nu: Updates          # like params (fp32 for 16-bit leaves): second moment
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT, nu=Role.SECOND_MOMENT)
 
 
+@declare(hyperparams={"b1": HyperRole.B1, "b2": HyperRole.B2, "eps": HyperRole.EPS,
+                      "eps_root": None, "threshold": None})
 def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                    eps_root: float = 0.0, threshold: float = 5.0, *, nesterov: bool = False,
                    eps_before_debias: bool = False) -> GradientTransformation:
@@ -542,9 +557,11 @@ class ScaleByAdamaxState(NamedTuple):
     count: torch.Tensor  # shape (), int32: steps taken
     mu: Updates          # like params (fp32 for 16-bit leaves): first moment
     nu: Updates          # like params (fp32 for 16-bit leaves): decayed maximum of |g| + eps
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT, nu=Role.SECOND_MOMENT)
 
 
+@declare(hyperparams={"b1": HyperRole.B1, "b2": HyperRole.B2, "eps": HyperRole.EPS})
 def scale_by_adamax(b1: float = 0.9, b2: float = 0.999,
                     eps: float = 1e-8) -> GradientTransformation:
     r"""Adamax: Adam with the infinity norm in place of the second moment.
@@ -591,9 +608,12 @@ class ScaleByBeliefState(NamedTuple):
     count: torch.Tensor  # shape (), int32: steps taken
     mu: Updates          # like params (fp32 for 16-bit leaves): first moment
     nu: Updates          # like params (fp32 for 16-bit leaves): EMA of (g - m)² (+ eps_root)
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT, nu=Role.SECOND_MOMENT)
 
 
+@declare(hyperparams={"b1": HyperRole.B1, "b2": HyperRole.B2, "eps": HyperRole.EPS,
+                      "eps_root": None})
 def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16,
                     eps_root: float = 1e-16, *, nesterov: bool = False
                     ) -> GradientTransformation:
@@ -662,9 +682,11 @@ class ScaleByRmsState(NamedTuple):
     """State of `scale_by_rms`."""
     count: torch.Tensor  # shape (), int32: steps taken
     nu: Updates          # like params (fp32 for 16-bit leaves): EMA of squared updates
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, nu=Role.SECOND_MOMENT)
 
 
+@declare(hyperparams={"decay": HyperRole.RMS_DECAY, "eps": HyperRole.EPS, "initial_scale": None})
 def scale_by_rms(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0.0,
                  eps_in_sqrt: bool = True, bias_correction: bool = False
                  ) -> GradientTransformation:
@@ -715,9 +737,11 @@ class ScaleByStddevState(NamedTuple):
     count: torch.Tensor  # shape (), int32: steps taken
     mu: Updates          # like params (fp32 for 16-bit leaves): EMA of updates
     nu: Updates          # like params (fp32 for 16-bit leaves): EMA of squared updates
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT, nu=Role.SECOND_MOMENT)
 
 
+@declare(hyperparams={"decay": HyperRole.RMS_DECAY, "eps": HyperRole.EPS, "initial_scale": None})
 def scale_by_stddev(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0.0,
                     eps_in_sqrt: bool = True, bias_correction: bool = False
                     ) -> GradientTransformation:
@@ -759,9 +783,11 @@ def scale_by_stddev(decay: float = 0.9, eps: float = 1e-8, initial_scale: float 
 class ScaleByRssState(NamedTuple):
     """State of `scale_by_rss`."""
     sum_of_squares: Updates  # like params (fp32 for 16-bit leaves): running sum of g²
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(sum_of_squares=Role.SECOND_MOMENT)
 
 
+@declare(hyperparams={"initial_accumulator_value": None, "eps": HyperRole.EPS})
 def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7,
                  eps_in_sqrt: bool = True) -> GradientTransformation:
     r"""Rescale by the root of the running sum of squared updates (Adagrad).
@@ -803,9 +829,11 @@ class ScaleByLionState(NamedTuple):
     """State of `scale_by_lion`."""
     count: torch.Tensor  # shape (), int32: steps taken
     mu: Updates          # like params, mu_dtype (fp32 for 16-bit leaves): momentum
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT)
 
 
+@declare(hyperparams={"b1": HyperRole.B1, "b2": HyperRole.B2})
 def scale_by_lion(b1: float = 0.9, b2: float = 0.99,
                   mu_dtype: torch.dtype | None = None) -> GradientTransformation:
     r"""Lion's sign update.

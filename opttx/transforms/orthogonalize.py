@@ -20,8 +20,8 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 
 from .._checks import check_nonnegative, check_positive_int, matrix_axes_of
-from ..base import (EmptyState, GradientTransformation, Params, Traits, Updates,
-                    check_init_params, require_whole_leaves)
+from ..base import (EmptyState, GradientTransformation, Params, Traits, Updates, check_init_params,
+                    declare, require_whole_leaves)
 from ..kernels import foreach, mark_scratch
 from ..tree import PyTree, leaf_labels, tree_flatten, tree_paths, tree_unflatten
 
@@ -209,6 +209,7 @@ def _from_last_two(y: torch.Tensor, axes: tuple[int, int]) -> torch.Tensor:
     return torch.movedim(y, (-2, -1), axes)
 
 
+@declare(hyperparams={"eps": None}, runtime=("ns_steps", "ns_coeffs"))
 def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: float = 1e-7,
                   method: Method = "newton_schulz", matrix_axes: MatrixAxes = (-2, -1), *,
                   ns_dtype: torch.dtype | None = None) -> GradientTransformation:
@@ -295,6 +296,7 @@ def shape_factor(rows: int, cols: int, consistent_rms: float | None = None) -> f
     return consistent_rms * math.sqrt(max(rows, cols))
 
 
+@declare(hyperparams={"consistent_rms": None})
 def scale_by_shape(consistent_rms: float | None = None,
                    matrix_axes: MatrixAxes = (-2, -1)) -> GradientTransformation:
     r"""Scale each matrix's update by a factor of its shape (Muon's step-size conventions).

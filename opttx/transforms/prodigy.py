@@ -17,13 +17,13 @@ import torch
 
 from .._checks import (check_gradient_leaves, check_learning_rate, check_nonnegative,
                        check_positive, check_unit_interval)
-from ..base import (GradientTransformation, Params, Role, Traits, Updates, check_init_params,
-                    declare_roles, reduce_across_leaves, reduce_statistics, require_params,
-                    safe_increment, zero_count)
+from ..base import (GradientTransformation, HyperRole, Params, Role, Traits, Updates,
+                    check_init_params, declare, declare_roles, reduce_across_leaves,
+                    reduce_statistics, require_params, safe_increment, zero_count)
 from ..kernels import (Scalar, cast_like, foreach, foreach_, foreach_ema, foreach_ema_sq,
                        foreach_norm, foreach_scale_add, mark_scratch)
 from ..schedules import Schedule
-from ..tree import flatten_matching, stats_like, tree_flatten, tree_map, tree_unflatten
+from ..tree import Static, flatten_matching, stats_like, tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["ProdigyState", "scale_by_prodigy"]
 
@@ -38,6 +38,7 @@ class ProdigyState(NamedTuple):
     params0: Updates            # like params (fp32 for 16-bit leaves): the initial point
     estim_lr: torch.Tensor      # shape (), float32 (float64 for float64 params): d
     numerator_weighted: torch.Tensor  # shape (), like estim_lr: beta3-weighted numerator
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, exp_avg=Role.FIRST_MOMENT,
                               exp_avg_sq=Role.SECOND_MOMENT, grad_sum=Role.FIRST_MOMENT,
                               params0=Role.PARAMS_LIKE, estim_lr=Role.SCALAR,
@@ -48,6 +49,9 @@ def _scalar_dtype(leaves: list[torch.Tensor]) -> torch.dtype:
     return torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "beta3": None,
+                      "eps": HyperRole.EPS, "estim_lr0": None, "estim_lr_coef": None,
+                      "weight_decay": HyperRole.WEIGHT_DECAY, "growth_rate": None})
 def scale_by_prodigy(learning_rate: float | Schedule = 1.0,
                      betas: tuple[float, float] = (0.9, 0.999), beta3: float | None = None,
                      eps: float = 1e-8, estim_lr0: float = 1e-6, estim_lr_coef: float = 1.0,
@@ -172,7 +176,8 @@ def scale_by_prodigy(learning_rate: float | Schedule = 1.0,
 
         return as_tree(out), ProdigyState(
             count=count, exp_avg=as_tree(m), exp_avg_sq=as_tree(v), grad_sum=as_tree(s),
-            params0=state.params0, estim_lr=new_d, numerator_weighted=numerator)
+            params0=state.params0, estim_lr=new_d, numerator_weighted=numerator,
+            made_by=state.made_by)
 
     return GradientTransformation(init, update, Traits(across_leaves=True))
 

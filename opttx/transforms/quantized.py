@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from ..base import (EmptyState, GradientTransformation, Params, Role, State, Updates,
-                    check_init_params, combine_traits, declare_roles, require_whole_leaves,
-                    state_roles)
+                    check_init_params, combine_traits, declare, declare_roles,
+                    require_whole_leaves, state_roles)
 from ..kernels import is_donating
-from ..tree import flatten_matching, tree_flatten, tree_unflatten
+from ..tree import Static, flatten_matching, tree_flatten, tree_unflatten
 
 __all__ = [
     "QuantizationMap",
@@ -317,6 +317,7 @@ class QuantizedState(NamedTuple):
                                    # PARAMS_LIKE
     unsigned_map: QuantizationMap  # the unsigned dynamic map: fields of a non-negative role
                                    # (SECOND_MOMENT, FACTORED_MOMENT)
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(quantized=Role.QUANTIZED)
 
 
@@ -418,6 +419,7 @@ def _update_small(inner: GradientTransformation, g: list, p: list, plan: _LeafPl
     return inner.update([g[i] for i in small], dense, params, **extra_args)
 
 
+@declare()
 def quantize_state(inner: GradientTransformation, bits: int = 8, block_size: int = 256,
                    min_size: int = 4096) -> GradientTransformation:
     r"""Keep the moments of ``inner`` in 8-bit block-wise quantized form.
@@ -531,7 +533,7 @@ def quantize_state(inner: GradientTransformation, bits: int = 8, block_size: int
             quantized.append(leaf_state)
         return tree_unflatten(out, spec), QuantizedState(
             dense=dense, quantized=tuple(quantized), signed_map=state.signed_map,
-            unsigned_map=state.unsigned_map)
+            unsigned_map=state.unsigned_map, made_by=state.made_by)
 
     # blocks of each whole leaf (a shard would cut them elsewhere); per leaf as the inner is
     return GradientTransformation(init, update, combine_traits((inner,), elementwise=False,

@@ -8,12 +8,12 @@ import torch
 
 from .._checks import (check_gradient_leaves, check_learning_rate, check_nonnegative,
                        check_number)
-from ..base import (ELEMENTWISE, EmptyState, GradientTransformation, Params, Role, Traits, Updates,
-                    check_init_params, declare_roles, require_params, safe_increment, stateless,
-                    zero_count)
+from ..base import (ELEMENTWISE, EmptyState, GradientTransformation, HyperRole, Params, Role,
+                    Updates, check_init_params, declare, declare_roles, require_params,
+                    safe_increment, stateless, zero_count)
 from ..kernels import Scalar, cast_like, foreach, foreach_axpy, foreach_scale
 from ..schedules import Schedule
-from ..tree import PyTree, flatten_matching, mask_leaves, tree_unflatten
+from ..tree import PyTree, Static, flatten_matching, mask_leaves, tree_unflatten
 
 __all__ = [
     "ScaleByScheduleState",
@@ -30,6 +30,7 @@ def _scaled(updates: Updates, factor: Scalar) -> Updates:
     return tree_unflatten(foreach_scale(g, factor), spec)
 
 
+@declare(hyperparams={"step_size": None})
 def scale(step_size: float) -> GradientTransformation:
     r"""Multiply updates by a constant: :math:`u_t = \alpha g_t`.
 
@@ -37,17 +38,17 @@ def scale(step_size: float) -> GradientTransformation:
       >>> tx = opttx.chain(opttx.scale_by_adam(), opttx.scale(-1e-3))
     """
     check_number("step_size", step_size)
-    # the constant scale is folded by opttx.Optimizer into its final write
-    return stateless(lambda updates, params: _scaled(updates, step_size),
-                     Traits(elementwise=True, per_leaf=True, constant_scale=step_size))
+    return stateless(lambda updates, params: _scaled(updates, step_size), ELEMENTWISE)
 
 
 class ScaleByScheduleState(NamedTuple):
     """State of `scale_by_schedule`."""
     count: torch.Tensor  # shape (), int32: steps taken, the schedule's argument
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT)
 
 
+@declare(runtime=("step_size_fn",))
 def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
     r"""Multiply updates by ``step_size_fn(t)``, with ``t`` the 0-based step (as optax).
 
@@ -69,11 +70,13 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
         del params, extra_args
         step_size = step_size_fn(state.count)
         return (_scaled(updates, step_size),
-                ScaleByScheduleState(count=safe_increment(state.count)))
+                ScaleByScheduleState(count=safe_increment(state.count),
+                                     made_by=state.made_by))
 
     return GradientTransformation(init, update, ELEMENTWISE)
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE})
 def scale_by_learning_rate(learning_rate: float | Schedule,
                            *, flip_sign: bool = True) -> GradientTransformation:
     r"""Multiply updates by :math:`-\eta` (a descent step), :math:`\eta` a number or schedule.
@@ -89,6 +92,7 @@ def scale_by_learning_rate(learning_rate: float | Schedule,
     return scale(sign * learning_rate)
 
 
+@declare(hyperparams={"weight_decay": HyperRole.WEIGHT_DECAY})
 def add_decayed_weights(weight_decay: float = 0.0,
                         mask: PyTree | Callable[[Params], PyTree] | None = None
                         ) -> GradientTransformation:
@@ -137,6 +141,7 @@ def add_decayed_weights(weight_decay: float = 0.0,
     return GradientTransformation(init, update, ELEMENTWISE)
 
 
+@declare()
 def scale_by_sign() -> GradientTransformation:
     r"""Replace updates by their sign: :math:`u_t = \mathrm{sign}(g_t)` (signSGD).
 

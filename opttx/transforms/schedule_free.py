@@ -18,11 +18,12 @@ from typing import Any, NamedTuple
 import torch
 
 from .._checks import check_learning_rate, check_nonnegative, check_number
-from ..base import (GradientTransformation, Params, Role, State, Updates, check_init_params,
-                    combine_traits, declare_roles, require_params, safe_increment, zero_count)
+from ..base import (GradientTransformation, HyperRole, Params, Role, State, Updates,
+                    check_init_params, combine_traits, declare, declare_roles, require_params,
+                    safe_increment, zero_count)
 from ..kernels import Scalar, cast_like, foreach, foreach_, is_donating, mark_scratch
 from ..schedules import Schedule
-from ..tree import (PyTree, find_instances, flatten_matching, tree_flatten, tree_map,
+from ..tree import (PyTree, Static, find_instances, flatten_matching, tree_flatten, tree_map,
                     tree_unflatten)
 
 __all__ = [
@@ -43,6 +44,7 @@ class ScheduleFreeState(NamedTuple):
     max_lr: torch.Tensor       # shape (), float64: largest (warmed-up) learning rate so far
     z: Updates                 # like params (fp32 for 16-bit leaves): the base iterate z
     inner_state: State         # the wrapped transform's state
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, b1=Role.SCALAR, weight_sum=Role.SCALAR,
                               max_lr=Role.SCALAR, z=Role.PARAMS_LIKE)
 
@@ -54,6 +56,9 @@ def _f64(value: Scalar, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float64, device=like.device)
 
 
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
+                      "weight_lr_power": None, "r": None, "averaging_weight": None,
+                      "z_weight_decay": HyperRole.WEIGHT_DECAY}, runtime=("warmup_steps",))
 def schedule_free(inner: GradientTransformation, learning_rate: float | Schedule,
                   b1: float = 0.9, weight_lr_power: float = 2.0, warmup_steps: int = 0,
                   r: float = 0.0, state_dtype: torch.dtype | None = None, *,
@@ -201,7 +206,7 @@ def schedule_free(inner: GradientTransformation, learning_rate: float | Schedule
             out = mark_scratch(cast_like(out, tree_flatten(updates)[0]))
         new_state = ScheduleFreeState(count=count, b1=beta, weight_sum=weight_sum,
                                       max_lr=max_lr, z=tree_unflatten(list(new_z), spec),
-                                      inner_state=inner_state)
+                                      inner_state=inner_state, made_by=state.made_by)
         return tree_unflatten(out, spec), new_state
 
     return GradientTransformation(init, update, combine_traits((inner,)))

@@ -59,14 +59,14 @@ import torch
 
 from .._checks import (check_gradient_leaves, check_nonnegative, check_positive_int,
                        check_unit_interval)
-from ..base import (PRECONDITION_INPUT, PRECONDITIONER, REDUCER_KEY, GradientTransformation,
-                    Params, Role, Traits, Updates, advance_counts, check_init_params,
-                    combine_traits, current_reducer, declare_roles, precondition_target,
-                    reduce_statistics, reducer_during_init, require_whole_leaves,
-                    safe_increment, traits_of, zero_count)
+from ..base import (GradientTransformation, HyperRole, PRECONDITIONER, PRECONDITION_INPUT, Params,
+                    REDUCER_KEY, Role, Traits, Updates, advance_counts, check_init_params,
+                    combine_traits, current_reducer, declare, declare_roles, precondition_target,
+                    reduce_statistics, reducer_during_init, require_whole_leaves, safe_increment,
+                    traits_of, zero_count)
 from ..kernels import cast_like, foreach, foreach_, foreach_ema, foreach_sum_of_squares
-from ..tree import (PyTree, flatten_matching, state_dtype, stats_like, tree_cond, tree_flatten,
-                    tree_map, tree_structure, tree_unflatten, tree_while)
+from ..tree import (PyTree, Static, flatten_matching, state_dtype, stats_like, tree_cond,
+                    tree_flatten, tree_map, tree_structure, tree_unflatten, tree_while)
 
 __all__ = [
     "DiagonalGraftState",
@@ -167,6 +167,7 @@ def _merge(blocks: Sequence[torch.Tensor], shape: Sequence[int], max_dim: int,
     return parts[0].reshape(shape)
 
 
+@declare()
 def block_by_dims(inner: GradientTransformation, max_preconditioner_dim: int | float = 1024,
                   target_parameter_dimensionality: int | float = 1) -> GradientTransformation:
     """Run ``inner`` on Meta's blocks of every leaf and reassemble its updates.
@@ -551,6 +552,7 @@ class ShampooState(NamedTuple):
                             # eigenvectors (identity until the first computation)
     eigenvalues: PyTree = ()  # eigendecomposed caching: per block, tuple of (d_k,)
                               # eigenvalues of the factors (ones at first); () otherwise
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, factors=Role.FACTOR_MATRIX,
                               roots=Role.FACTOR_MATRIX)
 
@@ -648,6 +650,12 @@ def _filtered_gradient(m: list[torch.Tensor], g: list[torch.Tensor], beta1: Any,
     return m, bar
 
 
+@declare(hyperparams={"beta2": HyperRole.B2, "epsilon": HyperRole.EPS},
+         runtime=("precondition_frequency", "start_preconditioning_step",
+                  "max_consecutive_failures", "trace_scaling_exponent",
+                  "inverse_exponent_override", "rank_atol", "rank_rtol", "root_max_iterations",
+                  "root_tolerance", "root_order", "root_rel_epsilon", "root_abs_epsilon",
+                  "qr_iterations", "eigendecomposition_tolerance", "root_method"))
 def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
                          precondition_frequency: int = 1,
                          start_preconditioning_step: int | None = None,
@@ -1234,7 +1242,7 @@ def _update_shampoo(updates: Updates, state: ShampooState, target: Updates,
     out = [_precondition(xi, rs, cfg.root_dtype) for xi, rs in zip(x, applied)]
     return tree_unflatten(out, spec), ShampooState(
         failures=failures, roots=tree_unflatten([m for rs in roots for m in rs], factor_spec),
-        **new_state)
+        made_by=state.made_by, **new_state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1249,9 +1257,12 @@ class GraftState(NamedTuple):
                            # beta1 (empty if beta1 = 0)
     magnitude: Any         # the magnitude (grafted) transform's state
     direction: Any         # the direction transform's state
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, filtered=Role.FIRST_MOMENT)
 
 
+@declare(hyperparams={"beta1": HyperRole.B1, "beta3": None},
+         runtime=("start_preconditioning_step",))
 def graft(magnitude: GradientTransformation | None, direction: GradientTransformation,
           start_preconditioning_step: int = 0, beta1: float = 0.0,
           use_bias_correction: bool = True, rescale: bool = True,
@@ -1274,7 +1285,7 @@ def graft(magnitude: GradientTransformation | None, direction: GradientTransform
     filtered gradient :math:`\bar G` (passed to them as ``extra_args[PRECONDITION_INPUT]``).
     ``magnitude=None`` grafts SGD (:math:`M = I`). Leaves are blocks when used inside
     `block_by_dims`, so norms are per block, as Meta's. The filtered gradient of 16-bit
-    leaves is kept in float32 (DESIGN.md rule 3); the update comes back in the gradient's
+    leaves is kept in float32 (docs/design.md, rule 3); the update comes back in the gradient's
     dtype.
 
     Args:
@@ -1352,7 +1363,8 @@ def graft(magnitude: GradientTransformation | None, direction: GradientTransform
                 if rescale else d_i
             out.append(torch.where(grafting, m_i, scaled).to(g_i.dtype))
         return tree_unflatten(out, spec), GraftState(count=count, filtered=filtered,
-                                                     magnitude=mag_state, direction=dir_state)
+                                                     magnitude=mag_state, direction=dir_state,
+                                                     made_by=state.made_by)
 
     return GradientTransformation(init, update, combine_traits(
         (direction,) if magnitude is None else (magnitude, direction),
@@ -1363,9 +1375,11 @@ class DiagonalGraftState(NamedTuple):
     """State of `scale_by_grafted_diagonal`."""
     count: torch.Tensor    # shape (), int32: steps taken
     nu: Updates            # like params (fp32 for 16-bit leaves): sum or EMA of squares
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, nu=Role.SECOND_MOMENT)
 
 
+@declare(hyperparams={"beta2": HyperRole.B2, "epsilon": HyperRole.EPS, "weighting_factor": None})
 def scale_by_grafted_diagonal(beta2: float = 1.0, epsilon: float = 1e-10,
                               weighting_factor: float = 1.0,
                               use_bias_correction: bool = False) -> GradientTransformation:
@@ -1414,6 +1428,7 @@ def scale_by_grafted_diagonal(beta2: float = 1.0, epsilon: float = 1e-10,
         x = flatten_matching(precondition_target(updates, extra_args))[1]
         out = cast_like(foreach("div", cast_like(x, denom), denom), g)
         return tree_unflatten(out, spec), DiagonalGraftState(count=count,
-                                                             nu=tree_unflatten(nu, spec))
+                                                             nu=tree_unflatten(nu, spec),
+                                                             made_by=state.made_by)
 
     return GradientTransformation(init, update, PRECONDITIONER)

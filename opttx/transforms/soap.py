@@ -63,12 +63,12 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from .._checks import check_nonnegative, check_positive_int, check_unit_interval
-from ..base import (GradientTransformation, Params, Role, Traits, Updates, advance_counts,
-                    check_init_params, declare_roles, precondition_target,
+from ..base import (GradientTransformation, HyperRole, Params, Role, Traits, Updates,
+                    advance_counts, check_init_params, declare, declare_roles, precondition_target,
                     require_whole_leaves, safe_increment, zero_count)
 from ..kernels import cast_like, foreach, foreach_ema, keeping_state, new_buffers
-from ..tree import (PyTree, flatten_matching, state_dtype, stats_like, tree_cond, tree_flatten,
-                    tree_map, tree_structure, tree_unflatten)
+from ..tree import (PyTree, Static, flatten_matching, state_dtype, stats_like, tree_cond,
+                    tree_flatten, tree_map, tree_structure, tree_unflatten)
 from .shampoo import (_chunks, _contract_factor, _decomposed, _filtered_gradient, _from_upper,
                       _prepared_factor, _update_factors, meta_bias_correction)
 
@@ -90,6 +90,7 @@ class EigenvalueCorrectedState(NamedTuple):
     nu: Updates             # like params: EMA (or sum) of the squared gradient rotated into
                             # the bases (Meta's "corrected eigenvalues"); with merge_dims
                             # the rotated (merged) tensor kept in the leaf's shape
+    made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, factors=Role.FACTOR_MATRIX,
                               bases=Role.PROJECTION, mu=Role.FIRST_MOMENT,
                               nu=Role.SECOND_MOMENT)
@@ -132,6 +133,12 @@ class _ECConfig:
     trace_scaling_exponent: float
 
 
+@declare(hyperparams={"beta2": HyperRole.B2, "epsilon": HyperRole.EPS, "beta1": HyperRole.B1,
+                      "beta3": None, "shampoo_beta": None}, runtime=("precondition_frequency",
+                                                                     "start_preconditioning_step",
+                                                                     "qr_iterations", "tolerance",
+                                                                     "eigenvalue_exponent",
+                                                                     "trace_scaling_exponent"))
 def precondition_eigenvalue_corrected(
         beta2: float = 0.999, epsilon: float = 1e-12, precondition_frequency: int = 1,
         start_preconditioning_step: int | None = None, *, beta1: float = 0.0,
@@ -669,4 +676,5 @@ def _update_ec(updates: Updates, state: EigenvalueCorrectedState, target: Update
         count=count,
         factors=tree_unflatten([m for fs in factors for m in fs], mat_spec),
         bases=tree_unflatten([m for qs in bases for m in qs], mat_spec),
-        mu=tree_unflatten(mu, spec) if _has(cfg.beta1) else (), nu=tree_unflatten(nu, spec))
+        mu=tree_unflatten(mu, spec) if _has(cfg.beta1) else (), nu=tree_unflatten(nu, spec),
+        made_by=state.made_by)
