@@ -41,8 +41,8 @@ from ..kernels import is_donating
 from ..tree import MaskedNode, PyTree, tree_copy_, tree_flatten, tree_map, tree_paths, tree_unflatten
 from .checkpoint_keys import keyed_state
 
-__all__ = ["OffloadChunk", "OffloadPlan", "check_offloadable", "offload", "offload_plan",
-           "place_chunks"]
+__all__ = ["OffloadChunk", "OffloadPlan", "OffloadStats", "check_offloadable", "offload",
+           "offload_plan", "place_chunks"]
 
 _MIB = 1 << 20
 _HOST = torch.device("cpu")
@@ -138,6 +138,32 @@ class OffloadPlan:
             lines.append(f"  chunk {k}: {'host  ' if c.on_host else 'device'} {c.dtype}, "
                          f"{c.numel} elements, state {c.state_bytes} bytes: {names}")
         return "\n".join(lines)
+
+
+@dataclass
+class OffloadStats:
+    """What an offloaded transform did, counted eagerly (pass one to `offload` or
+    `opttx.distributed.zero`'s ``offload_stats``; `reset` between steps to count one).
+
+    Attributes:
+      plan: the current placement (set by ``init``, changed by the ``"auto"`` warm-up).
+      steps: updates run.
+      host_chunk_steps, device_chunk_steps: chunk updates run on the host and the device.
+      bytes_to_host: bytes of gradients and parameters copied into host staging buffers.
+      bytes_to_device: bytes of host chunks' updates sent back to the device.
+    """
+
+    plan: OffloadPlan | None = None
+    steps: int = 0
+    host_chunk_steps: int = 0
+    device_chunk_steps: int = 0
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+
+    def reset(self) -> None:
+        """Zero the counters (the plan stays)."""
+        self.steps = self.host_chunk_steps = self.device_chunk_steps = 0
+        self.bytes_to_host = self.bytes_to_device = 0
 
 
 def place_chunks(state_bytes: Sequence[int], fraction: float | None = None,
@@ -411,7 +437,8 @@ class _Offloader:
 
     def __init__(self, tx: GradientTransformation, fraction: float | str, *, layout: str,
                  compile: bool, budget_mb: float | None,
-                 memory_probe: Callable[[], tuple[int, int]] | None, where: str) -> None:
+                 memory_probe: Callable[[], tuple[int, int]] | None, where: str,
+                 stats: OffloadStats | None = None) -> None:
         self.tx = tx
         self.head = check_offloadable(tx, layout)
         self.is_chain = bool(traits_of(tx).links)
@@ -432,7 +459,7 @@ class _Offloader:
         self._streams: tuple[Any, Any] | None = None
         self._sent: dict[int, Any] = {}       # CUDA: each host chunk's last update copy
         self._compiled: Callable | None = None
-        self.host_steps = 0                   # host chunk updates run (for tests and stats)
+        self.stats = stats if stats is not None else OffloadStats()
 
     # --- resolving -----------------------------------------------------------------------
 
@@ -456,6 +483,7 @@ class _Offloader:
         self.dtypes = [x.dtype for x in leaves]
         self.device = leaves[0].device if leaves else _HOST
         self.plan = self._plan_for(tree, members, costs, plan_kwargs)
+        self.stats.plan = self.plan
         self._meta_tree = _meta(tree)
 
     def _chunk_tree(self, k: int, leaves: list[Any]) -> PyTree:
@@ -659,6 +687,7 @@ class _Offloader:
             if c.on_host and not h:
                 self._move_chunk(k, s_leaves, self.device)
         self.plan = self.plan.placed(on_host, budget_bytes=budget)
+        self.stats.plan = self.plan
 
     # --- the step ------------------------------------------------------------------------
 
@@ -685,7 +714,7 @@ class _Offloader:
                   extra: dict[str, Any]) -> tuple[PyTree, Any]:
         """A host chunk's update: eager, or compiled for the CPU (writing the state in place,
         a copy of it unless the caller donates it)."""
-        self.host_steps += 1
+        self.stats.host_chunk_steps += 1
         if not self.compile:
             return self._run(grads, state, params, extra)
         if self._compiled is None:
@@ -722,11 +751,29 @@ class _Offloader:
             self._scatter_flat(k, leaves, s_leaves)
         if shared:
             for pos, j in m.shared:
-                s_leaves[j] = leaves[pos].to(s_leaves[j].device, non_blocking=True)
+                s_leaves[j] = self._shared_back(leaves[pos], s_leaves[j].device)
+
+    def _shared_back(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A shared tensor computed by a host chunk, back on ``device``: on CUDA through
+        pinned memory on the update stream (all chunks on the host: the step count)."""
+        if x.device == device:
+            return x
+        if device.type != "cuda" or x.device.type != "cpu":
+            return x.to(device)
+        pinned = torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x)
+        _, up = self._cuda_streams()
+        with torch.cuda.stream(up):
+            out = pinned.to(device, non_blocking=True)
+        out.record_stream(torch.cuda.current_stream(device))
+        return out
 
     def update(self, updates: Updates, state: State, params: Params | None,
                extra_args: dict[str, Any]) -> tuple[Updates, State]:
         """One step: the head links on every leaf, then every chunk where it lives."""
+        if torch.compiler.is_compiling():
+            raise ValueError(f"{self.where}: offload runs eagerly (its copies, streams and "
+                             "host steps are not traced); compile the model's forward and "
+                             "backward, and offload(..., compile=True) for the host steps.")
         if extra_args.get(REDUCER_KEY) is not None:
             raise ValueError(f"{self.where}: offload inside opttx.distributed.sharded is not "
                              "supported (the chunks' statistics would need the sharded "
@@ -757,17 +804,19 @@ class _Offloader:
             g = self._chunk_tree(k, [grads[i] for i in c.leaves])
             p = None if p_leaves is None else self._chunk_tree(k, [p_leaves[i] for i in c.leaves])
             u, new_states[k] = self._run(g, self._chunk_state(k, s_leaves, None), p, extra)
+            self.stats.device_chunk_steps += 1
             self._scatter_updates(k, u, out)
         for k in host:                                # each host chunk as its copy lands
             g, p, shared = self._wait_staged(k, staged[k])
             u, new_states[k] = self._host_run(g, self._chunk_state(k, s_leaves, shared), p,
                                               extra)
             self._scatter_updates(k, self._send(k, u), out)
-        if self._streams is not None and host:
-            torch.cuda.current_stream(self.device).wait_stream(self._streams[1])
+        self.stats.steps += 1
         sharer = next((k for k, c in enumerate(chunks) if not c.on_host), 0)
         for k in range(len(chunks)):
             self._write_back(k, new_states[k], s_leaves, shared=k == sharer)
+        if self._streams is not None and host:    # the device waits, not the host
+            torch.cuda.current_stream(self.device).wait_stream(self._streams[1])
         return tree_unflatten(out, self.spec), tree_unflatten(s_leaves, self.state_spec)
 
     def _scatter_updates(self, k: int, u: PyTree, out: list[Any]) -> None:
@@ -833,6 +882,7 @@ class _Offloader:
               ) -> torch.Tensor:
         c = self.plan.chunks[k]
         buf = self._buffer(k, what, xs[0].dtype if xs else c.dtype)
+        self.stats.bytes_to_host += buf.numel() * buf.element_size()
         for x, off, n in zip(xs, c.offsets, c.sizes):
             buf[off:off + n].copy_(x.detach().reshape(-1), non_blocking=non_blocking)
         return buf
@@ -859,6 +909,7 @@ class _Offloader:
         next step)."""
         c = self.plan.chunks[k]
         leaves = tree_flatten(u)[0]
+        self.stats.bytes_to_device += sum(x.numel() * x.element_size() for x in leaves)
         if self.device.type != "cuda":
             staging = [b.untyped_storage().data_ptr() for (kk, _), b in self._staging.items()
                        if kk == k]
@@ -903,8 +954,8 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
             chunk_size_mb: float | None = None, layout: str = "leaves",
             compile: bool = False, device_budget_mb: float | None = None,
             memory_probe: Callable[[], tuple[int, int]] | None = None,
-            min_chunk_size_mb: float = 32.0, search_range_mb: float = 32.0
-            ) -> GradientTransformation:
+            stats: OffloadStats | None = None, min_chunk_size_mb: float = 32.0,
+            search_range_mb: float = 32.0) -> GradientTransformation:
     r"""Run ``tx`` with a fraction of its optimizer state, and that part's update, on the host.
 
     The parameters are packed into chunks (`offload_plan`); the state of the chunks the
@@ -950,6 +1001,7 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
       device_budget_mb: with ``"auto"``, the device memory (MiB) for optimizer state.
       memory_probe: with ``"auto"``, ``() -> (peak bytes in use, device capacity bytes)``
         instead of the CUDA counters (tests pass a fake one).
+      stats: an `OffloadStats` that records the plan, the chunk steps and the bytes copied.
       min_chunk_size_mb, search_range_mb: the capacities searched when ``chunk_size_mb`` is
         None.
 
@@ -991,7 +1043,7 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
     def make() -> _Offloader:
         return _Offloader(tx, fraction, layout=layout, compile=compile,
                           budget_mb=device_budget_mb, memory_probe=memory_probe,
-                          where="offload")
+                          where="offload", stats=stats)
 
     resolved: list[_Offloader] = []
 
