@@ -578,6 +578,7 @@ class _Offloader:
         leaves = tree_flatten(tree)[0]
         if not self.plan.chunks:              # no leaf here (a rank of zero that owns none)
             state = self.tx.init(tree)
+            self._check_head(state)
             self.state_spec = tree_flatten(state)[1]
             return state
         if self.layout == "flat":
@@ -643,6 +644,7 @@ class _Offloader:
         without offload): build the maps from it and move each chunk's tensors where the
         plan puts them."""
         if not self.plan.chunks:
+            self._check_head(state)
             self.state_spec = tree_flatten(state)[1]
             return state
         self._build_maps(state)

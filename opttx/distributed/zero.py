@@ -628,7 +628,13 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
             res = _with_offloader(res, params, cfg)
         resolved[:] = [res]
         if res.offloader is not None:
-            state = res.offloader.init(_mask(params, res))
+            error, state = None, None
+            try:
+                state = res.offloader.init(_mask(params, res))
+            except (ValueError, TypeError) as e:   # a chain refused: on every rank
+                error = e
+            raise_on_every_rank(error, res.group, "opttx.distributed.zero: rank {rank} "
+                                "refused to offload the chain (see its error).")
         elif res.split_reducer is None:
             state = cfg.tx.init(_mask(params, res))
         else:
