@@ -28,7 +28,7 @@ offload (a host chunk's tensors simply live in host memory), so checkpoints
 from __future__ import annotations
 
 import dataclasses
-import math
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -151,6 +151,8 @@ class OffloadStats:
       host_chunk_steps, device_chunk_steps: chunk updates run on the host and the device.
       bytes_to_host: bytes of gradients and parameters copied into host staging buffers.
       bytes_to_device: bytes of host chunks' updates sent back to the device.
+      host_seconds: wall time of the host chunks' updates (the CPU's part of a step, without
+        the copies).
     """
 
     plan: OffloadPlan | None = None
@@ -159,11 +161,13 @@ class OffloadStats:
     device_chunk_steps: int = 0
     bytes_to_host: int = 0
     bytes_to_device: int = 0
+    host_seconds: float = 0.0
 
     def reset(self) -> None:
         """Zero the counters (the plan stays)."""
         self.steps = self.host_chunk_steps = self.device_chunk_steps = 0
         self.bytes_to_host = self.bytes_to_device = 0
+        self.host_seconds = 0.0
 
 
 def place_chunks(state_bytes: Sequence[int], fraction: float | None = None,
@@ -707,15 +711,18 @@ class _Offloader:
         return grads, tuple(new)
 
     def _in_place(self, grads: PyTree, state: Any, params: PyTree | None,
-                  extra: dict[str, Any]) -> PyTree:
-        out, new = self._run(grads, state, params, extra)
+                  extra: dict[str, Any], out: PyTree) -> None:
+        """The compiled host step: the new state into the old buffers and the updates into
+        ``out`` (the chunk's staging buffer), so nothing is allocated per step."""
+        u, new = self._run(grads, state, params, extra)
         tree_copy_(state, new)
-        return out
+        tree_copy_(out, u)
 
-    def _host_run(self, grads: PyTree, state: Any, params: PyTree | None,
+    def _host_run(self, k: int, grads: PyTree, state: Any, params: PyTree | None,
                   extra: dict[str, Any]) -> tuple[PyTree, Any]:
-        """A host chunk's update: eager, or compiled for the CPU (writing the state in place,
-        a copy of it unless the caller donates it)."""
+        """Host chunk ``k``'s update: eager, or compiled for the CPU (the state written in
+        place, a copy of it unless the caller donates it; the updates into the chunk's
+        staging buffer)."""
         self.stats.host_chunk_steps += 1
         if not self.compile:
             return self._run(grads, state, params, extra)
@@ -723,7 +730,27 @@ class _Offloader:
             self._compiled = torch.compile(self._in_place, fullgraph=True, dynamic=True)
         if not is_donating():
             state = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
-        return self._compiled(grads, state, params, extra), state
+        dtype = tree_flatten(grads)[0][0].dtype
+        out = self._as_chunk(k, self._updates_buffer(k, dtype))
+        self._compiled(grads, state, params, extra, out)
+        return out, state
+
+    def _as_chunk(self, k: int, buf: torch.Tensor) -> PyTree:
+        """A staging buffer of chunk ``k`` as the chunk's tree (views shaped like its leaves,
+        or the flat vector)."""
+        c = self.plan.chunks[k]
+        if self.layout == "flat":
+            return (buf,)
+        return self._chunk_tree(k, [buf[o:o + n].view(self.shapes[i])
+                                    for i, o, n in zip(c.leaves, c.offsets, c.sizes)])
+
+    def _updates_buffer(self, k: int, dtype: torch.dtype) -> torch.Tensor:
+        """Host chunk ``k``'s staging buffer for its updates, once the last step's copy to
+        the device has read it."""
+        previous = self._sent.pop(k, None)
+        if previous is not None:
+            previous.synchronize()
+        return self._buffer(k, "updates", dtype)
 
     def _chunk_state(self, k: int, s_leaves: list[Any], shared: list[torch.Tensor] | None
                      ) -> Any:
@@ -810,8 +837,10 @@ class _Offloader:
             self._scatter_updates(k, u, out)
         for k in host:                                # each host chunk as its copy lands
             g, p, shared = self._wait_staged(k, staged[k])
-            u, new_states[k] = self._host_run(g, self._chunk_state(k, s_leaves, shared), p,
-                                              extra)
+            start = time.perf_counter()
+            u, new_states[k] = self._host_run(k, g, self._chunk_state(k, s_leaves, shared),
+                                              p, extra)
+            self.stats.host_seconds += time.perf_counter() - start
             self._scatter_updates(k, self._send(k, u), out)
         self.stats.steps += 1
         sharer = next((k for k, c in enumerate(chunks) if not c.on_host), 0)
@@ -895,38 +924,35 @@ class _Offloader:
         event, shared, grads, *rest = staged
         if event is not None:
             event.synchronize()
-        c = self.plan.chunks[k]
-
-        def tree(buf: torch.Tensor) -> PyTree:
-            if self.layout == "flat":
-                return (buf,)
-            return self._chunk_tree(k, [buf[o:o + n].view(self.shapes[i])
-                                        for i, o, n in zip(c.leaves, c.offsets, c.sizes)])
-        return tree(grads), (tree(rest[0]) if rest else None), shared
+        return (self._as_chunk(k, grads), (self._as_chunk(k, rest[0]) if rest else None),
+                shared)
 
     def _send(self, k: int, u: PyTree) -> PyTree:
-        """Host chunk ``k``'s updates on the device: on CUDA through its pinned buffer on the
-        other copy stream (the caller's stream waits for it, not the host); on a CPU-only
-        machine as they are, copied only where they alias a staging buffer (rewritten by the
-        next step)."""
+        """Host chunk ``k``'s updates on the device: on CUDA through its pinned buffer (the
+        compiled step wrote them there) on the other copy stream, which the caller's stream
+        waits for, not the host. On a CPU-only machine they are returned as they are; those
+        in a staging buffer (rewritten by the next step) are copied unless the caller
+        donates (`opttx.Optimizer` applies them before its next step)."""
         c = self.plan.chunks[k]
-        leaves = tree_flatten(u)[0]
+        leaves, spec = tree_flatten(u)
         self.stats.bytes_to_device += sum(x.numel() * x.element_size() for x in leaves)
         if self.device.type != "cuda":
-            staging = [b.untyped_storage().data_ptr() for (kk, _), b in self._staging.items()
-                       if kk == k]
-            leaves = [x.clone() if x.untyped_storage().data_ptr() in staging else x
-                      for x in leaves]
-            return tree_unflatten(leaves, tree_flatten(u)[1])
-        previous = self._sent.pop(k, None)
-        if previous is not None:          # the last step's copy has read the buffer
-            previous.synchronize()
-        staging = self._buffer(k, "updates", leaves[0].dtype)
-        if self.layout == "flat":
-            staging.copy_(leaves[0])
-        else:
-            for x, off, n in zip(leaves, c.offsets, c.sizes):
-                staging[off:off + n].copy_(x.reshape(-1))
+            if is_donating():
+                return u
+            staging = {b.untyped_storage().data_ptr() for (kk, _), b in self._staging.items()
+                       if kk == k}
+            return tree_unflatten([x.clone() if x.untyped_storage().data_ptr() in staging
+                                   else x for x in leaves], spec)
+        dtype = leaves[0].dtype
+        staging = self._staging.get((k, "updates"))
+        if staging is None or leaves[0].untyped_storage().data_ptr() != \
+                staging.untyped_storage().data_ptr():
+            staging = self._updates_buffer(k, dtype)
+            if self.layout == "flat":
+                staging.copy_(leaves[0])
+            else:
+                for x, off, n in zip(leaves, c.offsets, c.sizes):
+                    staging[off:off + n].copy_(x.reshape(-1))
         _, up = self._cuda_streams()
         with torch.cuda.stream(up):
             flat = staging.to(self.device, non_blocking=True)
@@ -934,11 +960,8 @@ class _Offloader:
             done.record(up)
         flat.record_stream(torch.cuda.current_stream(self.device))
         self._sent[k] = done
-        if self.layout == "flat":
-            return (flat,)
-        return tree_unflatten([flat[o:o + n].view(self.shapes[i])
-                               for i, o, n in zip(c.leaves, c.offsets, c.sizes)],
-                              tree_flatten(u)[1])
+        return tree_unflatten(list(self._as_chunk(k, flat)) if self.layout == "flat" else
+                              tree_flatten(self._as_chunk(k, flat))[0], spec)
 
 
 def keyed_paths(tree: PyTree) -> list[str]:
