@@ -408,6 +408,95 @@ def test_optimizer_over_an_offloaded_transform() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# overlap with backward, and the delayed update
+# ---------------------------------------------------------------------------------------------
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                               torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _train_functionally(tx: opttx.GradientTransformation, steps: int = 6,
+                        pass_clones: bool = False) -> list[torch.Tensor]:
+    """The functional loop over the model's own parameters (hookable), donating."""
+    model = _mlp()
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(5, 8, generator=gen), torch.randn(5, 4, generator=gen))
+            for _ in range(steps)]
+    params = dict(model.named_parameters())
+    state = tx.init(params)
+    for x, y in data:
+        for p in params.values():
+            p.grad = None
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        grads = {k: (p.grad.clone() if pass_clones else p.grad) for k, p in params.items()}
+        with torch.no_grad(), opttx.donating():
+            updates, state = tx.update(grads, state, params)
+            opttx.apply_updates_(params, updates)
+    return [p.detach().clone() for p in params.values()]
+
+
+def test_overlap_starts_the_host_steps_in_backward_with_the_same_numbers() -> None:
+    """overlap=True: each host chunk's copy and step start from backward's hooks when its
+    gradients are there (counted), and the parameters are those of AdamW bit for bit; with
+    gradients that are not the ``.grad`` tensors backward left (clones), the started steps
+    are dropped and the chunks run in ``update``, with the same numbers."""
+    expected = _train_functionally(opttx.adamw(1e-2, weight_decay=0.1))
+    stats = OffloadStats()
+    tx = offload(opttx.adamw(1e-2, weight_decay=0.1), 0.5, chunk_size_mb=300 / MIB,
+                 overlap=True, stats=stats)
+    got = _train_functionally(tx)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    host = sum(c.on_host for c in stats.plan.chunks)
+    assert host >= 2 and stats.started_in_backward == host * 6
+    assert stats.host_chunk_steps == host * 6
+    stats.reset()
+    tx = offload(opttx.adamw(1e-2, weight_decay=0.1), 0.5, chunk_size_mb=300 / MIB,
+                 overlap=True, stats=stats)
+    got = _train_functionally(tx, pass_clones=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert stats.host_chunk_steps == 2 * host * 6      # started in backward, then again
+
+
+def test_overlap_refusals() -> None:
+    with pytest.raises(ValueError, match="statistic across leaves"):
+        offload(opttx.chain(opttx.clip_by_global_norm(1.0), opttx.adam(1e-3)), overlap=True)
+    with pytest.raises(ValueError, match="do not go together"):
+        offload(opttx.adam(1e-3), overlap=True, delayed=True)
+    with pytest.raises(ValueError, match="model's parameters themselves"):
+        offload(opttx.adam(1e-3), overlap=True).init({"w": torch.ones(3)})
+
+
+def test_the_delayed_update_applies_each_host_step_one_step_late() -> None:
+    """delayed=True: at step t the host chunks' parameters move by AdamW's update computed
+    at step t-1 (from that step's gradients and parameters; zero at the first step), the
+    device chunks' by step t's own: bitwise the reference written out below."""
+    gen = torch.Generator().manual_seed(2)
+    params = {f"l{i}": torch.randn(16, 4, generator=gen) for i in range(6)}
+    grads = gradient_stream(params, 7, seed=13)
+    plan = offload_plan(params, opttx.adamw(1e-2), 0.5, chunk_size_mb=256 / MIB)
+    host = {f"l{i}" for c in plan.chunks if c.on_host for i in c.leaves}
+    assert 0 < len(host) < len(params)
+    tx = opttx.adamw(1e-2, weight_decay=0.1)
+    p_ref, s_ref = dict(params), tx.init(params)
+    late = {k: torch.zeros_like(v) for k, v in params.items()}
+    delayed = offload(opttx.adamw(1e-2, weight_decay=0.1), 0.5, chunk_size_mb=256 / MIB,
+                      delayed=True)
+    p, s = dict(params), delayed.init(params)
+    for g in grads:
+        u, s_ref = tx.update(g, s_ref, p_ref)
+        p_ref = {k: p_ref[k] + (late[k] if k in host else u[k]) for k in p_ref}
+        late = u
+        updates, s = delayed.update(g, s, p)
+        p = opttx.apply_updates(p, updates)
+    assert_trees_close(p, p_ref, rtol=0.0)
+    assert not torch.equal(p_ref[sorted(host)[0]], run_transform(tx, params, grads)[0][
+        sorted(host)[0]])
+
+
+# ---------------------------------------------------------------------------------------------
 # checkpoints
 # ---------------------------------------------------------------------------------------------
 

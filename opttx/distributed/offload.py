@@ -35,8 +35,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .._checks import check_nonnegative, check_positive
-from ..base import (REDUCER_KEY, TOTALS_KEY, EmptyState, GradientTransformation, Params, State,
-                    Updates, combine_traits, traits_of)
+from ..base import (REDUCER_KEY, TOTALS_KEY, EmptyState, GradientTransformation, Params, Role,
+                    State, Updates, combine_traits, fields_with_role, traits_of)
 from ..kernels import is_donating
 from ..tree import MaskedNode, PyTree, tree_copy_, tree_flatten, tree_map, tree_paths, tree_unflatten
 from .checkpoint_keys import keyed_state
@@ -45,6 +45,7 @@ __all__ = ["OffloadChunk", "OffloadPlan", "OffloadStats", "check_offloadable", "
            "offload_plan", "place_chunks"]
 
 _MIB = 1 << 20
+DEFAULT_CHUNK_MB = 32.0  # parameters per chunk: fine placement, host steps starting early
 _HOST = torch.device("cpu")
 _AUTO_MARGIN = 0.1       # "auto": the share of the device's memory left free for fragmentation
 
@@ -153,6 +154,7 @@ class OffloadStats:
       bytes_to_device: bytes of host chunks' updates sent back to the device.
       host_seconds: wall time of the host chunks' updates (the CPU's part of a step, without
         the copies).
+      started_in_backward: host chunk steps started from backward (``overlap=True``).
     """
 
     plan: OffloadPlan | None = None
@@ -162,12 +164,14 @@ class OffloadStats:
     bytes_to_host: int = 0
     bytes_to_device: int = 0
     host_seconds: float = 0.0
+    started_in_backward: int = 0
 
     def reset(self) -> None:
         """Zero the counters (the plan stays)."""
         self.steps = self.host_chunk_steps = self.device_chunk_steps = 0
         self.bytes_to_host = self.bytes_to_device = 0
         self.host_seconds = 0.0
+        self.started_in_backward = 0
 
 
 def place_chunks(state_bytes: Sequence[int], fraction: float | None = None,
@@ -242,14 +246,14 @@ def _validated_fraction(fraction: Any, where: str) -> float | str:
 
 
 def offload_plan(params: Params, tx: GradientTransformation | None = None,
-                 fraction: float | str = 1.0, *, chunk_size_mb: float | None = None,
-                 device_budget_mb: float | None = None, min_chunk_size_mb: float = 32.0,
-                 search_range_mb: float = 32.0) -> OffloadPlan:
+                 fraction: float | str = 1.0, *, chunk_size_mb: float = DEFAULT_CHUNK_MB,
+                 device_budget_mb: float | None = None) -> OffloadPlan:
     """The chunks `offload` makes of ``params`` and where their optimizer state lives (no
     device needed: only shapes and dtypes are read, so meta tensors do).
 
-    The chunks are `opttx.distributed.zero_plan`'s for one rank (its searched or given
-    capacity); each chunk's state bytes are what ``tx.init`` allocates for its parameters
+    The chunks are `opttx.distributed.zero_plan`'s for one rank at the given capacity (whole
+    parameters in tree order, a chunk closed when the next parameter does not fit, a
+    parameter larger than the capacity alone in its chunk); each chunk's state bytes are what ``tx.init`` allocates for its parameters
     (`opttx.distributed.state_costs`; parameter bytes without ``tx``). Placement: see
     `place_chunks`.
 
@@ -259,8 +263,9 @@ def offload_plan(params: Params, tx: GradientTransformation | None = None,
       fraction: the share of the state to put on the host, in [0, 1], or ``"auto"``: keep on
         the device what fits in ``device_budget_mb`` (without a budget, everything goes to
         the host, as `offload` does before its warm-up step measures one).
-      chunk_size_mb: the chunk capacity in MiB (None: searched between ``min_chunk_size_mb``
-        and ``min_chunk_size_mb + search_range_mb``).
+      chunk_size_mb: the chunk capacity in MiB (of parameters). Smaller chunks place the
+        state more finely and start their host steps sooner; each costs a little Python per
+        step.
       device_budget_mb: with ``"auto"``, the device memory (MiB) the optimizer state may use.
 
     Returns:
@@ -278,8 +283,8 @@ def offload_plan(params: Params, tx: GradientTransformation | None = None,
         if fraction != "auto":
             raise ValueError("offload_plan: device_budget_mb goes with fraction='auto'.")
     leaves = tree_flatten(params)[0]
-    plan = zero_plan(params, 1, chunk_size_mb, min_chunk_size_mb=min_chunk_size_mb,
-                     search_range_mb=search_range_mb)
+    check_positive("chunk_size_mb", chunk_size_mb)
+    plan = zero_plan(params, 1, chunk_size_mb)
     costs = state_costs(tx, params) if tx is not None else None
     chunks = _chunks_of(leaves, [c.leaves for c in plan.chunks], costs)
     return _place(OffloadPlan(tuple(chunks), tuple(tree_paths(params)), None), fraction,
@@ -386,6 +391,30 @@ def _keyed_positions(state: Any, tree: PyTree, mask: Sequence[bool] | None
     return out, leaves, spec
 
 
+def _count_positions(state: Any, leaves: list[Any]) -> set[int]:
+    """The positions among ``leaves`` (the state's) of the step counters: fields declared
+    `opttx.Role.COUNT`."""
+    where = {id(x): j for j, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
+    out: set[int] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            for name in fields_with_role(node, Role.COUNT):
+                x = getattr(node, name)
+                if isinstance(x, torch.Tensor) and id(x) in where:
+                    out.add(where[id(x)])
+            for x in node:
+                walk(x)
+        elif isinstance(node, (list, tuple)):
+            for x in node:
+                walk(x)
+        elif isinstance(node, dict):
+            for x in node.values():
+                walk(x)
+    walk(state)
+    return out
+
+
 def _meta(tree: PyTree) -> PyTree:
     return tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
                     if isinstance(x, torch.Tensor) else x, tree)
@@ -442,7 +471,8 @@ class _Offloader:
     def __init__(self, tx: GradientTransformation, fraction: float | str, *, layout: str,
                  compile: bool, budget_mb: float | None,
                  memory_probe: Callable[[], tuple[int, int]] | None, where: str,
-                 stats: OffloadStats | None = None) -> None:
+                 stats: OffloadStats | None = None, overlap: bool = False,
+                 delayed: bool = False) -> None:
         self.tx = tx
         self.head = check_offloadable(tx, layout)
         self.is_chain = bool(traits_of(tx).links)
@@ -462,10 +492,77 @@ class _Offloader:
         self._staging: dict[tuple[int, str], torch.Tensor] = {}
         self._streams: tuple[Any, Any] | None = None
         self._sent: dict[int, Any] = {}       # CUDA: each host chunk's last update copy
+        self.overlap, self.delayed = overlap, delayed
+        self._worker: Any = None              # the thread running host steps in background
+        self._launches: Any = None            # overlap: the host chunks started in backward
+        self._pending: dict[int, Any] = {}    # delayed: each host chunk's step in flight
+        self._live: Any = None                # the state the last update returned
+        self._extra: dict[str, Any] = {}      # the extra args of the last update
         self._compiled: Callable | None = None
         self.stats = stats if stats is not None else OffloadStats()
 
     # --- resolving -----------------------------------------------------------------------
+
+    def _background(self) -> Any:
+        if self._worker is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opttx-offload")
+        return self._worker
+
+    def hook(self, params: PyTree) -> None:
+        """overlap: hooks on ``params`` (the model's own) that start each host chunk's copy
+        and step from backward."""
+        from .overlap import BackwardLaunches
+        leaves = tree_flatten(params)[0]
+        if not BackwardLaunches.hookable(leaves):
+            raise ValueError(f"{self.where}(overlap=True): init needs the model's parameters "
+                             "themselves (leaf tensors that require grad, e.g. "
+                             "dict(model.named_parameters())) to hook their gradients.")
+        if self._launches is not None:
+            self._launches.remove()
+        groups = [list(c.leaves) if c.on_host else [] for c in self.plan.chunks]
+        self._params = [x.detach() for x in leaves]
+        self._launches = BackwardLaunches(leaves, groups, self._launch)
+
+    def _launch(self, k: int, grads: list[torch.Tensor]) -> Callable[[], Any]:
+        """From backward: copy host chunk ``k``'s gradients and parameters to the host and
+        start its step on the worker thread, on the state the last update returned."""
+        if self._live is None:
+            return lambda: None
+        s_leaves = tree_flatten(self._live)[0]
+        full: list[Any] = [None] * len(self.shapes)
+        for i, g in zip(self.plan.chunks[k].leaves, grads):
+            full[i] = g
+        staged = self._stage(k, full, self._params, s_leaves)
+        self.stats.started_in_backward += 1
+        # functional: if update does not take this result (other gradients, another state),
+        # the state it started from must be intact
+        future = self._background().submit(self._job, k, staged, s_leaves, dict(self._extra),
+                                           False)
+        return future.result
+
+    def _job(self, k: int, staged: tuple[Any, ...], s_leaves: list[Any],
+             extra: dict[str, Any], donate: bool, base: Any = None) -> tuple[PyTree, Any]:
+        """A host chunk's step off the main thread: wait for its copies, update, send. From
+        ``base`` (delayed: the chunk's state from its last step, with its own step counts and
+        the other shared tensors, injected hyperparameters, of the state given to update)
+        or from the chunk's part of ``s_leaves``."""
+        from ..kernels import donating
+        g, p, shared = self._wait_staged(k, staged)
+        if base is None:
+            state = self._chunk_state(k, s_leaves, shared)
+        else:
+            leaves, spec = tree_flatten(base)
+            for n, (pos, j) in enumerate(self.maps[k].shared):
+                if j not in self.counts:
+                    leaves[pos] = shared[n]
+            state = tree_unflatten(leaves, spec)
+        start = time.perf_counter()
+        with donating(donate):
+            u, new = self._host_run(k, g, state, p, extra)
+            u = self._send(k, u)
+        self.stats.host_seconds += time.perf_counter() - start
+        return u, new
 
     def _plan_for(self, tree: PyTree, members: Sequence[Sequence[int]] | None,
                   costs: Sequence[float] | None, kwargs: dict[str, Any]) -> OffloadPlan:
@@ -505,6 +602,7 @@ class _Offloader:
         """The position of every tensor of ``state`` by key, and each chunk's map."""
         n = len(self.shapes)
         keys, s_leaves, self.state_spec = _keyed_positions(state, self._meta_tree, [True] * n)
+        self.counts = _count_positions(state, s_leaves)
         paths = keyed_paths(self._meta_tree)
         self.maps = []
         covered: set[tuple] = set()
@@ -598,7 +696,8 @@ class _Offloader:
         self._check_head(state)
         s_leaves = tree_flatten(state)[0]
         self._place_shared(s_leaves)
-        return tree_unflatten(s_leaves, self.state_spec)
+        self._live = tree_unflatten(s_leaves, self.state_spec)
+        return self._live
 
     def _init_flat(self, leaves: list[torch.Tensor]) -> State:
         """Flat layout: each chunk's state built over its flat vector, the whole state's
@@ -657,7 +756,8 @@ class _Offloader:
         for k, c in enumerate(self.plan.chunks):
             self._move_chunk(k, s_leaves, _HOST if c.on_host else self.device)
         self._place_shared(s_leaves)
-        return tree_unflatten(s_leaves, self.state_spec)
+        self._live = tree_unflatten(s_leaves, self.state_spec)
+        return self._live
 
     def _move_chunk(self, k: int, s_leaves: list[Any], device: torch.device) -> None:
         m, c = self.maps[k], self.plan.chunks[k]
@@ -823,8 +923,14 @@ class _Offloader:
         extra = {k: v for k, v in extra_args.items() if k not in (TOTALS_KEY, REDUCER_KEY)}
         chunks = self.plan.chunks
         host = [k for k, c in enumerate(chunks) if c.on_host]
+        launched = self._take_launched(host, grads, state)
+        if self.delayed and state is not self._live:
+            self._drop_pending()              # another state than ours: start afresh from it
+        # delayed: the steps started last time are done before their buffers are refilled
+        joined = {k: self._pending.pop(k).result() for k in host if k in self._pending}
         # the host chunks' copies start first; the whole state is only read until the end
-        staged = {k: self._stage(k, grads, p_leaves, s_leaves) for k in host}
+        staged = {k: self._stage(k, grads, p_leaves, s_leaves) for k in host
+                  if k not in launched}
         out: list[Any] = [None] * len(grads)
         new_states: dict[int, Any] = {}
         for k, c in enumerate(chunks):                # the device's chunks are queued
@@ -836,19 +942,65 @@ class _Offloader:
             self.stats.device_chunk_steps += 1
             self._scatter_updates(k, u, out)
         for k in host:                                # each host chunk as its copy lands
-            g, p, shared = self._wait_staged(k, staged[k])
-            start = time.perf_counter()
-            u, new_states[k] = self._host_run(k, g, self._chunk_state(k, s_leaves, shared),
-                                              p, extra)
-            self.stats.host_seconds += time.perf_counter() - start
-            self._scatter_updates(k, self._send(k, u), out)
+            if k in launched:
+                u, new_states[k] = launched[k]
+            elif self.delayed:
+                u, new_states[k] = self._delayed(k, staged[k], s_leaves, extra, grads,
+                                                 joined.get(k))
+            else:
+                g, p, shared = self._wait_staged(k, staged[k])
+                start = time.perf_counter()
+                u, new_states[k] = self._host_run(k, g, self._chunk_state(k, s_leaves, shared),
+                                                  p, extra)
+                self.stats.host_seconds += time.perf_counter() - start
+                u = self._send(k, u)
+            self._scatter_updates(k, u, out)
         self.stats.steps += 1
         sharer = next((k for k, c in enumerate(chunks) if not c.on_host), 0)
         for k in range(len(chunks)):
             self._write_back(k, new_states[k], s_leaves, shared=k == sharer)
         if self._streams is not None and host:    # the device waits, not the host
             torch.cuda.current_stream(self.device).wait_stream(self._streams[1])
-        return tree_unflatten(out, self.spec), tree_unflatten(s_leaves, self.state_spec)
+        new_state = tree_unflatten(s_leaves, self.state_spec)
+        self._live, self._extra = new_state, extra
+        return tree_unflatten(out, self.spec), new_state
+
+    def _take_launched(self, host: list[int], grads: list[torch.Tensor], state: Any
+                       ) -> dict[int, tuple[PyTree, Any]]:
+        """overlap: the results of the host chunks started in backward on this state."""
+        if self._launches is None:
+            return {}
+        if state is not self._live:           # steps started on another state: dropped
+            self._launches.drain()
+            return {}
+        out = {}
+        for k in host:
+            got = self._launches.take(k, [grads[i] for i in self.plan.chunks[k].leaves])
+            if got is not None:
+                out[k] = got
+        return out
+
+    def _delayed(self, k: int, staged: tuple[Any, ...], s_leaves: list[Any],
+                 extra: dict[str, Any], grads: list[torch.Tensor],
+                 previous: tuple[PyTree, Any] | None) -> tuple[PyTree, Any]:
+        """delayed: the step started last time (``previous``: its updates and state), and
+        this step's started in the background from that state, functionally (the state
+        returned now is not written by it)."""
+        if previous is None:                  # the first step: nothing to apply yet
+            c = self.plan.chunks[k]
+            u = self._chunk_tree(k, [torch.zeros_like(grads[i]) for i in c.leaves])
+            state, base = self._chunk_state(k, s_leaves, None), None
+        else:
+            u, state = previous
+            base = state
+        self._pending[k] = self._background().submit(self._job, k, staged, s_leaves,
+                                                     dict(extra), False, base)
+        return u, state
+
+    def _drop_pending(self) -> None:
+        for future in self._pending.values():
+            future.result()                   # let it finish: its buffers are in use
+        self._pending.clear()
 
     def _scatter_updates(self, k: int, u: PyTree, out: list[Any]) -> None:
         c = self.plan.chunks[k]
@@ -976,11 +1128,11 @@ def keyed_paths(tree: PyTree) -> list[str]:
 
 
 def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
-            chunk_size_mb: float | None = None, layout: str = "leaves",
+            chunk_size_mb: float = DEFAULT_CHUNK_MB, layout: str = "leaves",
             compile: bool = False, device_budget_mb: float | None = None,
             memory_probe: Callable[[], tuple[int, int]] | None = None,
-            stats: OffloadStats | None = None, min_chunk_size_mb: float = 32.0,
-            search_range_mb: float = 32.0) -> GradientTransformation:
+            stats: OffloadStats | None = None, overlap: bool = False,
+            delayed: bool = False) -> GradientTransformation:
     r"""Run ``tx`` with a fraction of its optimizer state, and that part's update, on the host.
 
     The parameters are packed into chunks (`offload_plan`); the state of the chunks the
@@ -1013,7 +1165,7 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
         beside the peak measured so far (``torch.cuda.max_memory_allocated``; less 10 % of
         the device's memory) is the budget, and the first chunks whose state fits move to the
         device. ``device_budget_mb`` gives the budget instead of measuring it.
-      chunk_size_mb: the chunk capacity in MiB (None: searched, `opttx.distributed.zero_plan`).
+      chunk_size_mb: the chunk capacity in MiB of parameters (`offload_plan`).
       layout: ``"leaves"`` (default): ``tx`` sees each chunk's leaves in the parameter tree
         (others masked); right for every per-leaf chain. ``"flat"``: ``tx`` sees each chunk
         as one flat vector (`opttx.flatten`), for element-wise chains only: one kernel per
@@ -1027,8 +1179,28 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
       memory_probe: with ``"auto"``, ``() -> (peak bytes in use, device capacity bytes)``
         instead of the CUDA counters (tests pass a fake one).
       stats: an `OffloadStats` that records the plan, the chunk steps and the bytes copied.
-      min_chunk_size_mb, search_range_mb: the capacities searched when ``chunk_size_mb`` is
-        None.
+      overlap: start each host chunk's step during backward, as soon as the gradients of
+        all its parameters are there (`opttx.distributed.BackwardLaunches`: post-accumulate-
+        grad hooks; the copy to the host and the step run while backward goes on, the step
+        on a worker thread); ``update`` then collects them. ``init`` must get the model's
+        parameters themselves (``dict(model.named_parameters())``; `opttx.Optimizer` passes
+        them), ``update`` the ``.grad`` tensors backward left and the state the last update
+        returned (otherwise the chunks run in ``update``). Eager; the statistics across
+        leaves at a chain's head (global-norm clipping) need every gradient first, so they
+        are refused with it; in gradient accumulation, run the micro-batches before the last
+        inside `opttx.distributed.no_sync`. A step started in backward runs functionally
+        (its starting state stays intact until ``update`` takes the result): with
+        ``compile=True`` one more pass over the chunk's state, eagerly new buffers.
+      delayed: the one-step delayed parameter update of ZeRO-Offload (DPU; ZenFlow's and
+        torchao's offloaded steps that run behind the device): ``update`` at step
+        :math:`t` starts the host chunks' step on step :math:`t`'s gradients in the
+        background and returns, for those chunks, the updates computed from step
+        :math:`t-1`'s (zeros at the first step), so the host computes while the device runs
+        the next forward and backward. A different optimizer: the offloaded parameters
+        move by :math:`u(g_{t-1}, x_{t-1})` at step :math:`t`, one step late (the paper
+        reports no loss in final accuracy after a few warm-up steps; check it for your
+        model). The state ``update`` returns has the host chunks as of step :math:`t-1`
+        (a checkpoint drops the step in flight). Not with ``overlap``.
 
     Returns:
       A `GradientTransformation` whose state is ``tx``'s state, laid out as without offload
@@ -1051,38 +1223,44 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
         raise TypeError(f"offload needs a GradientTransformation, got a {type(tx).__name__} "
                         "(did you forget to call the factory?).")
     fraction = _validated_fraction(fraction, "offload")
-    if chunk_size_mb is not None:
-        check_positive("chunk_size_mb", chunk_size_mb)
-    check_positive("min_chunk_size_mb", min_chunk_size_mb)
-    check_nonnegative("search_range_mb", search_range_mb)
+    check_positive("chunk_size_mb", chunk_size_mb)
+    if overlap and delayed:
+        raise ValueError("offload: overlap and delayed do not go together: delayed already "
+                         "runs each host step behind the next forward and backward.")
     if device_budget_mb is not None:
         check_nonnegative("device_budget_mb", device_budget_mb)
         if fraction != "auto":
             raise ValueError("offload: device_budget_mb goes with fraction='auto'.")
     if memory_probe is not None and fraction != "auto":
         raise ValueError("offload: memory_probe goes with fraction='auto'.")
-    check_offloadable(tx, layout)
-    plan_kwargs = dict(chunk_size_mb=chunk_size_mb, min_chunk_size_mb=min_chunk_size_mb,
-                       search_range_mb=search_range_mb)
+    if check_offloadable(tx, layout) and overlap:
+        raise ValueError("offload(overlap=True): the chain starts with a statistic across "
+                         "leaves (global-norm clipping), which needs every gradient before "
+                         "any chunk's step; clip inside backward's reach is impossible, so "
+                         "use overlap=False (or clip per leaf: clip_by_block_rms).")
 
     def make() -> _Offloader:
         return _Offloader(tx, fraction, layout=layout, compile=compile,
                           budget_mb=device_budget_mb, memory_probe=memory_probe,
-                          where="offload", stats=stats)
+                          where="offload", stats=stats, overlap=overlap, delayed=delayed)
 
     resolved: list[_Offloader] = []
 
     def resolve(tree: PyTree) -> _Offloader:
         from .zero import state_costs
         engine = make()
-        engine.resolve(tree, costs=state_costs(tx, tree), **plan_kwargs)
+        engine.resolve(tree, costs=state_costs(tx, tree), chunk_size_mb=chunk_size_mb)
         resolved[:] = [engine]
         return engine
 
     def init(params: Params) -> State:
         from ..base import check_init_params
         check_init_params(params)
-        return resolve(params).init(params)
+        engine = resolve(params)
+        state = engine.init(params)
+        if overlap:
+            engine.hook(params)
+        return state
 
     def update(updates: Updates, state: State, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, State]:
