@@ -73,7 +73,7 @@ def copy_bandwidth(n: int = 100_000_000) -> float:
 
 class OpttxVariant:
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], compile: bool,
-                 chunk_mb: float | None) -> None:
+                 chunk_mb: float) -> None:
         self.params = {str(i): p.clone() for i, p in enumerate(params)}
         self.start = {k: v.clone() for k, v in self.params.items()}
         self.grads = {str(i): g for i, g in enumerate(grads)}
@@ -119,8 +119,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--chunk-mb", type=float, default=None,
-                    help="chunk capacity (default: the searched 32-64 MiB)")
+    ap.add_argument("--chunk-mb", type=float, default=32.0,
+                    help="chunk capacity in MiB of parameters (offload's default: 32)")
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--wait-idle", type=float, default=60.0)
     args = ap.parse_args()
