@@ -151,8 +151,8 @@ def main() -> None:
             dp, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True), dp)
     chunks = variants["opttx flat compiled"].stats.plan.chunks
     print(f"opttx: {len(chunks)} chunks of {min(c.numel for c in chunks) / 1e6:.1f} to "
-          f"{max(c.numel for c in chunks) / 1e6:.1f} M elements; set-up {time.perf_counter() - t:.0f} s",
-          flush=True)
+          f"{max(c.numel for c in chunks) / 1e6:.1f} M elements; "
+          f"set-up {time.perf_counter() - t:.0f} s", flush=True)
     t = time.perf_counter()
     for _ in range(3):                       # untimed: compiles, builds, first touches
         for v in variants.values():

@@ -48,7 +48,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import opttx  # noqa: E402
-from opttx.distributed import OffloadStats, offload  # noqa: E402
+from opttx.distributed import offload  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.95), 1e-8, 0.1
 

@@ -22,7 +22,7 @@ from opttx.base import traits_of
 from opttx.distributed import (OffloadStats, check_offloadable, load_state_dict, offload,
                                offload_plan, place_chunks, state_dict)
 from opttx.testing import assert_trees_close, gradient_stream, run_transform
-from opttx.tree import tree_flatten, tree_leaves
+from opttx.tree import tree_leaves
 
 from registry import CASES, Case
 

@@ -38,7 +38,8 @@ from .._checks import check_nonnegative, check_positive
 from ..base import (REDUCER_KEY, TOTALS_KEY, EmptyState, GradientTransformation, Params, Role,
                     State, Updates, combine_traits, fields_with_role, traits_of)
 from ..kernels import is_donating
-from ..tree import MaskedNode, PyTree, tree_copy_, tree_flatten, tree_map, tree_paths, tree_unflatten
+from ..tree import (MaskedNode, PyTree, tree_copy_, tree_flatten, tree_map, tree_paths,
+                    tree_unflatten)
 from .checkpoint_keys import keyed_state
 
 __all__ = ["OffloadChunk", "OffloadPlan", "OffloadStats", "check_offloadable", "offload",
@@ -253,9 +254,9 @@ def offload_plan(params: Params, tx: GradientTransformation | None = None,
 
     The chunks are `opttx.distributed.zero_plan`'s for one rank at the given capacity (whole
     parameters in tree order, a chunk closed when the next parameter does not fit, a
-    parameter larger than the capacity alone in its chunk); each chunk's state bytes are what ``tx.init`` allocates for its parameters
-    (`opttx.distributed.state_costs`; parameter bytes without ``tx``). Placement: see
-    `place_chunks`.
+    parameter larger than the capacity alone in its chunk); each chunk's state bytes are
+    what ``tx.init`` allocates for its parameters (`opttx.distributed.state_costs`;
+    parameter bytes without ``tx``). Placement: see `place_chunks`.
 
     Args:
       params: the parameter tree.
@@ -1191,16 +1192,15 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
         inside `opttx.distributed.no_sync`. A step started in backward runs functionally
         (its starting state stays intact until ``update`` takes the result): with
         ``compile=True`` one more pass over the chunk's state, eagerly new buffers.
-      delayed: the one-step delayed parameter update of ZeRO-Offload (DPU; ZenFlow's and
-        torchao's offloaded steps that run behind the device): ``update`` at step
+      delayed: the one-step delayed parameter update of ZeRO-Offload (DPU): ``update`` at step
         :math:`t` starts the host chunks' step on step :math:`t`'s gradients in the
         background and returns, for those chunks, the updates computed from step
         :math:`t-1`'s (zeros at the first step), so the host computes while the device runs
         the next forward and backward. A different optimizer: the offloaded parameters
-        move by :math:`u(g_{t-1}, x_{t-1})` at step :math:`t`, one step late (the paper
-        reports no loss in final accuracy after a few warm-up steps; check it for your
-        model). The state ``update`` returns has the host chunks as of step :math:`t-1`
-        (a checkpoint drops the step in flight). Not with ``overlap``.
+        move by :math:`u(g_{t-1}, x_{t-1})` at step :math:`t`, one step late (check it for
+        your model; the paper starts the delay after a few dozen warm-up steps, this option
+        from the first). The state ``update`` returns has the host chunks as of step
+        :math:`t-1` (a checkpoint drops the step in flight). Not with ``overlap``.
 
     Returns:
       A `GradientTransformation` whose state is ``tx``'s state, laid out as without offload

@@ -23,7 +23,7 @@ from .._checks import check_floating, check_nonnegative, check_positive
 from ..base import (REDUCER_KEY, TOTALS_KEY, GradientTransformation, Params, State,
                     Updates, current_reducer, reducer_during_init, traits_of)
 from ..tree import (MaskedNode, PyTree, assert_same_structure, tree_flatten, tree_leaves,
-                    tree_map, tree_paths, tree_unflatten)
+                    tree_paths, tree_unflatten)
 from .overlap import BackwardLaunches
 from .reducer import CollectiveStats, ShardedReducer, collective_device
 from .specs import Shard
