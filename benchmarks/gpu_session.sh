@@ -53,7 +53,8 @@ for s in $sections; do
         # The CUDA-only tests (peak memory; offload's placement and copy streams), skipped
         # on CPU.
         tests) run tests 90 python3 -m pytest -q -p no:cacheprovider -x \
-                   tests/test_memory_tracker.py tests/test_offload.py -k "cuda or memory" ;;
+                   tests/test_memory_tracker.py \
+                   "tests/test_offload.py::test_cuda_state_on_the_host_and_copies_off_the_compute_stream" ;;
         # Issue 16: the optimizer step alone, compiled opttx vs Meta (root-inverse and EC,
         # and EC with first_moment_in_eigenbasis). The limits of this and the step section
         # are guesses: neither has run on a GPU with the first_moment_in_eigenbasis row.
