@@ -23,11 +23,16 @@ from .sharded import sharded
 from .specs import (LeafSpec, Replicated, Shard, flatten_specs, local_shard, shard_groups,
                     specs_from_dtensors)
 from .zero import ZeroChunk, ZeroPlan, state_costs, zero, zero_plan
+from .offload import (OffloadChunk, OffloadPlan, OffloadStats, check_offloadable, offload,
+                      offload_plan, place_chunks)
 
 __all__ = [
     "BackwardLaunches",
     "CollectiveStats",
     "LeafSpec",
+    "OffloadChunk",
+    "OffloadPlan",
+    "OffloadStats",
     "OwnerPlan",
     "Replicated",
     "Shard",
@@ -36,6 +41,7 @@ __all__ = [
     "ZeroPlan",
     "all_reduce_gradients",
     "check_checkpoint",
+    "check_offloadable",
     "default_cost",
     "flatten_specs",
     "global_factor_axes",
@@ -44,9 +50,12 @@ __all__ = [
     "load_state_dict",
     "local_shard",
     "no_sync",
+    "offload",
+    "offload_plan",
     "on_owners",
     "pack_all_reduce",
     "param_paths",
+    "place_chunks",
     "plan_buckets",
     "plan_owners",
     "raise_on_every_rank",

@@ -24,7 +24,7 @@ from ..base import (GradientTransformation, Params, REDUCER_KEY, State, TOTALS_K
                     _describe, configuration_items, current_reducer, declare, reducer_during_init,
                     traits_of)
 from ..tree import (MaskedNode, PyTree, assert_same_structure, tree_flatten, tree_leaves,
-                    tree_map, tree_paths, tree_unflatten)
+                    tree_paths, tree_unflatten)
 from .overlap import BackwardLaunches
 from .reducer import CollectiveStats, ShardedReducer, collective_device
 from .specs import Shard
@@ -456,6 +456,7 @@ class _Resolved:
     leaf_shapes: tuple[tuple[int, ...], ...] = ()   # of the parameters (plan.shapes: units)
     leaf_paths: tuple[str, ...] = ()
     split_reducer: Any = None     # split_above_mb: the reducer over the split leaves' rows
+    offloader: Any = None         # offload: this rank's chunks of state on the host
 
     def unit_of_leaf(self) -> list[int]:
         """For every leaf, the unit this rank holds of it: its own row segment of a split
@@ -475,30 +476,15 @@ class _Resolved:
         return [leaves[i] if a < 0 else leaves[i][a:b] for i, a, b in self.plan.units]
 
 
-def _to_host(state: State, pin: bool) -> State:
-    """The state's tensors on the CPU: one blocking copy each, straight into pinned memory
-    when ``pin`` (so the next update's copy to the GPU can be asynchronous)."""
-    def move(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
-        if pin and not x.is_pinned():
-            return torch.empty_like(x, device="cpu", pin_memory=True).copy_(x)
-        return x.to("cpu")
-    return tree_map(move, state)
-
-
-def _to_device(state: State, device: torch.device) -> State:
-    return tree_map(lambda x: x.to(device, non_blocking=True)
-                    if isinstance(x, torch.Tensor) else x, state)
-
-
 @declare(same_state_as="tx")
 def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
-         chunk_size_mb: float | None = None, offload: bool = False, *,
+         chunk_size_mb: float | None = None, offload: bool | float | str = False, *,
          min_chunk_size_mb: float = 32.0, search_range_mb: float = 32.0,
          balance: str = "params", stats: CollectiveStats | None = None,
          communication_dtype: torch.dtype | None = None, overlap: bool = False,
-         split_above_mb: float | None = None) -> GradientTransformation:
+         split_above_mb: float | None = None, offload_layout: str = "leaves",
+         offload_compile: bool = False, device_budget_mb: float | None = None,
+         offload_stats: Any = None) -> GradientTransformation:
     r"""ZeRO data parallelism: each rank keeps the optimizer state of the parameters it owns.
 
     With :math:`W` ranks in ``group``, rank :math:`r` holding its local gradients
@@ -543,10 +529,16 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
       stage: 2 (reduce-scatter the gradients, default) or 1 (all-reduce them). The state is
         partitioned either way; stage 2 also receives only the owned gradients.
       chunk_size_mb: the chunk capacity in MiB (None: searched, see `zero_plan`).
-      offload: keep the owned optimizer state on the CPU (in pinned memory when CUDA is
-        available), moved to the gradients' device for the update and back after it. On a
-        CPU-only machine the moves are no-ops. Under ``torch.compile`` the state comes back in
-        ordinary (unpinned) CPU memory.
+      offload: keep a share of the owned optimizer state in host memory and run its update
+        on the host (`opttx.distributed.offload`, applied to this rank's owned leaves in
+        this plan's chunks: each chunk's segment of this rank is one offload chunk). True or
+        1.0: all of it; a number in [0, 1]: that share of the state bytes (the last chunks);
+        ``"auto"``: what does not fit beside the first step's peak device memory (or
+        ``device_budget_mb``). The same numbers as without offload (bitwise for per-leaf
+        chains with ``offload_compile=False``); the chain must run chunk by chunk
+        (`opttx.distributed.check_offloadable`: per-leaf links, after stateless statistics
+        across leaves such as `opttx.clip_by_global_norm`). Eager only; not with
+        ``split_above_mb`` nor inside `sharded`.
       min_chunk_size_mb, search_range_mb: the capacities searched when ``chunk_size_mb`` is
         None.
       balance: what the owners are balanced by: ``"params"`` (default) the parameter bytes
@@ -588,6 +580,10 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
         does `zero` for chains with statistics across leaves (`opttx.clip_by_global_norm`:
         a split leaf's share of the total would be counted on every rank). Not with
         ``overlap`` nor inside `sharded`; a checkpoint of a split plan is refused.
+      offload_layout, offload_compile: the ``layout`` and ``compile`` of
+        `opttx.distributed.offload` for the host chunks.
+      device_budget_mb: with ``offload="auto"``, the device memory (MiB) for the state.
+      offload_stats: an `opttx.distributed.OffloadStats` for this rank's offload.
 
     ``update(local_grads, state, params)`` takes this rank's unreduced gradients (the full
     tree, plain tensors) and the full replicated ``params``; gradients are cast to the
@@ -618,14 +614,18 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
     cfg = _zero_config(tx, group, stage, chunk_size_mb, offload,
                        min_chunk_size_mb=min_chunk_size_mb, search_range_mb=search_range_mb,
                        balance=balance, stats=stats, communication_dtype=communication_dtype,
-                       overlap=overlap, split_above_mb=split_above_mb)
+                       overlap=overlap, split_above_mb=split_above_mb,
+                       offload_layout=offload_layout, offload_compile=offload_compile,
+                       device_budget_mb=device_budget_mb, offload_stats=offload_stats)
     resolved: list[_Resolved] = []
     settings = configuration_items(tx) + [
         (f"zero.{k}", _describe(v, True)) for k, v in (
             ("stage", stage), ("chunk_size_mb", chunk_size_mb), ("offload", offload),
             ("min_chunk_size_mb", min_chunk_size_mb), ("search_range_mb", search_range_mb),
             ("balance", balance), ("communication_dtype", communication_dtype),
-            ("overlap", overlap), ("split_above_mb", split_above_mb))]
+            ("overlap", overlap), ("split_above_mb", split_above_mb),
+            ("offload_layout", offload_layout), ("offload_compile", offload_compile),
+            ("device_budget_mb", device_budget_mb))]
 
     def agree() -> None:
         # first of all: a setting that differs across ranks would pair mismatched collectives
@@ -642,22 +642,36 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
         for old in resolved:                 # a second init: the old hooks go
             if old.launches is not None:
                 old.launches.remove()
+        if cfg.offload is not None:
+            res = _with_offloader(res, params, cfg)
         resolved[:] = [res]
-        if res.split_reducer is None:
+        if res.offloader is not None:
+            error, state = None, None
+            try:
+                state = res.offloader.init(_mask(params, res))
+            except (ValueError, TypeError) as e:   # a chain refused: on every rank
+                error = e
+            raise_on_every_rank(error, res.group, "opttx.distributed.zero: rank {rank} "
+                                "refused to offload the chain (see its error).")
+        elif res.split_reducer is None:
             state = cfg.tx.init(_mask(params, res))
         else:
             with reducer_during_init(res.split_reducer):
                 state = cfg.tx.init(_mask(params, res))
         agree_on_state_structure(state, res.group, res.control_device,
                                  "opttx.distributed.zero")
-        return _to_host(state, cfg.pin) if cfg.offload else state
+        return state
 
     def update(updates: Updates, state: State, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, State]:
         if not resolved:
             require_member(cfg.group, "opttx.distributed.zero")
             agree()
-            resolved[:] = [_resolve(updates, cfg, current_reducer(extra_args))]
+            res = _resolve(updates, cfg, current_reducer(extra_args))
+            if cfg.offload is not None:   # a restored state: its owned chunks placed
+                res = _with_offloader(res, updates, cfg)
+                state = res.offloader.adopt(state)
+            resolved[:] = [res]
         return _zero_update(updates, state, params, extra_args, resolved[0], cfg)
 
     return GradientTransformation(init, update)
@@ -670,8 +684,7 @@ class _ZeroConfig:
     group: Any                          # as given (None: the default group)
     stage: int
     chunk_size_mb: float | None
-    offload: bool
-    pin: bool                           # offloaded state in pinned memory (CUDA available)
+    offload: float | str | None         # the offloaded share (None: no offload)
     min_chunk_size_mb: float
     search_range_mb: float
     balance: str
@@ -679,13 +692,20 @@ class _ZeroConfig:
     communication_dtype: torch.dtype | None   # on the wire (None: the parameters' dtype)
     overlap: bool                             # gradient reductions started during backward
     split_above_mb: float | None              # leaves split into row segments above this
+    offload_layout: str = "leaves"            # offload: the host chunks' layout
+    offload_compile: bool = False             # offload: compile the host chunks' update
+    device_budget_mb: float | None = None     # offload="auto": the state's device budget
+    offload_stats: Any = None                 # offload: an OffloadStats to fill
 
 
 def _zero_config(tx: GradientTransformation, group: Any, stage: int,
-                 chunk_size_mb: float | None, offload: bool, *, min_chunk_size_mb: float,
+                 chunk_size_mb: float | None, offload: bool | float | str, *,
+                 min_chunk_size_mb: float,
                  search_range_mb: float, balance: str, stats: CollectiveStats | None,
                  communication_dtype: torch.dtype | None = None, overlap: bool = False,
-                 split_above_mb: float | None = None) -> _ZeroConfig:
+                 split_above_mb: float | None = None, offload_layout: str = "leaves",
+                 offload_compile: bool = False, device_budget_mb: float | None = None,
+                 offload_stats: Any = None) -> _ZeroConfig:
     """Validate `zero`'s arguments into a `_ZeroConfig`."""
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"zero needs a GradientTransformation, got a {type(tx).__name__} (did "
@@ -713,11 +733,59 @@ def _zero_config(tx: GradientTransformation, group: Any, stage: int,
                 "(a global norm, Traits.across_leaves) is not supported: every rank holds rows "
                 "of a split leaf, so its share of a global total would be counted once per "
                 "rank. Split only element-wise, factored and layer-wise chains.")
+    share = _offload_share(tx, offload, split_above_mb, offload_layout, device_budget_mb)
     return _ZeroConfig(tx=tx, group=group, stage=stage, chunk_size_mb=chunk_size_mb,
-                       offload=bool(offload), pin=bool(offload) and torch.cuda.is_available(),
-                       min_chunk_size_mb=min_chunk_size_mb, search_range_mb=search_range_mb,
-                       balance=balance, stats=stats, communication_dtype=communication_dtype,
-                       overlap=bool(overlap), split_above_mb=split_above_mb)
+                       offload=share, min_chunk_size_mb=min_chunk_size_mb,
+                       search_range_mb=search_range_mb, balance=balance, stats=stats,
+                       communication_dtype=communication_dtype, overlap=bool(overlap),
+                       split_above_mb=split_above_mb, offload_layout=offload_layout,
+                       offload_compile=bool(offload_compile),
+                       device_budget_mb=device_budget_mb, offload_stats=offload_stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# offload: the owned state's chunks on the host (opttx.distributed.offload)
+# ---------------------------------------------------------------------------------------------
+
+
+def _offload_share(tx: GradientTransformation, offload: Any, split_above_mb: float | None,
+                   layout: str, device_budget_mb: float | None) -> float | str | None:
+    """``offload`` validated: None (off), a share in [0, 1] or ``"auto"``; the chain checked
+    for running chunk by chunk."""
+    from .offload import _validated_fraction, check_offloadable
+    if offload is False or offload is None:
+        if device_budget_mb is not None:
+            raise ValueError("zero: device_budget_mb goes with offload='auto'.")
+        return None
+    share = 1.0 if offload is True else _validated_fraction(offload, "zero")
+    if device_budget_mb is not None:
+        check_nonnegative("device_budget_mb", device_budget_mb)
+        if share != "auto":
+            raise ValueError("zero: device_budget_mb goes with offload='auto'.")
+    if split_above_mb is not None:
+        raise ValueError("zero: offload and split_above_mb do not go together (a split "
+                         "leaf's statistics are reduced over the ranks inside the update).")
+    check_offloadable(tx, layout)
+    return share
+
+
+def _with_offloader(res: _Resolved, tree: PyTree, cfg: _ZeroConfig) -> _Resolved:
+    """``res`` with the offload engine of this rank: one offload chunk per chunk of the plan
+    in which this rank owns parameters (its segment), placed by ``cfg.offload``."""
+    from .offload import _Offloader
+    if res.split_reducer is not None:
+        raise ValueError("zero: offload and split_above_mb do not go together.")
+    masked = _mask(tree, res)
+    owned = [i for i, r in enumerate(res.plan.owners) if r == res.rank]
+    index = {leaf: k for k, leaf in enumerate(owned)}     # leaf -> place among owned leaves
+    members = [[index[i] for i, _, _ in c.members(res.rank)] for c in res.plan.chunks]
+    engine = _Offloader(cfg.tx, cfg.offload, layout=cfg.offload_layout,
+                        compile=cfg.offload_compile, budget_mb=cfg.device_budget_mb,
+                        memory_probe=None, where="opttx.distributed.zero",
+                        stats=cfg.offload_stats)
+    engine.resolve(masked, members=[m for m in members if m],
+                   costs=state_costs(cfg.tx, masked))
+    return dataclasses.replace(res, offloader=engine)
 
 
 def _resolve(tree: PyTree, cfg: _ZeroConfig, reducer: Any = None) -> _Resolved:
@@ -901,8 +969,8 @@ def _combiner(res: _Resolved, stats: CollectiveStats | None,
 def _owners_update(owned: list[Any], state: State, params: Params | None,
                    extra_args: dict[str, Any], res: _Resolved, cfg: _ZeroConfig,
                    device: torch.device) -> tuple[dict[int, torch.Tensor], State]:
-    """``tx`` on the owned whole leaves (others masked), the state moved to ``device`` and
-    back when offloaded; returns the update of every owned leaf (by index) and the state."""
+    """``tx`` on the owned whole leaves (others masked), chunk by chunk where they live when
+    offloaded; returns the update of every owned leaf (by index) and the state."""
     # a sharded reducer (zero inside `sharded`: tensor parallel x ZeRO) goes on to tx, which
     # sees the local shards of the leaves it owns; statistics across leaves are combined over
     # the data-parallel group, then by an enclosing combiner's group
@@ -912,11 +980,10 @@ def _owners_update(owned: list[Any], state: State, params: Params | None,
         inner_args[REDUCER_KEY] = res.split_reducer
     masked_updates = tree_unflatten([owned[k] for k in res.unit_of_leaf()], res.treespec)
     masked_params = None if params is None else _mask(params, res)
-    if cfg.offload:
-        state = _to_device(state, device)
-    new, new_state = cfg.tx.update(masked_updates, state, masked_params, **inner_args)
-    if cfg.offload:
-        new_state = _to_host(new_state, cfg.pin and not torch.compiler.is_compiling())
+    if res.offloader is not None:
+        new, new_state = res.offloader.update(masked_updates, state, masked_params, inner_args)
+    else:
+        new, new_state = cfg.tx.update(masked_updates, state, masked_params, **inner_args)
     new_leaves = tree_leaves(new)
     mine_all = res.plan.owned(res.rank)
     if len(new_leaves) != len(mine_all):

@@ -1,0 +1,1280 @@
+r"""Heterogeneous memory: optimizer state by chunks on the host or on the device, and each
+chunk's update where its state lives (ColossalAI's Gemini, DeepSpeed's ZeRO-Offload).
+
+The parameters are packed into chunks as `zero_plan` packs them (whole parameters, in tree
+order, one dtype per chunk). A *placement* puts a fraction of the chunks' optimizer state in
+host memory, the rest on the device; `offload_plan` shows it. Each step then runs the same
+transform once per chunk: a host chunk's gradients (and parameters) are copied to the host, its
+update runs on the CPU (eagerly, or compiled by Inductor into one vectorized C++ loop over the
+chunk with ``layout="flat", compile=True``) and the updates go back to the device; a device
+chunk's update runs on the device. On CUDA the copies run on side streams into pinned staging
+buffers, so the device chunks compute while the host ones are copied and computed.
+
+Why chunks give the same numbers: a transform whose traits say ``per_leaf`` computes each
+leaf's output from that leaf alone, so running it on the leaves of one chunk at a time is
+running it on all leaves at once (its step counters advance once per call, in every chunk
+alike). An ``elementwise`` chain may even see each chunk as one flat vector (``layout="flat"``,
+as `opttx.flatten`). A chain that takes a statistic across leaves and keeps state (Prodigy,
+`opttx.apply_if_finite`) cannot be cut into chunks and is refused; stateless statistics across
+leaves at the head of a `opttx.chain` (`opttx.clip_by_global_norm`) run first, on the device,
+over every leaf.
+
+The state is the transform's own state over the parameter tree, laid out exactly as without
+offload (a host chunk's tensors simply live in host memory), so checkpoints
+(`opttx.distributed.state_dict`) have the same keys with and without offload, and
+`set_hyperparams_`, `opttx.Optimizer` and the wrappers see what they expect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .._checks import check_nonnegative, check_positive
+from ..base import (EmptyState, GradientTransformation, Params, REDUCER_KEY, Role, State,
+                    TOTALS_KEY, Updates, combine_traits, declare, fields_with_role, traits_of)
+from ..kernels import is_donating
+from ..tree import (MaskedNode, PyTree, tree_copy_, tree_flatten, tree_map, tree_paths,
+                    tree_unflatten)
+from .checkpoint_keys import keyed_state
+
+__all__ = ["OffloadChunk", "OffloadPlan", "OffloadStats", "check_offloadable", "offload",
+           "offload_plan", "place_chunks"]
+
+_MIB = 1 << 20
+DEFAULT_CHUNK_MB = 32.0  # parameters per chunk: fine placement, host steps starting early
+_HOST = torch.device("cpu")
+_AUTO_MARGIN = 0.1       # "auto": the share of the device's memory left free for fragmentation
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OffloadChunk:
+    """One chunk of an `OffloadPlan`: whole parameters of one dtype, back to back.
+
+    ``leaves`` index the leaves of the tree the plan was made for (flattening order), in their
+    order in the chunk; ``sizes`` are their elements; ``state_bytes`` the optimizer state they
+    hold (measured on meta tensors with `opttx.distributed.state_costs`; the parameters' bytes
+    when the transform cannot be initialised there or none was given)."""
+
+    leaves: tuple[int, ...]
+    sizes: tuple[int, ...]
+    dtype: torch.dtype
+    state_bytes: int
+    on_host: bool
+
+    @property
+    def numel(self) -> int:
+        """Elements of the chunk."""
+        return sum(self.sizes)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Element offset of each leaf in the chunk."""
+        out, pos = [], 0
+        for n in self.sizes:
+            out.append(pos)
+            pos += n
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Which chunks of optimizer state live in host memory (`offload_plan`).
+
+    Attributes:
+      chunks: the chunks, in tree order (backward produces the last ones' gradients first).
+      paths: the path of every leaf of the tree, for messages and `summary`.
+      fraction: the fraction asked for (None with a budget).
+      budget_bytes: the device budget for optimizer state the placement honours (None with a
+        fraction).
+    """
+
+    chunks: tuple[OffloadChunk, ...]
+    paths: tuple[str, ...]
+    fraction: float | None
+    budget_bytes: int | None = None
+
+    @property
+    def host_bytes(self) -> int:
+        """Optimizer-state bytes in host memory."""
+        return sum(c.state_bytes for c in self.chunks if c.on_host)
+
+    @property
+    def device_bytes(self) -> int:
+        """Optimizer-state bytes in device memory."""
+        return sum(c.state_bytes for c in self.chunks if not c.on_host)
+
+    @property
+    def host_fraction(self) -> float:
+        """The share of the optimizer-state bytes in host memory (1.0 when there are none)."""
+        total = self.host_bytes + self.device_bytes
+        return self.host_bytes / total if total else float(all(c.on_host for c in self.chunks))
+
+    def host_leaves(self) -> tuple[int, ...]:
+        """The leaves (flattening indices) whose state lives in host memory."""
+        return tuple(sorted(i for c in self.chunks if c.on_host for i in c.leaves))
+
+    def placed(self, on_host: Sequence[bool], *, fraction: float | None = None,
+               budget_bytes: int | None = None) -> "OffloadPlan":
+        """This plan's chunks with another placement."""
+        chunks = tuple(dataclasses.replace(c, on_host=bool(h))
+                       for c, h in zip(self.chunks, on_host, strict=True))
+        return OffloadPlan(chunks, self.paths, fraction, budget_bytes)
+
+    def summary(self) -> str:
+        """A table: each chunk's dtype, elements, state bytes, placement and parameters."""
+        lines = [f"OffloadPlan: {len(self.chunks)} chunks; optimizer state {self.host_bytes} "
+                 f"bytes on the host, {self.device_bytes} on the device "
+                 f"({100 * self.host_fraction:.0f} % offloaded)"]
+        for k, c in enumerate(self.chunks):
+            names = ", ".join(self.paths[i] for i in c.leaves)
+            lines.append(f"  chunk {k}: {'host  ' if c.on_host else 'device'} {c.dtype}, "
+                         f"{c.numel} elements, state {c.state_bytes} bytes: {names}")
+        return "\n".join(lines)
+
+
+@dataclass
+class OffloadStats:
+    """What an offloaded transform did, counted eagerly (pass one to `offload` or
+    `opttx.distributed.zero`'s ``offload_stats``; `reset` between steps to count one).
+
+    Attributes:
+      plan: the current placement (set by ``init``, changed by the ``"auto"`` warm-up).
+      steps: updates run.
+      host_chunk_steps, device_chunk_steps: chunk updates run on the host and the device.
+      bytes_to_host: bytes of gradients and parameters copied into host staging buffers.
+      bytes_to_device: bytes of host chunks' updates sent back to the device.
+      host_seconds: wall time of the host chunks' updates (the CPU's part of a step, without
+        the copies).
+      started_in_backward: host chunk steps started from backward (``overlap=True``).
+    """
+
+    plan: OffloadPlan | None = None
+    steps: int = 0
+    host_chunk_steps: int = 0
+    device_chunk_steps: int = 0
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+    host_seconds: float = 0.0
+    started_in_backward: int = 0
+
+    def reset(self) -> None:
+        """Zero the counters (the plan stays)."""
+        self.steps = self.host_chunk_steps = self.device_chunk_steps = 0
+        self.bytes_to_host = self.bytes_to_device = 0
+        self.host_seconds = 0.0
+        self.started_in_backward = 0
+
+
+def place_chunks(state_bytes: Sequence[int], fraction: float | None = None,
+                 budget_bytes: int | None = None) -> list[bool]:
+    """Which chunks go to the host (True), given each chunk's optimizer-state bytes in tree
+    order.
+
+    With ``fraction`` :math:`f`: the fewest *last* chunks whose state holds at least
+    :math:`f` of the total (all of them for :math:`f = 1`, none for :math:`f = 0`). The last
+    chunks are the first whose gradients backward produces, so their copies and host steps
+    have the rest of backward to overlap with; the first chunks, which the next forward needs
+    first, stay on the device. With ``budget_bytes``: the longest run of *first* chunks whose
+    state fits in the budget stays on the device, the rest goes to the host.
+
+    Example:
+      >>> place_chunks([4, 4, 4, 4], fraction=0.5)
+      [False, False, True, True]
+      >>> place_chunks([4, 4, 4, 4], budget_bytes=9)
+      [False, False, True, True]
+    """
+    n = len(state_bytes)
+    if (fraction is None) == (budget_bytes is None):
+        raise ValueError("place_chunks: give exactly one of fraction and budget_bytes.")
+    if budget_bytes is not None:
+        check_nonnegative("budget_bytes", budget_bytes)
+        used, keep = 0, 0
+        for b in state_bytes:
+            if used + b > budget_bytes:
+                break
+            used += b
+            keep += 1
+        return [k >= keep for k in range(n)]
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"fraction must be in [0, 1] or 'auto', got {fraction!r}.")
+    if fraction == 1.0:
+        return [True] * n
+    target, offloaded, first = fraction * sum(state_bytes), 0, n
+    while first > 0 and offloaded < target:
+        first -= 1
+        offloaded += state_bytes[first]
+    return [k >= first for k in range(n)]
+
+
+def _chunks_of(leaves: list[torch.Tensor], members: Sequence[Sequence[int]],
+               costs: Sequence[float] | None) -> list[OffloadChunk]:
+    """Chunks (all on the device) of the given member lists."""
+    out = []
+    for m in members:
+        m = tuple(m)
+        if not m:
+            continue
+        sizes = tuple(leaves[i].numel() for i in m)
+        if costs is None:
+            state = sum(leaves[i].numel() * leaves[i].element_size() for i in m)
+        else:
+            state = int(sum(costs[i] for i in m))
+        out.append(OffloadChunk(m, sizes, leaves[m[0]].dtype, state, False))
+    return out
+
+
+def _validated_fraction(fraction: Any, where: str) -> float | str:
+    if isinstance(fraction, str):
+        if fraction != "auto":
+            raise ValueError(f"{where}: offload fraction must be a number in [0, 1] or 'auto', "
+                             f"got {fraction!r}.")
+        return fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
+            or not 0.0 <= float(fraction) <= 1.0:
+        raise ValueError(f"{where}: offload fraction must be a number in [0, 1] or 'auto', "
+                         f"got {fraction!r}.")
+    return float(fraction)
+
+
+def offload_plan(params: Params, tx: GradientTransformation | None = None,
+                 fraction: float | str = 1.0, *, chunk_size_mb: float = DEFAULT_CHUNK_MB,
+                 device_budget_mb: float | None = None) -> OffloadPlan:
+    """The chunks `offload` makes of ``params`` and where their optimizer state lives (no
+    device needed: only shapes and dtypes are read, so meta tensors do).
+
+    The chunks are `opttx.distributed.zero_plan`'s for one rank at the given capacity (whole
+    parameters in tree order, a chunk closed when the next parameter does not fit, a
+    parameter larger than the capacity alone in its chunk); each chunk's state bytes are
+    what ``tx.init`` allocates for its parameters (`opttx.distributed.state_costs`;
+    parameter bytes without ``tx``). Placement: see `place_chunks`.
+
+    Args:
+      params: the parameter tree.
+      tx: the transform whose state is placed (None: parameter bytes stand for it).
+      fraction: the share of the state to put on the host, in [0, 1], or ``"auto"``: keep on
+        the device what fits in ``device_budget_mb`` (without a budget, everything goes to
+        the host, as `offload` does before its warm-up step measures one).
+      chunk_size_mb: the chunk capacity in MiB (of parameters). Smaller chunks place the
+        state more finely and start their host steps sooner; each costs a little Python per
+        step.
+      device_budget_mb: with ``"auto"``, the device memory (MiB) the optimizer state may use.
+
+    Returns:
+      An `OffloadPlan`.
+
+    Example:
+      >>> plan = offload_plan({"w": torch.empty(1024, 1024), "b": torch.empty(1024)},
+      ...                     opttx.adamw(1e-3), fraction=0.5, chunk_size_mb=2)
+      >>> print(plan.summary())
+    """
+    from .zero import state_costs, zero_plan
+    fraction = _validated_fraction(fraction, "offload_plan")
+    if device_budget_mb is not None:
+        check_nonnegative("device_budget_mb", device_budget_mb)
+        if fraction != "auto":
+            raise ValueError("offload_plan: device_budget_mb goes with fraction='auto'.")
+    leaves = tree_flatten(params)[0]
+    check_positive("chunk_size_mb", chunk_size_mb)
+    plan = zero_plan(params, 1, chunk_size_mb)
+    costs = state_costs(tx, params) if tx is not None else None
+    chunks = _chunks_of(leaves, [c.leaves for c in plan.chunks], costs)
+    return _place(OffloadPlan(tuple(chunks), tuple(tree_paths(params)), None), fraction,
+                  device_budget_mb)
+
+
+def _place(plan: OffloadPlan, fraction: float | str, budget_mb: float | None) -> OffloadPlan:
+    sizes = [c.state_bytes for c in plan.chunks]
+    if fraction == "auto":
+        if budget_mb is None:
+            return plan.placed([True] * len(sizes))
+        budget = int(budget_mb * _MIB)
+        return plan.placed(place_chunks(sizes, budget_bytes=budget), budget_bytes=budget)
+    return plan.placed(place_chunks(sizes, fraction=fraction), fraction=fraction)
+
+
+# ---------------------------------------------------------------------------------------------
+# which chains run chunk by chunk
+# ---------------------------------------------------------------------------------------------
+
+
+def _chunkable(traits: Any, layout: str) -> bool:
+    if layout == "flat":
+        return traits.elementwise and not traits.across_leaves
+    return traits.per_leaf and not traits.across_leaves
+
+
+def check_offloadable(tx: GradientTransformation, layout: str = "leaves") -> int:
+    """Refuse, with the reason, a transform that cannot run chunk by chunk; return the number
+    of leading links of a `opttx.chain` that run on the device over every leaf first.
+
+    Read from the declared `opttx.Traits`: with ``layout="leaves"`` every link must be
+    ``per_leaf`` (each leaf's output from that leaf alone: element-wise chains, Adafactor's
+    and CAME's factored moments, LAMB's trust ratios, 8-bit states, Shampoo's blocks) and
+    not ``across_leaves``; with ``layout="flat"`` ``elementwise``. Links at the head of a
+    chain that do not qualify (a statistic across leaves, or undeclared) are allowed when
+    they keep no state (checked at ``init``): they run before the chunks, on every leaf.
+
+    Raises:
+      ValueError: naming the link and the trait that keeps it from running by chunks.
+    """
+    if layout not in ("leaves", "flat"):
+        raise ValueError(f"offload: layout must be 'leaves' or 'flat', got {layout!r}.")
+    traits = traits_of(tx)
+    links = traits.links or (tx,)
+    head = 0                  # links that do not work leaf by leaf, run first if stateless
+    while head < len(links) and not _chunkable(traits_of(links[head]), "leaves"):
+        head += 1
+    for j in range(head, len(links)):
+        t = traits_of(links[j])
+        if not _chunkable(t, layout):
+            what = f"link {j} of the chain" if traits.links else "the transform"
+            raise ValueError(f"offload: {what} cannot run chunk by chunk: {_why(t, layout)}.")
+    return head
+
+
+def _why(t: Any, layout: str) -> str:
+    if t.across_leaves:
+        return ("its traits say it takes a statistic across leaves (Traits.across_leaves: a "
+                "global norm, a finiteness test, Prodigy's estimate), so no chunk could be "
+                "updated before every gradient is in. A stateless one may lead the chain "
+                "(chain(clip_by_global_norm(1.0), adamw(...)): it runs on the device first); "
+                "wrap stateful ones around the offloaded transform instead "
+                "(apply_if_finite(offload(adamw(...)), 5))")
+    if layout == "flat" and t.per_leaf:
+        return ("layout='flat' needs an element-wise chain (Traits.elementwise) and this one "
+                "takes statistics of whole leaves (factored moments, norms, blocks); use "
+                "layout='leaves'")
+    if t.whole_leaves:
+        return ("its traits say it needs whole tensors but not that it works leaf by leaf "
+                "(Traits.whole_leaves without Traits.per_leaf)")
+    return ("its traits do not say it works leaf by leaf (Traits.per_leaf), so running it on "
+            "a part of the leaves could change its numbers; declare the traits of a "
+            "transform of your own (opttx.LEAFWISE or opttx.ELEMENTWISE) if they hold")
+
+
+# ---------------------------------------------------------------------------------------------
+# the state: the transform's own, chunk states gathered from it by checkpoint keys
+# ---------------------------------------------------------------------------------------------
+
+
+def _keyed_positions(state: Any, tree: PyTree, mask: Sequence[bool] | None
+                     ) -> tuple[dict[tuple, list[int]], list[Any], Any]:
+    """``{key: positions}`` of the tensors of ``state`` among its flattened leaves, keyed as
+    checkpoints key them (``("param", param path, field path)`` or ``("shared", field
+    path)``); also the leaves and the treespec. Every tensor must get a key."""
+    leaves, spec = tree_flatten(state)
+    where: dict[int, list[int]] = {}
+    for j, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor):
+            where.setdefault(id(x), []).append(j)
+    per_param, shared = keyed_state(state, tree, mask)
+    out: dict[tuple, list[int]] = {}
+    for path, fields in per_param.items():
+        for f, x in fields.items():
+            out[("param", path, f)] = where[id(x)]
+    for f, x in shared.items():
+        out[("shared", f)] = where[id(x)]
+    named = {j for js in out.values() for j in js}
+    unnamed = [j for js in where.values() for j in js if j not in named]
+    if unnamed:
+        raise ValueError("offload: the state holds tensors that the checkpoint keys do not "
+                         "name; it cannot be split by parameter.")
+    return out, leaves, spec
+
+
+def _count_positions(state: Any, leaves: list[Any]) -> set[int]:
+    """The positions among ``leaves`` (the state's) of the step counters: fields declared
+    `opttx.Role.COUNT`."""
+    where = {id(x): j for j, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
+    out: set[int] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            for name in fields_with_role(node, Role.COUNT):
+                x = getattr(node, name)
+                if isinstance(x, torch.Tensor) and id(x) in where:
+                    out.add(where[id(x)])
+            for x in node:
+                walk(x)
+        elif isinstance(node, (list, tuple)):
+            for x in node:
+                walk(x)
+        elif isinstance(node, dict):
+            for x in node.values():
+                walk(x)
+    walk(state)
+    return out
+
+
+def _meta(tree: PyTree) -> PyTree:
+    return tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
+                    if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _init_on_meta(tx: GradientTransformation, tree: PyTree, fallback: Callable[[], PyTree]
+                  ) -> Any:
+    """``tx.init`` on meta tensors shaped like ``tree`` (nothing allocated); ``tx.init`` of
+    ``fallback()`` when the transform cannot be initialised on meta tensors."""
+    try:
+        return tx.init(_meta(tree))
+    except Exception:  # noqa: BLE001 - a transform that needs real data at init
+        return tx.init(fallback())
+
+
+def _flat_view(parts: list[torch.Tensor], numel: int) -> torch.Tensor:
+    """One flat tensor of ``parts`` (tensors laid back to back): a view of their storage when
+    they are already contiguous there (the state of the flat layout), else a concatenation."""
+    nonempty = [x for x in parts if x.numel() > 0]
+    if nonempty:
+        first = nonempty[0]
+        esize, pos, ok = first.element_size(), first.data_ptr(), True
+        for x in parts:
+            if x.numel() == 0:
+                continue
+            if (not x.is_contiguous() or x.dtype != first.dtype or x.device != first.device
+                    or x.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                    or x.data_ptr() != pos):
+                ok = False
+                break
+            pos += x.numel() * esize
+        if ok and first.storage_offset() * esize + numel * esize \
+                <= first.untyped_storage().nbytes():
+            return first.as_strided((numel,), (1,), first.storage_offset())
+    if not parts:
+        return torch.empty(0)
+    return torch.cat([x.reshape(-1) for x in parts])
+
+
+@dataclass
+class _ChunkMap:
+    """How one chunk's state is gathered from the whole state and written back."""
+    template: list[Any]           # the chunk state's leaves (placeholders where tensors go)
+    spec: Any                     # its treespec
+    take: list[tuple[int, int]]   # (chunk position, whole-state position) of its own tensors
+    flat: list[tuple[int, list[int]]]   # flat layout: (chunk position, member positions)
+    shared: list[tuple[int, int]]       # (chunk position, whole-state position)
+
+
+class _Offloader:
+    """One offloaded transform: its chunks, their placement, maps and buffers. Built by
+    ``init`` (or `adopt` for a restored state) of `offload` or of `zero` with ``offload``."""
+
+    def __init__(self, tx: GradientTransformation, fraction: float | str, *, layout: str,
+                 compile: bool, budget_mb: float | None,
+                 memory_probe: Callable[[], tuple[int, int]] | None, where: str,
+                 stats: OffloadStats | None = None, overlap: bool = False,
+                 delayed: bool = False) -> None:
+        self.tx = tx
+        self.head = check_offloadable(tx, layout)
+        self.is_chain = bool(traits_of(tx).links)
+        self.links = traits_of(tx).links or (tx,)
+        self.fraction = fraction
+        self.layout = layout
+        self.compile = compile
+        self.budget_mb = budget_mb
+        self.memory_probe = memory_probe
+        self.where = where
+        self.plan: OffloadPlan | None = None
+        self.maps: list[_ChunkMap] = []
+        self.spec: Any = None                 # the treespec of the tree given to init
+        self.state_spec: Any = None
+        self.device = _HOST                   # where the parameters and gradients live
+        self.warmed_up = fraction != "auto" or budget_mb is not None
+        self._staging: dict[tuple[int, str], torch.Tensor] = {}
+        self._streams: tuple[Any, Any] | None = None
+        self._sent: dict[int, Any] = {}       # CUDA: each host chunk's last update copy
+        self.overlap, self.delayed = overlap, delayed
+        self._worker: Any = None              # the thread running host steps in background
+        self._launches: Any = None            # overlap: the host chunks started in backward
+        self._pending: dict[int, Any] = {}    # delayed: each host chunk's step in flight
+        self._live: Any = None                # the state the last update returned
+        self._extra: dict[str, Any] = {}      # the extra args of the last update
+        self._compiled: Callable | None = None
+        self.stats = stats if stats is not None else OffloadStats()
+
+    # --- resolving -----------------------------------------------------------------------
+
+    def _background(self) -> Any:
+        if self._worker is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opttx-offload")
+        return self._worker
+
+    def hook(self, params: PyTree) -> None:
+        """overlap: hooks on ``params`` (the model's own) that start each host chunk's copy
+        and step from backward."""
+        from .overlap import BackwardLaunches
+        leaves = tree_flatten(params)[0]
+        if not BackwardLaunches.hookable(leaves):
+            raise ValueError(f"{self.where}(overlap=True): init needs the model's parameters "
+                             "themselves (leaf tensors that require grad, e.g. "
+                             "dict(model.named_parameters())) to hook their gradients.")
+        if self._launches is not None:
+            self._launches.remove()
+        groups = [list(c.leaves) if c.on_host else [] for c in self.plan.chunks]
+        self._params = [x.detach() for x in leaves]
+        self._launches = BackwardLaunches(leaves, groups, self._launch)
+
+    def _launch(self, k: int, grads: list[torch.Tensor]) -> Callable[[], Any]:
+        """From backward: copy host chunk ``k``'s gradients and parameters to the host and
+        start its step on the worker thread, on the state the last update returned."""
+        if self._live is None:
+            return lambda: None
+        s_leaves = tree_flatten(self._live)[0]
+        full: list[Any] = [None] * len(self.shapes)
+        for i, g in zip(self.plan.chunks[k].leaves, grads):
+            full[i] = g
+        staged = self._stage(k, full, self._params, s_leaves)
+        self.stats.started_in_backward += 1
+        # functional: if update does not take this result (other gradients, another state),
+        # the state it started from must be intact
+        future = self._background().submit(self._job, k, staged, s_leaves, dict(self._extra),
+                                           False)
+        return future.result
+
+    def _job(self, k: int, staged: tuple[Any, ...], s_leaves: list[Any],
+             extra: dict[str, Any], donate: bool, base: Any = None) -> tuple[PyTree, Any]:
+        """A host chunk's step off the main thread: wait for its copies, update, send. From
+        ``base`` (delayed: the chunk's state from its last step, with its own step counts and
+        the other shared tensors, injected hyperparameters, of the state given to update)
+        or from the chunk's part of ``s_leaves``."""
+        from ..kernels import donating
+        g, p, shared = self._wait_staged(k, staged)
+        if base is None:
+            state = self._chunk_state(k, s_leaves, shared)
+        else:
+            leaves, spec = tree_flatten(base)
+            for n, (pos, j) in enumerate(self.maps[k].shared):
+                if j not in self.counts:
+                    leaves[pos] = shared[n]
+            state = tree_unflatten(leaves, spec)
+        start = time.perf_counter()
+        with donating(donate):
+            u, new = self._host_run(k, g, state, p, extra)
+            u = self._send(k, u)
+        self.stats.host_seconds += time.perf_counter() - start
+        return u, new
+
+    def _plan_for(self, tree: PyTree, members: Sequence[Sequence[int]] | None,
+                  costs: Sequence[float] | None, kwargs: dict[str, Any]) -> OffloadPlan:
+        from .zero import zero_plan
+        leaves = tree_flatten(tree)[0]
+        if members is None:
+            members = [c.leaves for c in zero_plan(tree, 1, **kwargs).chunks]
+        chunks = _chunks_of(leaves, members, costs)
+        plan = OffloadPlan(tuple(chunks), tuple(tree_paths(tree)), None)
+        return _place(plan, self.fraction, self.budget_mb)
+
+    def resolve(self, tree: PyTree, members: Sequence[Sequence[int]] | None = None,
+                costs: Sequence[float] | None = None, **plan_kwargs: Any) -> None:
+        """Plan the chunks of ``tree`` (``members``: the leaf indices of each chunk, decided
+        elsewhere, as `zero` does per rank) and build the maps between the whole state and
+        each chunk's (on meta tensors: nothing allocated)."""
+        leaves, self.spec = tree_flatten(tree)
+        self.shapes = [tuple(x.shape) for x in leaves]
+        self.dtypes = [x.dtype for x in leaves]
+        self.device = leaves[0].device if leaves else _HOST
+        self.plan = self._plan_for(tree, members, costs, plan_kwargs)
+        self.stats.plan = self.plan
+        self._meta_tree = _meta(tree)
+
+    def _chunk_tree(self, k: int, leaves: list[Any]) -> PyTree:
+        """The tree of chunk ``k``: its leaves as given (others masked), or one flat vector."""
+        c = self.plan.chunks[k]
+        if self.layout == "flat":
+            return (leaves[0],) if len(leaves) == 1 and leaves[0].dim() == 1 \
+                and leaves[0].numel() == c.numel else (_flat_view(list(leaves), c.numel),)
+        full: list[Any] = [MaskedNode()] * len(self.shapes)
+        for i, x in zip(c.leaves, leaves):
+            full[i] = x
+        return self.spec.unflatten(full)
+
+    def _build_maps(self, state: Any) -> None:
+        """The position of every tensor of ``state`` by key, and each chunk's map."""
+        n = len(self.shapes)
+        keys, s_leaves, self.state_spec = _keyed_positions(state, self._meta_tree, [True] * n)
+        self.counts = _count_positions(state, s_leaves)
+        paths = keyed_paths(self._meta_tree)
+        self.maps = []
+        covered: set[tuple] = set()
+        for k, c in enumerate(self.plan.chunks):
+            mine = set(c.leaves)
+            if self.layout == "flat":
+                flat = torch.empty(c.numel, dtype=c.dtype, device="meta")
+                try:
+                    template = _init_on_meta(self.tx, (flat,), lambda: (torch.empty(
+                        c.numel, dtype=c.dtype),))
+                except Exception as e:  # noqa: BLE001 - named in the refusal
+                    raise self._mismatch(f"its init fails on one flat vector: "
+                                         f"{type(e).__name__}: {e}") from e
+                tkeys, tleaves, tspec = _keyed_positions(template, (flat,), [True])
+            else:
+                chunk_tree = self._chunk_tree(k, [self._meta_leaf(i) for i in c.leaves])
+                template = _init_on_meta(self.tx, chunk_tree, lambda: self._chunk_tree(
+                    k, [torch.empty(self.shapes[i], dtype=self.dtypes[i]) for i in c.leaves]))
+                tkeys, tleaves, tspec = _keyed_positions(template, self._meta_tree,
+                                                         [i in mine for i in range(n)])
+            take, flat_take, shared = [], [], []
+            for key, (pos, *_) in tkeys.items():
+                if key[0] == "shared":
+                    if key not in keys:
+                        raise self._mismatch(f"shared entry {key[1]!r} of a chunk's state")
+                    if tuple(tleaves[pos].shape) != tuple(s_leaves[keys[key][0]].shape):
+                        raise self._mismatch(
+                            f"the entry {key[1]!r}, which belongs to no single parameter, has "
+                            f"shape {tuple(tleaves[pos].shape)} over one chunk and "
+                            f"{tuple(s_leaves[keys[key][0]].shape)} over all parameters "
+                            "(a state packed across parameters, as opttx.flatten's)")
+                    shared.append((pos, keys[key][0]))
+                    covered.add(key)
+                elif self.layout == "flat":
+                    parts = []
+                    for i in c.leaves:
+                        whole = ("param", paths[i], key[2])
+                        if whole not in keys:
+                            raise self._mismatch(f"{paths[i]} has no {key[2]!r} entry")
+                        j = keys[whole][0]
+                        if tuple(s_leaves[j].shape) != self.shapes[i] \
+                                or tuple(tleaves[pos].shape) != (c.numel,):
+                            raise self._mismatch(f"{paths[i]}'s {key[2]!r} is not shaped like "
+                                                 "the parameter")
+                        parts.append(j)
+                        covered.add(whole)
+                    flat_take.append((pos, parts))
+                else:
+                    if key not in keys:
+                        raise self._mismatch(f"entry {key[2]!r} of {key[1]}")
+                    take.append((pos, keys[key][0]))
+                    covered.add(key)
+            self.maps.append(_ChunkMap(tleaves, tspec, take, flat_take, shared))
+        missing = [k for k in keys if k not in covered]
+        if missing:
+            raise self._mismatch(f"entry {missing[0][-1]!r} of {missing[0][1]} is in no "
+                                 "chunk's state")
+
+    def _meta_leaf(self, i: int) -> torch.Tensor:
+        return torch.empty(self.shapes[i], dtype=self.dtypes[i], device="meta")
+
+    def _mismatch(self, what: str) -> ValueError:
+        hint = (" With layout='flat' the chain must keep a state laid out like the "
+                "parameters (element-wise), whatever their shapes; use layout='leaves'."
+                if self.layout == "flat" else "")
+        return ValueError(f"{self.where}: the transform's state over one chunk does not match "
+                          f"its state over all parameters ({what}), so it cannot be run chunk "
+                          f"by chunk.{hint}")
+
+    # --- init and adopting a state -------------------------------------------------------
+
+    def init(self, tree: PyTree) -> State:
+        """The transform's state over ``tree`` with each chunk's tensors where the plan puts
+        them (host chunks in host memory)."""
+        leaves = tree_flatten(tree)[0]
+        if not self.plan.chunks:              # no leaf here (a rank of zero that owns none)
+            state = self.tx.init(tree)
+            self._check_head(state)
+            self.state_spec = tree_flatten(state)[1]
+            return state
+        if self.layout == "flat":
+            state = self._init_flat(leaves)
+        else:
+            placed = list(leaves)
+            for c in self.plan.chunks:
+                if c.on_host:
+                    for i in c.leaves:
+                        placed[i] = leaves[i].detach().to(_HOST)
+            state = self.tx.init(self.spec.unflatten(placed))
+            self._build_maps(state)
+        self._check_head(state)
+        s_leaves = tree_flatten(state)[0]
+        self._place_shared(s_leaves)
+        self._live = tree_unflatten(s_leaves, self.state_spec)
+        return self._live
+
+    def _init_flat(self, leaves: list[torch.Tensor]) -> State:
+        """Flat layout: each chunk's state built over its flat vector, the whole state's
+        tensors views of it (so a step finds each chunk's state contiguous, without a copy)."""
+        state = _init_on_meta(self.tx, self.spec.unflatten(leaves), lambda: self.spec.unflatten(
+            [x.detach() for x in leaves]))
+        self._build_maps(state)
+        s_leaves, spec = tree_flatten(state)
+        for k, c in enumerate(self.plan.chunks):
+            dev = _HOST if c.on_host else self.device
+            flat = torch.cat([leaves[i].detach().reshape(-1) for i in c.leaves]).to(dev) \
+                if c.leaves else torch.empty(0, dtype=c.dtype, device=dev)
+            chunk_state = tree_flatten(self.tx.init((flat,)))[0]
+            self._scatter_flat(k, chunk_state, s_leaves)
+            if k == 0:
+                for pos, j in self.maps[k].shared:
+                    s_leaves[j] = chunk_state[pos]
+        return tree_unflatten(s_leaves, spec)
+
+    def _scatter_flat(self, k: int, chunk_leaves: list[Any], s_leaves: list[Any]) -> None:
+        """Write views of chunk ``k``'s flat state tensors into the whole state's leaves."""
+        c = self.plan.chunks[k]
+        for pos, parts in self.maps[k].flat:
+            buf = chunk_leaves[pos]
+            for j, off, n, i in zip(parts, c.offsets, c.sizes, c.leaves):
+                s_leaves[j] = buf[off:off + n].view(self.shapes[i])
+
+    def _check_head(self, state: Any) -> None:
+        """The links run on the device before the chunks must keep no state."""
+        for j in range(self.head):
+            if not isinstance(state[j] if self.is_chain else state, EmptyState):
+                what = f"link {j} of the chain" if self.is_chain else "the transform"
+                raise ValueError(
+                    f"{self.where}: {what} cannot run chunk by chunk: "
+                    f"{_why(traits_of(self.links[j]), self.layout)}; and it keeps state "
+                    f"({type(state[j] if self.is_chain else state).__name__}), so it cannot "
+                    "run before the chunks either.")
+
+    def _place_shared(self, s_leaves: list[Any]) -> None:
+        """Shared tensors (step counts, injected hyperparameters) on the parameters' device."""
+        for m in self.maps[:1]:
+            for _, j in m.shared:
+                s_leaves[j] = s_leaves[j].to(self.device)
+
+    def adopt(self, state: State) -> State:
+        """Take a state made elsewhere (a restored checkpoint, a state of the transform
+        without offload): build the maps from it and move each chunk's tensors where the
+        plan puts them."""
+        if not self.plan.chunks:
+            self._check_head(state)
+            self.state_spec = tree_flatten(state)[1]
+            return state
+        self._build_maps(state)
+        self._check_head(state)
+        s_leaves = tree_flatten(state)[0]
+        for k, c in enumerate(self.plan.chunks):
+            self._move_chunk(k, s_leaves, _HOST if c.on_host else self.device)
+        self._place_shared(s_leaves)
+        self._live = tree_unflatten(s_leaves, self.state_spec)
+        return self._live
+
+    def _move_chunk(self, k: int, s_leaves: list[Any], device: torch.device) -> None:
+        m, c = self.maps[k], self.plan.chunks[k]
+        for _, j in m.take:
+            s_leaves[j] = s_leaves[j].to(device)
+        for pos, parts in m.flat:
+            buf = _flat_view([s_leaves[j] for j in parts], c.numel).to(device)
+            for j, off, n, i in zip(parts, c.offsets, c.sizes, c.leaves):
+                s_leaves[j] = buf[off:off + n].view(self.shapes[i])
+
+    # --- "auto": the warm-up measurement -------------------------------------------------
+
+    def _probe(self) -> tuple[int, int] | None:
+        if self.memory_probe is not None:
+            return self.memory_probe()
+        if self.device.type == "cuda":
+            props = torch.cuda.get_device_properties(self.device)
+            return torch.cuda.max_memory_allocated(self.device), props.total_memory
+        return None
+
+    def _warm_up(self, s_leaves: list[Any]) -> None:
+        """After the first step's forward and backward (all state on the host): the device
+        memory left beside the measured peak (less a margin) is the budget for state kept on
+        the device; the chunks that fit move there."""
+        self.warmed_up = True
+        probe = self._probe()
+        if probe is None:
+            return
+        peak, capacity = probe
+        budget = max(0, int(capacity * (1 - _AUTO_MARGIN)) - int(peak))
+        on_host = place_chunks([c.state_bytes for c in self.plan.chunks], budget_bytes=budget)
+        for k, (c, h) in enumerate(zip(self.plan.chunks, on_host)):
+            if c.on_host and not h:
+                self._move_chunk(k, s_leaves, self.device)
+        self.plan = self.plan.placed(on_host, budget_bytes=budget)
+        self.stats.plan = self.plan
+
+    # --- the step ------------------------------------------------------------------------
+
+    def _run(self, grads: PyTree, state: Any, params: PyTree | None,
+             extra: dict[str, Any]) -> tuple[PyTree, Any]:
+        """The chunked part of the transform on one chunk: the whole transform, or the links
+        after the head."""
+        if not self.head:
+            return self.tx.update(grads, state, params, **extra)
+        if not self.is_chain:                 # a stateless transform: all of it ran before
+            return grads, state
+        new = list(state)
+        for j in range(self.head, len(self.links)):
+            grads, new[j] = self.links[j].update(grads, state[j], params, **extra)
+        return grads, tuple(new)
+
+    def _in_place(self, grads: PyTree, state: Any, params: PyTree | None,
+                  extra: dict[str, Any], out: PyTree) -> None:
+        """The compiled host step: the new state into the old buffers and the updates into
+        ``out`` (the chunk's staging buffer), so nothing is allocated per step."""
+        u, new = self._run(grads, state, params, extra)
+        tree_copy_(state, new)
+        tree_copy_(out, u)
+
+    def _host_run(self, k: int, grads: PyTree, state: Any, params: PyTree | None,
+                  extra: dict[str, Any]) -> tuple[PyTree, Any]:
+        """Host chunk ``k``'s update: eager, or compiled for the CPU (the state written in
+        place, a copy of it unless the caller donates it; the updates into the chunk's
+        staging buffer)."""
+        self.stats.host_chunk_steps += 1
+        if not self.compile:
+            return self._run(grads, state, params, extra)
+        if self._compiled is None:
+            self._compiled = torch.compile(self._in_place, fullgraph=True, dynamic=True)
+        if not is_donating():
+            state = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+        dtype = tree_flatten(grads)[0][0].dtype
+        out = self._as_chunk(k, self._updates_buffer(k, dtype))
+        self._compiled(grads, state, params, extra, out)
+        return out, state
+
+    def _as_chunk(self, k: int, buf: torch.Tensor) -> PyTree:
+        """A staging buffer of chunk ``k`` as the chunk's tree (views shaped like its leaves,
+        or the flat vector)."""
+        c = self.plan.chunks[k]
+        if self.layout == "flat":
+            return (buf,)
+        return self._chunk_tree(k, [buf[o:o + n].view(self.shapes[i])
+                                    for i, o, n in zip(c.leaves, c.offsets, c.sizes)])
+
+    def _updates_buffer(self, k: int, dtype: torch.dtype) -> torch.Tensor:
+        """Host chunk ``k``'s staging buffer for its updates, once the last step's copy to
+        the device has read it."""
+        previous = self._sent.pop(k, None)
+        if previous is not None:
+            previous.synchronize()
+        return self._buffer(k, "updates", dtype)
+
+    def _chunk_state(self, k: int, s_leaves: list[Any], shared: list[torch.Tensor] | None
+                     ) -> Any:
+        """Chunk ``k``'s state: its tensors of the whole state (the flat layout's as one flat
+        view each), and the shared ones (``shared``: copies already on its side)."""
+        m, c = self.maps[k], self.plan.chunks[k]
+        leaves = list(m.template)
+        for pos, j in m.take:
+            leaves[pos] = s_leaves[j]
+        for pos, parts in m.flat:
+            leaves[pos] = _flat_view([s_leaves[j] for j in parts], c.numel)
+        for n, (pos, j) in enumerate(m.shared):
+            # each chunk its own copy: a step that writes one in place (donated, or compiled)
+            # must not advance the count that the next chunk reads
+            leaves[pos] = s_leaves[j].clone() if shared is None else shared[n]
+        return tree_unflatten(leaves, m.spec)
+
+    def _write_back(self, k: int, new_state: Any, s_leaves: list[Any], shared: bool) -> None:
+        m = self.maps[k]
+        leaves, spec = tree_flatten(new_state)
+        if spec != m.spec:
+            raise ValueError(f"{self.where}: the transform returned a state of another "
+                             "structure than its init's; a state must keep its structure.")
+        for pos, j in m.take:
+            s_leaves[j] = leaves[pos]
+        if m.flat:
+            self._scatter_flat(k, leaves, s_leaves)
+        if shared:
+            for pos, j in m.shared:
+                s_leaves[j] = self._shared_back(leaves[pos], s_leaves[j].device)
+
+    def _shared_back(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A shared tensor computed by a host chunk, back on ``device``: on CUDA through
+        pinned memory on the update stream (all chunks on the host: the step count)."""
+        if x.device == device:
+            return x
+        if device.type != "cuda" or x.device.type != "cpu":
+            return x.to(device)
+        pinned = torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x)
+        _, up = self._cuda_streams()
+        with torch.cuda.stream(up):
+            out = pinned.to(device, non_blocking=True)
+        out.record_stream(torch.cuda.current_stream(device))
+        return out
+
+    def update(self, updates: Updates, state: State, params: Params | None,
+               extra_args: dict[str, Any]) -> tuple[Updates, State]:
+        """One step: the head links on every leaf, then every chunk where it lives."""
+        if torch.compiler.is_compiling():
+            raise ValueError(f"{self.where}: offload runs eagerly (its copies, streams and "
+                             "host steps are not traced); compile the model's forward and "
+                             "backward, and offload(..., compile=True) for the host steps.")
+        if extra_args.get(REDUCER_KEY) is not None:
+            raise ValueError(f"{self.where}: offload inside opttx.distributed.sharded is not "
+                             "supported (the chunks' statistics would need the sharded "
+                             "groups on the host).")
+        if not self.plan.chunks:              # no leaf here: only the counters move
+            return self.tx.update(updates, state, params, **extra_args)
+        s_leaves, spec = tree_flatten(state)
+        if spec != self.state_spec:
+            raise ValueError(f"{self.where}: the state given to update is not laid out as the "
+                             "one init made (was it built by this transform's init?).")
+        for j in range(self.head):            # stateless statistics across leaves: first
+            link_state = state[j] if self.is_chain else state
+            updates, _ = self.links[j].update(updates, link_state, params, **extra_args)
+        grads = tree_flatten(updates)[0]
+        p_leaves = tree_flatten(params)[0] if params is not None else None
+        if not self.warmed_up:
+            self._warm_up(s_leaves)
+        extra = {k: v for k, v in extra_args.items() if k not in (TOTALS_KEY, REDUCER_KEY)}
+        chunks = self.plan.chunks
+        host = [k for k, c in enumerate(chunks) if c.on_host]
+        launched = self._take_launched(host, grads, state)
+        if self.delayed and state is not self._live:
+            self._drop_pending()              # another state than ours: start afresh from it
+        # delayed: the steps started last time are done before their buffers are refilled
+        joined = {k: self._pending.pop(k).result() for k in host if k in self._pending}
+        # the host chunks' copies start first; the whole state is only read until the end
+        staged = {k: self._stage(k, grads, p_leaves, s_leaves) for k in host
+                  if k not in launched}
+        out: list[Any] = [None] * len(grads)
+        new_states: dict[int, Any] = {}
+        for k, c in enumerate(chunks):                # the device's chunks are queued
+            if c.on_host:
+                continue
+            g = self._chunk_tree(k, [grads[i] for i in c.leaves])
+            p = None if p_leaves is None else self._chunk_tree(k, [p_leaves[i] for i in c.leaves])
+            u, new_states[k] = self._run(g, self._chunk_state(k, s_leaves, None), p, extra)
+            self.stats.device_chunk_steps += 1
+            self._scatter_updates(k, u, out)
+        for k in host:                                # each host chunk as its copy lands
+            if k in launched:
+                u, new_states[k] = launched[k]
+            elif self.delayed:
+                u, new_states[k] = self._delayed(k, staged[k], s_leaves, extra, grads,
+                                                 joined.get(k))
+            else:
+                g, p, shared = self._wait_staged(k, staged[k])
+                start = time.perf_counter()
+                u, new_states[k] = self._host_run(k, g, self._chunk_state(k, s_leaves, shared),
+                                                  p, extra)
+                self.stats.host_seconds += time.perf_counter() - start
+                u = self._send(k, u)
+            self._scatter_updates(k, u, out)
+        self.stats.steps += 1
+        sharer = next((k for k, c in enumerate(chunks) if not c.on_host), 0)
+        for k in range(len(chunks)):
+            self._write_back(k, new_states[k], s_leaves, shared=k == sharer)
+        if self._streams is not None and host:    # the device waits, not the host
+            torch.cuda.current_stream(self.device).wait_stream(self._streams[1])
+        new_state = tree_unflatten(s_leaves, self.state_spec)
+        self._live, self._extra = new_state, extra
+        return tree_unflatten(out, self.spec), new_state
+
+    def _take_launched(self, host: list[int], grads: list[torch.Tensor], state: Any
+                       ) -> dict[int, tuple[PyTree, Any]]:
+        """overlap: the results of the host chunks started in backward on this state."""
+        if self._launches is None:
+            return {}
+        if state is not self._live:           # steps started on another state: dropped
+            self._launches.drain()
+            return {}
+        out = {}
+        for k in host:
+            got = self._launches.take(k, [grads[i] for i in self.plan.chunks[k].leaves])
+            if got is not None:
+                out[k] = got
+        return out
+
+    def _delayed(self, k: int, staged: tuple[Any, ...], s_leaves: list[Any],
+                 extra: dict[str, Any], grads: list[torch.Tensor],
+                 previous: tuple[PyTree, Any] | None) -> tuple[PyTree, Any]:
+        """delayed: the step started last time (``previous``: its updates and state), and
+        this step's started in the background from that state, functionally (the state
+        returned now is not written by it)."""
+        if previous is None:                  # the first step: nothing to apply yet
+            c = self.plan.chunks[k]
+            u = self._chunk_tree(k, [torch.zeros_like(grads[i]) for i in c.leaves])
+            state, base = self._chunk_state(k, s_leaves, None), None
+        else:
+            u, state = previous
+            base = state
+        self._pending[k] = self._background().submit(self._job, k, staged, s_leaves,
+                                                     dict(extra), False, base)
+        return u, state
+
+    def _drop_pending(self) -> None:
+        for future in self._pending.values():
+            future.result()                   # let it finish: its buffers are in use
+        self._pending.clear()
+
+    def _scatter_updates(self, k: int, u: PyTree, out: list[Any]) -> None:
+        c = self.plan.chunks[k]
+        if self.layout == "flat":
+            (flat,) = u
+            for i, off, n in zip(c.leaves, c.offsets, c.sizes):
+                out[i] = flat[off:off + n].view(self.shapes[i])
+        else:
+            leaves = tree_flatten(u)[0]
+            for i, x in zip(c.leaves, leaves):
+                out[i] = x
+
+    # --- transfers: pinned staging buffers and side streams on CUDA, plain copies else ---
+
+    def _buffer(self, k: int, what: str, dtype: torch.dtype) -> torch.Tensor:
+        """The staging buffer ``what`` of host chunk ``k`` (pinned when the device is CUDA)."""
+        buf = self._staging.get((k, what))
+        if buf is None or buf.dtype != dtype:
+            n = self.plan.chunks[k].numel
+            buf = torch.empty(n, dtype=dtype, device=_HOST,
+                              pin_memory=self.device.type == "cuda")
+            self._staging[(k, what)] = buf
+        return buf
+
+    def _cuda_streams(self) -> tuple[Any, Any]:
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+        return self._streams
+
+    def _stage(self, k: int, grads: list[torch.Tensor], params: list[torch.Tensor] | None,
+               s_leaves: list[Any]) -> tuple[Any, ...]:
+        """Start copying host chunk ``k``'s gradients (and parameters) into its staging
+        buffers, and the shared state tensors (step counts) beside them: on CUDA
+        asynchronously on the copy stream, after the work queued so far."""
+        c = self.plan.chunks[k]
+        sources = [("grads", [grads[i] for i in c.leaves])]
+        if params is not None:
+            sources.append(("params", [params[i] for i in c.leaves]))
+        if any(x.dtype != xs[0].dtype for _, xs in sources for x in xs):
+            raise ValueError(f"{self.where}: the gradients (or parameters) of one chunk must "
+                             "share a dtype.")
+        shared = [s_leaves[j] for _, j in self.maps[k].shared]
+        if self.device.type != "cuda":
+            bufs = [self._fill(k, what, xs, non_blocking=False) for what, xs in sources]
+            return (None, [x.to(_HOST, copy=True) for x in shared], *bufs)
+        down, _ = self._cuda_streams()
+        down.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(down):
+            bufs = [self._fill(k, what, xs, non_blocking=True) for what, xs in sources]
+            on_host = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(
+                x, non_blocking=True) for x in shared]
+            event = torch.cuda.Event()
+            event.record(down)
+        for _, xs in sources:
+            for x in xs:
+                x.record_stream(down)
+        for x in shared:
+            x.record_stream(down)
+        return (event, on_host, *bufs)
+
+    def _fill(self, k: int, what: str, xs: list[torch.Tensor], non_blocking: bool
+              ) -> torch.Tensor:
+        c = self.plan.chunks[k]
+        buf = self._buffer(k, what, xs[0].dtype if xs else c.dtype)
+        self.stats.bytes_to_host += buf.numel() * buf.element_size()
+        for x, off, n in zip(xs, c.offsets, c.sizes):
+            buf[off:off + n].copy_(x.detach().reshape(-1), non_blocking=non_blocking)
+        return buf
+
+    def _wait_staged(self, k: int, staged: tuple[Any, ...]
+                     ) -> tuple[PyTree, PyTree | None, list[torch.Tensor]]:
+        """Host chunk ``k``'s staged gradients, parameters and shared tensors, once copied."""
+        event, shared, grads, *rest = staged
+        if event is not None:
+            event.synchronize()
+        return (self._as_chunk(k, grads), (self._as_chunk(k, rest[0]) if rest else None),
+                shared)
+
+    def _send(self, k: int, u: PyTree) -> PyTree:
+        """Host chunk ``k``'s updates on the device: on CUDA through its pinned buffer (the
+        compiled step wrote them there) on the other copy stream, which the caller's stream
+        waits for, not the host. On a CPU-only machine they are returned as they are; those
+        in a staging buffer (rewritten by the next step) are copied unless the caller
+        donates (`opttx.Optimizer` applies them before its next step)."""
+        c = self.plan.chunks[k]
+        leaves, spec = tree_flatten(u)
+        self.stats.bytes_to_device += sum(x.numel() * x.element_size() for x in leaves)
+        if self.device.type != "cuda":
+            if is_donating():
+                return u
+            staging = {b.untyped_storage().data_ptr() for (kk, _), b in self._staging.items()
+                       if kk == k}
+            return tree_unflatten([x.clone() if x.untyped_storage().data_ptr() in staging
+                                   else x for x in leaves], spec)
+        dtype = leaves[0].dtype
+        staging = self._staging.get((k, "updates"))
+        if staging is None or leaves[0].untyped_storage().data_ptr() != \
+                staging.untyped_storage().data_ptr():
+            staging = self._updates_buffer(k, dtype)
+            if self.layout == "flat":
+                staging.copy_(leaves[0])
+            else:
+                for x, off, n in zip(leaves, c.offsets, c.sizes):
+                    staging[off:off + n].copy_(x.reshape(-1))
+        _, up = self._cuda_streams()
+        with torch.cuda.stream(up):
+            flat = staging.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(up)
+        flat.record_stream(torch.cuda.current_stream(self.device))
+        self._sent[k] = done
+        return tree_unflatten(list(self._as_chunk(k, flat)) if self.layout == "flat" else
+                              tree_flatten(self._as_chunk(k, flat))[0], spec)
+
+
+def keyed_paths(tree: PyTree) -> list[str]:
+    """The checkpoint name of every leaf of ``tree`` (`opttx.distributed.param_paths`)."""
+    from .checkpoint_keys import param_paths
+    return param_paths(tree)
+
+
+# ---------------------------------------------------------------------------------------------
+# the single-device transform
+# ---------------------------------------------------------------------------------------------
+
+
+@declare(same_state_as="tx")
+def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
+            chunk_size_mb: float = DEFAULT_CHUNK_MB, layout: str = "leaves",
+            compile: bool = False, device_budget_mb: float | None = None,
+            memory_probe: Callable[[], tuple[int, int]] | None = None,
+            stats: OffloadStats | None = None, overlap: bool = False,
+            delayed: bool = False) -> GradientTransformation:
+    r"""Run ``tx`` with a fraction of its optimizer state, and that part's update, on the host.
+
+    The parameters are packed into chunks (`offload_plan`); the state of the chunks the
+    placement puts on the host lives in host memory, and every step, chunk by chunk:
+
+    .. math::
+        (u_C, s_C') = \mathrm{tx.update}(g_C, s_C, x_C) \quad \text{on the host for a host
+        chunk } C \text{ (} g_C, x_C \text{ copied there, } u_C \text{ copied back), on the
+        device otherwise,}
+
+    so a step equals ``tx`` on all leaves (bitwise: the same kernels on the same numbers,
+    chunk by chunk) for any chain `check_offloadable` accepts: its links work leaf by leaf
+    (``Traits.per_leaf``: adamw, lion, adafactor, came, lamb, 8-bit states, ...), after
+    stateless statistics across leaves at its head (`opttx.clip_by_global_norm`, run on the
+    device over every leaf first). Chains that keep a statistic across leaves are refused
+    with the reason; wrap such wrappers around the offloaded transform instead
+    (``apply_if_finite(offload(adamw(...)), 5)``, ``MultiSteps(offload(adamw(...)), 4)``).
+
+    On CUDA each host chunk's gradients and parameters are copied on a side stream into
+    pinned staging buffers, the device chunks' updates are queued meanwhile, each host chunk
+    computes as soon as its copy has landed, and its updates return on a second side stream
+    that the caller's stream waits for (no blocking copy on the device's critical path). On a
+    CPU-only machine the copies are plain ordered copies.
+
+    Args:
+      tx: the transform (a chain, an alias).
+      fraction: the share of the optimizer state to keep on the host, in [0, 1] (the last
+        chunks in tree order, `place_chunks`), or ``"auto"``: everything on the host for the
+        first step (the warm-up); after its forward and backward, the device memory left
+        beside the peak measured so far (``torch.cuda.max_memory_allocated``; less 10 % of
+        the device's memory) is the budget, and the first chunks whose state fits move to the
+        device. ``device_budget_mb`` gives the budget instead of measuring it.
+      chunk_size_mb: the chunk capacity in MiB of parameters (`offload_plan`).
+      layout: ``"leaves"`` (default): ``tx`` sees each chunk's leaves in the parameter tree
+        (others masked); right for every per-leaf chain. ``"flat"``: ``tx`` sees each chunk
+        as one flat vector (`opttx.flatten`), for element-wise chains only: one kernel per
+        op and chunk, and with ``compile`` one vectorized loop per chunk. Masks and
+        partitions inside ``tx`` then see the flat vector, as with `opttx.flatten`.
+      compile: compile the host chunks' update for the CPU with ``torch.compile`` (Inductor;
+        the state written in place). Inductor's kernels may round differently from eager
+        ones in the last bit (measured: Adam's moments up to 1 ulp), so the bitwise equality
+        with ``tx`` holds with ``compile=False`` (default).
+      device_budget_mb: with ``"auto"``, the device memory (MiB) for optimizer state.
+      memory_probe: with ``"auto"``, ``() -> (peak bytes in use, device capacity bytes)``
+        instead of the CUDA counters (tests pass a fake one).
+      stats: an `OffloadStats` that records the plan, the chunk steps and the bytes copied.
+      overlap: start each host chunk's step during backward, as soon as the gradients of
+        all its parameters are there (`opttx.distributed.BackwardLaunches`: post-accumulate-
+        grad hooks; the copy to the host and the step run while backward goes on, the step
+        on a worker thread); ``update`` then collects them. ``init`` must get the model's
+        parameters themselves (``dict(model.named_parameters())``; `opttx.Optimizer` passes
+        them), ``update`` the ``.grad`` tensors backward left and the state the last update
+        returned (otherwise the chunks run in ``update``). Eager; the statistics across
+        leaves at a chain's head (global-norm clipping) need every gradient first, so they
+        are refused with it; in gradient accumulation, run the micro-batches before the last
+        inside `opttx.distributed.no_sync`. A step started in backward runs functionally
+        (its starting state stays intact until ``update`` takes the result): with
+        ``compile=True`` one more pass over the chunk's state, eagerly new buffers.
+      delayed: the one-step delayed parameter update of ZeRO-Offload (DPU): ``update`` at step
+        :math:`t` starts the host chunks' step on step :math:`t`'s gradients in the
+        background and returns, for those chunks, the updates computed from step
+        :math:`t-1`'s (zeros at the first step), so the host computes while the device runs
+        the next forward and backward. A different optimizer: the offloaded parameters
+        move by :math:`u(g_{t-1}, x_{t-1})` at step :math:`t`, one step late (check it for
+        your model; the paper starts the delay after a few dozen warm-up steps, this option
+        from the first). The state ``update`` returns has the host chunks as of step
+        :math:`t-1` (a checkpoint drops the step in flight). Not with ``overlap``.
+
+    Returns:
+      A `GradientTransformation` whose state is ``tx``'s state, laid out as without offload
+      (checkpoints move between offloaded runs and runs without offload), its host chunks'
+      tensors in host memory. The plan is resolved by ``init`` (or by the first ``update``
+      after a restore) and kept: one ``offload`` transform per parameter tree.
+
+    Example:
+      >>> tx = opttx.distributed.offload(opttx.adamw(1e-3), fraction=0.5)
+      >>> opt = opttx.Optimizer(model.parameters(), tx)      # or functionally:
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update(grads, state, params)
+
+    References:
+      Ren et al., ZeRO-Offload: Democratizing Billion-Scale Model Training (arXiv
+      2101.06840); Fang et al., PatrickStar (arXiv 2108.05818), the chunks and placement of
+      ColossalAI's Gemini.
+    """
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"offload needs a GradientTransformation, got a {type(tx).__name__} "
+                        "(did you forget to call the factory?).")
+    fraction = _validated_fraction(fraction, "offload")
+    check_positive("chunk_size_mb", chunk_size_mb)
+    if overlap and delayed:
+        raise ValueError("offload: overlap and delayed do not go together: delayed already "
+                         "runs each host step behind the next forward and backward.")
+    if device_budget_mb is not None:
+        check_nonnegative("device_budget_mb", device_budget_mb)
+        if fraction != "auto":
+            raise ValueError("offload: device_budget_mb goes with fraction='auto'.")
+    if memory_probe is not None and fraction != "auto":
+        raise ValueError("offload: memory_probe goes with fraction='auto'.")
+    if check_offloadable(tx, layout) and overlap:
+        raise ValueError("offload(overlap=True): the chain starts with a statistic across "
+                         "leaves (global-norm clipping), which needs every gradient before "
+                         "any chunk's step; clip inside backward's reach is impossible, so "
+                         "use overlap=False (or clip per leaf: clip_by_block_rms).")
+
+    def make() -> _Offloader:
+        return _Offloader(tx, fraction, layout=layout, compile=compile,
+                          budget_mb=device_budget_mb, memory_probe=memory_probe,
+                          where="offload", stats=stats, overlap=overlap, delayed=delayed)
+
+    resolved: list[_Offloader] = []
+
+    def resolve(tree: PyTree) -> _Offloader:
+        from .zero import state_costs
+        engine = make()
+        engine.resolve(tree, costs=state_costs(tx, tree), chunk_size_mb=chunk_size_mb)
+        resolved[:] = [engine]
+        return engine
+
+    def init(params: Params) -> State:
+        from ..base import check_init_params
+        check_init_params(params)
+        engine = resolve(params)
+        state = engine.init(params)
+        if overlap:
+            engine.hook(params)
+        return state
+
+    def update(updates: Updates, state: State, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, State]:
+        if not resolved:              # a restored state: planned from the updates, adopted
+            state = resolve(updates).adopt(state)
+        engine = resolved[0]
+        leaves, spec = tree_flatten(updates)
+        if spec != engine.spec or any(tuple(x.shape) != s for x, s in zip(leaves, engine.shapes)):
+            from ..tree import assert_same_structure
+            template = tree_unflatten(list(engine.shapes), engine.spec)
+            assert_same_structure(updates, template, "updates and the params given to init")
+            raise ValueError("offload: the updates' shapes differ from the params given to "
+                             f"init: {[tuple(x.shape) for x in leaves]} vs {engine.shapes}.")
+        return engine.update(updates, state, params, extra_args)
+
+    return GradientTransformation(init, update, combine_traits((tx,)))
