@@ -44,6 +44,11 @@ from .wrappers import (ApplyIfFiniteState, InjectHyperparamsState, MultiSteps, M
                        apply_if_finite, hyperparameter_roles, inject_all_hyperparams,
                        inject_hyperparams, set_hyperparams_)
 from .base import (HyperRole, Recipe, declare, describe_transform, recipe_of)
+from .base import (reduce_across_leaves, reduce_leaf_statistics, reduce_statistics,
+                   replace_state, stateless_with_extra_args)
+from . import checks
+from .checks import check_nonnegative, check_number, check_positive, check_unit_interval
+from .tree import stats_like
 from .tree import Static
 
 __version__ = "0.1.0"
@@ -72,6 +77,10 @@ __all__ = [
     # declarations: hyperparameters, configuration and the identity of states (issue 26)
     "HyperRole", "Recipe", "Static", "declare", "describe_transform", "hyperparameter_roles",
     "inject_all_hyperparams", "recipe_of",
+    # what a transform of your own needs (docs/guide/writing.md)
+    "checks", "check_nonnegative", "check_number", "check_positive", "check_unit_interval",
+    "reduce_across_leaves", "reduce_leaf_statistics", "reduce_statistics", "replace_state",
+    "stateless_with_extra_args", "stats_like",
     # torch.optim's remaining first-order set (issue 17)
     "adabelief", "adamax", "radam",
     # ADOPT and AdEMAMix (issue 17)

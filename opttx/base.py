@@ -10,7 +10,7 @@ import enum
 import functools
 import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Iterator, Literal, NamedTuple, Protocol, TypeVar
 
 import torch
@@ -49,10 +49,12 @@ __all__ = [
     "Traits",
     "declare_roles",
     "fields_with_role",
+    "leaf_roles",
     "leafwise",
     "state_roles",
     "traits_of",
     "Params",
+    "LEAF_SPEC_KEY",
     "REDUCER_KEY",
     "TOTALS_KEY",
     "advance_counts",
@@ -67,7 +69,9 @@ __all__ = [
     "apply_updates_",
     "identity",
     "reduce_across_leaves",
+    "reduce_leaf_statistics",
     "reduce_statistics",
+    "replace_state",
     "reducer_during_init",
     "register_safe_globals",
     "require_whole_leaves",
@@ -131,8 +135,12 @@ class Role(str, enum.Enum):
     """8-bit codes and their block scales standing for another field (see
     `opttx.quantize_state`)."""
     SCALAR = "scalar"
-    """A 0-dim floating statistic shared by all leaves (Prodigy's distance estimate, an
-    injected hyperparameter)."""
+    """A 0-dim value shared by all leaves (Prodigy's distance estimate, an injected
+    hyperparameter, a wrapper's step flags): one tensor whatever the layout of the leaves
+    (`opttx.stacked` keeps it unstacked)."""
+    PER_LEAF_SCALAR = "per_leaf_scalar"
+    """One 0-dim value per leaf, in a tree like the params (a flag or a norm of each leaf):
+    under `opttx.stacked` one value per slice, in a checkpoint one entry per parameter."""
 
     @property
     def like_updates(self) -> bool:
@@ -177,6 +185,33 @@ def state_roles(state: Any) -> Mapping[str, Role]:
             raise TypeError(f"{cls.__name__}.__roles__ names {sorted(unknown)}, which are not "
                             f"fields of it (fields: {list(fields)}).")
     return roles
+
+
+def leaf_roles(state: Any) -> Any:
+    """``state`` with every tensor replaced by the declared `Role` of the field it is in
+    (None where no field around it declares one): what each state leaf is, for the machinery
+    that lays states out (`opttx.stacked`). The innermost declaring field wins."""
+    if isinstance(state, torch.Tensor):
+        return None
+    if isinstance(state, (Static, MaskedNode)):
+        return state
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        roles = state_roles(state)
+        out = {}
+        for name in state._fields:
+            child = getattr(state, name)
+            inner = leaf_roles(child)
+            role = roles.get(name)
+            if role is not None:
+                inner = tree_map(lambda r, _role=role: _role if r is None else r, inner,
+                                 is_leaf=lambda x: x is None)
+            out[name] = inner
+        return type(state)(**out)
+    if isinstance(state, (tuple, list)):
+        return type(state)(leaf_roles(x) for x in state)
+    if isinstance(state, dict):
+        return type(state)((k, leaf_roles(v)) for k, v in state.items())
+    return state
 
 
 def fields_with_role(state: Any, *roles: Role) -> list[str]:
@@ -431,6 +466,12 @@ class Recipe:
             object.__setattr__(self, "_identity", cached)
         return cached
 
+    @property
+    def stamped_by(self) -> Any:
+        """The identity its states carry in ``made_by``: its own, or, when the factory returned
+        another declared factory's transform (``muon`` returns a ``partition``), that one's."""
+        return self.__dict__.get("_stamped_by") or self.identity
+
     def rebuild(self, **changes: Any) -> "GradientTransformation":
         """The factory called again with ``changes`` to its arguments."""
         unknown = set(changes) - set(self.arguments)
@@ -529,7 +570,7 @@ def _nested_identities(value: Any) -> list:
         recipe = recipe_of(value)
         if recipe is None:
             return []
-        found = [recipe.identity]
+        found = [recipe.identity, recipe.stamped_by]
         for v in recipe.arguments.values():
             found += _nested_identities(v)
         return found
@@ -601,6 +642,7 @@ def _declared_transform(tx: GradientTransformation, recipe: Recipe) -> GradientT
         raise TypeError(f"{recipe.name} is declared with opttx.declare but returned a "
                         f"{type(tx).__name__}, not a GradientTransformation.")
     if tx.recipe is not None:       # made by another declared factory: it stamps its states
+        object.__setattr__(recipe, "_stamped_by", tx.recipe.stamped_by)
         return GradientTransformation(tx.init, tx.update, tx.traits, recipe)
     inner_init, inner_update = tx.init, tx.update
     stamp = Static(recipe.identity)
@@ -1121,7 +1163,9 @@ def leafwise(state_type: type, step: LeafwiseStep, *, needs_params: str | None =
         ``step(grads, state, params, extra_args) -> (new_updates, new_state)``
 
     with ``grads`` (and ``params``, when ``needs_params`` names the transform for the error
-    message) as lists of leaves, and ``state`` a ``state_type`` whose like-updates fields are
+    message) as lists of leaves, ``extra_args`` those of the chain plus the tree's spec (so
+    that `reduce_leaf_statistics` turns a list of per-leaf partial statistics into the
+    reduction hook's call, rule 6), and ``state`` a ``state_type`` whose like-updates fields are
     lists of leaves in the same order and whose counters already count this step. ``step``
     returns lists in the same places; they are unflattened back into trees.
 
@@ -1136,7 +1180,7 @@ def leafwise(state_type: type, step: LeafwiseStep, *, needs_params: str | None =
       >>> update = leafwise(ScaleByLionState, step)
     """
     roles = state_roles(state_type)
-    if not roles:
+    if not roles and [f for f in state_type._fields if f != "made_by"]:
         raise TypeError(f"leafwise({state_type.__name__}, ...): the state declares no roles; "
                         f"add __roles__ = opttx.declare_roles(...) to its class body.")
     tree_fields = [f for f in state_type._fields if f in roles and roles[f].like_updates]
@@ -1156,7 +1200,9 @@ def leafwise(state_type: type, step: LeafwiseStep, *, needs_params: str | None =
         p = leaves.pop() if needs_params is not None else None
         fields = dict(zip(tree_fields, leaves))
         fields.update({f: safe_increment(getattr(state, f)) for f in counters})
-        out, new = step(g, replace_state(state, **fields), p, extra_args)
+        # the tree's spec, for reductions of per-leaf statistics (reduce_leaf_statistics)
+        out, new = step(g, replace_state(state, **fields), p,
+                        {**extra_args, LEAF_SPEC_KEY: spec})
         return (tree_unflatten(out, spec),
                 replace_state(new, **{f: tree_unflatten(list(getattr(new, f)), spec)
                                        for f in tree_fields}))
@@ -1221,6 +1267,34 @@ def reduce_statistics(partials: PyTree, extra_args: dict[str, Any], op: ReduceOp
     if reducer is None:
         return partials
     return reducer(partials, op=op, dims=dims)
+
+
+LEAF_SPEC_KEY = "opttx_leaf_spec"
+"""The key of ``extra_args`` under which `leafwise` hands its ``step`` the spec of the tree
+its lists of leaves come from (read by `reduce_leaf_statistics`)."""
+
+
+def reduce_leaf_statistics(partials: Sequence[torch.Tensor], extra_args: dict[str, Any],
+                           op: ReduceOp = "sum", spec: Any = None) -> list[torch.Tensor]:
+    """Step (b) of rule 6 for a *list* of per-leaf partial statistics, one per leaf in the
+    order of the leaves: `reduce_statistics` of the tree they stand for, as a list again.
+
+    Inside a `leafwise` step the tree's spec comes with ``extra_args``; elsewhere pass the
+    ``spec`` of the updates (``spec, g = flatten_matching(updates)``). Unsharded it returns
+    ``partials`` unchanged, with no work.
+
+    Example (in a leafwise step: each leaf's sum of squares, whole when sharded):
+      >>> sq = reduce_leaf_statistics(foreach_sum_of_squares(g), extra_args)
+    """
+    if extra_args.get(REDUCER_KEY) is None:
+        return list(partials)
+    spec = extra_args.get(LEAF_SPEC_KEY) if spec is None else spec
+    if spec is None:
+        raise ValueError("reduce_leaf_statistics needs the spec of the tree the partials "
+                         "belong to: call it in a leafwise step, or pass spec=.")
+    from .tree import flatten_matching
+    return flatten_matching(reduce_statistics(tree_unflatten(list(partials), spec),
+                                              extra_args, op))[1]
 
 
 def require_whole_leaves(updates: PyTree, extra_args: dict[str, Any], name: str,

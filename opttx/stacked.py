@@ -52,9 +52,11 @@ from typing import Any, NamedTuple
 import torch
 from torch.func import vmap
 
-from .base import (GradientTransformation, REDUCER_KEY, TOTALS_KEY, Traits,
-                   check_init_params, current_reducer, declare, declare_roles, traits_of)
-from .tree import MaskedNode, PyTree, Static, tree_flatten, tree_map, tree_unflatten
+from .base import (GradientTransformation, REDUCER_KEY, Role, TOTALS_KEY, Traits,
+                   check_init_params, current_reducer, declare, declare_roles, leaf_roles,
+                   traits_of)
+from .tree import (MaskedNode, PyTree, Static, keystr, tree_flatten, tree_flatten_with_path,
+                   tree_map, tree_unflatten)
 
 __all__ = ["StackedParams", "StackedState", "stacked"]
 
@@ -262,23 +264,60 @@ def _across_slices(total: torch.Tensor, op: str = "sum") -> torch.Tensor:
         "buffers (chain(clip_by_global_norm(...), stacked(...))), where it sees every element.")
 
 
+_SHARED = (Role.COUNT, Role.SCALAR)
+
+
+def _per_slice(state: PyTree) -> PyTree:
+    """For every tensor of ``state``: whether it holds one value per slice (stacked) or one
+    shared by all slices, read from the declared roles (`opttx.base.leaf_roles`): counters and
+    shared scalars are shared, a per-leaf scalar and every tensor of a dim or more are per
+    slice. A 0-dim tensor in a field that declares no role is refused: shared or per slice
+    would be a guess."""
+    def decide(x: Any, role: Any, path: Any) -> bool:
+        if role in _SHARED:
+            return False
+        if role is Role.PER_LEAF_SCALAR or x.dim() > 0:
+            return True
+        raise ValueError(
+            f"opttx.stacked: state{keystr(path)} is a 0-dim tensor in a field that declares no "
+            "role, so it cannot tell whether it is shared by all slices (Role.COUNT, "
+            "Role.SCALAR) or one per slice (Role.PER_LEAF_SCALAR); declare it in the state's "
+            "__roles__.")
+    roles = leaf_roles(state)
+    flat, spec = tree_flatten_with_path(state)
+    role_leaves = tree_flatten(roles, is_leaf=lambda r: r is None or isinstance(r, Role))[0]
+    return tree_unflatten([decide(x, r, path) if isinstance(x, torch.Tensor) else False
+                           for (path, x), r in zip(flat, role_leaves)], spec)
+
+
 def _unbatch_shared(tree: PyTree) -> PyTree:
     """vmap expands an output that does not depend on the slice to the stack length with
-    stride 0. A 0-dim one (a step count, an injected hyperparameter) is the same for every
-    slice and stays one 0-dim tensor: coefficients made from it (bias corrections) are then
-    plain 0-dim tensors, which torch's grouped kernels take as scalars. Others (zeros made
-    from a shape) get their own memory, since state is written in place."""
-    def one(x: Any) -> Any:
+    stride 0. A shared one (a step count, an injected hyperparameter: `_per_slice`) is one
+    0-dim tensor again: coefficients made from it (bias corrections) are then plain 0-dim
+    tensors, which torch's grouped kernels take as scalars. A per-slice one (zeros made from
+    a shape, per-leaf flags) gets its own memory, since state is written in place."""
+    def one(x: Any, per_slice: bool) -> Any:
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.stride(0) != 0:
             return x
-        return x[0].clone() if x.dim() == 1 else x.contiguous()
-    return tree_map(one, tree)
+        if not per_slice:
+            return x[0].clone()
+        return x.contiguous()
+    return tree_map(one, tree, _per_slice_after_init(tree))
+
+
+def _per_slice_after_init(tree: PyTree) -> PyTree:
+    """`_per_slice` of a state vmap returned from ``init`` (every leaf has the stack dim):
+    by role, a leaf of a declared shared field is shared; the rest per slice."""
+    roles = leaf_roles(tree)
+    flat, spec = tree_flatten(tree)
+    role_leaves = tree_flatten(roles, is_leaf=lambda r: r is None or isinstance(r, Role))[0]
+    assert len(role_leaves) == len(flat)
+    return tree_unflatten([r not in _SHARED for r in role_leaves], spec)
 
 
 def _state_dims(state: PyTree) -> PyTree:
-    """vmap's in/out dims for a state: 0-dim leaves are shared (None), the others stacked."""
-    return tree_map(lambda x: None if isinstance(x, torch.Tensor) and x.dim() == 0 else 0,
-                    state)
+    """vmap's in/out dims for a state: shared leaves None, the others stacked (dim 0)."""
+    return tree_map(lambda x, per_slice: 0 if per_slice else None, state, _per_slice(state))
 
 
 def _lengths(tree: PyTree) -> list[list[int]]:

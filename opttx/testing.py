@@ -27,6 +27,7 @@ from .tree import (PyTree, keystr, tree_flatten, tree_flatten_with_path, tree_le
                    tree_paths, tree_structure)
 
 __all__ = [
+    "check_transform",
     "MeshDim",
     "ParamTree",
     "assert_equivalent",
@@ -939,3 +940,6 @@ def assert_shard_invariant(make_tx: Callable[[], GradientTransformation],
         f"{' on owners' if on_owners else ''}; mesh {mesh}; seed {seed}."
         + (f"\n  {len(found) - 1} more mismatches (other leaves, steps or ranks)."
            if len(found) > 1 else ""))
+
+
+from .conformance import check_transform  # noqa: E402  (it uses the helpers above)

@@ -32,6 +32,7 @@ __all__ = [
     "assert_same_structure",
     "find_instances",
     "mark_static_",
+    "stats_like",
     "tree_cast",
     "tree_cond",
     "tree_while",

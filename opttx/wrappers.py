@@ -334,7 +334,8 @@ class ApplyIfFiniteState(NamedTuple):
     total_notfinite: torch.Tensor  # shape (), int32: non-finite steps skipped in total
     inner_state: State             # the wrapped transform's state
     made_by: Static = Static()  # the transform and configuration that made it
-    __roles__ = declare_roles()
+    __roles__ = declare_roles(notfinite_count=Role.SCALAR, last_finite=Role.SCALAR,
+                              total_notfinite=Role.SCALAR)
 
 
 def all_finite(tree: PyTree) -> torch.Tensor:
@@ -478,7 +479,8 @@ class MultiStepsState(NamedTuple):
     inner_opt_state: State       # the wrapped transform's state
     acc_grads: Updates           # like params (fp32 for 16-bit leaves): accumulated gradients
     made_by: Static = Static()  # the transform and configuration that made it
-    __roles__ = declare_roles(acc_grads=Role.FIRST_MOMENT)
+    __roles__ = declare_roles(mini_step=Role.SCALAR, gradient_step=Role.SCALAR,
+                              acc_grads=Role.FIRST_MOMENT)
 
 
 class MultiSteps:

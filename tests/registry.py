@@ -105,7 +105,8 @@ def guide() -> dict[str, Any]:
     page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "guide" / "writing.md"
     module = types.ModuleType("writing_guide")      # a real module: Dynamo looks functions'
     sys.modules[module.__name__] = module           # globals up by module name
-    for i, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S)):
+    text = page.read_text().split("## What to check before you use it")[0]   # the examples
+    for i, block in enumerate(re.findall(r"```python\n(.*?)```", text, re.S)):
         exec(compile(block, f"docs/guide/writing.md[block {i}]", "exec"), module.__dict__)
     return module.__dict__
 
@@ -228,8 +229,7 @@ CASES: list[Case] = [
     case("clip", opttx.clip, max_delta=0.5),
     case("clip_by_block_rms", opttx.clip_by_block_rms, threshold=0.5),
     case("clip_by_global_norm", opttx.clip_by_global_norm, max_norm=0.5),
-    built("zero_nans", opttx.zero_nans,
-          stacked="its per-leaf 0-dim flags are taken for shared 0-dim state (vmap refuses)"),
+    built("zero_nans", opttx.zero_nans),     # its per-leaf flags: Role.PER_LEAF_SCALAR
     case("scale_by_factored_rms", opttx.scale_by_factored_rms, min_dim_size_to_factor=2),
     case("scale_by_came", opttx.scale_by_came, min_dim_size_to_factor=2),
     case("clip_by_rms", opttx.clip_by_rms, threshold=1.0),
@@ -286,8 +286,10 @@ CASES: list[Case] = [
     built("stacked", lambda: opttx.stacked(opttx.adam(LR)),
           stacked="already stacked", distributed="needs stacked leaves, not a plain tree"),
     # --- the worked examples of "Writing a transform" -------------------------------------
-    built("guide/scale_by_sign_momentum", lambda: guide()["scale_by_sign_momentum"](0.9)),
-    built("guide/scale_to_global_rms", lambda: guide()["scale_to_global_rms"](2.0)),
+    Case("guide/scale_by_sign_momentum", lambda: guide()["scale_by_sign_momentum"](0.9),
+         guide()["scale_by_sign_momentum"], {"b": 0.9}),
+    Case("guide/scale_to_global_rms", lambda: guide()["scale_to_global_rms"](2.0),
+         guide()["scale_to_global_rms"], {"rms": 2.0}, covers=("stateless_with_extra_args",)),
 ]
 
 BY_NAME: dict[str, Case] = {c.name: c for c in CASES}

@@ -1,5 +1,6 @@
 """The transform contract (docs/design.md, section 5), checked for every entry of the
-conformance registry (tests/registry.py): purity, trees without leaves, state dtypes and
+conformance registry (tests/registry.py) with the checks users run on their own transforms
+(`opttx.testing.check_transform`, in opttx/conformance.py): purity, trees without leaves, state dtypes and
 shapes, float64 determinism, one compiled graph with no recompile when injected
 hyperparameters change, compiled equal to eager, `stacked` equal to per-leaf (or refused),
 checkpoint keys and a save/load round trip, clear errors on integer leaves and mismatched
@@ -8,15 +9,14 @@ trees; and, on 2 gloo ranks in one spawn, `sharded` and `zero` equal to one devi
 from __future__ import annotations
 
 import inspect
-import io
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounter
 
 import opttx
+from opttx import conformance
 from opttx.testing import assert_trees_close, gradient_stream
-from opttx.tree import tree_flatten, tree_leaves, tree_map
+from opttx.tree import tree_map
 
 from registry import CASES, Case
 
@@ -38,12 +38,7 @@ def params_of(case: Case, dtype: torch.dtype = torch.float32, seed: int = 0
               ) -> dict[str, torch.Tensor]:
     """A matrix, a vector (left out for transforms of matrices only), a 3-D leaf and a second
     matrix of the first one's shape (so that `stacked` has a stack of two)."""
-    gen = torch.Generator().manual_seed(seed)
-    shapes = {"w": (6, 5), "b": (5,), "t": (2, 3, 4), "v": (6, 5)}
-    if case.matrices_only:
-        del shapes["b"]
-    return {k: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype)
-            for k, s in shapes.items()}
+    return conformance.standard_params(dtype, seed, case.matrices_only)
 
 
 def run(tx: opttx.GradientTransformation, params, grads, state=None):
@@ -89,15 +84,7 @@ def test_every_public_transform_is_registered() -> None:
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_update_leaves_its_inputs_untouched(case: Case) -> None:
     """Purity: ``update`` writes into none of the updates, state or params it is given."""
-    tx = case.make()
-    params = params_of(case)
-    grads = gradient_stream(params, STEPS, seed=1)
-    state = tx.init(params)
-    for g in grads:
-        before = clone((g, state, params))
-        updates, new_state = tx.update(g, state, params)
-        assert_trees_close((g, state, params), before, rtol=0.0, what=f"{case.name} inputs")
-        state, params = new_state, opttx.apply_updates(params, updates)
+    conformance.check_purity(case.make, params_of(case), case.name)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -107,18 +94,7 @@ def test_a_tree_without_leaves(case: Case) -> None:
     if case.name == "stacked":
         pytest.skip("stacked needs at least one stacked leaf (it says so: tested in "
                     "test_stacked)")
-    empty = {"w": opttx.MaskedNode()}
-    tx = case.make()
-    state = tx.init(empty)
-    for _ in range(2):
-        updates, state = tx.update(empty, state, empty)
-        assert list(updates) == ["w"] and not tree_leaves(updates)
-
-
-def _signature(tree):
-    leaves, spec = tree_flatten(tree)
-    return spec, [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x)
-                  for x in leaves]
+    conformance.check_tree_without_leaves(case.make, case.name)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -127,91 +103,28 @@ def test_state_keeps_its_structure_shapes_and_dtypes(case: Case) -> None:
     compiled step, donation and checkpoints rely on it); with bfloat16 params, the
     floating-point statistics are float32 (docs/design.md, rule 3) and the updates come
     back in the params' dtype."""
-    for dtype in (torch.float32, torch.bfloat16):
-        tx = case.make()
-        params = params_of(case, dtype)
-        state0 = tx.init(params)
-        updates, state = None, state0
-        for g in gradient_stream(params, STEPS, seed=2):
-            updates, state = tx.update(g, state, params)
-        assert _signature(state) == _signature(state0), case.name
-        for p, u in zip(tree_leaves(params), tree_leaves(updates)):
-            assert u.dtype == p.dtype and u.shape == p.shape, (case.name, u.dtype, u.shape)
-        if dtype == torch.bfloat16:
-            low = [x for x in tree_leaves(state) if isinstance(x, torch.Tensor)
-                   and x.dtype in (torch.bfloat16, torch.float16)]
-            assert not low, f"{case.name}: 16-bit state tensors {[x.shape for x in low]}"
+    conformance.check_state_structure_and_dtypes(
+        case.make, lambda dtype: params_of(case, dtype), case.name)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_float64_runs_are_bitwise_reproducible(case: Case) -> None:
-    params = params_of(case, torch.float64)
-    grads = gradient_stream(params, STEPS, seed=3)
-    a = run(case.make(), params, grads)
-    b = run(case.make(), params, grads)
-    assert_trees_close(a, b, rtol=0.0, what=case.name)
-
-
-def _compiled_run(tx, params, grads, hyper=None):
-    """``tx``'s steps in one compiled function (Dynamo only: the property is one graph and
-    the numbers of the traced program); ``hyper(state, i)`` changes injected values."""
-    counter = CompileCounter()
-
-    def step(params, state, g):
-        updates, state = tx.update(g, state, params)
-        return opttx.apply_updates(params, updates), state
-
-    compiled = torch.compile(step, backend=counter, fullgraph=True)
-    state = tx.init(params)
-    eager_params, eager_state = params, tx.init(params)
-    for i, g in enumerate(grads):
-        if hyper is not None:
-            hyper(state, i)
-            hyper(eager_state, i)
-        params, state = compiled(params, state, g)
-        eager_params, eager_state = step(eager_params, eager_state, g)
-    return counter, (params, state), (eager_params, eager_state)
-
-
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+    conformance.check_float64_determinism(case.make, params_of(case, torch.float64), case.name)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-@torch._dynamo.config.patch(error_on_recompile=True)
-def test_compiles_to_one_graph_and_equals_eager(case: Case, fresh_dynamo) -> None:
-    params = params_of(case)
-    grads = gradient_stream(params, STEPS, seed=4)
-    counter, compiled, eager = _compiled_run(case.make(), params, grads)
-    assert counter.frame_count == 1, f"{case.name}: {counter.frame_count} graphs"
-    assert_trees_close(compiled, eager, rtol=1e-6, what=case.name)
+def test_compiles_to_one_graph_and_equals_eager(case: Case) -> None:
+    conformance.check_one_compiled_graph(case.make, params_of(case), case.name)
 
 
 INJECTABLE = [c for c in CASES if c.factory is not None]
 
 
 @pytest.mark.parametrize("case", INJECTABLE, ids=[c.name for c in INJECTABLE])
-@torch._dynamo.config.patch(error_on_recompile=True)
-def test_changing_injected_hyperparameters_recompiles_nothing(case: Case,
-                                                              fresh_dynamo) -> None:
-    tx = opttx.inject_hyperparams(case.factory)(**case.kwargs)
-    params = params_of(case)
-    injected = list(tx.init(params).hyperparams)
-    if not injected:
+def test_changing_injected_hyperparameters_recompiles_nothing(case: Case) -> None:
+    if not conformance.check_injected_hyperparameters(case.factory, case.kwargs,
+                                                      params_of(case), case.name):
         pytest.skip(f"{case.name} has no numeric hyperparameter to inject")
-
-    def hyper(state, i):
-        for name in injected:
-            value = state.hyperparams[name]
-            state.hyperparams[name].copy_(value * (1 - 0.01 * (i + 1)))
-
-    counter, compiled, eager = _compiled_run(tx, params, gradient_stream(params, STEPS, 5),
-                                             hyper)
-    assert counter.frame_count == 1, f"{case.name}: {counter.frame_count} graphs"
-    assert_trees_close(compiled, eager, rtol=1e-6, what=case.name)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -219,82 +132,8 @@ def test_stacked_equals_per_leaf_or_is_refused(case: Case) -> None:
     """Per-leaf transforms (declared ``Traits.per_leaf``, no statistic across leaves) give
     their per-leaf numbers on stacked slices; the others are refused when ``stacked`` is
     built; the entries with a reason raise (vmap's own error)."""
-    traits = opttx.base.traits_of(case.make())
-    params = params_of(case)
-    stack = opttx.StackedParams(params)
-    grads = gradient_stream(params, STEPS, seed=6)
-    if not traits.per_leaf or traits.across_leaves:
-        with pytest.raises(NotImplementedError, match="per_leaf|across leaves"):
-            opttx.stacked(case.make())
-        return
-    if case.stacked is not None:
-        with pytest.raises((NotImplementedError, ValueError, RuntimeError)):
-            run(opttx.stacked(case.make()), stack.buffers, [stack.stack(g) for g in grads])
-        return
-    if torch.__version__ < "2.13" and opttx.tree.find_instances(case.make().init(params),
-                                                                opttx.QuantizedTensor):
-        pytest.skip("stacked over 8-bit states needs torch 2.13: the vmap of older torch has no "
-                    "batching rule for Tensor.view(dtype), which the codes use")
-    per_leaf, _ = run(case.make(), params, grads)
-    buffers, _ = run(opttx.stacked(case.make()), stack.buffers, [stack.stack(g) for g in grads])
-    assert_trees_close(stack.unstack(buffers), per_leaf, rtol=1e-6, atol=1e-7, what=case.name)
-
-
-DONATION_STEPS = 30
-
-
-def _leaves_0d_to_4d(case: Case, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A 0-D to a 4-D leaf (2-D to 4-D for transforms of matrices only), two matrices of one
-    shape, and a tall one: the shapes whose special cases a transform may take."""
-    gen = torch.Generator().manual_seed(seed)
-    shapes = {"s": (), "b": (5,), "w": (6, 5), "v": (6, 5), "tall": (7, 3), "t": (2, 3, 4),
-              "q": (2, 3, 2, 2)}
-    if case.matrices_only:
-        del shapes["s"], shapes["b"]
-    return {k: torch.randn(s, generator=gen, dtype=torch.float64).float()
-            for k, s in shapes.items()}
-
-
-@pytest.mark.parametrize("case", cases_for("donation"))
-def test_donating_paths_equal_the_functional_path_bitwise(case: Case) -> None:
-    """The in-place paths give the functional numbers bit for bit over 30 steps, on 0-D to
-    4-D leaves (first steps, warm-ups and periodic refreshes included): ``update`` inside
-    `opttx.donating` with `opttx.apply_updates_`, and `opttx.Optimizer` (which donates its
-    state) against ``update`` and `opttx.apply_updates` of the transform it runs (``tx`` with
-    its declared hyperparameters injected). A transform that writes a state buffer in place
-    and reads the old value afterwards (SOAP's kept first moment, once) fails here."""
-    params = _leaves_0d_to_4d(case)
-    if case.name == "stacked":      # its leaves are stacks: two matrices and two vectors
-        params = opttx.StackedParams({"w": params["w"], "v": params["v"]}).buffers
-    grads = gradient_stream(params, DONATION_STEPS, seed=9)
-    tx = case.make()
-    expected = run(tx, params, grads)
-    donated_params, donated_state = clone(params), tx.init(params)
-    for g in grads:
-        with opttx.donating():
-            updates, donated_state = tx.update(g, donated_state, donated_params)
-        opttx.apply_updates_(donated_params, updates)
-    assert_trees_close((donated_params, donated_state), expected, rtol=0.0,
-                       what=f"{case.name}: donating + apply_updates_")
-
-    model = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
-    optimizer = opttx.Optimizer(list(model.items()), tx)
-    live = optimizer.param_groups[0]["tx"]        # tx with its hyperparameters injected
-    want_params, want_state = run(live, params, grads)
-    for g in grads:
-        for k, p in model.items():
-            p.grad = g[k].clone()
-        optimizer.step()
-    assert_trees_close(({k: p.detach() for k, p in model.items()}, optimizer.tx_states[0]),
-                       (want_params, want_state), rtol=0.0, what=f"{case.name}: Optimizer")
-
-
-def _key_paths(tree: dict, prefix: tuple = ()) -> set[tuple]:
-    """Every key path of a nested dict down to its tensors (a checkpoint's keys)."""
-    out = set()
-    for k, v in tree.items():
-        out |= _key_paths(v, prefix + (k,)) if isinstance(v, dict) else {prefix + (k,)}
-    return out
+    conformance.check_stacked(case.make, params_of(case), refused=case.stacked is not None,
+                              name=case.name)
 
 
 @pytest.mark.parametrize("case", cases_for("checkpoint"))
@@ -302,21 +141,7 @@ def test_checkpoint_round_trip_resumes_bitwise(case: Case) -> None:
     """Checkpoint keys are the same for a fresh state and a trained one; saved with
     ``torch.save`` and loaded with ``weights_only=True`` into a fresh state, training goes on
     bit-identically."""
-    params = params_of(case)
-    grads = gradient_stream(params, 2 * STEPS, seed=7)
-    tx = case.make()
-    mid_params, mid_state = run(tx, params, grads[:STEPS])
-    keys = _key_paths(opttx.distributed.state_dict(tx.init(params), params))
-    saved = opttx.distributed.state_dict(mid_state, mid_params)
-    assert _key_paths(saved) == keys, case.name
-    buffer = io.BytesIO()
-    torch.save(saved, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=True)
-    resumed_state = opttx.distributed.load_state_dict(tx.init(params), loaded, mid_params)
-    expected = run(tx, mid_params, grads[STEPS:], mid_state)
-    got = run(tx, mid_params, grads[STEPS:], resumed_state)
-    assert_trees_close(got, expected, rtol=0.0, what=case.name)
+    conformance.check_checkpoint_round_trip(case.make, params_of(case), case.name)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -325,16 +150,21 @@ def test_integer_leaves_and_mismatched_trees_raise(case: Case) -> None:
     raise before a parameter moves: in ``update`` when the state is laid out like the
     params, at the latest in ``apply_updates`` (a stateless transform has nothing to compare
     with)."""
-    tx = case.make()
-    with pytest.raises((TypeError, ValueError), match="float|integer|dtype"):
-        tx.init({"w": torch.ones(3, 2, dtype=torch.int64)})
-    params = params_of(case)
-    state = tx.init(params)
-    grads = gradient_stream(params, 1, seed=8)[0]
-    missing = {k: v for k, v in grads.items() if k != "t"}
-    with pytest.raises((TypeError, ValueError)):
-        updates, _ = tx.update(missing, state, params)
-        opttx.apply_updates(params, updates)
+    conformance.check_errors(case.make, params_of(case), case.name)
+
+
+@pytest.mark.parametrize("case", cases_for("donation"))
+def test_donating_paths_equal_the_functional_path_bitwise(case: Case) -> None:
+    """The in-place paths give the functional numbers bit for bit over 30 steps, on 0-D to
+    4-D leaves (first steps, warm-ups and periodic refreshes included): ``update`` inside
+    `opttx.donating` with `opttx.apply_updates_`, and `opttx.Optimizer` (which donates its
+    state) against ``update`` and `opttx.apply_updates` of the transform it runs. A transform
+    that writes a state buffer in place and reads the old value afterwards (SOAP's kept first
+    moment, once) fails here."""
+    params = conformance.leaves_0d_to_4d(matrices_only=case.matrices_only)
+    if case.name == "stacked":      # its leaves are stacks: two matrices and two vectors
+        params = opttx.StackedParams({"w": params["w"], "v": params["v"]}).buffers
+    conformance.check_donation(case.make, params, name=case.name)
 
 
 # ---------------------------------------------------------------------------------------------

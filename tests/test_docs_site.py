@@ -17,6 +17,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -98,10 +99,12 @@ def test_guide_examples_run(name: str, monkeypatch) -> None:
     # takes a minute, and tests/test_compile.py covers the backends
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile",
-                        lambda fn=None, **kw: compile_(fn, **{**kw, "backend": "eager"}))
-    namespace: dict = {"__name__": "__main__"}
+                        lambda fn=None, **kw: compile_(fn, **{"backend": "eager", **kw}))
+    # a real module: Dynamo looks a compiled function's globals up by its module's name
+    module = types.ModuleType("docs_page_" + re.sub(r"\W", "_", name))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
     for i, block in enumerate(blocks):
-        exec(compile(block, f"docs/{name}[block {i}]", "exec"), namespace)
+        exec(compile(block, f"docs/{name}[block {i}]", "exec"), module.__dict__)
 
 
 def test_docstring_extension(tmp_path, caplog) -> None:

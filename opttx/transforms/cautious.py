@@ -15,7 +15,7 @@ import torch
 
 from .._checks import check_positive
 from ..base import (GradientTransformation, Params, State, Updates, combine_traits, declare,
-                    reduce_statistics)
+                    reduce_leaf_statistics)
 from ..kernels import cast_like, foreach, foreach_op_, mark_scratch
 from ..tree import flatten_matching, tree_unflatten
 
@@ -103,8 +103,7 @@ def cautious(inner: GradientTransformation, direction: Direction = "descent",
                                                                 device=a.device)])
                     for a in agree]
         # (b) over the shards of sharded leaves
-        partials = flatten_matching(reduce_statistics(tree_unflatten(partials, spec),
-                                                      extra_args))[1]
+        partials = reduce_leaf_statistics(partials, extra_args, spec=spec)
         # (c) the rescaling n / (kept + 1), or n / max(kept, f n)
         if min_fraction is None:
             factors = [p[1] / (p[0] + 1) for p in partials]

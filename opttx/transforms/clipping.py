@@ -12,9 +12,9 @@ from typing import Any, NamedTuple
 import torch
 
 from .._checks import check_nonnegative, check_positive
-from ..base import (ELEMENTWISE, GradientTransformation, LEAFWISE, Params, Traits, Updates,
+from ..base import (ELEMENTWISE, GradientTransformation, LEAFWISE, Params, Role, Traits, Updates,
                     check_init_params, declare, declare_roles, reduce_across_leaves,
-                    reduce_statistics, stateless_with_extra_args)
+                    reduce_leaf_statistics, reduce_statistics, stateless_with_extra_args)
 from ..kernels import foreach, foreach_op_, foreach_scale, foreach_sum_of_squares
 from ..tree import PyTree, Static, flatten_matching, tree_map, tree_unflatten
 
@@ -113,8 +113,7 @@ def clip_by_block_rms(threshold: float) -> GradientTransformation:
         sums = _sum_of_squares(g)
         partials = [torch.stack([s, torch.full_like(s, x.numel())]) for s, x in zip(sums, g)]
         # (b) combine over shards
-        partials = flatten_matching(reduce_statistics(tree_unflatten(partials, spec),
-                                                      extra_args))[1]
+        partials = reduce_leaf_statistics(partials, extra_args, spec=spec)
         # (c) finish
         rms = [torch.sqrt(p[0] / p[1]) for p in partials]
         denom = [torch.clamp(r / threshold, min=1.0) for r in rms]
@@ -127,7 +126,7 @@ class ZeroNansState(NamedTuple):
     """State of `zero_nans`."""
     found_nan: PyTree  # like params, 0-dim bool: whether the leaf's last update had a NaN
     made_by: Static = Static()  # the transform and configuration that made it
-    __roles__ = declare_roles()
+    __roles__ = declare_roles(found_nan=Role.PER_LEAF_SCALAR)
 
 
 @declare()

@@ -19,7 +19,7 @@ import torch
 from .._checks import (check_gradient_leaves, check_nonnegative, check_positive,
                        check_unit_interval)
 from ..base import (ELEMENTWISE, GradientTransformation, HyperRole, LEAFWISE, Params, Role,
-                    Updates, check_init_params, declare, declare_roles, reduce_statistics)
+                    Updates, check_init_params, declare, declare_roles, reduce_leaf_statistics)
 from ..kernels import (cast_like, foreach, foreach_op_, foreach_sum_of_squares, is_donating,
                        mark_scratch, new_buffers)
 from ..tree import Static, flatten_matching, stats_like, tree_unflatten
@@ -117,7 +117,7 @@ def _clip_per_leaf(c: list[torch.Tensor], max_norm: float, spec: Any, extra_args
     """``c / max(1, ‖c‖ / max_norm)`` per leaf (``c`` temporaries, overwritten): (a) local sums
     of squares, (b) summed over the shards of sharded leaves, (c) the root and the division."""
     sums = foreach_sum_of_squares(c)                                              # (a)
-    sums = flatten_matching(reduce_statistics(tree_unflatten(sums, spec), extra_args))[1]  # (b)
+    sums = reduce_leaf_statistics(sums, extra_args, spec=spec)                    # (b)
     denom = foreach_op_("clamp_min", foreach_op_("div", foreach("sqrt", sums), max_norm),
                         1.0)                                                        # (c)
     return foreach_op_("div", c, cast_like(denom, c))

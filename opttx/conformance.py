@@ -1,0 +1,406 @@
+"""The transform contract as checks you can run on your own transform (docs/design.md,
+section 5).
+
+opttx's conformance registry (``tests/registry.py``) runs these same checks over every
+public transform; `check_transform` runs them over yours:
+
+    >>> from opttx.testing import check_transform
+    >>> check_transform(lambda: my_signum(0.9), factory=my_signum, kwargs={"b": 0.9})
+
+Each check takes a function that builds a fresh transform (``make``) and raises
+``AssertionError`` (or the transform's own error) naming what broke. The distributed
+properties (``sharded`` and ``zero`` equal to one device) need processes:
+`opttx.testing.assert_shard_invariant` runs them.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Callable
+
+import torch
+
+from .base import GradientTransformation, traits_of
+from .kernels import donating
+from .tree import MaskedNode, PyTree, find_instances, tree_flatten, tree_leaves, tree_map
+
+__all__ = ["CHECKS", "check_transform", "check_purity", "check_tree_without_leaves",
+           "check_state_structure_and_dtypes", "check_float64_determinism",
+           "check_one_compiled_graph", "check_injected_hyperparameters",
+           "check_stacked", "check_checkpoint_round_trip", "check_errors",
+           "check_donation", "standard_params", "leaves_0d_to_4d"]
+
+Make = Callable[[], GradientTransformation]
+STEPS = 3
+
+
+def standard_params(dtype: torch.dtype = torch.float32, seed: int = 0,
+                    matrices_only: bool = False) -> dict[str, torch.Tensor]:
+    """A matrix, a vector (left out with ``matrices_only``), a 3-D leaf and a second matrix
+    of the first one's shape (so that `opttx.stacked` has a stack of two)."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"w": (6, 5), "b": (5,), "t": (2, 3, 4), "v": (6, 5)}
+    if matrices_only:
+        del shapes["b"]
+    return {k: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype)
+            for k, s in shapes.items()}
+
+
+def leaves_0d_to_4d(seed: int = 0, matrices_only: bool = False) -> dict[str, torch.Tensor]:
+    """A 0-D to a 4-D leaf (2-D to 4-D with ``matrices_only``), two matrices of one shape, and
+    a tall one: the shapes whose special cases a transform may take."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"s": (), "b": (5,), "w": (6, 5), "v": (6, 5), "tall": (7, 3), "t": (2, 3, 4),
+              "q": (2, 3, 2, 2)}
+    if matrices_only:
+        del shapes["s"], shapes["b"]
+    return {k: torch.randn(s, generator=gen, dtype=torch.float64).float()
+            for k, s in shapes.items()}
+
+
+def _gradients(params: PyTree, steps: int, seed: int) -> list[PyTree]:
+    from .testing import gradient_stream
+    return gradient_stream(params, steps, seed=seed)
+
+
+def _close(actual: Any, expected: Any, rtol: float, what: str, atol: float = 0.0) -> None:
+    from .testing import assert_trees_close
+    assert_trees_close(actual, expected, rtol=rtol, atol=atol, what=what)
+
+
+def _run(tx: GradientTransformation, params: PyTree, grads: list, state: Any = None
+         ) -> tuple[PyTree, Any]:
+    from .base import apply_updates
+    state = tx.init(params) if state is None else state
+    for g in grads:
+        updates, state = tx.update(g, state, params)
+        params = apply_updates(params, updates)
+    return params, state
+
+
+def _clone(tree: Any) -> Any:
+    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _signature(tree: Any) -> tuple:
+    leaves, spec = tree_flatten(tree)
+    return spec, [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x)
+                  for x in leaves]
+
+
+# ---------------------------------------------------------------------------------------------
+# the properties
+# ---------------------------------------------------------------------------------------------
+
+
+def check_purity(make: Make, params: PyTree | None = None, name: str = "transform") -> None:
+    """``update`` writes into none of the updates, state or params it is given."""
+    params = standard_params() if params is None else params
+    tx = make()
+    state = tx.init(params)
+    from .base import apply_updates
+    for g in _gradients(params, STEPS, 1):
+        before = _clone((g, state, params))
+        updates, new_state = tx.update(g, state, params)
+        _close((g, state, params), before, 0.0, f"{name} inputs")
+        state, params = new_state, apply_updates(params, updates)
+
+
+def check_tree_without_leaves(make: Make, name: str = "transform") -> None:
+    """A rank with no leaf of its own (``zero``, ``on_owners``): init and update run, nothing
+    to compute, the result keeps the tree."""
+    empty = {"w": MaskedNode()}
+    tx = make()
+    state = tx.init(empty)
+    for _ in range(2):
+        updates, state = tx.update(empty, state, empty)
+        assert list(updates) == ["w"] and not tree_leaves(updates), name
+
+
+def check_state_structure_and_dtypes(make: Make, params_of: Callable[[torch.dtype], PyTree]
+                                     | None = None, name: str = "transform") -> None:
+    """The state after steps has the structure, shapes and dtypes of the state at init (a
+    compiled step, donation and checkpoints rely on it); with bfloat16 params the floating
+    statistics are float32 (rule 3) and the updates come back in the params' dtype."""
+    params_of = params_of or (lambda dtype: standard_params(dtype))
+    for dtype in (torch.float32, torch.bfloat16):
+        tx = make()
+        params = params_of(dtype)
+        state0 = tx.init(params)
+        updates, state = None, state0
+        for g in _gradients(params, STEPS, 2):
+            updates, state = tx.update(g, state, params)
+        assert _signature(state) == _signature(state0), \
+            f"{name}: the state changed its structure, shapes or dtypes in a step"
+        for p, u in zip(tree_leaves(params), tree_leaves(updates)):
+            assert u.dtype == p.dtype and u.shape == p.shape, (name, u.dtype, u.shape)
+        if dtype == torch.bfloat16:
+            low = [x for x in tree_leaves(state) if isinstance(x, torch.Tensor)
+                   and x.dtype in (torch.bfloat16, torch.float16)]
+            assert not low, f"{name}: 16-bit state tensors {[x.shape for x in low]}"
+
+
+def check_float64_determinism(make: Make, params: PyTree | None = None,
+                              name: str = "transform") -> None:
+    """Two float64 runs of the same steps are bitwise equal."""
+    params = standard_params(torch.float64) if params is None else params
+    grads = _gradients(params, STEPS, 3)
+    _close(_run(make(), params, grads), _run(make(), params, grads), 0.0, name)
+
+
+def _compiled_run(tx: GradientTransformation, params: PyTree, grads: list,
+                  hyper: Callable | None = None) -> tuple:
+    from torch._dynamo.testing import CompileCounter
+
+    from .base import apply_updates
+    counter = CompileCounter()
+
+    def step(params, state, g):
+        updates, state = tx.update(g, state, params)
+        return apply_updates(params, updates), state
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    state = tx.init(params)
+    eager_params, eager_state = params, tx.init(params)
+    for i, g in enumerate(grads):
+        if hyper is not None:
+            hyper(state, i)
+            hyper(eager_state, i)
+        params, state = compiled(params, state, g)
+        eager_params, eager_state = step(eager_params, eager_state, g)
+    return counter, (params, state), (eager_params, eager_state)
+
+
+def check_one_compiled_graph(make: Make, params: PyTree | None = None,
+                             name: str = "transform") -> None:
+    """Steps in one ``torch.compile(fullgraph=True)`` function (Dynamo only): one graph, no
+    recompile across steps, and the eager numbers (rtol 1e-6)."""
+    params = standard_params() if params is None else params
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            counter, compiled, eager = _compiled_run(make(), params,
+                                                     _gradients(params, STEPS, 4))
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 1, f"{name}: {counter.frame_count} graphs"
+    _close(compiled, eager, 1e-6, name)
+
+
+def check_injected_hyperparameters(factory: Callable[..., GradientTransformation],
+                                   kwargs: dict, params: PyTree | None = None,
+                                   name: str = "transform") -> bool:
+    """``inject_hyperparams(factory)(**kwargs)`` compiled: changing every injected value
+    between steps recompiles nothing, and the numbers are eager's. Returns False when the
+    factory injects nothing (no numeric hyperparameter)."""
+    from .wrappers import inject_hyperparams
+    params = standard_params() if params is None else params
+    tx = inject_hyperparams(factory)(**kwargs)
+    injected = list(tx.init(params).hyperparams)
+    if not injected:
+        return False
+
+    def hyper(state, i):
+        for key in injected:
+            value = state.hyperparams[key]
+            state.hyperparams[key].copy_(value * (1 - 0.01 * (i + 1)))
+
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            counter, compiled, eager = _compiled_run(tx, params,
+                                                     _gradients(params, STEPS, 5), hyper)
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 1, f"{name}: {counter.frame_count} graphs"
+    _close(compiled, eager, 1e-6, name)
+    return True
+
+
+def check_stacked(make: Make, params: PyTree | None = None, refused: bool = False,
+                  name: str = "transform") -> None:
+    """Per-leaf transforms (declared ``Traits.per_leaf``, no statistic across leaves) give
+    their per-leaf numbers on `opttx.stacked` slices; the others are refused when
+    ``stacked`` is built. ``refused``: the transform is known not to run under vmap (it
+    must raise)."""
+    from .stacked import StackedParams, stacked
+    params = standard_params() if params is None else params
+    traits = traits_of(make())
+    stack = StackedParams(params)
+    grads = _gradients(params, STEPS, 6)
+    if not traits.per_leaf or traits.across_leaves:
+        try:
+            stacked(make())
+        except NotImplementedError as e:
+            assert "per_leaf" in str(e) or "across leaves" in str(e), f"{name}: {e}"
+            return
+        raise AssertionError(f"{name}: stacked accepted a transform that is not per-leaf")
+    if torch.__version__ < "2.13" and _holds_quantized(make().init(params)):
+        return      # the vmap of older torch has no batching rule for the codes' view(dtype)
+    if refused:
+        try:
+            _run(stacked(make()), stack.buffers, [stack.stack(g) for g in grads])
+        except (NotImplementedError, ValueError, RuntimeError):
+            return
+        raise AssertionError(f"{name}: stacked ran a transform said to be refused")
+    per_leaf, _ = _run(make(), params, grads)
+    buffers, _ = _run(stacked(make()), stack.buffers, [stack.stack(g) for g in grads])
+    _close(stack.unstack(buffers), per_leaf, 1e-6, name, atol=1e-7)
+
+
+def _key_paths(tree: dict, prefix: tuple = ()) -> set[tuple]:
+    out = set()
+    for k, v in tree.items():
+        out |= _key_paths(v, prefix + (k,)) if isinstance(v, dict) else {prefix + (k,)}
+    return out
+
+
+def check_checkpoint_round_trip(make: Make, params: PyTree | None = None,
+                                name: str = "transform") -> None:
+    """Checkpoint keys are the same for a fresh state and a trained one; saved with
+    ``torch.save`` and loaded with ``weights_only=True`` into a fresh state, training goes on
+    bit-identically."""
+    from .distributed.checkpoint import load_state_dict, state_dict
+    params = standard_params() if params is None else params
+    grads = _gradients(params, 2 * STEPS, 7)
+    tx = make()
+    mid_params, mid_state = _run(tx, params, grads[:STEPS])
+    keys = _key_paths(state_dict(tx.init(params), params))
+    saved = state_dict(mid_state, mid_params)
+    assert _key_paths(saved) == keys, f"{name}: the checkpoint keys change after steps"
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    resumed = load_state_dict(tx.init(params), loaded, mid_params)
+    _close(_run(tx, mid_params, grads[STEPS:], resumed),
+           _run(tx, mid_params, grads[STEPS:], mid_state), 0.0, name)
+
+
+def check_errors(make: Make, params: PyTree | None = None, name: str = "transform") -> None:
+    """Integer parameters are refused at init; updates whose tree differs from the params'
+    raise before a parameter moves (in ``update`` when the state is laid out like the params,
+    at the latest in ``apply_updates``)."""
+    from .base import apply_updates
+    tx = make()
+    try:
+        tx.init({"w": torch.ones(3, 2, dtype=torch.int64)})
+    except (TypeError, ValueError) as e:
+        assert any(w in str(e) for w in ("float", "integer", "dtype")), f"{name}: {e}"
+    else:
+        raise AssertionError(f"{name}: init accepted integer parameters")
+    params = standard_params() if params is None else params
+    state = tx.init(params)
+    grads = _gradients(params, 1, 8)[0]
+    missing = dict(list(grads.items())[:-1])
+    try:
+        updates, _ = tx.update(missing, state, params)
+        apply_updates(params, updates)
+    except (TypeError, ValueError):
+        return
+    raise AssertionError(f"{name}: updates without leaf {list(grads)[-1]!r} were applied")
+
+
+def check_donation(make: Make, params: PyTree | None = None, steps: int = 30,
+                   name: str = "transform") -> None:
+    """The in-place paths give the functional numbers bit for bit over ``steps`` steps
+    (first steps, warm-ups and periodic refreshes included): ``update`` inside
+    `opttx.donating` with `opttx.apply_updates_`, and `opttx.Optimizer` (which donates its
+    state) against ``update`` and `opttx.apply_updates` of the transform it runs (``tx``
+    with its declared hyperparameters injected). A transform that writes a state buffer in
+    place and reads the old value afterwards fails here."""
+    from .base import apply_updates_
+    from .optim import Optimizer
+    params = leaves_0d_to_4d() if params is None else params
+    grads = _gradients(params, steps, 9)
+    tx = make()
+    expected = _run(tx, params, grads)
+    donated_params, donated_state = _clone(params), tx.init(params)
+    for g in grads:
+        with donating():
+            updates, donated_state = tx.update(g, donated_state, donated_params)
+        apply_updates_(donated_params, updates)
+    _close((donated_params, donated_state), expected, 0.0,
+           f"{name}: donating + apply_updates_")
+    if not isinstance(params, dict):
+        return
+    model = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    optimizer = Optimizer(list(model.items()), tx)
+    live = optimizer.param_groups[0]["tx"]
+    want = _run(live, params, grads)
+    for g in grads:
+        for k, p in model.items():
+            p.grad = g[k].clone()
+        optimizer.step()
+    _close(({k: p.detach() for k, p in model.items()}, optimizer.tx_states[0]), want, 0.0,
+           f"{name}: Optimizer")
+
+
+CHECKS: dict[str, Callable[..., Any]] = {
+    "purity": check_purity,
+    "tree_without_leaves": check_tree_without_leaves,
+    "state_structure_and_dtypes": check_state_structure_and_dtypes,
+    "float64_determinism": check_float64_determinism,
+    "one_compiled_graph": check_one_compiled_graph,
+    "stacked": check_stacked,
+    "checkpoint_round_trip": check_checkpoint_round_trip,
+    "errors": check_errors,
+    "donation": check_donation,
+}
+"""The single-process checks of `check_transform`, by name (``injected_hyperparameters``
+runs too when a factory is given)."""
+
+
+def check_transform(make: Make, *, factory: Callable[..., GradientTransformation] | None = None,
+                    kwargs: dict | None = None, matrices_only: bool = False,
+                    stacked_refused: bool = False, skip: tuple[str, ...] = ()) -> None:
+    """Run every single-process check of the transform contract on a transform of yours.
+
+    Args:
+      make: builds a fresh transform (``lambda: my_transform(0.9)``).
+      factory, kwargs: the factory and its arguments, to check that its injected
+        hyperparameters (`opttx.inject_hyperparams`) change without recompiling.
+      matrices_only: the transform takes matrices only (no 0-D or 1-D leaf in the trees).
+      stacked_refused: the transform does not run under vmap (`opttx.stacked` must raise).
+      skip: names of `CHECKS` not to run.
+
+    Raises:
+      AssertionError: listing every check that failed and why.
+
+    Example:
+      >>> check_transform(lambda: scale_by_sign_momentum(0.9),
+      ...                 factory=scale_by_sign_momentum, kwargs={"b": 0.9})
+    """
+    def params(dtype: torch.dtype = torch.float32) -> PyTree:
+        return standard_params(dtype, matrices_only=matrices_only)
+
+    runs: dict[str, Callable[[], Any]] = {
+        "purity": lambda: check_purity(make, params()),
+        "tree_without_leaves": lambda: check_tree_without_leaves(make),
+        "state_structure_and_dtypes": lambda: check_state_structure_and_dtypes(make, params),
+        "float64_determinism": lambda: check_float64_determinism(make, params(torch.float64)),
+        "one_compiled_graph": lambda: check_one_compiled_graph(make, params()),
+        "stacked": lambda: check_stacked(make, params(), refused=stacked_refused),
+        "checkpoint_round_trip": lambda: check_checkpoint_round_trip(make, params()),
+        "errors": lambda: check_errors(make, params()),
+        "donation": lambda: check_donation(make, leaves_0d_to_4d(matrices_only=matrices_only)),
+    }
+    if factory is not None:
+        runs["injected_hyperparameters"] = lambda: check_injected_hyperparameters(
+            factory, dict(kwargs or {}), params())
+    failures = []
+    for check, run in runs.items():
+        if check in skip:
+            continue
+        try:
+            run()
+        except Exception as e:  # noqa: BLE001 - every failure is reported together
+            failures.append(f"{check}: {type(e).__name__}: {str(e)[:400]}")
+    if failures:
+        raise AssertionError("the transform breaks the contract:\n" + "\n".join(failures))
+
+
+def _holds_quantized(state: Any) -> bool:
+    """Whether ``state`` holds 8-bit codes."""
+    from .transforms.quantized import QuantizedTensor
+    return bool(find_instances(state, QuantizedTensor))
