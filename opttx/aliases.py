@@ -1078,7 +1078,10 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
 # Muon
 # ---------------------------------------------------------------------------------------------
 
-_NOT_HIDDEN_WORDS = ("head", "wte", "wpe", "classifier")
+# words of a path that mark an embedding, a position table or an output head (not a hidden
+# matrix): ``tok_emb``, ``pos_emb`` (nanoGPT-style names), ``wte``/``wpe`` (GPT-2), ``lm_head``
+_NOT_HIDDEN_WORDS = ("head", "wte", "wpe", "classifier", "emb", "tok", "token", "tokens", "pos",
+                     "position", "positions")
 
 
 def _path_words(path: str) -> list[str]:
@@ -1092,10 +1095,11 @@ def muon_hidden_matrices(params: PyTree) -> PyTree:
     weight matrices that Muon updates.
 
     A leaf is a hidden matrix when it has exactly 2 dims and no word of its path (the path
-    split at ``. _ - / [ ] '``, lower-cased) contains ``embed`` or is ``head``, ``wte``,
-    ``wpe`` or ``classifier``: ``layers.0.mlp.fc1.weight`` is one; ``embed_tokens.weight``,
-    ``lm_head.weight``, ``transformer.wte.weight``, biases, norm scales and conv kernels are
-    not (they go to AdamW). Pass ``muon_mask=`` to `muon` for any other rule (for example to
+    split at ``. _ - / [ ] '``, lower-cased) contains ``embed`` or is ``emb``, ``tok``,
+    ``token(s)``, ``pos``, ``position(s)``, ``head``, ``wte``, ``wpe`` or ``classifier``:
+    ``layers.0.mlp.fc1.weight`` is one; ``embed_tokens.weight``, ``tok_emb.weight``,
+    ``pos_emb.weight``, ``lm_head.weight``, ``transformer.wte.weight``, biases, norm scales
+    and conv kernels are not (they go to AdamW). Pass ``muon_mask=`` to `muon` for any other rule (for example to
     add 3-D conv or stacked-expert weights, with ``matrix_axes``).
     """
     leaves, spec = tree_flatten(params)
@@ -1114,7 +1118,8 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS, ns_steps: 
          consistent_rms: float | None = None, matrix_axes: MatrixAxes = (-2, -1),
          muon_mask: Mask = None, adam_b1: float = 0.9, adam_b2: float = 0.999,
          adam_eps_root: float = 0.0, adam_weight_decay: float = 0.0,
-         adam_learning_rate: ScalarOrSchedule | None = None) -> GradientTransformation:
+         adam_learning_rate: ScalarOrSchedule | None = None,
+         split: Any = None) -> GradientTransformation:
     r"""Muon: momentum orthogonalized by Newton–Schulz on hidden matrices, AdamW elsewhere.
 
     .. math::
@@ -1162,6 +1167,8 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS, ns_steps: 
         and torch's ``"match_rms_adamw"``).
       matrix_axes: the (row, column) axes of each matrix, rows being the fan-out.
       muon_mask: which leaves Muon updates (default `muon_hidden_matrices`).
+      split: row blocks orthogonalized and scaled on their own (heads, fused QKV): see
+        `orthogonalize`.
       adam_b1, adam_b2, adam_eps_root, adam_weight_decay, adam_learning_rate: the AdamW of
         the other leaves (its learning rate defaults to ``learning_rate``).
 
@@ -1185,8 +1192,9 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS, ns_steps: 
 
     muon_group = chain(
         ema(beta, debias=bias_correction, accumulator_dtype=mu_dtype, nesterov=nesterov),
-        orthogonalize(ns_steps, ns_coeffs, eps, method, matrix_axes, ns_dtype=ns_dtype),
-        scale_by_shape(consistent_rms, matrix_axes),
+        orthogonalize(ns_steps, ns_coeffs, eps, method, matrix_axes, ns_dtype=ns_dtype,
+                      split=split),
+        scale_by_shape(consistent_rms, matrix_axes, split=split),
         add_decayed_weights(weight_decay, weight_decay_mask),
         scale_by_learning_rate(learning_rate))
     adam_group = adamw(learning_rate if adam_learning_rate is None else adam_learning_rate,

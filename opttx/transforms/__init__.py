@@ -64,3 +64,9 @@ __all__ = [
     "ScheduleFreeState", "schedule_free", "schedule_free_eval_params",
     "schedule_free_train_params", "ScaleByAdoptState", "scale_by_adopt",
     "ScaleByAdemamixState", "scale_by_ademamix"]
+
+# the Muon family (issue 28)
+from .orthogonalize import (NS_COEFFS, POLAR_EXPRESS_COEFFS, gram_newton_schulz,  # noqa: E402
+                            normalize_frobenius)
+
+__all__ += ["NS_COEFFS", "POLAR_EXPRESS_COEFFS", "gram_newton_schulz", "normalize_frobenius"]
