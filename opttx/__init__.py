@@ -79,3 +79,8 @@ __all__ = [
     # SOAP (issue 16)
     "soap",
 ]
+
+# the Muon family (issue 28)
+from .aliases import adamuon, dion, dion2, normuon  # noqa: E402
+
+__all__ += ["adamuon", "dion", "dion2", "normuon"]

@@ -70,3 +70,11 @@ from .orthogonalize import (NS_COEFFS, POLAR_EXPRESS_COEFFS, gram_newton_schulz,
                             normalize_frobenius)
 
 __all__ += ["NS_COEFFS", "POLAR_EXPRESS_COEFFS", "gram_newton_schulz", "normalize_frobenius"]
+from .dion import (ScaleByDion2State, ScaleByDionState, dion_rank, scale_by_dion,  # noqa: E402
+                   scale_by_dion2)
+from .normuon import (ScaleByNeuronRmsState, scale_by_neuron_rms,  # noqa: E402
+                      scale_to_orthogonal_norm)
+
+__all__ += ["ScaleByDion2State", "ScaleByDionState", "dion_rank", "scale_by_dion",
+            "scale_by_dion2", "ScaleByNeuronRmsState", "scale_by_neuron_rms",
+            "scale_to_orthogonal_norm"]
