@@ -20,6 +20,7 @@ or that it is not run distributed (and why).
 from __future__ import annotations
 
 import functools
+from fractions import Fraction
 import pathlib
 import re
 import sys
@@ -275,6 +276,41 @@ CASES: list[Case] = [
     # --- the worked examples of "Writing a transform" -------------------------------------
     built("guide/scale_by_sign_momentum", lambda: guide()["scale_by_sign_momentum"](0.9)),
     built("guide/scale_to_global_rms", lambda: guide()["scale_to_global_rms"](2.0)),
+]
+
+# --- the Muon family (issue 28) -----------------------------------------------------------
+
+
+def _is_2d(tree: Any) -> Any:
+    return opttx.tree.tree_map(lambda x: x.ndim == 2, tree)
+
+
+CASES += [
+    case("normuon", opttx.normuon, learning_rate=LR, weight_decay=0.01),
+    case("normuon/nesterov_rms", opttx.normuon, learning_rate=LR, nesterov=True,
+         adjust_lr="rms_norm", method="gram_newton_schulz"),
+    case("adamuon", opttx.adamuon, learning_rate=LR, weight_decay=0.01),
+    case("adamuon/sign", opttx.adamuon, learning_rate=LR, sign=True, consistent_rms=None),
+    # fractions that decide shapes are given as Fraction, which inject_hyperparams keeps static
+    case("dion", opttx.dion, learning_rate=LR, rank_fraction=Fraction(1, 2),
+         weight_decay=0.01),
+    case("dion/power_iters", opttx.dion, learning_rate=LR, rank_fraction=Fraction(1),
+         power_iters=2),
+    case("dion2", opttx.dion2, learning_rate=LR, fraction=Fraction(1, 2), weight_decay=0.01),
+    built("scale_by_dion", lambda: opttx.masked(opttx.scale_by_dion(0.5), _is_2d)),
+    case("scale_by_dion2", opttx.scale_by_dion2, fraction=Fraction(1, 2), matrices_only=True),
+    case("scale_by_neuron_rms", opttx.scale_by_neuron_rms, b2=0.9, matrices_only=True),
+    case("scale_to_orthogonal_norm", opttx.scale_to_orthogonal_norm, matrices_only=True),
+    case("orthogonalize/polar_express", opttx.orthogonalize, method="polar_express",
+         matrices_only=True),
+    # split given as a function of the params: built, since inject_hyperparams would take a
+    # function of one argument named split for a schedule
+    built("orthogonalize/gram_split", lambda: opttx.orthogonalize(
+        method="gram_newton_schulz", split=lambda p: opttx.tree.tree_map(
+            lambda x: (2, x.shape[-2] - 2) if x.ndim == 2 else None, p)), matrices_only=True),
+    built("muon/polar_express_split", lambda: opttx.muon(
+        LR, method="polar_express", muon_mask=_is_2d, split=lambda p: opttx.tree.tree_map(
+            lambda x: 2 if x.shape[-2] % 2 == 0 else None, p))),
 ]
 
 BY_NAME: dict[str, Case] = {c.name: c for c in CASES}

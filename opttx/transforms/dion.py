@@ -13,6 +13,7 @@ the learning rate on matrices, AdamW elsewhere.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -52,14 +53,46 @@ def dion_rank(rows: int, cols: int, rank_fraction: float, rank_multiple_of: int 
     return max(1, min(r, rows, cols))
 
 
-def _initial_q(cols: int, r: int, seed: int, dtype: torch.dtype, device: torch.device
-               ) -> torch.Tensor:
-    """The starting right factor of a leaf: standard normal, drawn from a generator seeded by
-    ``seed`` and the factor's global shape (so every rank, shard and layout draws the same
-    numbers; leaves of one shape start alike, which the power iteration does not mind)."""
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + cols * 7_919 + r) % (2**63))
-    return torch.randn(cols, r, generator=gen, dtype=torch.float64).to(dtype=dtype,
-                                                                       device=device)
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (int64 tensors holding values below 2^32; products wrap, only
+    their low 32 bits are kept)."""
+    mask = 0xFFFFFFFF
+    x = x & mask
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & mask
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & mask
+    return x ^ (x >> 16)
+
+
+def _initial_q(start: int, rows: int, r: int, seed: int, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """Rows ``start:start + rows`` of a leaf's starting right factor: standard normal numbers
+    (Box–Muller on a counter-based hash of ``seed`` and each element's index in the whole
+    factor), so every rank computes its own rows of the same factor, every layout and
+    `opttx.stacked` slice the same numbers, with no random generator state. Leaves whose
+    factors have the same width start alike, which the power iteration does not mind."""
+    i = torch.arange(start, start + rows, dtype=torch.int64, device=device).unsqueeze(-1)
+    j = torch.arange(r, dtype=torch.int64, device=device)
+    k = 2 * (i * r + j)
+    key = int(_hash32(torch.tensor(seed & 0xFFFFFFFF)))
+
+    def uniform(n: torch.Tensor) -> torch.Tensor:
+        h = _hash32(_hash32(n ^ key) + (n >> 32))
+        return (h.double() + 0.5) / 2.0**32
+
+    u1, u2 = uniform(k), uniform(k + 1)
+    return ((-2 * u1.log()).sqrt() * torch.cos(2 * math.pi * u2)).to(dtype)
+
+
+def _check_static_fraction(name: str, value: Any) -> None:
+    """A fraction that decides shapes: a Python number (a `fractions.Fraction` too) in
+    (0, 1]; a tensor (`opttx.inject_hyperparams`) is refused with the way out."""
+    if isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} decides the shapes of the state, so it cannot be a tensor; "
+                         f"with opttx.inject_hyperparams pass static_args=({name!r},).")
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}.")
 
 
 class _Layout(NamedTuple):
@@ -98,7 +131,8 @@ def scale_by_dion(rank_fraction: float = 1.0, mu: float = 0.95, eps: float = 1e-
     (11 :math:`(\text{rows}\, r + r(r+1))\, u\, \mathrm{tr}` on the first pass), so it stays
     finite on rank-deficient :math:`P`. A momentum that is all zero leaves :math:`P = 0` and
     :math:`Q` unchanged. :math:`r` is `dion_rank` (``rank_fraction`` of the smaller side).
-    :math:`Q` starts standard normal, drawn by shape from ``seed`` (`_initial_q`).
+    :math:`Q` starts standard normal, the same numbers for a given width :math:`r` and
+    ``seed`` on every rank and layout (a counter-based hash, no generator state).
 
     Sharded (`opttx.distributed.sharded`, a leaf split over rows or columns): the products
     :math:`BQ`, :math:`P^\top P`, :math:`B^\top P` and the column norms of :math:`R` are local
@@ -131,8 +165,8 @@ def scale_by_dion(rank_fraction: float = 1.0, mu: float = 0.95, eps: float = 1e-
       al., Shifted Cholesky QR for computing the QR factorization of ill-conditioned matrices
       (SIAM J. Sci. Comput. 2020); Microsoft's ``dion`` package, ``dion_reference.py``.
     """
-    if not isinstance(rank_fraction, (int, float)) or not 0 < rank_fraction <= 1:
-        raise ValueError(f"rank_fraction must be in (0, 1], got {rank_fraction!r}.")
+    _check_static_fraction("rank_fraction", rank_fraction)
+    rank_fraction = float(rank_fraction)
     check_unit_interval("mu", mu)
     check_nonnegative("eps", eps)
     check_positive_int("power_iters", power_iters)
@@ -164,9 +198,8 @@ def scale_by_dion(rank_fraction: float = 1.0, mu: float = 0.95, eps: float = 1e-
         for x, shape, off in zip(leaves, shapes, offsets):
             lay = _layout(shape, rank_fraction, rank_multiple_of)
             dtype = state_dtype(x, momentum_dtype)
-            q = _initial_q(shape[lay.col_dim], lay.rank, seed, dtype, x.device)
-            start = off.get(lay.col_dim, 0)
-            qs.append(q[start:start + x.shape[lay.col_dim]].clone())
+            qs.append(_initial_q(off.get(lay.col_dim, 0), x.shape[lay.col_dim], lay.rank, seed,
+                                 dtype, x.device))
         momentum = [torch.zeros_like(x, dtype=state_dtype(x, momentum_dtype)) for x in leaves]
         return ScaleByDionState(count=zero_count(params), momentum=tree_unflatten(momentum, spec),
                                 q=tree_unflatten(qs, spec))
@@ -293,8 +326,8 @@ def scale_by_dion2(fraction: float = 0.25, ef_decay: float = 0.95, eps: float = 
     References:
       Ahn et al., Dion2 (2026); Microsoft's ``dion`` package, ``dion2.py``.
     """
-    if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}.")
+    _check_static_fraction("fraction", fraction)
+    fraction = float(fraction)
     check_unit_interval("ef_decay", ef_decay, closed_right=True)
     ortho = orthogonalize(ns_steps, ns_coeffs, eps, method, ns_dtype=ns_dtype)
 

@@ -18,7 +18,7 @@ from .._checks import check_nonnegative, check_unit_interval
 from ..base import (GradientTransformation, Params, Role, Traits, Updates, check_init_params,
                     declare_roles, leafwise, replace_state, zero_count)
 from ..kernels import mark_scratch
-from ..tree import state_dtype, tree_flatten, tree_map, tree_unflatten
+from ..tree import state_dtype, tree_flatten, tree_paths, tree_unflatten
 from .orthogonalize import (MatrixAxes, Split, _check_axes_argument, _check_split_argument,
                             _matrix_axes_of, _require_whole_matrices, _splits_of, _stateless)
 
@@ -95,6 +95,16 @@ def scale_by_neuron_rms(b2: float = 0.95, eps: float = 1e-8,
         _require_whole_matrices(updates, extra_args, axes, "scale_by_neuron_rms")
         splits = _splits_of(updates, split, axes, "scale_by_neuron_rms")
         nus = tree_flatten(state.nu)[0]
+        paths = tree_paths(updates)
+        if len(nus) != len(g):
+            raise ValueError(f"scale_by_neuron_rms: the updates have {len(g)} leaves, the state "
+                             f"{len(nus)}: pass the state made by init for these params.")
+        for u, v, ax, path in zip(g, nus, axes, paths):
+            if ax is not None and list(v.shape) != _row_stat_shape(u.shape, ax):
+                raise ValueError(f"scale_by_neuron_rms: updates{path} has shape "
+                                 f"{tuple(u.shape)}, but the state was made for rows of shape "
+                                 f"{tuple(v.shape)}: pass the state made by init for these "
+                                 "params.")
         out, new_nu = [], []
         for u, v, ax, blocks in zip(g, nus, axes, splits):
             if ax is None:
@@ -155,7 +165,8 @@ def scale_to_orthogonal_norm(eps: float = 1e-10, matrix_axes: MatrixAxes = (-2, 
     check_nonnegative("eps", eps)
     _check_axes_argument(matrix_axes, "scale_to_orthogonal_norm")
 
-    def fn(leaves: list[torch.Tensor], axes: list, splits: list) -> list[torch.Tensor]:
+    def fn(leaves: list[torch.Tensor], axes: list, splits: list, shapes: list
+           ) -> list[torch.Tensor]:
         out = list(leaves)
         for i, (x, ax) in enumerate(zip(leaves, axes)):
             if ax is None:

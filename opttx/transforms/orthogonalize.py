@@ -197,11 +197,22 @@ def _require_whole_matrices(updates: PyTree, extra_args: dict[str, Any], axes: l
                 "specs, on_owners=True), or shard such leaves over a batch axis (experts).")
 
 
-def _stateless(name: str, fn: Callable[[list[torch.Tensor], list, list], list[torch.Tensor]],
-               matrix_axes: MatrixAxes, split: Split) -> GradientTransformation:
-    """A stateless whole-matrix transform from ``fn(leaves, axes, splits) -> leaves``; the
-    leaves are checked (dims, axes, splits) at init and at every update (while tracing, in a
-    compiled step)."""
+def _global_shapes(updates: PyTree, extra_args: dict[str, Any]) -> list[tuple[int, ...]]:
+    """The whole shapes of the leaves present in ``updates`` (local shapes on one device)."""
+    reducer = extra_args.get(REDUCER_KEY)
+    known = getattr(reducer, "global_shapes_of", lambda tree: None)(updates)
+    if known is not None:
+        return [tuple(s) for s in known]
+    return [tuple(x.shape) for x in tree_flatten(updates)[0]]
+
+
+def _stateless(name: str, fn: Callable[..., list[torch.Tensor]], matrix_axes: MatrixAxes,
+               split: Split, whole: bool = True) -> GradientTransformation:
+    """A stateless matrix transform from ``fn(leaves, axes, splits, shapes) -> leaves``
+    (``shapes``: the whole shapes of the leaves); the leaves are checked (dims, axes, splits)
+    at init and at every update (while tracing, in a compiled step). ``whole``: it needs
+    whole matrices (refused on leaves sharded over a matrix axis); else it runs on local
+    shards, reading the whole shapes (row blocks of a ``split`` still need whole rows)."""
 
     def init(params: Params) -> EmptyState:
         check_init_params(params)
@@ -215,11 +226,18 @@ def _stateless(name: str, fn: Callable[[list[torch.Tensor], list, list], list[to
         if not leaves:
             return updates, state
         axes = _matrix_axes_of(updates, matrix_axes, name)
-        _require_whole_matrices(updates, extra_args, axes, name)
         splits = _splits_of(updates, split, axes, name)
-        return tree_unflatten(fn(leaves, axes, splits), spec), state
+        if whole:
+            _require_whole_matrices(updates, extra_args, axes, name)
+        elif any(b is not None for b in splits):
+            _require_whole_matrices(updates, extra_args,
+                                    [ax if b is not None else None
+                                     for ax, b in zip(axes, splits)], name)
+        shapes = _global_shapes(updates, extra_args)
+        return tree_unflatten(fn(leaves, axes, splits, shapes), spec), state
 
-    return GradientTransformation(init, update, _WHOLE_MATRICES)
+    return GradientTransformation(init, update,
+                                  _WHOLE_MATRICES if whole else Traits(per_leaf=True))
 
 
 def _to_last_two(x: torch.Tensor, axes: tuple[int, int]) -> torch.Tensor:
@@ -544,7 +562,7 @@ def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: f
         raise ValueError(f"method must be one of {', '.join(map(repr, _METHODS))}, got "
                          f"{method!r}.")
     if method == "polar_express":
-        if ns_coeffs is not NS_COEFFS and ns_coeffs is not POLAR_EXPRESS_COEFFS:
+        if ns_coeffs not in (NS_COEFFS, POLAR_EXPRESS_COEFFS):
             raise ValueError("method='polar_express' runs POLAR_EXPRESS_COEFFS; for other "
                              "coefficients use method='newton_schulz' with ns_coeffs=...")
         if ns_steps != 5:
@@ -585,7 +603,8 @@ def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: f
         out = run(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
         return list(out.split(sizes)) if len(pieces) > 1 else [out]
 
-    def fn(leaves: list[torch.Tensor], axes: list, splits: list) -> list[torch.Tensor]:
+    def fn(leaves: list[torch.Tensor], axes: list, splits: list, shapes: list
+           ) -> list[torch.Tensor]:
         groups: dict[tuple, list[tuple[int, int]]] = {}
         pieces: dict[int, list[torch.Tensor]] = {}
         for i, (x, ax, blocks) in enumerate(zip(leaves, axes, splits)):
@@ -655,7 +674,8 @@ def scale_by_shape(consistent_rms: float | None = None,
     Batched leaves (more than two dims) take the factor of their matrices; with ``split``
     (as in `orthogonalize`) each row block takes the factor of its own shape, as separate
     parameters would (the ``dion`` package's ``split_sizes``). Stateless; it reads the
-    matrix shape, so it needs whole leaves as `orthogonalize` does.
+    matrix shape: under `opttx.distributed.sharded` it runs on local shards with the whole
+    shapes (a leaf with ``split`` row blocks needs whole rows).
 
     Args:
       consistent_rms: :math:`\gamma`, or None for the width scaling.
@@ -684,15 +704,16 @@ def scale_by_shape(consistent_rms: float | None = None,
             return math.sqrt(max(m, n))
         return shape_factor(m, n, rms, convention)
 
-    def fn(leaves: list[torch.Tensor], axes: list, splits: list) -> list[torch.Tensor]:
+    def fn(leaves: list[torch.Tensor], axes: list, splits: list, shapes: list
+           ) -> list[torch.Tensor]:
         idx = [i for i, ax in enumerate(axes) if ax is not None]
         if not idx:
             return leaves
         scaled, factors = [], []
         for i in idx:
             x, (r, c), blocks = leaves[i], axes[i], splits[i]
-            n = x.shape[c]
-            per_block = [factor(b, n) for b in (blocks or (x.shape[r],))]
+            n = shapes[i][c]
+            per_block = [factor(b, n) for b in (blocks or (shapes[i][r],))]
             if len(set(per_block)) == 1:
                 scaled.append(x)
                 factors.append(per_block[0])
@@ -711,4 +732,4 @@ def scale_by_shape(consistent_rms: float | None = None,
             out[i] = y
         return out
 
-    return _stateless("scale_by_shape", fn, matrix_axes, split)
+    return _stateless("scale_by_shape", fn, matrix_axes, split, whole=False)

@@ -1,0 +1,125 @@
+"""The Muon family distributed, on gloo ranks (one spawn per fixture, every case inside it).
+
+* Dion under `opttx.distributed.sharded` tensor parallelism (leaves split over rows or over
+  columns, unevenly, on 2 ranks) equals one device (float64, 10 steps, <= 1e-10 relative;
+  only the r-column factors are reduced, through the hook: 6 hook calls per step, each one
+  batched all-reduce per group, whatever the number of leaves; no whole matrix is gathered);
+* Dion under `opttx.distributed.zero` (whole leaves on owner ranks) equals one device;
+* expert-parallel Muon: a 3-D expert stack sharded on its expert axis over 2 ranks is
+  orthogonalized where it is, each rank its own experts, with no collective (float32,
+  bitwise equal to one device), and a leaf sharded over a matrix axis is still refused.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import opttx
+from opttx.distributed import CollectiveStats, Shard, local_shard, sharded, zero
+from test_distributed import _finish, _init, _spawn
+
+STEPS = 10
+RTOL = 1e-10
+F64 = torch.float64
+
+LAYOUTS = {      # (shape, sharded dim or None)
+    "tall_rows": ((9, 4), 0), "tall_cols": ((9, 5), 1), "wide_rows": ((5, 11), 0),
+    "wide_cols": ((4, 9), 1), "square": ((6, 6), None), "one_row": ((1, 7), 1),
+}
+
+
+def _problem(seed: int) -> tuple[dict, list[dict]]:
+    gen = torch.Generator().manual_seed(seed)
+    params = {k: torch.randn(s, generator=gen, dtype=F64) for k, (s, _) in LAYOUTS.items()}
+    grads = [{k: torch.randn(s, generator=gen, dtype=F64) for k, (s, _) in LAYOUTS.items()}
+             for _ in range(STEPS)]
+    return params, grads
+
+
+def _run(tx, params, grads, state=None):
+    state = tx.init(params) if state is None else state
+    for g in grads:
+        u, state = tx.update(g, state, params)
+        params = opttx.apply_updates(params, u)
+    return params, state
+
+
+def _close(ours: torch.Tensor, full: torch.Tensor, what: str) -> str | None:
+    scale = max(float(full.abs().max()), 1e-30)
+    err = float((ours - full).abs().max()) / scale
+    return None if err <= RTOL else f"{what}: relative error {err:.2e}"
+
+
+def _dion_worker(rank: int, world: int, store: str, out: str) -> None:
+    _init(rank, world, store)
+    results: dict[str, Any] = {}
+    try:
+        specs = {k: (Shard(d) if d is not None else None) for k, (_, d) in LAYOUTS.items()}
+        params, grads = _problem(0)
+        for fraction, iters in [(0.5, 1), (1.0, 1), (0.25, 2)]:
+            make = lambda: opttx.chain(   # noqa: E731
+                opttx.scale_by_dion(fraction, 0.9, power_iters=iters),
+                opttx.scale_by_shape(convention="spectral"), opttx.add_decayed_weights(0.01),
+                opttx.scale_by_learning_rate(0.02))
+            full, full_state = _run(make(), params, grads)
+            # tensor parallel: each rank its piece of every leaf
+            stats = CollectiveStats()
+            tx = sharded(make(), specs, stats=stats)
+            local = {k: local_shard(v, specs[k]) for k, v in params.items()}
+            state = tx.init(local)
+            stats.reset()
+            for i, g in enumerate(grads):
+                u, state = tx.update({k: local_shard(v, specs[k]) for k, v in g.items()},
+                                     state, local)
+                local = opttx.apply_updates(local, u)
+                if i == 0:
+                    results[f"calls/{fraction}/{iters}"] = stats.calls
+                    results[f"collectives/{fraction}/{iters}"] = stats.collectives
+                    results[f"bytes/{fraction}/{iters}"] = stats.bytes
+            errors = [e for k in params for e in [_close(local[k], local_shard(full[k],
+                                                                                 specs[k]),
+                                                          f"sharded {fraction}/{iters} {k}")]
+                      if e]
+            # zero: whole leaves on owner ranks
+            ztx = zero(make())
+            zparams, _ = _run(ztx, params, grads)
+            errors += [e for k in params for e in [_close(zparams[k], full[k],
+                                                          f"zero {fraction}/{iters} {k}")] if e]
+            results[f"errors/{fraction}/{iters}"] = errors
+    except Exception:
+        results["exception"] = traceback.format_exc()
+    _finish(out, rank, results)
+
+
+@pytest.fixture(scope="module")
+def dion_results(tmp_path_factory) -> list[dict]:
+    return _spawn(_dion_worker, 2, tmp_path_factory.mktemp("dion"))
+
+
+@pytest.mark.timeout(600)
+def test_dion_sharded_and_zero_equal_one_device(dion_results) -> None:
+    for rank, res in enumerate(dion_results):
+        assert "exception" not in res, res.get("exception")
+        for key, errors in res.items():
+            if key.startswith("errors/"):
+                assert not errors, (rank, key, errors)
+
+
+@pytest.mark.timeout(600)
+def test_dion_reduces_only_its_factors_with_a_fixed_number_of_collectives(dion_results) -> None:
+    """Per step: 6 hook calls for one power iteration (B Q with sum |M|, three Cholesky
+    passes, B^T P, the column norms of R), 5 more per further iteration; one all-reduce per
+    call that has a sharded leaf for it (the default group here): 6 (11) collectives for six
+    leaves. The
+    bytes are those of the r-column factors and r x r Gram matrices, less than one
+    all-reduce of the gradients (1.3 KB of float64 here)."""
+    grads_bytes = sum(8 * torch.Size(s).numel() for s, _ in LAYOUTS.values())
+    for res in dion_results:
+        assert res["calls/0.5/1"] == 6 and res["collectives/0.5/1"] == 6
+        assert res["calls/0.25/2"] == 11 and res["collectives/0.25/2"] == 11
+        assert res["bytes/0.25/2"] < grads_bytes, (res["bytes/0.25/2"], grads_bytes)
