@@ -7,7 +7,9 @@
 * Dion under `opttx.distributed.zero` (whole leaves on owner ranks) equals one device;
 * expert-parallel Muon: a 3-D expert stack sharded on its expert axis over 2 ranks is
   orthogonalized where it is, each rank its own experts, with no collective (float32,
-  bitwise equal to one device), and a leaf sharded over a matrix axis is still refused.
+  bitwise equal to one device); a dense matrix sharded over a matrix axis is refused on its
+  shards (naming on_owners), and ``partition({"local": muon, "owners": on_owners(muon)})``
+  gathers only it (<= 1e-6 from one device: its update comes from the owner's run).
 """
 
 from __future__ import annotations
@@ -123,3 +125,82 @@ def test_dion_reduces_only_its_factors_with_a_fixed_number_of_collectives(dion_r
         assert res["calls/0.5/1"] == 6 and res["collectives/0.5/1"] == 6
         assert res["calls/0.25/2"] == 11 and res["collectives/0.25/2"] == 11
         assert res["bytes/0.25/2"] < grads_bytes, (res["bytes/0.25/2"], grads_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# expert-parallel Muon
+# ---------------------------------------------------------------------------------------------
+
+EXPERT_SHAPES = {"experts": (4, 6, 5), "router": (6, 4), "attn": (8, 6), "norm": (6,)}
+
+
+def _expert_problem() -> tuple[dict, list[dict]]:
+    gen = torch.Generator().manual_seed(3)
+    params = {k: torch.randn(s, generator=gen) for k, s in EXPERT_SHAPES.items()}
+    grads = [{k: torch.randn(s, generator=gen) for k, s in EXPERT_SHAPES.items()}
+             for _ in range(STEPS)]
+    return params, grads
+
+
+def _matrices(tree):
+    return opttx.tree.tree_map(lambda x: x.ndim >= 2, tree)
+
+
+def _experts_worker(rank: int, world: int, store: str, out: str) -> None:
+    from opttx.distributed import on_owners
+    _init(rank, world, store)
+    results: dict[str, Any] = {}
+    try:
+        params, grads = _expert_problem()
+        make = lambda mask=_matrices: opttx.muon(   # noqa: E731
+            0.02, weight_decay=0.01, method="polar_express", muon_mask=mask)
+        full, _ = _run(make(), params, grads)
+        # experts sharded on the expert axis, the rest replicated: no gather, no collective
+        specs = {"experts": Shard(0), "router": None, "attn": None, "norm": None}
+        stats = CollectiveStats()
+        tx = sharded(make(), specs, stats=stats, check_sizes=False)
+        local = {k: local_shard(v, specs[k]) for k, v in params.items()}
+        state = tx.init(local)
+        stats.reset()
+        got, _ = _run(tx, local, [{k: local_shard(v, specs[k]) for k, v in g.items()}
+                                  for g in grads], state)
+        results["expert_collectives"] = stats.collectives
+        results["expert_bitwise"] = all(torch.equal(got[k], local_shard(full[k], specs[k]))
+                                        for k in params)
+        results["expert_max_error"] = max(float((got[k] - local_shard(full[k], specs[k]))
+                                                .abs().max()) for k in params)
+        # a dense matrix sharded over a matrix axis is refused on local shards ...
+        specs_tp = {**specs, "attn": Shard(0)}
+        local_tp = {k: local_shard(v, specs_tp[k]) for k, v in params.items()}
+        grads_tp = [{k: local_shard(v, specs_tp[k]) for k, v in g.items()} for g in grads]
+        try:
+            _run(sharded(make(), specs_tp), local_tp, grads_tp[:1])
+            results["refused"] = ""
+        except ValueError as e:
+            results["refused"] = str(e)
+        # ... and goes to an owner while the experts stay where they are
+        mixed = opttx.partition(
+            {"local": make(lambda p: {k: k == "experts" for k in p}),
+             "owners": on_owners(make())},
+            lambda p: {k: "local" if k == "experts" else "owners" for k in p})
+        got, _ = _run(sharded(mixed, specs_tp), local_tp, grads_tp)
+        results["mixed_max_error"] = max(
+            float((got[k] - local_shard(full[k], specs_tp[k])).abs().max()) for k in params)
+    except Exception:
+        results["exception"] = traceback.format_exc()
+    _finish(out, rank, results)
+
+
+@pytest.fixture(scope="module")
+def expert_results(tmp_path_factory) -> list[dict]:
+    return _spawn(_experts_worker, 2, tmp_path_factory.mktemp("experts"))
+
+
+@pytest.mark.timeout(600)
+def test_expert_parallel_muon_runs_locally_and_equals_one_device(expert_results) -> None:
+    for rank, res in enumerate(expert_results):
+        assert "exception" not in res, res.get("exception")
+        assert res["expert_collectives"] == 0, res
+        assert res["expert_bitwise"], (rank, res["expert_max_error"])
+        assert "on_owners" in res["refused"] and "matrix axes" in res["refused"], res
+        assert res["mixed_max_error"] <= 1e-6, res
