@@ -1638,3 +1638,32 @@ def dion2(learning_rate: ScalarOrSchedule = 0.01, fraction: float = 0.25,
                  adam_b1, adam_b2, eps,
                  weight_decay=weight_decay if adam_weight_decay is None else adam_weight_decay)
     return _matrices_and_adamw("dion2", group, muon_mask, adam)
+
+
+from .transforms.muon_clip import clip_qk  # noqa: E402
+
+__all__ += ["muon_clip"]
+
+
+def muon_clip(learning_rate: ScalarOrSchedule, qk_roles: Any, threshold: float = 100.0,
+              alpha: float = 0.5, weight_decay: float = 0.1, consistent_rms: float = 0.2,
+              **muon_kwargs: Any) -> GradientTransformation:
+    r"""MuonClip (Kimi K2): `muon` with Moonlight's update RMS (``consistent_rms=0.2``) and
+    weight decay, then `clip_qk` on the query and key weights that ``qk_roles`` declares.
+
+    ``chain(muon(learning_rate, weight_decay=weight_decay, consistent_rms=consistent_rms,
+    **muon_kwargs), clip_qk(qk_roles, threshold, alpha))``; each step takes the recorded
+    per-head maximum logits: ``tx.update(grads, state, params,
+    max_attention_logits=recorder.pop())`` (see `opttx.MaxAttentionLogits`).
+
+    Example:
+      >>> roles = lambda p: {k: opttx.QKWeight(k.rsplit(".", 2)[0], "qkv", 4)
+      ...                    if k.endswith("qkv.weight") else None for k in p}
+      >>> tx = opttx.muon_clip(0.02, roles, threshold=100.0)
+
+    References:
+      Kimi Team, Kimi K2: Open Agentic Intelligence (arXiv 2507.20534).
+    """
+    return chain(muon(learning_rate, weight_decay=weight_decay, consistent_rms=consistent_rms,
+                      **muon_kwargs),
+                 clip_qk(qk_roles, threshold, alpha))

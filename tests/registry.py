@@ -28,6 +28,8 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+
 import opttx
 
 LR = 1e-2
@@ -311,6 +313,29 @@ CASES += [
     built("muon/polar_express_split", lambda: opttx.muon(
         LR, method="polar_express", muon_mask=_is_2d, split=lambda p: opttx.tree.tree_map(
             lambda x: 2 if x.shape[-2] % 2 == 0 else None, p))),
+]
+
+def _qk_roles(tree: Any) -> Any:
+    """w (6 rows) as a fused QKV of 2 heads of 1 row (GQA: 2 key heads), v as 2 query heads."""
+    return {k: opttx.QKWeight("attn", "qkv", 2) if k == "w" else
+            opttx.QKWeight("attn", "q", 2) if k == "v" else None for k in tree}
+
+
+def _with_logits(tx: opttx.GradientTransformation) -> opttx.GradientTransformation:
+    """``tx`` given the per-head maximum logits of a step in ``extra_args`` (head 0 above the
+    threshold 100, head 1 below)."""
+    def update(updates, state, params=None, **extra_args):
+        logits = {"attn": torch.tensor([150.0, 50.0])}
+        return tx.update(updates, state, params, **{**extra_args,
+                                                    "max_attention_logits": logits})
+    return opttx.GradientTransformation(tx.init, update, tx.traits)
+
+
+CASES += [
+    built("clip_qk", lambda: _with_logits(opttx.clip_qk(_qk_roles, threshold=100.0)),
+          covers=("QKWeight",)),
+    built("muon_clip", lambda: _with_logits(opttx.muon_clip(LR, _qk_roles,
+                                                            muon_mask=_is_2d))),
 ]
 
 BY_NAME: dict[str, Case] = {c.name: c for c in CASES}

@@ -78,3 +78,6 @@ from .normuon import (ScaleByNeuronRmsState, scale_by_neuron_rms,  # noqa: E402
 __all__ += ["ScaleByDion2State", "ScaleByDionState", "dion_rank", "scale_by_dion",
             "scale_by_dion2", "ScaleByNeuronRmsState", "scale_by_neuron_rms",
             "scale_to_orthogonal_norm"]
+from .muon_clip import LOGITS_KEY, MaxAttentionLogits, QKWeight, clip_qk  # noqa: E402
+
+__all__ += ["MaxAttentionLogits", "QKWeight", "clip_qk"]
