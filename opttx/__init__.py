@@ -81,6 +81,6 @@ __all__ = [
 ]
 
 # the Muon family (issue 28)
-from .aliases import adamuon, dion, dion2, muon_clip, normuon  # noqa: E402
+from .aliases import adamuon, dion, dion2, kron, muon_clip, normuon  # noqa: E402
 
-__all__ += ["adamuon", "dion", "dion2", "muon_clip", "normuon"]
+__all__ += ["adamuon", "dion", "dion2", "kron", "muon_clip", "normuon"]

@@ -35,7 +35,7 @@ from .transforms.shampoo import (block_by_dims, graft, precondition_shampoo,
                                  scale_by_grafted_diagonal)
 from .transforms.soap import (merge_dims_heavyball, merge_dims_soap,
                               precondition_eigenvalue_corrected)
-from .tree import PyTree, mask_leaves, tree_flatten, tree_paths, tree_unflatten
+from .tree import PyTree, mask_leaves, tree_flatten, tree_map, tree_paths, tree_unflatten
 
 __all__ = ["adabelief", "adafactor", "adagrad", "adalomo", "adam", "adamax", "radam",
            "adamw", "adamw_8bit", "came", "muon", "muon_hidden_matrices", "adopt", "ademamix",
@@ -1667,3 +1667,36 @@ def muon_clip(learning_rate: ScalarOrSchedule, qk_roles: Any, threshold: float =
     return chain(muon(learning_rate, weight_decay=weight_decay, consistent_rms=consistent_rms,
                       **muon_kwargs),
                  clip_qk(qk_roles, threshold, alpha))
+
+
+from .transforms.kron import MemorySaveMode, scale_by_kron  # noqa: E402
+
+__all__ += ["kron"]
+
+
+def kron(learning_rate: ScalarOrSchedule = 3e-4, b1: float = 0.9, weight_decay: float = 0.0,
+         preconditioner_update_probability: Any = None, max_size_triangular: int = 8192,
+         min_ndim_triangular: int = 2, memory_save_mode: MemorySaveMode = None,
+         momentum_into_precond_update: bool = True, precond_lr: float = 0.1,
+         precond_init_scale: float = 1.0, merge_dims: bool = True, *,
+         balance_every: int | None = 100, seed: int = 0, mu_dtype: torch.dtype | None = None,
+         precond_dtype: torch.dtype | None = None) -> GradientTransformation:
+    r"""PSGD-Kron (`scale_by_kron`), with weight decay on matrices and the learning rate.
+
+    ``chain(scale_by_kron(...), add_decayed_weights(weight_decay, mask=ndim >= 2),
+    scale_by_learning_rate(learning_rate))``: ``kron_torch.Kron``'s arguments, defaults and
+    numbers (up to its random probes and balancing, see `scale_by_kron`).
+
+    Example:
+      >>> tx = opttx.kron(3e-4, weight_decay=0.01)
+
+    References:
+      Li, Preconditioned Stochastic Gradient Descent (arXiv 1512.04202); ``kron_torch``.
+    """
+    return chain(scale_by_kron(b1, preconditioner_update_probability, max_size_triangular,
+                               min_ndim_triangular, memory_save_mode,
+                               momentum_into_precond_update, precond_lr, precond_init_scale,
+                               merge_dims, balance_every, seed, mu_dtype, precond_dtype),
+                 add_decayed_weights(weight_decay,
+                                     lambda p: tree_map(lambda x: x.ndim >= 2, p)),
+                 scale_by_learning_rate(learning_rate))

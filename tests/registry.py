@@ -338,5 +338,12 @@ CASES += [
                                                             muon_mask=_is_2d))),
 ]
 
+CASES += [
+    case("kron", opttx.kron, learning_rate=LR, weight_decay=0.01, max_size_triangular=5,
+         memory_save_mode="smart_one_diag"),
+    case("scale_by_kron", opttx.scale_by_kron, preconditioner_update_probability=0.5,
+         balance_every=2),
+]
+
 BY_NAME: dict[str, Case] = {c.name: c for c in CASES}
 assert len(BY_NAME) == len(CASES), "registry names must be unique"

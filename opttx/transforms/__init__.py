@@ -81,3 +81,6 @@ __all__ += ["ScaleByDion2State", "ScaleByDionState", "dion_rank", "scale_by_dion
 from .muon_clip import LOGITS_KEY, MaxAttentionLogits, QKWeight, clip_qk  # noqa: E402
 
 __all__ += ["MaxAttentionLogits", "QKWeight", "clip_qk"]
+from .kron import ScaleByKronState, kron_merged_shape, kron_noise, scale_by_kron  # noqa: E402
+
+__all__ += ["ScaleByKronState", "scale_by_kron"]
