@@ -339,6 +339,8 @@ CASES += [
 ]
 
 CASES += [
+    case("muon/momentum_8bit", opttx.muon, learning_rate=LR, muon_mask=_is_2d,
+         momentum_8bit=True),
     case("kron", opttx.kron, learning_rate=LR, weight_decay=0.01, max_size_triangular=5,
          memory_save_mode="smart_one_diag"),
     case("scale_by_kron", opttx.scale_by_kron, preconditioner_update_probability=0.5,
