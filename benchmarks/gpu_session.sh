@@ -66,6 +66,11 @@ for s in $sections; do
         gpu_step) run gpu_step 300 python3 benchmarks/gpu_step.py --device cuda --steps 30 \
                       --only "adamw.torch_foreach,adamw.torch_fused,adamw.opttx_compiled,adamw.opttx_compiled_cg,adamw.opttx_stacked" \
                       --json "$OUT/gpu_step.json" ;;
+        # Issue 28: orthogonalization on the GPU: each method's error against SVD and 24
+        # same-shaped 1024 x 1024 matrices batched vs one at a time (not in the default
+        # sections; its limit is a guess: it has not run on a GPU yet).
+        orthogonalize) run orthogonalize 240 python3 benchmarks/orthogonalize.py \
+                           --device cuda --skip-bench --repeats 5 ;;
         *) echo "unknown section $s" ;;
     esac
 done
@@ -81,5 +86,6 @@ for s in $sections; do
         step) tail -n 22 "$OUT/$s.log" ;;
         state_copy) tail -n 8 "$OUT/$s.log" ;;
         gpu_step) tail -n 40 "$OUT/$s.log" ;;
+        orthogonalize) tail -n 36 "$OUT/$s.log" ;;
     esac
 done
