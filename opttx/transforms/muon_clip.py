@@ -84,11 +84,11 @@ def clip_qk(roles: PyTree | Callable[[Params], PyTree], threshold: float = 100.0
     rows (``Traits.whole_leaves``). Raises when a step has no logits for a declared layer.
 
     Example:
-      >>> roles = {k: opttx.QKWeight(k.split(".attn")[0], "qkv", 8) if "qkv" in k else None
-      ...          for k in params}
-      >>> tx = opttx.chain(opttx.muon(0.02), opttx.clip_qk(roles, threshold=100.0))
-      >>> updates, state = tx.update(grads, state, params,
-      ...                            max_attention_logits=recorder.pop())
+      >>> roles = {"w": opttx.QKWeight("attn", "q", num_heads=2), "b": None}
+      >>> tx = opttx.chain(opttx.sgd(0.1), opttx.clip_qk(roles, threshold=100.0))
+      >>> logits = {"attn": torch.tensor([150.0, 20.0])}   # from MaxAttentionLogits.pop()
+      >>> updates, state = tx.update(grads, tx.init(params), params,
+      ...                            max_attention_logits=logits)
 
     References:
       Kimi Team, Kimi K2: Open Agentic Intelligence (arXiv 2507.20534), section 2.1.
@@ -182,9 +182,11 @@ class MaxAttentionLogits:
 
     Example:
       >>> recorder = opttx.MaxAttentionLogits()
+      >>> q = k = torch.randn(2, 4, 8, 16)       # (batch, heads, time, head dim)
       >>> # in the attention module's forward, before scaled_dot_product_attention:
-      >>> recorder.record("blocks.0", q, k, causal=True)
-      >>> updates, state = tx.update(grads, state, params, max_attention_logits=recorder.pop())
+      >>> _ = recorder.record("blocks.0", q, k, causal=True)
+      >>> logits = recorder.pop()                # {"blocks.0": tensor of shape (4,)}
+      >>> # then: tx.update(grads, state, params, max_attention_logits=logits)
     """
 
     def __init__(self) -> None:

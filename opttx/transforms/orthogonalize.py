@@ -549,9 +549,11 @@ def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: f
       A `GradientTransformation`.
 
     Example:
+      >>> heads = lambda p: {k: 4 if k.endswith("attn.qkv") else None for k in p}
       >>> tx = opttx.chain(opttx.ema(0.95, debias=False, nesterov=True),
-      ...                  opttx.orthogonalize(method="polar_express", split={"qkv": 3, ...}),
-      ...                  opttx.scale_by_shape(), opttx.scale_by_learning_rate(0.02))
+      ...                  opttx.orthogonalize(method="polar_express", split=heads),
+      ...                  opttx.scale_by_shape(split=heads),
+      ...                  opttx.scale_by_learning_rate(0.02))
 
     References:
       Jordan et al., Muon: An optimizer for hidden layers in neural networks (2024),
