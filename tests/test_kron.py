@@ -14,7 +14,6 @@ compute the same contractions in another order).
 from __future__ import annotations
 
 import random
-import sys
 
 import pytest
 import torch

@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import opttx
 from opttx.distributed import CollectiveStats, Shard, local_shard, sharded, zero
@@ -64,11 +63,11 @@ def _dion_worker(rank: int, world: int, store: str, out: str) -> None:
         specs = {k: (Shard(d) if d is not None else None) for k, (_, d) in LAYOUTS.items()}
         params, grads = _problem(0)
         for fraction, iters in [(0.5, 1), (1.0, 1), (0.25, 2)]:
-            make = lambda: opttx.chain(   # noqa: E731
+            make = lambda fraction=fraction, iters=iters: opttx.chain(   # noqa: E731
                 opttx.scale_by_dion(fraction, 0.9, power_iters=iters),
                 opttx.scale_by_shape(convention="spectral"), opttx.add_decayed_weights(0.01),
                 opttx.scale_by_learning_rate(0.02))
-            full, full_state = _run(make(), params, grads)
+            full, _ = _run(make(), params, grads)
             # tensor parallel: each rank its piece of every leaf
             stats = CollectiveStats()
             tx = sharded(make(), specs, stats=stats)

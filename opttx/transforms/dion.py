@@ -23,7 +23,7 @@ from ..base import (LEAFWISE, REDUCER_KEY, EmptyState, GradientTransformation, P
                     Traits, Updates, check_init_params, current_reducer, declare_roles, leafwise,
                     reduce_statistics, replace_state, require_whole_leaves, zero_count)
 from ..kernels import mark_scratch
-from ..tree import MaskedNode, PyTree, state_dtype, tree_flatten, tree_paths, tree_unflatten
+from ..tree import PyTree, state_dtype, tree_flatten, tree_paths, tree_unflatten
 from .orthogonalize import NS_COEFFS, Method, orthogonalize
 
 __all__ = ["ScaleByDionState", "ScaleByDion2State", "dion_rank", "scale_by_dion",

@@ -248,7 +248,7 @@ def scale_by_kron(b1: float = 0.9, preconditioner_update_probability: float |
             k += n
         out, new_mu, new_q = [], [], []
         for i, (u, m, q) in enumerate(zip(g, state.mu, qs)):
-            shape, diag = layout(u)
+            shape = layout(u)[0]
             m = b1 * m + (1 - b1) * u.to(m.dtype)
             new_mu.append(m)
             dtype = q[0].dtype
