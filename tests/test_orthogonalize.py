@@ -8,7 +8,7 @@ batching across leaves, row-block splits, output layout, an overflow-free norm, 
 * Gram Newton–Schulz is the Newton–Schulz iterate (float64, <= 1e-12 relative; measured
   ~4e-15 on 64 x 64 to 256 x 1024);
 * batched over same-shaped matrices (across leaves, heads and batch axes) equals one matrix
-  at a time (float64 <= 1e-12; float32 <= 1e-5);
+  at a time (float64 <= 1e-12; float32 <= 1e-4);
 * ``split`` orthogonalizes each row block as a separate matrix, and `scale_by_shape` scales
   each block by its own shape factor;
 * a tall matrix comes back contiguous, a leaf with other matrix axes in its own strides, so
@@ -125,7 +125,9 @@ def test_batched_equals_per_matrix(m, n, count, method, dtype, seed) -> None:
     tree["other"] = torch.randn(n + 1, m, generator=gen, dtype=dtype)
     batched = ortho(tree, method=method)
     single = ortho(tree, method=method, batched=False)
-    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    # float32: Polar Express's first polynomial (coefficients up to 22) turns float32 rounding
+    # into differences of ~2e-5 between two summation orders (measured on 2 x 1 matrices)
+    tol = 1e-12 if dtype == torch.float64 else 1e-4
     assert_trees_close(batched, single, rtol=tol, atol=tol, what=method)
     for k, x in tree.items():   # and each is the function on its matrices
         if method != "svd":
