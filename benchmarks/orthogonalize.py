@@ -49,7 +49,7 @@ METHODS = {
 
 def accuracy(shapes: list[tuple[int, int]], device: str) -> None:
     print("\n## 1. error against SVD's polar factor (Gaussian matrices)\n")
-    print("| shape | method | dtype | ||O - UV^T||_2 | ||O - UV^T||_F / ||UV^T||_F | "
+    print("| shape | method | dtype | ‖O − UVᵀ‖₂ | ‖O − UVᵀ‖_F / ‖UVᵀ‖_F | "
           "sv(O), top 90% |")
     print("| --- | --- | --- | --- | --- | --- |")
     gen = torch.Generator().manual_seed(0)
