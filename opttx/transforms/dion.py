@@ -53,15 +53,21 @@ def dion_rank(rows: int, cols: int, rank_fraction: float, rank_multiple_of: int 
     return max(1, min(r, rows, cols))
 
 
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 ``x`` below 2^32 and a 32-bit ``c``, in 16-bit halves of
+    ``c`` so that no product leaves int64's range."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
 def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (int64 tensors holding values below 2^32; products wrap, only
-    their low 32 bits are kept)."""
-    mask = 0xFFFFFFFF
-    x = x & mask
+    """A 32-bit integer hash (lowbias32) of int64 tensors, computed below 2^32 (no
+    product overflows)."""
+    x = x & 0xFFFFFFFF
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & mask
+    x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & mask
+    x = _mul32(x, 0x846CA68B)
     return x ^ (x >> 16)
 
 
