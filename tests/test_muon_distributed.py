@@ -4,7 +4,8 @@
   columns, unevenly, on 2 ranks) equals one device (float64, 10 steps, <= 1e-10 relative;
   only the r-column factors are reduced, through the hook: 6 hook calls per step, each one
   batched all-reduce per group, whatever the number of leaves; no whole matrix is gathered);
-* Dion under `opttx.distributed.zero` (whole leaves on owner ranks) equals one device;
+* Dion under `opttx.distributed.zero` (whole leaves on owner ranks) equals one device, and
+  under tensor parallel x ZeRO (``sharded(zero(dion, dp), specs)``, 4 ranks) too;
 * expert-parallel Muon: a 3-D expert stack sharded on its expert axis over 2 ranks is
   orthogonalized where it is, each rank its own experts, with no collective (float32,
   bitwise equal to one device); a dense matrix sharded over a matrix axis is refused on its
@@ -203,3 +204,54 @@ def test_expert_parallel_muon_runs_locally_and_equals_one_device(expert_results)
         assert res["expert_bitwise"], (rank, res["expert_max_error"])
         assert "on_owners" in res["refused"] and "matrix axes" in res["refused"], res
         assert res["mixed_max_error"] <= 1e-6, res
+
+
+# ---------------------------------------------------------------------------------------------
+# Dion under tensor parallel x ZeRO (4 ranks: TP groups {0, 1}, {2, 3}; DP groups {0, 2}, {1, 3})
+# ---------------------------------------------------------------------------------------------
+
+
+def _tp_zero_worker(rank: int, world: int, store: str, out: str) -> None:
+    from opttx.distributed import Replicated
+    from test_tp_zero import _groups, _layout, _problem
+    _init(rank, world, store)
+    results: dict[str, Any] = {"errors": []}
+    try:
+        tp, dp = _groups(rank)
+        for draw in [(5, 7, 3, 0, 1, None, None, 1), (6, 4, 9, 1, 0, 0, 16, 2),
+                     (3, 8, 5, None, 1, 1, 160, 3)]:
+            shapes, tp_dims, chunk, seed = _layout(draw)
+            full, grads = _problem(shapes, seed)
+            specs = {k: Replicated() if d is None else Shard(d, tp) for k, d in tp_dims.items()}
+            shard = lambda tree: {k: local_shard(v, specs[k])   # noqa: E731
+                                  for k, v in tree.items()}
+            make = lambda: opttx.dion(0.02, rank_fraction=0.5, weight_decay=0.01)  # noqa: E731
+            kw = ({"chunk_size_mb": chunk / 2**20} if chunk else {})
+            tx = sharded(zero(make(), dp, **kw), specs)
+            ref = make()
+            p, p_ref = shard(full), full
+            s, s_ref = tx.init(p), ref.init(full)
+            for per_replica in grads:
+                mean = opttx.tree.tree_map(lambda *g: sum(g) / len(g), *per_replica)
+                u, s_ref = ref.update(mean, s_ref, p_ref)
+                p_ref = opttx.apply_updates(p_ref, u)
+                u, s = tx.update(shard(per_replica[rank // 2]), s, p)
+                p = opttx.apply_updates(p, u)
+            for k in full:
+                want = local_shard(p_ref[k], specs[k])
+                err = float((p[k] - want).abs().max()) / max(float(want.abs().max()), 1e-30)
+                if err > 1e-5:
+                    results["errors"].append(f"{draw} {k}: relative error {err:.2e}")
+    except Exception:
+        results["exception"] = traceback.format_exc()
+    _finish(out, rank, results)
+
+
+@pytest.mark.timeout(600)
+def test_dion_under_tensor_parallel_zero_equals_one_device(tmp_path) -> None:
+    """``sharded(zero(dion, dp), specs)`` on a 2 x 2 mesh (float32, 5 steps, <= 1e-5 relative,
+    the bound of tests/test_tp_zero.py): the owners of each leaf's TP shards reduce Dion's
+    factors over the TP group, as under ``sharded`` alone."""
+    for rank, res in enumerate(_spawn(_tp_zero_worker, 4, tmp_path)):
+        assert "exception" not in res, res.get("exception")
+        assert not res["errors"], (rank, res["errors"])
