@@ -1463,6 +1463,16 @@ def _shape_scaling(adjust_lr: AdjustLr, matrix_axes: Any, split: Any = None
                      f"{adjust_lr!r}.")
 
 
+def _adam_group(learning_rate: ScalarOrSchedule, adam_learning_rate: Any, b1: float, b2: float,
+                eps: float, weight_decay: float, adam_weight_decay: float | None
+                ) -> GradientTransformation:
+    """The AdamW of the leaves that are not matrices: the matrices' learning rate and decay
+    unless its own are given (the ``dion`` package's param-group defaults)."""
+    return adamw(learning_rate if adam_learning_rate is None else adam_learning_rate, b1, b2,
+                 eps, weight_decay=weight_decay if adam_weight_decay is None
+                 else adam_weight_decay)
+
+
 def _matrices_and_adamw(name: str, matrix_group: GradientTransformation, mask: Mask,
                         adam_group: GradientTransformation) -> GradientTransformation:
     """``partition`` of the leaves ``mask`` selects (default `muon_hidden_matrices`) to
@@ -1516,9 +1526,8 @@ def normuon(learning_rate: ScalarOrSchedule = 0.01, momentum: float = 0.95, b2: 
                   _shape_scaling(adjust_lr, matrix_axes, split),
                   add_decayed_weights(weight_decay),
                   scale_by_learning_rate(learning_rate))
-    adam = adamw(learning_rate if adam_learning_rate is None else adam_learning_rate,
-                 adam_b1, adam_b2, eps,
-                 weight_decay=weight_decay if adam_weight_decay is None else adam_weight_decay)
+    adam = _adam_group(learning_rate, adam_learning_rate, adam_b1, adam_b2, eps, weight_decay,
+                       adam_weight_decay)
     return _matrices_and_adamw("normuon", group, muon_mask, adam)
 
 
@@ -1607,9 +1616,8 @@ def dion(learning_rate: ScalarOrSchedule = 0.01, rank_fraction: float = 1.0, mu:
                   scale_by_shape(convention="spectral"),
                   add_decayed_weights(weight_decay),
                   scale_by_learning_rate(learning_rate))
-    adam = adamw(learning_rate if adam_learning_rate is None else adam_learning_rate,
-                 adam_b1, adam_b2, eps,
-                 weight_decay=weight_decay if adam_weight_decay is None else adam_weight_decay)
+    adam = _adam_group(learning_rate, adam_learning_rate, adam_b1, adam_b2, eps, weight_decay,
+                       adam_weight_decay)
     return _matrices_and_adamw("dion", group, muon_mask, adam)
 
 
@@ -1639,9 +1647,8 @@ def dion2(learning_rate: ScalarOrSchedule = 0.01, fraction: float = 0.25,
                   _shape_scaling(adjust_lr, (-2, -1)),
                   add_decayed_weights(weight_decay),
                   scale_by_learning_rate(learning_rate))
-    adam = adamw(learning_rate if adam_learning_rate is None else adam_learning_rate,
-                 adam_b1, adam_b2, eps,
-                 weight_decay=weight_decay if adam_weight_decay is None else adam_weight_decay)
+    adam = _adam_group(learning_rate, adam_learning_rate, adam_b1, adam_b2, eps, weight_decay,
+                       adam_weight_decay)
     return _matrices_and_adamw("dion2", group, muon_mask, adam)
 
 
