@@ -73,6 +73,11 @@ for s in $sections; do
         # device memory and step time. Not run yet (written without a GPU); needs torchao.
         # The limit is a guess: 6 rows of a 1 B model, two Inductor compiles of the host step.
         offload) run offload 420 python3 benchmarks/offload_gpu.py --steps 10 ;;
+        # Issue 28: orthogonalization on the GPU: each method's error against SVD and 24
+        # same-shaped 1024 x 1024 matrices batched vs one at a time (not in the default
+        # sections; its limit is a guess: it has not run on a GPU yet).
+        orthogonalize) run orthogonalize 240 python3 benchmarks/orthogonalize.py \
+                           --device cuda --skip-bench --repeats 5 ;;
         *) echo "unknown section $s" ;;
     esac
 done
@@ -89,5 +94,6 @@ for s in $sections; do
         state_copy) tail -n 8 "$OUT/$s.log" ;;
         gpu_step) tail -n 40 "$OUT/$s.log" ;;
         offload) tail -n 16 "$OUT/$s.log" ;;
+        orthogonalize) tail -n 36 "$OUT/$s.log" ;;
     esac
 done

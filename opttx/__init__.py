@@ -94,3 +94,8 @@ __all__ = [
     # SOAP (issue 16)
     "soap",
 ]
+
+# the Muon family (issue 28)
+from .aliases import adamuon, dion, dion2, kron, muon_clip, normuon  # noqa: E402
+
+__all__ += ["adamuon", "dion", "dion2", "kron", "muon_clip", "normuon"]

@@ -35,7 +35,7 @@ from .transforms.shampoo import (block_by_dims, graft, precondition_shampoo,
                                  scale_by_grafted_diagonal)
 from .transforms.soap import (merge_dims_heavyball, merge_dims_soap,
                               precondition_eigenvalue_corrected)
-from .tree import PyTree, mask_leaves, tree_flatten, tree_paths, tree_unflatten
+from .tree import PyTree, mask_leaves, tree_flatten, tree_map, tree_paths, tree_unflatten
 
 __all__ = ["adabelief", "adafactor", "adagrad", "adalomo", "adam", "adamax", "radam",
            "adamw", "adamw_8bit", "came", "muon", "muon_hidden_matrices", "adopt", "ademamix",
@@ -1138,7 +1138,10 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
 # Muon
 # ---------------------------------------------------------------------------------------------
 
-_NOT_HIDDEN_WORDS = ("head", "wte", "wpe", "classifier")
+# words of a path that mark an embedding, a position table or an output head (not a hidden
+# matrix): ``tok_emb``, ``pos_emb`` (nanoGPT-style names), ``wte``/``wpe`` (GPT-2), ``lm_head``
+_NOT_HIDDEN_WORDS = ("head", "wte", "wpe", "classifier", "emb", "tok", "token", "tokens", "pos",
+                     "position", "positions")
 
 
 def _path_words(path: str) -> list[str]:
@@ -1152,10 +1155,11 @@ def muon_hidden_matrices(params: PyTree) -> PyTree:
     weight matrices that Muon updates.
 
     A leaf is a hidden matrix when it has exactly 2 dims and no word of its path (the path
-    split at ``. _ - / [ ] '``, lower-cased) contains ``embed`` or is ``head``, ``wte``,
-    ``wpe`` or ``classifier``: ``layers.0.mlp.fc1.weight`` is one; ``embed_tokens.weight``,
-    ``lm_head.weight``, ``transformer.wte.weight``, biases, norm scales and conv kernels are
-    not (they go to AdamW). Pass ``muon_mask=`` to `muon` for any other rule (for example to
+    split at ``. _ - / [ ] '``, lower-cased) contains ``embed`` or is ``emb``, ``tok``,
+    ``token(s)``, ``pos``, ``position(s)``, ``head``, ``wte``, ``wpe`` or ``classifier``:
+    ``layers.0.mlp.fc1.weight`` is one; ``embed_tokens.weight``, ``tok_emb.weight``,
+    ``pos_emb.weight``, ``lm_head.weight``, ``transformer.wte.weight``, biases, norm scales
+    and conv kernels are not (they go to AdamW). Pass ``muon_mask=`` to `muon` for any other rule (for example to
     add 3-D conv or stacked-expert weights, with ``matrix_axes``).
     """
     leaves, spec = tree_flatten(params)
@@ -1180,7 +1184,8 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS, ns_steps: 
          consistent_rms: float | None = None, matrix_axes: MatrixAxes = (-2, -1),
          muon_mask: Mask = None, adam_b1: float = 0.9, adam_b2: float = 0.999,
          adam_eps_root: float = 0.0, adam_weight_decay: float = 0.0,
-         adam_learning_rate: ScalarOrSchedule | None = None) -> GradientTransformation:
+         adam_learning_rate: ScalarOrSchedule | None = None,
+         split: Any = None, momentum_8bit: bool = False) -> GradientTransformation:
     r"""Muon: momentum orthogonalized by Newton–Schulz on hidden matrices, AdamW elsewhere.
 
     .. math::
@@ -1228,6 +1233,12 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS, ns_steps: 
         and torch's ``"match_rms_adamw"``).
       matrix_axes: the (row, column) axes of each matrix, rows being the fan-out.
       muon_mask: which leaves Muon updates (default `muon_hidden_matrices`).
+      split: row blocks orthogonalized and scaled on their own (heads, fused QKV): see
+        `orthogonalize`.
+      momentum_8bit: keep the Muon momentum in 8-bit block-wise form
+        (``quantize_state(ema(...))``, blocks of 256, leaves of 4096 elements or more):
+        1.016 bytes per parameter instead of 4 (benchmarks/RESULTS.md); the AdamW group is
+        unchanged.
       adam_b1, adam_b2, adam_eps_root, adam_weight_decay, adam_learning_rate: the AdamW of
         the other leaves (its learning rate defaults to ``learning_rate``).
 
@@ -1249,10 +1260,12 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS, ns_steps: 
         return tree_unflatten(["muon" if keep else "adam"
                                for keep in mask_leaves(selected, params)], spec)
 
+    momentum = ema(beta, debias=bias_correction, accumulator_dtype=mu_dtype, nesterov=nesterov)
     muon_group = chain(
-        ema(beta, debias=bias_correction, accumulator_dtype=mu_dtype, nesterov=nesterov),
-        orthogonalize(ns_steps, ns_coeffs, eps, method, matrix_axes, ns_dtype=ns_dtype),
-        scale_by_shape(consistent_rms, matrix_axes),
+        quantize_state(momentum) if momentum_8bit else momentum,
+        orthogonalize(ns_steps, ns_coeffs, eps, method, matrix_axes, ns_dtype=ns_dtype,
+                      split=split),
+        scale_by_shape(consistent_rms, matrix_axes, split=split),
         add_decayed_weights(weight_decay, weight_decay_mask),
         scale_by_learning_rate(learning_rate))
     adam_group = adamw(learning_rate if adam_learning_rate is None else adam_learning_rate,
@@ -1506,3 +1519,309 @@ def soap(learning_rate: ScalarOrSchedule = 3e-3, b1: float = 0.95, b2: float = 0
         links.append(add_decayed_weights(weight_decay, mask))
     links.append(scale_by_learning_rate(learning_rate))
     return chain(*links)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Muon family (issue 28): NorMuon, AdaMuon, Dion, Dion2
+# ---------------------------------------------------------------------------------------------
+
+from .transforms.dion import scale_by_dion, scale_by_dion2  # noqa: E402
+from .transforms.normuon import scale_by_neuron_rms, scale_to_orthogonal_norm  # noqa: E402
+from .transforms.scaling import scale_by_sign  # noqa: E402
+from .base import identity  # noqa: E402
+
+__all__ += ["adamuon", "dion", "dion2", "normuon"]
+
+AdjustLr = Literal["spectral_norm", "rms_norm"] | None
+
+
+def _shape_scaling(adjust_lr: AdjustLr, matrix_axes: Any, split: Any = None
+                   ) -> GradientTransformation:
+    """The ``dion`` package's ``adjust_lr`` as a `scale_by_shape`."""
+    if adjust_lr == "spectral_norm":
+        return scale_by_shape(None, matrix_axes, split=split, convention="spectral")
+    if adjust_lr == "rms_norm":
+        return scale_by_shape(0.2, matrix_axes, split=split)
+    if adjust_lr is None:
+        return identity()
+    raise ValueError(f"adjust_lr must be 'spectral_norm', 'rms_norm' or None, got "
+                     f"{adjust_lr!r}.")
+
+
+def _adam_group(learning_rate: ScalarOrSchedule, adam_learning_rate: Any, b1: float, b2: float,
+                eps: float, weight_decay: float, adam_weight_decay: float | None
+                ) -> GradientTransformation:
+    """The AdamW of the leaves that are not matrices: the matrices' learning rate and decay
+    unless its own are given (the ``dion`` package's param-group defaults)."""
+    return adamw(learning_rate if adam_learning_rate is None else adam_learning_rate, b1, b2,
+                 eps, weight_decay=weight_decay if adam_weight_decay is None
+                 else adam_weight_decay)
+
+
+def _matrices_and_adamw(name: str, matrix_group: GradientTransformation, mask: Mask,
+                        adam_group: GradientTransformation) -> GradientTransformation:
+    """``partition`` of the leaves ``mask`` selects (default `muon_hidden_matrices`) to
+    ``matrix_group`` (label ``name``), the others to ``adam_group`` (label ``"adam"``)."""
+    selected = muon_hidden_matrices if mask is None else mask
+
+    def labels(params: PyTree) -> PyTree:
+        spec = tree_flatten(params)[1]
+        return tree_unflatten([name if keep else "adam" for keep in
+                               mask_leaves(selected, params)], spec)
+
+    return partition({name: matrix_group, "adam": adam_group}, labels)
+
+
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "momentum": HyperRole.MOMENTUM,
+                      "b2": HyperRole.B2, "weight_decay": HyperRole.WEIGHT_DECAY,
+                      "eps": HyperRole.EPS, "adam_b1": HyperRole.B1, "adam_b2": HyperRole.B2,
+                      "adam_weight_decay": HyperRole.WEIGHT_DECAY,
+                      "adam_learning_rate": HyperRole.LEARNING_RATE})
+def normuon(learning_rate: ScalarOrSchedule = 0.01, momentum: float = 0.95, b2: float = 0.95,
+            weight_decay: float = 0.01, eps: float = 1e-8, *, nesterov: bool = False,
+            method: Method = "polar_express", ns_dtype: torch.dtype | None = None,
+            adjust_lr: AdjustLr = "spectral_norm", split: Any = None,
+            matrix_axes: MatrixAxes = (-2, -1), muon_mask: Mask = None, adam_b1: float = 0.9,
+            adam_b2: float = 0.95, adam_weight_decay: float | None = None,
+            adam_learning_rate: ScalarOrSchedule | None = None) -> GradientTransformation:
+    r"""NorMuon: Muon with a neuron-wise second moment of the orthogonalized update.
+
+    .. math::
+        m_t = \mu m_{t-1} + g_t, \quad O_t = \mathrm{orth}(m_t \text{ or } \mu m_t + g_t), \quad
+        u_t = \mathrm{NorMuon}(O_t), \quad x_{t+1} = x_t - \eta (s\, u_t + \lambda x_t)
+
+    on the leaves ``muon_mask`` selects: ``chain(trace(momentum, nesterov),
+    orthogonalize(method=method, eps=eps), scale_by_neuron_rms(b2, eps), shape scaling,
+    add_decayed_weights(weight_decay), scale_by_learning_rate(learning_rate))``, the shape
+    scaling :math:`s` being the ``dion`` package's ``adjust_lr`` (``"spectral_norm"``:
+    :math:`\sqrt{m/n}`; ``"rms_norm"``: :math:`0.2\sqrt{\max(m, n)}`; None: 1). Other leaves
+    run ``adamw(adam_learning_rate or learning_rate, adam_b1, adam_b2, eps,
+    weight_decay=adam_weight_decay or weight_decay)``.
+
+    Defaults and numbers of the ``dion`` package's ``NorMuon`` (``lr, mu, muon_beta2,
+    weight_decay, epsilon, nesterov, adjust_lr``, Polar Express), whose iteration runs in
+    bfloat16: ``ns_dtype=torch.bfloat16`` for that (tests/test_muon_family.py compares in
+    float64 with the bfloat16 casts of the reference undone, <= 1e-8).
+
+    Example:
+      >>> tx = opttx.normuon(0.01, weight_decay=0.01, adam_learning_rate=3e-4)
+
+    References:
+      Li et al., NorMuon: Making Muon more efficient and scalable (arXiv 2510.05491).
+    """
+    group = chain(trace(momentum, nesterov=nesterov),
+                  orthogonalize(5, NS_COEFFS, eps, method, matrix_axes, ns_dtype=ns_dtype,
+                                split=split),
+                  scale_by_neuron_rms(b2, eps, matrix_axes, split=split),
+                  _shape_scaling(adjust_lr, matrix_axes, split),
+                  add_decayed_weights(weight_decay),
+                  scale_by_learning_rate(learning_rate))
+    adam = _adam_group(learning_rate, adam_learning_rate, adam_b1, adam_b2, eps, weight_decay,
+                       adam_weight_decay)
+    return _matrices_and_adamw("normuon", group, muon_mask, adam)
+
+
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
+                      "b2": HyperRole.B2, "weight_decay": HyperRole.WEIGHT_DECAY,
+                      "eps": HyperRole.EPS, "ns_eps": None, "consistent_rms": None,
+                      "adam_learning_rate": HyperRole.LEARNING_RATE, "adam_b1": HyperRole.B1,
+                      "adam_b2": HyperRole.B2, "adam_weight_decay": HyperRole.WEIGHT_DECAY},
+         runtime=("ns_steps", "ns_coeffs"))
+def adamuon(learning_rate: ScalarOrSchedule = 0.02, b1: float = 0.9, b2: float = 0.95,
+            weight_decay: float = 0.0, eps: float = 1e-10, *, sign: bool = False,
+            ns_steps: int = 5, ns_coeffs: Any = NS_COEFFS, ns_eps: float = 1e-7,
+            ns_dtype: torch.dtype | None = None, consistent_rms: float | None = 0.2,
+            matrix_axes: MatrixAxes = (-2, -1), muon_mask: Mask = None,
+            adam_learning_rate: ScalarOrSchedule = 3e-4, adam_b1: float = 0.9,
+            adam_b2: float = 0.999, adam_weight_decay: float = 0.0) -> GradientTransformation:
+    r"""AdaMuon: an element-wise second moment of Muon's orthogonalized update, rescaled to
+    Adam's update RMS.
+
+    .. math::
+        m_t = \beta_1 m_{t-1} + (1-\beta_1) g_t, \quad O_t = \mathrm{NS}(m_t) \
+        (\mathrm{NS}(\mathrm{sign}\, m_t) \text{ with } \texttt{sign}), \quad
+        v_t = \beta_2 v_{t-1} + (1-\beta_2) O_t^2,
+
+    .. math::
+        \hat O_t = O_t / (\sqrt{v_t / (1-\beta_2^t)} + \epsilon), \quad
+        u_t = 0.2 \sqrt{mn}\, \hat O_t / (\lVert \hat O_t \rVert_F + \epsilon), \quad
+        x_{t+1} = x_t - \eta (u_t + \lambda x_t)
+
+    on the leaves ``muon_mask`` selects: ``chain(ema(b1, debias=False), [scale_by_sign()],
+    orthogonalize(ns_steps, ns_coeffs, ns_eps), scale_by_rms(b2, eps, eps_in_sqrt=False,
+    bias_correction=True), scale_to_orthogonal_norm(eps), scale_by_shape(consistent_rms),
+    add_decayed_weights(weight_decay), scale_by_learning_rate(learning_rate))``; other leaves
+    run ``adamw(adam_learning_rate, adam_b1, adam_b2, eps, weight_decay=adam_weight_decay)``.
+
+    Defaults and numbers of ``pytorch_optimizer.AdaMuon`` (``use_adjusted_lr=True``;
+    ``consistent_rms=None`` for ``False``), which follows the first version of the paper:
+    no sign before the orthogonalization. The paper's later versions add that
+    "sign-stabilized" step: ``sign=True``. The reference flattens leaves of more than two
+    dims to (rows, rest); here they are batches of matrices over ``matrix_axes``.
+
+    Example:
+      >>> tx = opttx.adamuon(0.02, weight_decay=0.1, sign=True)
+
+    References:
+      Si, Zhang and Shen, AdaMuon: Adaptive Muon Optimizer (arXiv 2507.11005).
+    """
+    links = [ema(b1, debias=False)]
+    if sign:
+        links.append(scale_by_sign())
+    links += [orthogonalize(ns_steps, ns_coeffs, ns_eps, "newton_schulz", matrix_axes,
+                            ns_dtype=ns_dtype),
+              scale_by_rms(b2, eps, eps_in_sqrt=False, bias_correction=True),
+              scale_to_orthogonal_norm(eps, matrix_axes),
+              scale_by_shape(consistent_rms, matrix_axes),
+              add_decayed_weights(weight_decay),
+              scale_by_learning_rate(learning_rate)]
+    adam = adamw(adam_learning_rate, adam_b1, adam_b2, eps, weight_decay=adam_weight_decay)
+    return _matrices_and_adamw("adamuon", chain(*links), muon_mask, adam)
+
+
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "mu": HyperRole.MOMENTUM,
+                      "weight_decay": HyperRole.WEIGHT_DECAY, "eps": HyperRole.EPS,
+                      "adam_b1": HyperRole.B1, "adam_b2": HyperRole.B2,
+                      "adam_weight_decay": HyperRole.WEIGHT_DECAY,
+                      "adam_learning_rate": HyperRole.LEARNING_RATE}, runtime=("power_iters",
+                                                                               "seed"))
+def dion(learning_rate: ScalarOrSchedule = 0.01, rank_fraction: float = 1.0, mu: float = 0.95,
+         weight_decay: float = 0.01, eps: float = 1e-8, *, power_iters: int = 1,
+         rank_multiple_of: int = 1, seed: int = 0, muon_mask: Mask = None,
+         adam_b1: float = 0.9, adam_b2: float = 0.95, adam_weight_decay: float | None = None,
+         adam_learning_rate: ScalarOrSchedule | None = None) -> GradientTransformation:
+    r"""Dion: low-rank orthonormal updates by power iteration with error feedback
+    (`scale_by_dion`) on hidden matrices, AdamW elsewhere.
+
+    .. math::
+        x_{t+1} = x_t - \eta \left(\sqrt{m/n}\; P_t Q_t^\top + \lambda x_t\right)
+
+    on the 2-D leaves ``muon_mask`` selects (default `muon_hidden_matrices`): ``chain(
+    scale_by_dion(rank_fraction, mu, eps), scale_by_shape(convention="spectral"),
+    add_decayed_weights(weight_decay), scale_by_learning_rate(learning_rate))``; other leaves
+    run ``adamw(adam_learning_rate or learning_rate, adam_b1, adam_b2, eps,
+    weight_decay=adam_weight_decay or weight_decay)``. Defaults of the ``dion`` package's
+    ``Dion``/``DionReference``; its numbers up to its randomized QR and float32 column
+    normalization (see `scale_by_dion`).
+
+    Under `opttx.distributed.sharded` (tensor parallel, FSDP) only the :math:`r`-column
+    factors are reduced, through the reduction hook: no gather of whole matrices.
+
+    Example:
+      >>> tx = opttx.dion(0.01, rank_fraction=0.25)
+
+    References:
+      Ahn et al., Dion: Distributed Orthonormalized Updates (arXiv 2504.05295).
+    """
+    group = chain(scale_by_dion(rank_fraction, mu, eps, power_iters=power_iters,
+                                rank_multiple_of=rank_multiple_of, seed=seed),
+                  scale_by_shape(convention="spectral"),
+                  add_decayed_weights(weight_decay),
+                  scale_by_learning_rate(learning_rate))
+    adam = _adam_group(learning_rate, adam_learning_rate, adam_b1, adam_b2, eps, weight_decay,
+                       adam_weight_decay)
+    return _matrices_and_adamw("dion", group, muon_mask, adam)
+
+
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "ef_decay": HyperRole.MOMENTUM,
+                      "weight_decay": HyperRole.WEIGHT_DECAY, "eps": HyperRole.EPS,
+                      "adam_b1": HyperRole.B1, "adam_b2": HyperRole.B2,
+                      "adam_weight_decay": HyperRole.WEIGHT_DECAY,
+                      "adam_learning_rate": HyperRole.LEARNING_RATE})
+def dion2(learning_rate: ScalarOrSchedule = 0.01, fraction: float = 0.25,
+          ef_decay: float = 0.95, weight_decay: float = 0.01, eps: float = 1e-8, *,
+          method: Method = "polar_express", ns_dtype: torch.dtype | None = None,
+          adjust_lr: AdjustLr = "spectral_norm", muon_mask: Mask = None,
+          adam_b1: float = 0.9, adam_b2: float = 0.95, adam_weight_decay: float | None = None,
+          adam_learning_rate: ScalarOrSchedule | None = None) -> GradientTransformation:
+    r"""Dion2: Muon on the top ``fraction`` of each matrix's rows or columns, with error
+    feedback (`scale_by_dion2`), AdamW elsewhere.
+
+    ``chain(scale_by_dion2(fraction, ef_decay, eps, method=method), shape scaling,
+    add_decayed_weights(weight_decay), scale_by_learning_rate(learning_rate))`` on the
+    leaves ``muon_mask`` selects (``adjust_lr`` as in `normuon`); other leaves run
+    ``adamw(adam_learning_rate or learning_rate, adam_b1, adam_b2, eps,
+    weight_decay=adam_weight_decay or weight_decay)``. Defaults and numbers of the ``dion``
+    package's ``Dion2`` (its Polar Express in bfloat16: ``ns_dtype=torch.bfloat16``).
+
+    Example:
+      >>> tx = opttx.dion2(0.01, fraction=0.25)
+
+    References:
+      Ahn et al., Dion2 (2026); Microsoft's ``dion`` package.
+    """
+    group = chain(scale_by_dion2(fraction, ef_decay, eps, method=method, ns_dtype=ns_dtype),
+                  _shape_scaling(adjust_lr, (-2, -1)),
+                  add_decayed_weights(weight_decay),
+                  scale_by_learning_rate(learning_rate))
+    adam = _adam_group(learning_rate, adam_learning_rate, adam_b1, adam_b2, eps, weight_decay,
+                       adam_weight_decay)
+    return _matrices_and_adamw("dion2", group, muon_mask, adam)
+
+
+from .transforms.muon_clip import clip_qk  # noqa: E402
+
+__all__ += ["muon_clip"]
+
+
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "threshold": None, "alpha": None,
+                      "weight_decay": HyperRole.WEIGHT_DECAY, "consistent_rms": None})
+def muon_clip(learning_rate: ScalarOrSchedule, qk_roles: Any, threshold: float = 100.0,
+              alpha: float = 0.5, weight_decay: float = 0.1, consistent_rms: float = 0.2,
+              **muon_kwargs: Any) -> GradientTransformation:
+    r"""MuonClip (Kimi K2): `muon` with Moonlight's update RMS (``consistent_rms=0.2``) and
+    weight decay, then `clip_qk` on the query and key weights that ``qk_roles`` declares.
+
+    ``chain(muon(learning_rate, weight_decay=weight_decay, consistent_rms=consistent_rms,
+    **muon_kwargs), clip_qk(qk_roles, threshold, alpha))``; each step takes the recorded
+    per-head maximum logits: ``tx.update(grads, state, params,
+    max_attention_logits=recorder.pop())`` (see `opttx.MaxAttentionLogits`).
+
+    Example:
+      >>> roles = lambda p: {k: opttx.QKWeight(k.rsplit(".", 2)[0], "qkv", 4)
+      ...                    if k.endswith("qkv.weight") else None for k in p}
+      >>> tx = opttx.muon_clip(0.02, roles, threshold=100.0)
+
+    References:
+      Kimi Team, Kimi K2: Open Agentic Intelligence (arXiv 2507.20534).
+    """
+    return chain(muon(learning_rate, weight_decay=weight_decay, consistent_rms=consistent_rms,
+                      **muon_kwargs),
+                 clip_qk(qk_roles, threshold, alpha))
+
+
+from .transforms.kron import MemorySaveMode, scale_by_kron  # noqa: E402
+
+__all__ += ["kron"]
+
+
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
+                      "weight_decay": HyperRole.WEIGHT_DECAY,
+                      "preconditioner_update_probability": None, "precond_lr": None,
+                      "precond_init_scale": None}, runtime=("balance_every", "seed"))
+def kron(learning_rate: ScalarOrSchedule = 3e-4, b1: float = 0.9, weight_decay: float = 0.0,
+         preconditioner_update_probability: Any = None, max_size_triangular: int = 8192,
+         min_ndim_triangular: int = 2, memory_save_mode: MemorySaveMode = None,
+         momentum_into_precond_update: bool = True, precond_lr: float = 0.1,
+         precond_init_scale: float = 1.0, merge_dims: bool = True, *,
+         balance_every: int | None = 100, seed: int = 0, mu_dtype: torch.dtype | None = None,
+         precond_dtype: torch.dtype | None = None) -> GradientTransformation:
+    r"""PSGD-Kron (`scale_by_kron`), with weight decay on matrices and the learning rate.
+
+    ``chain(scale_by_kron(...), add_decayed_weights(weight_decay, mask=ndim >= 2),
+    scale_by_learning_rate(learning_rate))``: ``kron_torch.Kron``'s arguments, defaults and
+    numbers (up to its random probes and balancing, see `scale_by_kron`).
+
+    Example:
+      >>> tx = opttx.kron(3e-4, weight_decay=0.01)
+
+    References:
+      Li, Preconditioned Stochastic Gradient Descent (arXiv 1512.04202); ``kron_torch``.
+    """
+    return chain(scale_by_kron(b1, preconditioner_update_probability, max_size_triangular,
+                               min_ndim_triangular, memory_save_mode,
+                               momentum_into_precond_update, precond_lr, precond_init_scale,
+                               merge_dims, balance_every, seed, mu_dtype, precond_dtype),
+                 add_decayed_weights(weight_decay,
+                                     lambda p: tree_map(lambda x: x.ndim >= 2, p)),
+                 scale_by_learning_rate(learning_rate))

@@ -793,6 +793,7 @@ class EmptyState(NamedTuple):
     """The state of a stateless transform."""
 
 
+@declare()
 def stateless_with_extra_args(fn: Callable[[Updates, Params | None, dict[str, Any]], Updates],
                               traits: Traits = Traits()) -> GradientTransformation:
     """A transform from ``fn(updates, params, extra_args) -> updates``, for stateless
@@ -810,6 +811,7 @@ def stateless_with_extra_args(fn: Callable[[Updates, Params | None, dict[str, An
     return GradientTransformation(init, update, traits)
 
 
+@declare()
 def stateless(fn: Callable[[Updates, Params | None], Updates],
               traits: Traits = Traits()) -> GradientTransformation:
     """A transform from a function ``fn(updates, params) -> updates`` of the whole tree.
@@ -821,6 +823,7 @@ def stateless(fn: Callable[[Updates, Params | None], Updates],
                                      traits)
 
 
+@declare()
 def stateless_with_tree_map(fn: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
                             ) -> GradientTransformation:
     """A transform applying ``fn(update_leaf, param_leaf)`` to every leaf (``param_leaf`` is

@@ -132,6 +132,16 @@ def _split_arguments(inner_factory: Callable[..., GradientTransformation], argum
     return schedules, numeric, other
 
 
+def _call(factory: Callable[..., GradientTransformation], arguments: Mapping[str, Any],
+          signature: inspect.Signature | None = None) -> GradientTransformation:
+    """``factory`` called with ``arguments`` by name, in the order of its signature (so a
+    ``*transforms`` or ``**kwargs`` argument is spread again, as it was given)."""
+    signature = signature or inspect.signature(factory)
+    bound = inspect.BoundArguments(signature, {n: arguments[n] for n in signature.parameters
+                                               if n in arguments})
+    return factory(*bound.args, **bound.kwargs)
+
+
 def _injected_identity(inner_factory: Callable[..., GradientTransformation],
                        other: dict) -> tuple:
     """The identity of an injected transform: the inner factory and its configuration (what is
@@ -151,7 +161,8 @@ def injected(inner_factory: Callable[..., GradientTransformation], arguments: Ma
     static = (static_args,) if isinstance(static_args, str) else tuple(static_args)
     declaration = declaration_of(inner_factory)
     schedules, numeric, other = _split_arguments(inner_factory, dict(arguments), static)
-    sample = inner_factory(**arguments)  # validates the values once, at construction
+    signature = inspect.signature(inner_factory)
+    sample = _call(inner_factory, arguments, signature)  # validates the values once
     roles = Static(tuple(
         (name, (declaration.hyperparams.get(name).value
                 if declaration and declaration.hyperparams.get(name) is not None else None),
@@ -172,7 +183,7 @@ def injected(inner_factory: Callable[..., GradientTransformation], arguments: Ma
         count = zero_count(params)
         hyperparams = {name: as_tensor(v, count.device) for name, v in numeric.items()}
         hyperparams.update(evaluate_schedules(count))
-        inner = inner_factory(**other, **hyperparams)
+        inner = _call(inner_factory, {**other, **hyperparams}, signature)
         return InjectHyperparamsState(count=count, hyperparams=hyperparams,
                                       inner_state=inner.init(params), roles=roles,
                                       made_by=made_by)
@@ -188,7 +199,7 @@ def injected(inner_factory: Callable[..., GradientTransformation], arguments: Ma
         hyperparams = dict(state.hyperparams)
         hyperparams.update(evaluate_schedules(state.count))
         with step_local_transforms():       # rebuilt for this step only: no recipes
-            inner = inner_factory(**other, **hyperparams)
+            inner = _call(inner_factory, {**other, **hyperparams}, signature)
         updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
         return updates, InjectHyperparamsState(count=safe_increment(state.count),
                                                hyperparams=hyperparams,

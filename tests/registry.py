@@ -20,12 +20,15 @@ or that it is not run distributed (and why).
 from __future__ import annotations
 
 import functools
+from fractions import Fraction
 import pathlib
 import re
 import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import torch
 
 import opttx
 
@@ -290,6 +293,73 @@ CASES: list[Case] = [
          guide()["scale_by_sign_momentum"], {"b": 0.9}),
     Case("guide/scale_to_global_rms", lambda: guide()["scale_to_global_rms"](2.0),
          guide()["scale_to_global_rms"], {"rms": 2.0}, covers=("stateless_with_extra_args",)),
+]
+
+# --- the Muon family (issue 28) -----------------------------------------------------------
+
+
+def _is_2d(tree: Any) -> Any:
+    return opttx.tree.tree_map(lambda x: x.ndim == 2, tree)
+
+
+CASES += [
+    case("normuon", opttx.normuon, learning_rate=LR, weight_decay=0.01),
+    case("normuon/nesterov_rms", opttx.normuon, learning_rate=LR, nesterov=True,
+         adjust_lr="rms_norm", method="gram_newton_schulz"),
+    case("adamuon", opttx.adamuon, learning_rate=LR, weight_decay=0.01),
+    case("adamuon/sign", opttx.adamuon, learning_rate=LR, sign=True, consistent_rms=None),
+    # fractions that decide shapes are given as Fraction, which inject_hyperparams keeps static
+    case("dion", opttx.dion, learning_rate=LR, rank_fraction=Fraction(1, 2),
+         weight_decay=0.01),
+    case("dion/power_iters", opttx.dion, learning_rate=LR, rank_fraction=Fraction(1),
+         power_iters=2),
+    case("dion2", opttx.dion2, learning_rate=LR, fraction=Fraction(1, 2), weight_decay=0.01),
+    built("scale_by_dion", lambda: opttx.masked(opttx.scale_by_dion(0.5), _is_2d)),
+    case("scale_by_dion2", opttx.scale_by_dion2, fraction=Fraction(1, 2), matrices_only=True),
+    case("scale_by_neuron_rms", opttx.scale_by_neuron_rms, b2=0.9, matrices_only=True),
+    case("scale_to_orthogonal_norm", opttx.scale_to_orthogonal_norm, matrices_only=True),
+    case("orthogonalize/polar_express", opttx.orthogonalize, method="polar_express",
+         matrices_only=True),
+    # split given as a function of the params: built, since inject_hyperparams would take a
+    # function of one argument named split for a schedule
+    built("orthogonalize/gram_split", lambda: opttx.orthogonalize(
+        method="gram_newton_schulz", split=lambda p: opttx.tree.tree_map(
+            lambda x: (2, x.shape[-2] - 2) if x.ndim == 2 else None, p)), matrices_only=True),
+    built("muon/polar_express_split", lambda: opttx.muon(
+        LR, method="polar_express", muon_mask=_is_2d, split=lambda p: opttx.tree.tree_map(
+            lambda x: 2 if x.shape[-2] % 2 == 0 else None, p))),
+]
+
+def _qk_roles(tree: Any) -> Any:
+    """w (6 rows) as a fused QKV of 2 heads of 1 row (GQA: 2 key heads), v as 2 query heads."""
+    return {k: opttx.QKWeight("attn", "qkv", 2) if k == "w" else
+            opttx.QKWeight("attn", "q", 2) if k == "v" else None for k in tree}
+
+
+def _with_logits(tx: opttx.GradientTransformation) -> opttx.GradientTransformation:
+    """``tx`` given the per-head maximum logits of a step in ``extra_args`` (head 0 above the
+    threshold 100, head 1 below)."""
+    def update(updates, state, params=None, **extra_args):
+        logits = {"attn": torch.tensor([150.0, 50.0])}
+        return tx.update(updates, state, params, **{**extra_args,
+                                                    "max_attention_logits": logits})
+    return opttx.GradientTransformation(tx.init, update, tx.traits)
+
+
+CASES += [
+    built("clip_qk", lambda: _with_logits(opttx.clip_qk(_qk_roles, threshold=100.0)),
+          covers=("QKWeight",)),
+    built("muon_clip", lambda: _with_logits(opttx.muon_clip(LR, _qk_roles,
+                                                            muon_mask=_is_2d))),
+]
+
+CASES += [
+    case("muon/momentum_8bit", opttx.muon, learning_rate=LR, muon_mask=_is_2d,
+         momentum_8bit=True),
+    case("kron", opttx.kron, learning_rate=LR, weight_decay=0.01, max_size_triangular=5,
+         memory_save_mode="smart_one_diag"),
+    case("scale_by_kron", opttx.scale_by_kron, preconditioner_update_probability=0.5,
+         balance_every=2),
 ]
 
 BY_NAME: dict[str, Case] = {c.name: c for c in CASES}

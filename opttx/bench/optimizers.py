@@ -9,7 +9,7 @@ import opttx
 # adamw, lion and sgd are the first-order baselines; the rest run as their aliases land.
 DEFAULT_OPTIMIZERS = ("adamw", "lion", "sgd", "muon", "adafactor", "came", "lamb",
                       "galore_adamw", "adamw_8bit", "galore_adamw_8bit", "shampoo", "adalomo",
-                      "soap")
+                      "soap", "normuon", "adamuon", "dion", "dion2", "kron")
 
 # Keyword arguments per optimizer alias for the tiny byte-level GPT at its default
 # size.  The sgd, adamw and lion rates are the best of a coarse 150-step sweep
@@ -39,6 +39,15 @@ HYPERPARAMS: dict[str, dict[str, Any]] = {
     # hence the larger rate), AdamW at adamw's rate on the embeddings and vectors
     "muon": {"learning_rate": 0.02, "adam_learning_rate": 1e-3},
     "soap": {"learning_rate": 3e-3},
+    # the Muon family (issue 28): matrices as muon's (the dion package's spectral-norm
+    # scaling sqrt(fan_out/fan_in) where it is theirs), AdamW at adamw's rate elsewhere
+    "normuon": {"learning_rate": 0.02, "weight_decay": 0.0, "adam_learning_rate": 1e-3},
+    "adamuon": {"learning_rate": 1e-3, "adam_learning_rate": 1e-3},
+    "dion": {"learning_rate": 0.02, "rank_fraction": 0.25, "weight_decay": 0.0,
+             "adam_learning_rate": 1e-3},
+    "dion2": {"learning_rate": 0.02, "fraction": 0.25, "weight_decay": 0.0,
+              "adam_learning_rate": 1e-3},
+    "kron": {"learning_rate": 3e-4},
 }
 FALLBACK_HYPERPARAMS: dict[str, Any] = {"learning_rate": 1e-3}
 

@@ -163,6 +163,33 @@ class ShardedReducer:
                 flat_dims.append(self.treespec.flatten_up_to(d))
         return is_tuple, trees, flat_dims
 
+    def local_offsets(self, tree: PyTree) -> list[dict[int, int]]:
+        """Per leaf present in ``tree`` (this rank's pieces, a tree like the params,
+        `MaskedNode` where absent; in its leaf order, as `global_shapes_of`), this rank's
+        first index along each sharded dim, ``{dim: offset}`` (empty for replicated leaves):
+        what a transform needs to take its piece of a tensor it builds whole (Dion's starting
+        factor). From ``row_starts`` where known, else one ``all_gather`` of the local sizes
+        per group: call it on every rank alike (at ``init``). One `Shard` per dim."""
+        flat = self.treespec.flatten_up_to(tree)
+        out: list[dict[int, int]] = [{} for _ in flat]
+        for i in range(len(flat)):
+            if self.row_starts is not None and self.row_starts[i] is not None:
+                out[i][0] = self.row_starts[i]
+        for group in self.groups:
+            members = [(i, s.dim) for i, shards in enumerate(self.flat_specs) for s in shards
+                       if s.group is group and s.dim not in out[i]]
+            if not members:
+                continue
+            sizes = torch.tensor([flat[i].shape[d] if isinstance(flat[i], torch.Tensor) else 0
+                                  for i, d in members], dtype=torch.int64,
+                                 device=collective_device(group))
+            every = [torch.zeros_like(sizes) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(every, sizes, group=group)
+            before = sum(every[:dist.get_rank(group)], torch.zeros_like(sizes))
+            for (i, d), off in zip(members, before.tolist()):
+                out[i][d] = int(off)
+        return [o for o, x in zip(out, flat) if isinstance(x, torch.Tensor)]
+
     def require_whole(self, tree: PyTree, name: str, block_rows: int | None = None) -> None:
         """Raise ``ValueError`` when a leaf of ``tree`` (a tree like the params, `MaskedNode`
         where absent) is sharded: ``name`` needs whole matrices (see

@@ -64,3 +64,23 @@ __all__ = [
     "ScheduleFreeState", "schedule_free", "schedule_free_eval_params",
     "schedule_free_train_params", "ScaleByAdoptState", "scale_by_adopt",
     "ScaleByAdemamixState", "scale_by_ademamix"]
+
+# the Muon family (issue 28)
+from .orthogonalize import (NS_COEFFS, POLAR_EXPRESS_COEFFS, gram_newton_schulz,  # noqa: E402
+                            normalize_frobenius)
+
+__all__ += ["NS_COEFFS", "POLAR_EXPRESS_COEFFS", "gram_newton_schulz", "normalize_frobenius"]
+from .dion import (ScaleByDion2State, ScaleByDionState, dion_rank, scale_by_dion,  # noqa: E402
+                   scale_by_dion2)
+from .normuon import (ScaleByNeuronRmsState, scale_by_neuron_rms,  # noqa: E402
+                      scale_to_orthogonal_norm)
+
+__all__ += ["ScaleByDion2State", "ScaleByDionState", "dion_rank", "scale_by_dion",
+            "scale_by_dion2", "ScaleByNeuronRmsState", "scale_by_neuron_rms",
+            "scale_to_orthogonal_norm"]
+from .muon_clip import MaxAttentionLogits, QKWeight, clip_qk  # noqa: E402
+
+__all__ += ["MaxAttentionLogits", "QKWeight", "clip_qk"]
+from .kron import ScaleByKronState, scale_by_kron  # noqa: E402
+
+__all__ += ["ScaleByKronState", "scale_by_kron"]

@@ -1,11 +1,15 @@
-"""Muon's pieces: `orthogonalize` (the quintic Newton–Schulz iteration, or the exact polar
-factor by SVD) and `scale_by_shape` (the per-matrix step-size conventions of Muon).
+"""Muon's pieces: `orthogonalize` (Newton–Schulz, Polar Express, Gram Newton–Schulz, or the
+exact polar factor by SVD) and `scale_by_shape` (the per-matrix step-size conventions).
 
 Each leaf is read as a matrix over two axes (``matrix_axes``, default the last two), or as a
-batch of matrices over its other axes (convolutions, stacked experts). Both transforms are
-stateless and need whole matrices: under `opttx.distributed.sharded` run them with
-``on_owners=True``, which gathers each matrix to one rank (an orthogonalization of the local
-block would not be the orthogonalization of the matrix, so a sharded leaf is refused).
+batch of matrices over its other axes (convolutions, stacked experts), optionally cut into
+row blocks (``split``: the heads of an attention projection, the Q, K and V of a fused one).
+All matrices of one shape and dtype, across leaves, blocks and batch axes, go through one
+batched product per iteration step. Both transforms are stateless and need whole matrices:
+under `opttx.distributed.sharded` run them with ``on_owners=True``, which gathers each matrix
+to one rank (an orthogonalization of the local block would not be the orthogonalization of
+the matrix, so a leaf sharded over its matrix axes is refused; one sharded over a batch axis
+only, an expert stack under expert parallelism, runs where it is: see `orthogonalize`).
 
 The alias `opttx.muon` composes them: Nesterov momentum (`opttx.ema`), `orthogonalize`,
 `scale_by_shape`, decoupled weight decay and the learning rate on hidden matrices, AdamW on
@@ -19,15 +23,19 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 
-from .._checks import check_nonnegative, check_positive_int, matrix_axes_of
-from ..base import (EmptyState, GradientTransformation, Params, Traits, Updates, check_init_params,
-                    declare, require_whole_leaves)
+from .._checks import check_nonnegative, check_positive, check_positive_int, matrix_axes_of
+from ..base import (REDUCER_KEY, EmptyState, GradientTransformation, Params, Traits,
+                    Updates, check_init_params, declare)
 from ..kernels import foreach, mark_scratch
 from ..tree import PyTree, leaf_labels, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = [
     "NS_COEFFS",
+    "POLAR_EXPRESS_COEFFS",
+    "POLAR_EXPRESS_SAFETY",
+    "gram_newton_schulz",
     "newton_schulz",
+    "normalize_frobenius",
     "orthogonalize",
     "polar_factor",
     "scale_by_shape",
@@ -38,9 +46,26 @@ NS_COEFFS = (3.4445, -4.7750, 2.0315)
 """Keller Jordan's quintic Newton–Schulz coefficients :math:`(a, b, c)` (torch.optim.Muon's
 and optax.contrib.muon's default)."""
 
-Method = Literal["newton_schulz", "svd"]
+POLAR_EXPRESS_COEFFS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+"""Polar Express's five per-step coefficients :math:`(a_k, b_k, c_k)` (Amsel et al. 2025,
+computed for 5 steps with safety factor 2e-2 and cushion 2; the values of Microsoft's
+``dion`` package and of Keller Jordan's and Karpathy's code). They assume singular values
+at most 1 after dividing by :math:`1.02 \\lVert G \\rVert_F` (`POLAR_EXPRESS_SAFETY`)."""
+
+POLAR_EXPRESS_SAFETY = 1.02
+"""The factor on the Frobenius norm that `POLAR_EXPRESS_COEFFS` are computed for."""
+
+Method = Literal["newton_schulz", "polar_express", "gram_newton_schulz", "svd"]
+_METHODS = ("newton_schulz", "polar_express", "gram_newton_schulz", "svd")
 MatrixAxes = tuple[int, int] | PyTree | Callable[[Params], PyTree]
 Coefficients = tuple[float, float, float] | Sequence[tuple[float, float, float]]
+Split = int | tuple[int, ...] | PyTree | Callable[[Params], PyTree] | None
 
 _WHOLE_MATRICES = Traits(per_leaf=True, whole_leaves=True)
 
@@ -54,11 +79,29 @@ def _is_axes(x: Any) -> bool:
     return isinstance(x, tuple) and len(x) == 2 and all(isinstance(a, int) for a in x)
 
 
+def _is_split(x: Any) -> bool:
+    """A split of one leaf: None, a number of equal row blocks, or the row sizes."""
+    return x is None or (isinstance(x, int) and not isinstance(x, bool)) or (
+        isinstance(x, tuple) and len(x) > 0 and all(isinstance(a, int) and not
+                                                    isinstance(a, bool) for a in x))
+
+
 def _check_axes_argument(matrix_axes: MatrixAxes, name: str) -> None:
     if isinstance(matrix_axes, tuple) and not _is_axes(matrix_axes) and \
             all(isinstance(a, int) for a in matrix_axes):
         raise ValueError(f"{name}: matrix_axes must be a pair of axes such as (-2, -1), got "
                          f"{matrix_axes!r}.")
+
+
+def _check_split_argument(split: Split, name: str) -> None:
+    if isinstance(split, bool):
+        raise ValueError(f"{name}: split must be a number of row blocks, a tuple of row sizes, "
+                         f"a tree of those or None, got {split!r}.")
+    if isinstance(split, int) and split < 1:
+        raise ValueError(f"{name}: split must be >= 1 row blocks, got {split}.")
+    if isinstance(split, tuple) and all(isinstance(a, int) for a in split) and (
+            not split or any(a < 1 for a in split)):
+        raise ValueError(f"{name}: split sizes must be positive row counts, got {split!r}.")
 
 
 def _matrix_axes_of(tree: PyTree, matrix_axes: MatrixAxes, name: str
@@ -89,14 +132,92 @@ def _matrix_axes_of(tree: PyTree, matrix_axes: MatrixAxes, name: str
     return out
 
 
-def _stateless(name: str, fn: Callable[[list[torch.Tensor], list], list[torch.Tensor]],
-               matrix_axes: MatrixAxes) -> GradientTransformation:
-    """A stateless whole-matrix transform from ``fn(leaves, axes) -> leaves``; the leaves are
-    checked (dims, axes) at init and at every update (while tracing, in a compiled step)."""
+def _row_blocks(split: Any, rows: int, where: str) -> tuple[int, ...] | None:
+    """The row sizes of the blocks of a matrix of ``rows`` rows (None: the whole matrix)."""
+    if split is None or split == 1:
+        return None
+    if isinstance(split, int):
+        if rows % split:
+            raise ValueError(f"{where}: split={split} row blocks do not divide the "
+                             f"{rows} rows of its matrices.")
+        return (rows // split,) * split
+    if sum(split) != rows:
+        raise ValueError(f"{where}: split sizes {split} add up to {sum(split)}, but its "
+                         f"matrices have {rows} rows.")
+    return tuple(split)
+
+
+def _splits_of(tree: PyTree, split: Split, axes: list, name: str) -> list:
+    """The row blocks of every leaf (None: whole matrices). Static."""
+    leaves = tree_flatten(tree)[0]
+    per_leaf = not _is_split(split)
+    values = (leaf_labels(split, tree, "split", is_leaf=_is_split) if per_leaf
+              else [split] * len(leaves))
+    out = []
+    for i, (x, ax, s) in enumerate(zip(leaves, axes, values)):
+        if ax is None or s is None:
+            out.append(None)
+            continue
+        if not _is_split(s):
+            raise ValueError(f"{name}: split for updates{tree_paths(tree)[i]} is {s!r}; give "
+                             "a number of row blocks, a tuple of row sizes, or None.")
+        _check_split_argument(s, name)
+        out.append(_row_blocks(s, x.shape[ax[0]], f"{name}, updates{tree_paths(tree)[i]}"))
+    return out
+
+
+def _require_whole_matrices(updates: PyTree, extra_args: dict[str, Any], axes: list,
+                            name: str) -> None:
+    """Raise when a leaf is sharded over one of its matrix axes (`sharded` without
+    ``on_owners``). A leaf sharded over other axes only (the expert axis of an expert stack)
+    holds whole matrices, each orthogonalized where it is."""
+    reducer = extra_args.get(REDUCER_KEY)
+    check = getattr(reducer, "require_whole", None)
+    if check is None:
+        return
+    specs = getattr(reducer, "flat_specs", None)
+    treespec = getattr(reducer, "treespec", None)
+    if specs is None or treespec is None:
+        check(updates, name)
+        return
+    try:
+        flat = treespec.flatten_up_to(updates)
+    except (ValueError, TypeError):
+        return
+    present = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    for i, ax in zip(present, axes):
+        x = flat[i]
+        if ax is None:
+            continue
+        if any(s.dim % x.dim() in ax for s in specs[i]):
+            raise ValueError(
+                f"{name} needs whole matrices, but leaf {i} is sharded over one of its matrix "
+                f"axes {ax} here ({specs[i]}); orthogonalizing the local block would be "
+                "another optimizer. Run it on owner ranks: opttx.distributed.sharded(tx, "
+                "specs, on_owners=True), or shard such leaves over a batch axis (experts).")
+
+
+def _global_shapes(updates: PyTree, extra_args: dict[str, Any]) -> list[tuple[int, ...]]:
+    """The whole shapes of the leaves present in ``updates`` (local shapes on one device)."""
+    reducer = extra_args.get(REDUCER_KEY)
+    known = getattr(reducer, "global_shapes_of", lambda tree: None)(updates)
+    if known is not None:
+        return [tuple(s) for s in known]
+    return [tuple(x.shape) for x in tree_flatten(updates)[0]]
+
+
+def _stateless(name: str, fn: Callable[..., list[torch.Tensor]], matrix_axes: MatrixAxes,
+               split: Split, whole: bool = True) -> GradientTransformation:
+    """A stateless matrix transform from ``fn(leaves, axes, splits, shapes) -> leaves``
+    (``shapes``: the whole shapes of the leaves); the leaves are checked (dims, axes, splits)
+    at init and at every update (while tracing, in a compiled step). ``whole``: it needs
+    whole matrices (refused on leaves sharded over a matrix axis); else it runs on local
+    shards, reading the whole shapes (row blocks of a ``split`` still need whole rows)."""
 
     def init(params: Params) -> EmptyState:
         check_init_params(params)
-        _matrix_axes_of(params, matrix_axes, name)
+        axes = _matrix_axes_of(params, matrix_axes, name)
+        _splits_of(params, split, axes, name)
         return EmptyState()
 
     def update(updates: Updates, state: EmptyState, params: Params | None = None,
@@ -104,15 +225,46 @@ def _stateless(name: str, fn: Callable[[list[torch.Tensor], list], list[torch.Te
         leaves, spec = tree_flatten(updates)
         if not leaves:
             return updates, state
-        require_whole_leaves(updates, extra_args, name)
         axes = _matrix_axes_of(updates, matrix_axes, name)
-        return tree_unflatten(fn(leaves, axes), spec), state
+        splits = _splits_of(updates, split, axes, name)
+        if whole:
+            _require_whole_matrices(updates, extra_args, axes, name)
+        elif any(b is not None for b in splits):
+            _require_whole_matrices(updates, extra_args,
+                                    [ax if b is not None else None
+                                     for ax, b in zip(axes, splits)], name)
+        shapes = _global_shapes(updates, extra_args)
+        return tree_unflatten(fn(leaves, axes, splits, shapes), spec), state
 
-    return GradientTransformation(init, update, _WHOLE_MATRICES)
+    return GradientTransformation(init, update,
+                                  _WHOLE_MATRICES if whole else Traits(per_leaf=True))
+
+
+def _to_last_two(x: torch.Tensor, axes: tuple[int, int]) -> torch.Tensor:
+    if axes == (x.dim() - 2, x.dim() - 1):
+        return x
+    return torch.movedim(x, axes, (-2, -1))
+
+
+def _from_last_two(y: torch.Tensor, axes: tuple[int, int]) -> torch.Tensor:
+    if axes == (y.dim() - 2, y.dim() - 1):
+        return y
+    return torch.movedim(y, (-2, -1), axes)
+
+
+def _in_layout_of(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``y`` (shaped like ``x``) with ``x``'s strides: a contiguous input gives a contiguous
+    output (a transposed view would differ from the other branch of a `torch.cond` in
+    `opttx.MultiSteps` and `opttx.apply_if_finite`)."""
+    if y.stride() == x.stride():
+        return y
+    if x.is_contiguous():
+        return y.contiguous()
+    return torch.empty_like(x, dtype=y.dtype).copy_(y)
 
 
 # ---------------------------------------------------------------------------------------------
-# orthogonalization
+# the iterations
 # ---------------------------------------------------------------------------------------------
 
 
@@ -136,52 +288,155 @@ def _coefficient_steps(ns_coeffs: Coefficients, ns_steps: int) -> tuple[tuple[fl
     return steps
 
 
+def _power_of_two_floor(a: torch.Tensor) -> torch.Tensor:
+    """:math:`2^{\\lfloor \\log_2 a \\rfloor}` of every element (its exponent bits), 1 where
+    ``a`` is 0, subnormal or not finite; float64 for float64 input, else float32."""
+    if a.dtype == torch.float64:
+        p = (a.view(torch.int64) & 0x7FF0000000000000).view(torch.float64)
+    else:
+        p = (a.float().view(torch.int32) & 0x7F800000).view(torch.float32)
+    return torch.where((p > 0) & torch.isfinite(p), p, torch.ones_like(p))
+
+
+def normalize_frobenius(x: torch.Tensor, eps: float = 1e-7, scale: float = 1.0
+                        ) -> torch.Tensor:
+    r""":math:`X / (s \lVert X \rVert_F + \epsilon)` for the matrices in the last two dims of
+    ``x``, without overflow for any finite ``x``.
+
+    The norm is taken of :math:`X / 2^e` with :math:`2^e` the power of two at or below
+    :math:`\max |X|` (an exact scaling), and :math:`\epsilon / 2^e` is added to it, so the
+    quotient is the same number as the naive formula whenever that one does not overflow (bit
+    for bit: scaling by a power of two commutes with rounding), and stays finite where
+    :math:`\sum X^2` would overflow (a gradient of 1e30 in float32). The sum with
+    :math:`\epsilon` is rounded once in float32 for 16-bit input, as torch's ``norm + eps``.
+    """
+    amax = x.abs().amax(dim=(-2, -1), keepdim=True)
+    p = _power_of_two_floor(amax)
+    scaled = x / p.to(x.dtype)
+    n = torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True)
+    denom = scale * n.to(p.dtype) + eps / p
+    return scaled / denom.to(x.dtype)
+
+
+def _polynomial(gram: torch.Tensor, b: float, c: float) -> torch.Tensor:
+    """:math:`b A + c A^2`."""
+    if gram.dim() == 2:
+        return torch.addmm(gram, gram, gram, beta=b, alpha=c)
+    return torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+
+
+def _ns_steps(y: torch.Tensor, coefficients: Sequence[tuple[float, float, float]]
+              ) -> torch.Tensor:
+    """The Newton–Schulz steps on normalized matrices (2-D or 3-D), on the Gram matrix of
+    the smaller side, keeping the input's orientation (no transposed views)."""
+    wide = y.shape[-2] <= y.shape[-1]
+    mm = torch.addmm if y.dim() == 2 else torch.baddbmm
+    for a, b, c in coefficients:
+        gram = y @ y.mT if wide else y.mT @ y
+        poly = _polynomial(gram, b, c)
+        y = mm(y, poly, y, beta=a) if wide else mm(y, y, poly, beta=a)
+    return y
+
+
+def _gram_steps(y: torch.Tensor, coefficients: Sequence[tuple[float, float, float]],
+                restarts: Sequence[int]) -> torch.Tensor:
+    """Gram Newton–Schulz: the same iterates as `_ns_steps`, computed on the small Gram
+    matrix. With :math:`Z_k = a_k I + b_k A_k + c_k A_k^2` (wide case), :math:`X_{k+1} = Z_k
+    X_k`, so :math:`X_K = (Z_{K-1} \\cdots Z_0) X_0` and :math:`A_{k+1} = Z_k A_k Z_k`: only
+    the last product touches the long side. At a restart step the product is applied and
+    the Gram matrix recomputed from the iterate (rounding in the products of small matrices
+    accumulates otherwise)."""
+    wide = y.shape[-2] <= y.shape[-1]
+    k = y.shape[-2] if wide else y.shape[-1]
+    eye = torch.eye(k, dtype=y.dtype, device=y.device)
+    x0, q = y, None
+    gram = x0 @ x0.mT if wide else x0.mT @ x0
+    last = len(coefficients) - 1
+    for i, (a, b, c) in enumerate(coefficients):
+        if i in restarts and q is not None:
+            x0 = q @ x0 if wide else x0 @ q
+            gram = x0 @ x0.mT if wide else x0.mT @ x0
+            q = None
+        z = _polynomial(gram, b, c) + a * eye
+        q = z if q is None else (z @ q if wide else q @ z)
+        if i < last:
+            gram = z @ gram @ z
+    if q is None:
+        return x0
+    return q @ x0 if wide else x0 @ q
+
+
+def _flat_batch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
+    if x.dim() <= 3:
+        return x, x.shape
+    return x.reshape(-1, *x.shape[-2:]), x.shape
+
+
 def newton_schulz(x: torch.Tensor, coefficients: Sequence[tuple[float, float, float]],
-                  eps: float = 1e-7, dtype: torch.dtype | None = None) -> torch.Tensor:
+                  eps: float = 1e-7, dtype: torch.dtype | None = None, *,
+                  norm_scale: float = 1.0) -> torch.Tensor:
     r"""The quintic Newton–Schulz iteration on the matrices in the last two dims of ``x``.
 
     .. math::
-        X_0 = G / (\lVert G \rVert_F + \epsilon), \qquad
-        A_k = X_k X_k^\top, \qquad X_{k+1} = a X_k + (b A_k + c A_k^2) X_k
+        X_0 = G / (s \lVert G \rVert_F + \epsilon), \qquad
+        A_k = X_k X_k^\top, \qquad X_{k+1} = a_k X_k + (b_k A_k + c_k A_k^2) X_k
 
-    on the wide orientation (a tall matrix is transposed first and back after, so
-    :math:`A_k` is the smaller Gram matrix), one :math:`(a, b, c)` per step. Each step maps
-    the singular values by :math:`p(s) = a s + b s^3 + c s^5` and keeps the singular vectors,
-    so :math:`X_K = U p^{(K)}(\Sigma / \lVert G \rVert_F) V^\top`: with `NS_COEFFS` and five
-    steps the singular values of the result lie in about [0.7, 1.2] (not exactly 1: the
-    coefficients buy speed at the cost of exactness, see `orthogonalize`). Written with
-    ``addmm``/``baddbmm`` as torch.optim.Muon writes it: with ``dtype=torch.bfloat16`` its
-    numbers bit for bit on a 2-D matrix in eager mode (Inductor computes fused bfloat16
-    element-wise work in float32, so a compiled step agrees to bfloat16's resolution).
+    on a wide matrix; a tall one iterates :math:`X_{k+1} = a_k X_k + X_k (b_k A_k + c_k
+    A_k^2)` with :math:`A_k = X_k^\top X_k`, the same numbers as transposing, iterating and
+    transposing back, with a result laid out as the input. Each step maps the singular values
+    by :math:`p_k(s) = a_k s + b_k s^3 + c_k s^5` and keeps the singular vectors: with
+    `NS_COEFFS` and five steps the singular values of the result lie in about [0.7, 1.2]; with
+    `POLAR_EXPRESS_COEFFS` (and ``norm_scale`` 1.02) closer to 1. The norm never overflows
+    (`normalize_frobenius`). Written with ``addmm``/``baddbmm`` as torch.optim.Muon writes it:
+    with ``dtype=torch.bfloat16`` its numbers bit for bit on a 2-D matrix in eager mode
+    (Inductor computes fused bfloat16 element-wise work in float32, so a compiled step agrees
+    to bfloat16's resolution).
 
     Args:
       x: a tensor of 2 or more dims.
-      coefficients: the :math:`(a, b, c)` of each step.
-      eps: added to the Frobenius norm.
+      coefficients: the :math:`(a_k, b_k, c_k)` of each step.
+      eps: :math:`\epsilon`, added to the scaled Frobenius norm.
       dtype: the dtype the iteration runs in (default ``x``'s); the result has ``x``'s.
+      norm_scale: :math:`s` (`POLAR_EXPRESS_SAFETY` for Polar Express).
     """
     y = x if dtype is None or x.dtype == dtype else x.to(dtype)
-    transposed = y.shape[-2] > y.shape[-1]
-    if transposed:
-        y = y.mT
-    if y.dim() == 2:
-        y = y / (y.norm() + eps)
-        for a, b, c in coefficients:
-            gram = y @ y.mT
-            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-            y = torch.addmm(y, poly, y, beta=a)
-    else:
-        batch = y.shape[:-2]
-        y = y.reshape(-1, *y.shape[-2:])
-        y = y / (torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True) + eps)
-        for a, b, c in coefficients:
-            gram = y @ y.mT
-            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-            y = torch.baddbmm(y, poly, y, beta=a)
-        y = y.reshape(*batch, *y.shape[-2:])
-    if transposed:
-        y = y.mT
-    return y.to(x.dtype)
+    y, shape = _flat_batch(y)
+    y = _ns_steps(normalize_frobenius(y, eps, norm_scale), coefficients)
+    return y.reshape(shape).to(x.dtype)
+
+
+def gram_newton_schulz(x: torch.Tensor, coefficients: Sequence[tuple[float, float, float]],
+                       eps: float = 1e-7, dtype: torch.dtype | None = None, *,
+                       norm_scale: float = 1.0, restarts: Sequence[int] = (2,)
+                       ) -> torch.Tensor:
+    r"""`newton_schulz` computed on the Gram matrix of the smaller side (Gram Newton–Schulz).
+
+    For a wide :math:`m \times n` matrix (:math:`m \le n`), with :math:`R_0 = X_0 X_0^\top`:
+
+    .. math::
+        Z_k = a_k I + b_k R_k + c_k R_k^2, \quad Q_{k+1} = Z_k Q_k, \quad
+        R_{k+1} = Z_k R_k Z_k, \qquad X_K = Q_K X_0
+
+    (every :math:`Z_k` is a polynomial of :math:`R_0`, so this is the Newton–Schulz iterate
+    exactly, in exact arithmetic). A step costs :math:`4 m^3` flops instead of
+    :math:`2 m^2 n + m^3`, plus :math:`2 m^2 n` once at each end: faster when :math:`n` is
+    well above :math:`m` (MLP matrices, fused QKV), slower for square ones. At each step
+    index in ``restarts`` (0-based) the accumulated :math:`Q` is applied and :math:`R`
+    recomputed from the iterate, which bounds the rounding that the products of small
+    matrices accumulate (the Dao AI Lab implementation restarts before step 2 of 5).
+
+    Args:
+      x, coefficients, eps, dtype, norm_scale: as in `newton_schulz`.
+      restarts: step indices at which to restart from the iterate.
+
+    References:
+      Zhang, Amsel, Chen and Dao, Gram Newton–Schulz (2026),
+      https://dao-ailab.github.io/blog/2026/gram-newton-schulz/.
+    """
+    y = x if dtype is None or x.dtype == dtype else x.to(dtype)
+    y, shape = _flat_batch(y)
+    y = _gram_steps(normalize_frobenius(y, eps, norm_scale), coefficients, tuple(restarts))
+    return y.reshape(shape).to(x.dtype)
 
 
 def polar_factor(x: torch.Tensor) -> torch.Tensor:
@@ -197,108 +452,207 @@ def polar_factor(x: torch.Tensor) -> torch.Tensor:
     return ((u * keep.unsqueeze(-2)) @ vh).to(x.dtype)
 
 
-def _to_last_two(x: torch.Tensor, axes: tuple[int, int]) -> torch.Tensor:
-    if axes == (x.dim() - 2, x.dim() - 1):
-        return x
-    return torch.movedim(x, axes, (-2, -1))
+# ---------------------------------------------------------------------------------------------
+# orthogonalize: matrices grouped by shape, one batched iteration per group
+# ---------------------------------------------------------------------------------------------
 
 
-def _from_last_two(y: torch.Tensor, axes: tuple[int, int]) -> torch.Tensor:
-    if axes == (y.dim() - 2, y.dim() - 1):
-        return y
-    return torch.movedim(y, (-2, -1), axes)
+def _pieces(x: torch.Tensor, axes: tuple[int, int], blocks: tuple[int, ...] | None
+            ) -> list[torch.Tensor]:
+    """The matrices of leaf ``x`` as 3-D batches: one per distinct block (all, when
+    ``blocks`` is None or equal blocks)."""
+    m = _to_last_two(x, axes)
+    batch = m.reshape(-1, *m.shape[-2:])
+    if blocks is None:
+        return [batch]
+    if len(set(blocks)) == 1:        # equal blocks: one batch of heads
+        return [batch.reshape(-1, blocks[0], batch.shape[-1])]
+    return list(batch.split(list(blocks), dim=1))
+
+
+def _assemble(x: torch.Tensor, axes: tuple[int, int], blocks: tuple[int, ...] | None,
+              outs: list[torch.Tensor]) -> torch.Tensor:
+    m_shape = _to_last_two(x, axes).shape
+    if blocks is None or len(set(blocks)) == 1:
+        y = outs[0]
+    else:
+        y = torch.cat(outs, dim=1)
+    return _in_layout_of(_from_last_two(y.reshape(m_shape), axes), x)
 
 
 @declare(hyperparams={"eps": None}, runtime=("ns_steps", "ns_coeffs"))
 def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: float = 1e-7,
                   method: Method = "newton_schulz", matrix_axes: MatrixAxes = (-2, -1), *,
-                  ns_dtype: torch.dtype | None = None) -> GradientTransformation:
+                  ns_dtype: torch.dtype | None = None, split: Split = None,
+                  norm_scale: float | None = None, gram_restarts: Sequence[int] = (2,),
+                  batched: bool = True) -> GradientTransformation:
     r"""Replace each matrix of the updates by (an approximation of) its orthogonal polar
     factor: Muon's step direction.
 
     .. math::
         G = U \Sigma V^\top \ \mapsto\ U V^\top \quad(\texttt{method="svd"}), \qquad
-        G \mapsto U\, p^{(K)}\!\left(\Sigma / (\lVert G \rVert_F + \epsilon)\right) V^\top
-        \quad(\texttt{"newton\_schulz"})
+        G \mapsto U\, p_{K-1} \circ \cdots \circ p_0\!\left(\Sigma / (s\lVert G \rVert_F +
+        \epsilon)\right) V^\top \quad(\text{the iterations})
 
-    where :math:`p(s) = a s + b s^3 + c s^5` is applied :math:`K` = ``ns_steps`` times
-    (`newton_schulz`). The default coefficients (`NS_COEFFS`) make :math:`p` steep at 0, so
-    five steps push every non-negligible singular value into about [0.7, 1.2] rather than
-    converging to 1: the steepest-descent direction under the spectral norm, up to that
-    spread. ``method="svd"`` is the exact polar factor, the reference.
+    where :math:`p_k(\sigma) = a_k \sigma + b_k \sigma^3 + c_k \sigma^5`. Methods:
 
-    A leaf with more than two dims is a batch of matrices over ``matrix_axes`` (its other
-    axes are the batch: conv kernels, stacked MoE experts), each orthogonalized on its own.
+    * ``"newton_schulz"``: `newton_schulz` with ``ns_coeffs`` (`NS_COEFFS`, five steps: the
+      singular values end in about [0.7, 1.2]; the steepest-descent direction under the
+      spectral norm up to that spread);
+    * ``"polar_express"``: the same iteration with `POLAR_EXPRESS_COEFFS` and :math:`s` = 1.02
+      (Polar Express's per-step optimal polynomials: closer to 1 in as many steps);
+    * ``"gram_newton_schulz"``: `gram_newton_schulz` with ``ns_coeffs`` (pass
+      ``POLAR_EXPRESS_COEFFS`` and ``norm_scale=1.02`` for Polar Express's), the same
+      iterate computed on the small Gram matrix;
+    * ``"svd"``: the exact polar factor (`polar_factor`), the reference of the others.
+
+    Measured against ``"svd"`` (benchmarks/orthogonalize.py, RESULTS.md): the spectral-norm
+    distance to :math:`UV^\top` per method.
+
+    Every matrix of one shape and dtype is orthogonalized in one batched product per step,
+    whatever leaf it comes from: leaves of the same shape, the batch axes of a leaf of more
+    than two dims (convolutions, stacked experts, `opttx.stacked` layers) and the blocks of
+    ``split``. ``batched=False`` runs one matrix at a time instead (the same numbers up to
+    the summation order of the batched product; for comparison). The output of each leaf has
+    the layout (strides) of the input leaf.
+
+    ``split`` cuts the rows (the first of ``matrix_axes``) into blocks orthogonalized on
+    their own: an int ``h`` gives ``h`` equal blocks (attention heads), a tuple the row sizes
+    (a fused QKV projection, GQA's unequal Q and K/V), or a tree like the params (a function
+    of them) of those, None leaving a leaf whole. Use the same ``split`` in `scale_by_shape`
+    for the blocks' own step-size factors.
+
     Leaves with fewer than two dims are refused (the alias `opttx.muon` sends them to
-    AdamW). Stateless (`EmptyState`); it needs whole matrices (``Traits.whole_leaves``).
+    AdamW). Stateless (`EmptyState`); it needs whole matrices (``Traits.whole_leaves``). Under
+    `opttx.distributed.sharded` a leaf sharded over a batch axis only (an expert stack sharded
+    on its expert axis: expert parallelism) is orthogonalized on each rank, its own experts,
+    with no collective; a leaf sharded over a matrix axis is refused (use ``on_owners``).
 
     Args:
-      ns_steps: the number of Newton–Schulz steps :math:`K` (>= 1).
+      ns_steps: the number of steps :math:`K` (>= 1) when ``ns_coeffs`` is one triple.
       ns_coeffs: :math:`(a, b, c)`, or a sequence of such triples, one per step (then
         ``ns_steps`` is their number).
-      eps: added to the Frobenius norm before dividing (torch.optim.Muon's default 1e-7;
-        optax's 1e-8).
-      method: ``"newton_schulz"`` or ``"svd"``.
+      eps: :math:`\epsilon` (torch.optim.Muon's default 1e-7; optax's 1e-8).
+      method: ``"newton_schulz"``, ``"polar_express"``, ``"gram_newton_schulz"`` or
+        ``"svd"``.
       matrix_axes: the (row, column) axes of the matrix, for every leaf; or a tree like the
         params (or a function of them) holding a pair per leaf, None leaving that leaf
         unchanged.
       ns_dtype: the dtype the iteration runs in (default: the update's).
         ``torch.bfloat16`` is torch.optim.Muon's (and Keller Jordan's) choice, and gives
         their numbers; the result always comes back in the update's dtype.
+      split: row blocks orthogonalized separately (see above).
+      norm_scale: :math:`s` (default 1.02 for ``"polar_express"``, else 1).
+      gram_restarts: the restart steps of ``"gram_newton_schulz"``.
+      batched: one batched product per shape group (default) or one matrix at a time.
 
     Returns:
       A `GradientTransformation`.
 
     Example:
-      >>> tx = opttx.chain(opttx.ema(0.95, debias=False, nesterov=True), opttx.orthogonalize(),
-      ...                  opttx.scale_by_shape(), opttx.scale_by_learning_rate(0.02))
+      >>> heads = lambda p: {k: 4 if k.endswith("attn.qkv") else None for k in p}
+      >>> tx = opttx.chain(opttx.ema(0.95, debias=False, nesterov=True),
+      ...                  opttx.orthogonalize(method="polar_express", split=heads),
+      ...                  opttx.scale_by_shape(split=heads),
+      ...                  opttx.scale_by_learning_rate(0.02))
 
     References:
       Jordan et al., Muon: An optimizer for hidden layers in neural networks (2024),
-      https://kellerjordan.github.io/posts/muon/; Bernstein and Newhouse, Old Optimizer,
-      New Norm: An Anthology (arXiv 2409.20325).
+      https://kellerjordan.github.io/posts/muon/; Amsel, Persson, Musco and Gower, The Polar
+      Express (arXiv 2505.16932); Zhang, Amsel, Chen and Dao, Gram Newton–Schulz (2026).
     """
-    steps = _coefficient_steps(ns_coeffs, ns_steps)
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {', '.join(map(repr, _METHODS))}, got "
+                         f"{method!r}.")
+    if method == "polar_express":
+        if ns_coeffs not in (NS_COEFFS, POLAR_EXPRESS_COEFFS):
+            raise ValueError("method='polar_express' runs POLAR_EXPRESS_COEFFS; for other "
+                             "coefficients use method='newton_schulz' with ns_coeffs=...")
+        if ns_steps != 5:
+            raise ValueError("method='polar_express' runs its 5 per-step coefficients; "
+                             f"ns_steps={ns_steps} does not apply.")
+        steps = POLAR_EXPRESS_COEFFS
+        scale = POLAR_EXPRESS_SAFETY if norm_scale is None else norm_scale
+    else:
+        steps = _coefficient_steps(ns_coeffs, ns_steps)
+        scale = 1.0 if norm_scale is None else norm_scale
     check_nonnegative("eps", eps)
-    if method not in ("newton_schulz", "svd"):
-        raise ValueError(f"method must be 'newton_schulz' or 'svd', got {method!r}.")
+    check_positive("norm_scale", scale)
+    restarts = tuple(gram_restarts)
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in restarts):
+        raise ValueError(f"gram_restarts must be step indices >= 0, got {gram_restarts!r}.")
     if ns_dtype is not None and not (isinstance(ns_dtype, torch.dtype)
                                      and ns_dtype.is_floating_point):
         raise ValueError(f"ns_dtype must be a floating-point torch.dtype or None, got "
                          f"{ns_dtype!r}.")
     _check_axes_argument(matrix_axes, "orthogonalize")
+    _check_split_argument(split, "orthogonalize")
 
-    def one(x: torch.Tensor) -> torch.Tensor:
+    def run(batch: torch.Tensor) -> torch.Tensor:
+        """Orthogonalize a 3-D batch (or one 2-D matrix)."""
         if method == "svd":
-            return polar_factor(x)
-        return newton_schulz(x, steps, eps, ns_dtype)
+            return polar_factor(batch)
+        if method == "gram_newton_schulz":
+            return gram_newton_schulz(batch, steps, eps, ns_dtype, norm_scale=scale,
+                                      restarts=restarts)
+        return newton_schulz(batch, steps, eps, ns_dtype, norm_scale=scale)
 
-    def fn(leaves: list[torch.Tensor], axes: list) -> list[torch.Tensor]:
-        out = [x if ax is None else _from_last_two(one(_to_last_two(x, ax)), ax)
-               for x, ax in zip(leaves, axes)]
-        mark_scratch([y for y, ax in zip(out, axes) if ax is not None])   # fresh tensors
+    def run_group(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        sizes = [p.shape[0] for p in pieces]
+        if not batched:
+            return [torch.stack([run(m) for m in p.unbind(0)]) for p in pieces]
+        if sum(sizes) == 1:
+            return [run(pieces[0][0]).unsqueeze(0)]
+        out = run(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+        return list(out.split(sizes)) if len(pieces) > 1 else [out]
+
+    def fn(leaves: list[torch.Tensor], axes: list, splits: list, shapes: list
+           ) -> list[torch.Tensor]:
+        groups: dict[tuple, list[tuple[int, int]]] = {}
+        pieces: dict[int, list[torch.Tensor]] = {}
+        for i, (x, ax, blocks) in enumerate(zip(leaves, axes, splits)):
+            if ax is None:
+                continue
+            pieces[i] = _pieces(x, ax, blocks)
+            for j, p in enumerate(pieces[i]):
+                key = (tuple(p.shape[1:]), p.dtype, p.device)
+                groups.setdefault(key, []).append((i, j))
+        results: dict[int, list[Any]] = {i: [None] * len(ps) for i, ps in pieces.items()}
+        for members in groups.values():     # one batched iteration per shape group
+            for (i, j), y in zip(members, run_group([pieces[i][j] for i, j in members])):
+                results[i][j] = y
+        out = list(leaves)
+        for i in pieces:
+            out[i] = _assemble(leaves[i], axes[i], splits[i], results[i])
+        mark_scratch([out[i] for i in pieces])   # fresh tensors
         return out
 
-    return _stateless("orthogonalize", fn, matrix_axes)
-
-
+    return _stateless("orthogonalize", fn, matrix_axes, split)
 # ---------------------------------------------------------------------------------------------
 # shape scaling
 # ---------------------------------------------------------------------------------------------
 
 
-def shape_factor(rows: int, cols: int, consistent_rms: float | None = None) -> float:
-    r"""Muon's step-size factor of a ``rows`` × ``cols`` matrix: :math:`\sqrt{\max(1,
-    \text{rows}/\text{cols})}` (``consistent_rms`` None), else
+ShapeConvention = Literal["muon", "spectral"]
+
+
+def shape_factor(rows: int, cols: int, consistent_rms: float | None = None,
+                 convention: ShapeConvention = "muon") -> float:
+    r"""The step-size factor of a ``rows`` × ``cols`` matrix: :math:`\sqrt{\max(1,
+    \text{rows}/\text{cols})}` (``convention="muon"``) or :math:`\sqrt{\text{rows}/
+    \text{cols}}` (``"spectral"``) when ``consistent_rms`` is None, else
     :math:`\text{consistent\_rms} \cdot \sqrt{\max(\text{rows}, \text{cols})}`."""
-    if consistent_rms is None:
-        return math.sqrt(max(1.0, rows / cols))
-    return consistent_rms * math.sqrt(max(rows, cols))
+    if consistent_rms is not None:
+        return consistent_rms * math.sqrt(max(rows, cols))
+    if convention == "spectral":
+        return math.sqrt(rows / cols)
+    return math.sqrt(max(1.0, rows / cols))
 
 
 @declare(hyperparams={"consistent_rms": None})
 def scale_by_shape(consistent_rms: float | None = None,
-                   matrix_axes: MatrixAxes = (-2, -1)) -> GradientTransformation:
+                   matrix_axes: MatrixAxes = (-2, -1), *, split: Split = None,
+                   convention: ShapeConvention = "muon") -> GradientTransformation:
     r"""Scale each matrix's update by a factor of its shape (Muon's step-size conventions).
 
     .. math::
@@ -313,45 +667,73 @@ def scale_by_shape(consistent_rms: float | None = None,
     * ``torch.optim.Muon(adjust_lr_fn="original")`` (its default): ``consistent_rms=None``;
     * ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")`` and Moonlight's
       :math:`0.2\sqrt{\max(m, n)}` (an update RMS like AdamW's, so AdamW's learning rate and
-      weight decay carry over): ``consistent_rms=0.2``;
+      weight decay carry over): ``consistent_rms=0.2``; the ``dion`` package's
+      ``adjust_lr="rms_norm"``;
+    * ``convention="spectral"``: :math:`\sqrt{m/n}` (unit RMS-to-RMS operator norm; the
+      ``dion`` package's ``adjust_lr="spectral_norm"``, its default for Dion, Dion2 and
+      NorMuon);
     * ``optax.contrib.scale_by_shape(consistent_rms=...)``: the same argument, with optax's
       (in, out) layout as above.
 
-    Batched leaves (more than two dims) take the factor of their matrices. Stateless; it
-    reads the matrix shape, so it needs whole leaves as `orthogonalize` does.
+    Batched leaves (more than two dims) take the factor of their matrices; with ``split``
+    (as in `orthogonalize`) each row block takes the factor of its own shape, as separate
+    parameters would (the ``dion`` package's ``split_sizes``). Stateless; it reads the
+    matrix shape: under `opttx.distributed.sharded` it runs on local shards with the whole
+    shapes (a leaf with ``split`` row blocks needs whole rows).
 
     Args:
       consistent_rms: :math:`\gamma`, or None for the width scaling.
       matrix_axes: as in `orthogonalize`.
+      split: row blocks with their own factors, as in `orthogonalize`.
+      convention: ``"muon"`` or ``"spectral"``, for ``consistent_rms=None``.
 
     Example:
       >>> tx = opttx.chain(opttx.orthogonalize(), opttx.scale_by_shape(consistent_rms=0.2))
 
     References:
       Jordan et al., Muon (2024); Liu et al., Muon is Scalable for LLM Training
-      (arXiv 2502.16982).
+      (arXiv 2502.16982); Bernstein and Newhouse, Old Optimizer, New Norm (arXiv 2409.20325).
     """
     if consistent_rms is not None:
         check_nonnegative("consistent_rms", consistent_rms)
+    if convention not in ("muon", "spectral"):
+        raise ValueError(f"convention must be 'muon' or 'spectral', got {convention!r}.")
     _check_axes_argument(matrix_axes, "scale_by_shape")
+    _check_split_argument(split, "scale_by_shape")
     static = consistent_rms is None or isinstance(consistent_rms, (int, float))
+    rms = consistent_rms if static else 1.0      # an injected tensor multiplies afterwards
 
-    def fn(leaves: list[torch.Tensor], axes: list) -> list[torch.Tensor]:
+    def factor(m: int, n: int) -> float:
+        if not static:
+            return math.sqrt(max(m, n))
+        return shape_factor(m, n, rms, convention)
+
+    def fn(leaves: list[torch.Tensor], axes: list, splits: list, shapes: list
+           ) -> list[torch.Tensor]:
         idx = [i for i, ax in enumerate(axes) if ax is not None]
         if not idx:
             return leaves
-        scaled = [leaves[i] for i in idx]
-        shapes = [(leaves[i].shape[axes[i][0]], leaves[i].shape[axes[i][1]]) for i in idx]
-        if static:
-            factors = [shape_factor(m, n, consistent_rms) for m, n in shapes]
-            scaled = foreach("mul", scaled, factors)
-        else:       # an injected 0-dim tensor: the shape part, then the tensor
-            scaled = foreach("mul", foreach("mul", scaled, [math.sqrt(max(m, n))
-                                                            for m, n in shapes]),
-                             consistent_rms)
+        scaled, factors = [], []
+        for i in idx:
+            x, (r, c), blocks = leaves[i], axes[i], splits[i]
+            n = shapes[i][c]
+            per_block = [factor(b, n) for b in (blocks or (shapes[i][r],))]
+            if len(set(per_block)) == 1:
+                scaled.append(x)
+                factors.append(per_block[0])
+            else:               # unequal blocks: a factor per row
+                rows = torch.tensor([f for f, b in zip(per_block, blocks) for _ in range(b)],
+                                    dtype=x.dtype, device=x.device)
+                shape = [1] * x.dim()
+                shape[r] = x.shape[r]
+                scaled.append(x * rows.reshape(shape))
+                factors.append(1.0)
+        scaled = foreach("mul", scaled, factors)
+        if not static:
+            scaled = foreach("mul", scaled, consistent_rms)
         out = list(leaves)
         for i, y in zip(idx, mark_scratch(scaled)):
             out[i] = y
         return out
 
-    return _stateless("scale_by_shape", fn, matrix_axes)
+    return _stateless("scale_by_shape", fn, matrix_axes, split, whole=False)
