@@ -763,11 +763,12 @@ class Optimizer(torch.optim.Optimizer):
         params = group["params"]
         tree = self._tree(group, list(params))
         names = param_paths(tree)
-        per_param, shared = keyed_state(self._tx_states[index], tree)
+        layouts: dict = {}
+        per_param, shared = keyed_state(self._tx_states[index], tree, None, layouts)
         placed = [dtensor_placement(p) for p in params]
         if any(w is not None for w in placed):
             per_param = local_entries_as_dtensors(per_param, names, params, placed,
-                                                  strict=False)
+                                                  strict=False, layouts=layouts)
         entries = [dict(per_param.get(name, {})) for name in names]
         if entries:
             entries[0].update({SHARED + k: v for k, v in shared.items()})

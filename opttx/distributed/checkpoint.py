@@ -179,7 +179,8 @@ def _placements_of(param: Any, spec: Any) -> tuple[Any, Any, tuple[int, ...]] | 
     return mesh, (DShard(s.dim),), tuple(shape)
 
 
-def _as_dtensors(table: dict, params: PyTree, specs: PyTree | None, per_rank: bool) -> dict:
+def _as_dtensors(table: dict, params: PyTree, specs: PyTree | None, per_rank: bool,
+                 layouts: dict | None = None) -> dict:
     """Per-parameter entries shaped like a sharded parameter's local shard as DTensors."""
     from .specs import flatten_specs
     leaves = tree_flatten(params)[0]
@@ -189,7 +190,8 @@ def _as_dtensors(table: dict, params: PyTree, specs: PyTree | None, per_rank: bo
     # every rank resolves every leaf, in order (a collective per explicitly sharded leaf)
     placed = [_placements_of(leaf, spec) for leaf, spec in zip(leaves, flat_specs)]
     rank = (dist.get_rank() if dist.is_initialized() else 0) if per_rank else None
-    return local_entries_as_dtensors(table, param_paths(params), leaves, placed, rank=rank)
+    return local_entries_as_dtensors(table, param_paths(params), leaves, placed, rank=rank,
+                                     layouts=layouts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,9 +245,10 @@ def state_dict(state: Any, params: PyTree, *, specs: PyTree | None = None,
       >>> dcp.load(sd, checkpoint_id=d)
       >>> state = load_state_dict(state, sd["optim"], params)
     """
+    layouts: dict = {}
     per_param, shared = keyed_state(state, params,
-                                    _owned_mask(owned, len(tree_flatten(params)[0])))
-    per_param = _as_dtensors(per_param, params, specs, per_rank)
+                                    _owned_mask(owned, len(tree_flatten(params)[0])), layouts)
+    per_param = _as_dtensors(per_param, params, specs, per_rank, layouts)
     out: dict[str, dict] = {STATE: per_param, SHARED: shared}
     stamps = _stamp_entries(state)
     if stamps:
@@ -400,6 +403,16 @@ def check_checkpoint(state_dict: Mapping[str, Any], metadata: Any, prefix: str =
              if k.startswith((lead + STATE + ".", lead + SHARED + "."))}
     missing = set(expected) - set(saved)
     extra = set(saved) - set(expected)
+    per_rank = sorted({k.rsplit("@rank", 1)[1] for k in saved if "@rank" in k},
+                      key=lambda r: int(r) if r.isdigit() else 0)
+    if per_rank and (missing or extra):
+        raise ValueError(
+            f"The checkpoint does not match this run: it was saved per rank (per_rank=True; "
+            f"entries of ranks {', '.join(per_rank)}, e.g. unexpected {_describe(extra)}), "
+            "and such entries hold statistics of each rank's local shard, which reload only "
+            "at the same world size and sharding. Resume at that world size, or save without "
+            "per_rank (states that declare their layout, as every opttx transform does, "
+            "reshard).")
     _raise_mismatch(missing, extra)
     for k, shape in sorted(expected.items()):
         if saved[k] != shape:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from ..base import EmptyState, Role, fields_with_role
+from ..base import EmptyState, Role, fields_with_role, state_roles
 from ..tree import (MaskedNode, PyTree, tree_flatten, tree_flatten_with_path, tree_leaves,
                     tree_structure)
 
@@ -92,9 +92,12 @@ def _field(node_path: str, inner: str) -> str:
     return ".".join(s for s in (node_path, inner) if s) or "state"
 
 
-def _walk(node: Any, path: tuple, view: _View, out_state: dict, out_shared: dict) -> None:
+def _walk(node: Any, path: tuple, view: _View, out_state: dict, out_shared: dict,
+          owner: tuple[Any, str] | None = None, layouts: dict | None = None) -> None:
     """Sort the tensors of ``node`` (at ``path`` in the state) into per-parameter entries
-    (``out_state[param path][field path]``) and shared ones (``out_shared[field path]``)."""
+    (``out_state[param path][field path]``) and shared ones (``out_shared[field path]``).
+    ``owner``: the state NamedTuple and the field ``node`` is (its declared layout of the
+    field's tensors goes into ``layouts[param path][field path]``, see `_declared_dims`)."""
     from ..transforms.lowrank import ProjectLowrankState
     from ..transforms.quantized import QuantizedState
     if isinstance(node, (MaskedNode, EmptyState)):
@@ -117,9 +120,17 @@ def _walk(node: Any, path: tuple, view: _View, out_state: dict, out_shared: dict
             subs = None
         if subs is not None:
             where = _join(path)
+            k = 0                        # the leaves present in the state, in order
             for i, sub in enumerate(subs):
+                if isinstance(sub, MaskedNode):
+                    continue
                 for inner, x in _tensors(sub):
                     _put(out_state.setdefault(view.paths[i], {}), _field(where, inner), x)
+                    if layouts is not None and isinstance(sub, torch.Tensor):
+                        dims = _declared_dims(owner, k)
+                        if dims is not None:
+                            layouts.setdefault(view.paths[i], {})[_field(where, inner)] = dims
+                k += 1
             return
     else:
         # the state of one bare leaf: everything below belongs to it
@@ -132,8 +143,26 @@ def _walk(node: Any, path: tuple, view: _View, out_state: dict, out_shared: dict
         if _is_tensor(node):
             _put(out_shared, _join(path) or "state", node)
         return
+    named = isinstance(node, tuple) and hasattr(node, "_fields")
     for key, child in children:
-        _walk(child, path + (key,), view, out_state, out_shared)
+        _walk(child, path + (key,), view, out_state, out_shared,
+              (node, _entry(key)) if named else None, layouts)
+
+
+def _declared_dims(owner: tuple[Any, str] | None, k: int) -> tuple[int, ...] | None:
+    """How the ``k``-th present leaf's tensor of a field relates to its parameter, as the
+    state declares it: the dims of the parameter it is reduced over (``()``: shaped like the
+    parameter); None when nothing is declared. Read from the state's ``reduced_dims(field,
+    k)`` when it has one (factored statistics), else from the field's role (a moment or a
+    parameter copy is shaped like the parameter)."""
+    if owner is None:
+        return None
+    state, field = owner
+    method = getattr(state, "reduced_dims", None)
+    if callable(method):
+        return method(field, k)
+    role = state_roles(state).get(field)
+    return () if role is not None and role.like_updates else None
 
 
 def _projected_view(node: Any, view: _View) -> _View:
@@ -290,11 +319,14 @@ def _present_from_state(state: Any, spec: Any) -> list[bool] | None:
     return [any(column) for column in zip(*found)] if found else None
 
 
-def keyed_state(state: Any, params: PyTree, mask: Sequence[bool] | None = None
+def keyed_state(state: Any, params: PyTree, mask: Sequence[bool] | None = None,
+                layouts: dict | None = None
                 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """The tensors of ``state`` as ``({param path: {field path: tensor}}, {field path:
     tensor})``: per parameter, and shared (see `opttx.distributed.checkpoint`). ``mask``:
-    which leaves of ``params`` the state covers (None: read from the state)."""
+    which leaves of ``params`` the state covers (None: read from the state). ``layouts``, a
+    dict, is filled with the declared layout of each per-parameter entry (``{param path:
+    {field path: reduced dims}}``, `_declared_dims`)."""
     leaves, spec = tree_flatten(params)
     paths = tuple(param_paths(params))
     if mask is None:
@@ -302,7 +334,7 @@ def keyed_state(state: Any, params: PyTree, mask: Sequence[bool] | None = None
     view = _View(spec, paths, tuple(mask), tuple(tuple(x.shape) for x in leaves))
     out_state: dict[str, dict[str, torch.Tensor]] = {}
     out_shared: dict[str, torch.Tensor] = {}
-    _walk(state, (), view, out_state, out_shared)
+    _walk(state, (), view, out_state, out_shared, None, layouts)
     return {k: v for k, v in out_state.items() if v}, out_shared
 
 
@@ -319,12 +351,28 @@ def dtensor_placement(param: Any) -> tuple[Any, tuple, tuple[int, ...]] | None:
     return param.device_mesh, tuple(placements), tuple(param.shape)
 
 
-def _kind(x: torch.Tensor, local_shape: tuple[int, ...], shape: tuple[int, ...]) -> str:
-    """How a state tensor of a sharded parameter relates to it, seen from this rank."""
+def _without(shape: Sequence[int], dims: Sequence[int]) -> tuple[int, ...]:
+    """``shape`` with the ``dims`` left out (a statistic reduced over them)."""
+    n = len(shape)
+    drop = {d % n for d in dims} if n else set()
+    return tuple(s for i, s in enumerate(shape) if i not in drop)
+
+
+def _kind(x: torch.Tensor, local_shape: tuple[int, ...], shape: tuple[int, ...],
+          dims: tuple[int, ...] | None = None) -> str:
+    """How a state tensor of a sharded parameter relates to it, seen from this rank: from the
+    state's declared layout (``dims``: the parameter dims it is reduced over, ``()`` for one
+    shaped like it) when there is one, else from its shape (an undeclared state)."""
     if hasattr(x, "to_local"):
         return "dtensor"
     if x.dim() == 0:
         return "scalar"
+    if dims is not None:
+        if tuple(x.shape) == _without(local_shape, dims):
+            return f"reduced{tuple(d % len(shape) for d in dims)}" if dims else "local"
+        if tuple(x.shape) == _without(shape, dims):
+            return "whole"
+        return "other"
     if x.numel() == 0:
         return f"empty{tuple(x.shape)}"       # a placeholder, or the piece of an empty shard
     if tuple(x.shape) == local_shape:
@@ -343,9 +391,25 @@ def _agree(kinds: list[str]) -> str:
     return "other"
 
 
+def _reduced_placements(placements: tuple, dims: tuple[int, ...], ndim: int) -> tuple:
+    """The placements of a statistic reduced over ``dims`` of a parameter placed so: a shard
+    of a kept dim is a shard of that dim of the statistic (renumbered); a shard of a reduced
+    dim is replicated (the reduction hook made the statistic whole on every rank)."""
+    from torch.distributed.tensor import Replicate, Shard
+    out = []
+    for p in placements:
+        if p.is_shard():
+            d = p.dim % ndim
+            out.append(Replicate() if d in dims else Shard(d - sum(1 for r in dims if r < d)))
+        else:
+            out.append(p)
+    return tuple(out)
+
+
 def local_entries_as_dtensors(table: dict[str, dict[str, torch.Tensor]], paths: Sequence[str],
                               leaves: Sequence[Any], placed: Sequence[Any],
-                              strict: bool = True, rank: int | None = None) -> dict:
+                              strict: bool = True, rank: int | None = None,
+                              layouts: dict | None = None) -> dict:
     """Entries of sharded parameters shaped like the local shard (element-wise statistics of
     a transform run on local shards) as DTensors with the parameter's placements, so a
     checkpoint holds the whole tensor once and reshards. Entries of the whole leaf's shape
@@ -363,7 +427,8 @@ def local_entries_as_dtensors(table: dict[str, dict[str, torch.Tensor]], paths: 
             continue
         local = leaf.to_local() if hasattr(leaf, "to_local") else leaf
         for field, x in table.get(path, {}).items():
-            mine[(path, field)] = _kind(x, tuple(local.shape), tuple(where[2]))
+            dims = (layouts or {}).get(path, {}).get(field)
+            mine[(path, field)] = _kind(x, tuple(local.shape), tuple(where[2]), dims)
     everyone = [mine]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
@@ -383,6 +448,13 @@ def local_entries_as_dtensors(table: dict[str, dict[str, torch.Tensor]], paths: 
                 stride = torch.empty(shape, device="meta").stride()
                 converted[field] = DTensor.from_local(x, mesh, placements, run_check=False,
                                                       shape=torch.Size(shape), stride=stride)
+            elif kind.startswith("reduced"):    # a row or column statistic (declared)
+                dims = tuple(int(d) for d in kind[len("reduced("):-1].split(",") if d.strip())
+                whole = _without(shape, dims)
+                stride = torch.empty(whole, device="meta").stride()
+                converted[field] = DTensor.from_local(
+                    x, mesh, _reduced_placements(placements, dims, len(shape)),
+                    run_check=False, shape=torch.Size(whole), stride=stride)
             elif kind != "other":
                 converted[field] = x
             elif rank is not None:
@@ -392,9 +464,10 @@ def local_entries_as_dtensors(table: dict[str, dict[str, torch.Tensor]], paths: 
             else:
                 raise NotImplementedError(
                     f"state {path} {field} has shape {tuple(x.shape)}: a statistic of the "
-                    f"local shard {tuple(local.shape)} that is neither element-wise nor a "
-                    "scalar cannot be resharded; run this transform under on_owners (whole "
-                    "leaves) to checkpoint it, or save it per rank (per_rank=True: reloads at "
-                    "the same world size and sharding only).")
+                    f"local shard {tuple(local.shape)} whose state declares no layout (not a "
+                    "moment shaped like the parameter, nor a row or column statistic with "
+                    "reduced_dims) cannot be resharded; declare it, run this transform under "
+                    "on_owners (whole leaves), or save it per rank (per_rank=True: reloads "
+                    "at the same world size and sharding only).")
         out[path] = converted
     return out

@@ -326,15 +326,41 @@ def _scale_by_inverse_root(x: list[torch.Tensor], rows: list[torch.Tensor],
 # ---------------------------------------------------------------------------------------------
 
 
+def reduced_dims(state: Any, field: str, k: int) -> tuple[int, ...] | None:
+    """How the tensor of the ``k``-th leaf (in the order of the leaves present in the state)
+    in ``field`` of a factored state relates to that leaf, as the state declares it (its
+    ``factored_axes``, recorded by ``init``): the dims of the leaf it is a mean over
+    (``v_row``: the leaf's ``d1``; ``v_col``: its ``d0``), ``()`` for a tensor shaped like the
+    leaf, None for an empty placeholder. Read by checkpoints, which lay out a row or column
+    statistic of a sharded leaf from it (sharded like the leaf on the dims it keeps,
+    replicated over the dim it reduced)."""
+    axes = state.factored_axes.value
+    if axes is None or k >= len(axes):
+        return None
+    pair = axes[k]
+    if field in ("v_row", "r_row"):
+        return None if pair is None else (pair[1],)
+    if field in ("v_col", "r_col"):
+        return None if pair is None else (pair[0],)
+    if field == "v":
+        return () if pair is None else None
+    return ()
+
+
 class FactoredState(NamedTuple):
     """State of `scale_by_factored_rms`."""
     count: torch.Tensor  # shape (), int32: steps taken
     v_row: Updates       # per leaf: EMA of the means of g² + ε over d1 (empty if unfactored)
     v_col: Updates       # per leaf: EMA of the means of g² + ε over d0 (empty if unfactored)
     v: Updates           # per leaf: EMA of g² + ε for unfactored leaves (empty if factored)
+    factored_axes: Static = Static()  # per leaf, in leaf order: its (d0, d1), or None
     made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, v_row=Role.FACTORED_MOMENT,
                               v_col=Role.FACTORED_MOMENT, v=Role.SECOND_MOMENT)
+
+    def reduced_dims(self, field: str, k: int) -> tuple[int, ...] | None:
+        """The layout of the ``k``-th leaf's tensor in ``field`` (see `reduced_dims`)."""
+        return reduced_dims(self, field, k)
 
 
 def _decay_rate_pow(step: torch.Tensor, exponent: float) -> torch.Tensor:
@@ -404,8 +430,10 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
 
     def init(params: Params) -> FactoredState:
         check_init_params(params)
-        rows, cols, fulls = _init_factored(params, layout_of(params).axes, stats_dtype)
-        return FactoredState(count=zero_count(params), v_row=rows, v_col=cols, v=fulls)
+        axes = layout_of(params).axes
+        rows, cols, fulls = _init_factored(params, axes, stats_dtype)
+        return FactoredState(count=zero_count(params), v_row=rows, v_col=cols, v=fulls,
+                             factored_axes=Static(tuple(axes)))
 
     def update(updates: Updates, state: FactoredState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, FactoredState]:
@@ -430,7 +458,8 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
         return (tree_unflatten(cast_like(out, g), spec),
                 FactoredState(count=safe_increment(state.count),
                               v_row=tree_unflatten(rows, spec), v_col=tree_unflatten(cols, spec),
-                              v=tree_unflatten(fulls, spec), made_by=state.made_by))
+                              v=tree_unflatten(fulls, spec),
+                              factored_axes=state.factored_axes, made_by=state.made_by))
 
     return GradientTransformation(init, update, LEAFWISE)
 
@@ -596,10 +625,15 @@ class ScaleByCameState(NamedTuple):
     v: Updates           # per leaf: EMA of g² + ε1 for unfactored leaves (empty if factored)
     r_row: Updates       # per leaf: EMA of row means of the instability (û − m)² + ε2
     r_col: Updates       # per leaf: EMA of column means of the instability
+    factored_axes: Static = Static()  # per leaf, in leaf order: its (d0, d1), or None
     made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT, v_row=Role.FACTORED_MOMENT,
                            v_col=Role.FACTORED_MOMENT, v=Role.SECOND_MOMENT,
                            r_row=Role.FACTORED_MOMENT, r_col=Role.FACTORED_MOMENT)
+
+    def reduced_dims(self, field: str, k: int) -> tuple[int, ...] | None:
+        """The layout of the ``k``-th leaf's tensor in ``field`` (see `reduced_dims`)."""
+        return reduced_dims(self, field, k)
 
 
 @declare(hyperparams={"b1": HyperRole.B1, "b2": HyperRole.B2, "b3": None, "eps1": None,
@@ -645,7 +679,8 @@ def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
         r_rows, r_cols, _ = _init_factored(params, axes, stats_dtype)
         mu = tree_map(lambda p: torch.zeros_like(p, dtype=state_dtype(p, stats_dtype)), params)
         return ScaleByCameState(count=zero_count(params), mu=mu, v_row=rows, v_col=cols,
-                                v=fulls, r_row=r_rows, r_col=r_cols)
+                                v=fulls, r_row=r_rows, r_col=r_cols,
+                                factored_axes=Static(tuple(axes)))
 
     def update(updates: Updates, state: ScaleByCameState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, ScaleByCameState]:
@@ -686,7 +721,7 @@ def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
                                  v_col=tree_unflatten(cols, spec), v=tree_unflatten(fulls, spec),
                                  r_row=tree_unflatten(r_rows, spec),
                                  r_col=tree_unflatten(r_cols, spec),
-                                 made_by=state.made_by))
+                                 factored_axes=state.factored_axes, made_by=state.made_by))
 
     return GradientTransformation(init, update, LEAFWISE)
 
