@@ -43,7 +43,7 @@ from .tree import MaskedNode, tree_copy_
 from .wrappers import (ApplyIfFiniteState, InjectHyperparamsState, MultiSteps, MultiStepsState,
                        apply_if_finite, hyperparameter_roles, inject_all_hyperparams,
                        inject_hyperparams, set_hyperparams_)
-from .base import (HyperRole, Recipe, declare, describe_transform, recipe_of)
+from .base import (HyperRole, Recipe, declare, describe_transform, leaf_roles, recipe_of)
 from .base import (reduce_across_leaves, reduce_leaf_statistics, reduce_statistics,
                    replace_state, stateless_with_extra_args)
 from . import checks
@@ -76,7 +76,7 @@ __all__ = [
     "combine_traits", "declare_roles", "leafwise", "state_roles", "traits_of", "zero_count",
     # declarations: hyperparameters, configuration and the identity of states (issue 26)
     "HyperRole", "Recipe", "Static", "declare", "describe_transform", "hyperparameter_roles",
-    "inject_all_hyperparams", "recipe_of",
+    "inject_all_hyperparams", "leaf_roles", "recipe_of",
     # what a transform of your own needs (docs/guide/writing.md)
     "checks", "check_nonnegative", "check_number", "check_positive", "check_unit_interval",
     "reduce_across_leaves", "reduce_leaf_statistics", "reduce_statistics", "replace_state",
