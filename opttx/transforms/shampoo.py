@@ -1274,8 +1274,10 @@ def graft(magnitude: GradientTransformation | None, direction: GradientTransform
     filtered gradient :math:`\bar G` (passed to them as ``extra_args[PRECONDITION_INPUT]``).
     ``magnitude=None`` grafts SGD (:math:`M = I`). Leaves are blocks when used inside
     `block_by_dims`, so norms are per block, as Meta's. The filtered gradient of 16-bit
-    leaves is kept in float32 (DESIGN.md rule 3); the update comes back in the gradient's
-    dtype.
+    leaves is kept in float32 (DESIGN.md rule 3), and 16-bit gradients are cast to float32
+    before both transforms see them, so the magnitude, the direction and the rescale are
+    computed in float32 (a direction may hold entries far beyond float16's range that the
+    rescale brings back); the update comes back in the gradient's dtype.
 
     Args:
       magnitude: the grafted method: ``scale_by_rms(decay=β2, eps, eps_in_sqrt=False,
@@ -1322,8 +1324,17 @@ def graft(magnitude: GradientTransformation | None, direction: GradientTransform
         spec, g = flatten_matching(updates)
         if not g:             # a tree without leaves: only the step counters move
             return updates, advance_counts(state)
+        leaves = g
         # an int gradient would give zero updates; complex, sparse or None ones torch errors
         check_gradient_leaves(g, None, updates, "graft")
+        if any(x.dtype != state_dtype(x) for x in g):
+            # 16-bit gradients: both methods and the rescale run in float32 and only the
+            # grafted update is cast back. A direction of unit norm per element in exact
+            # arithmetic may hold entries of 1e5 (Adam in an eigenbasis, where the squared
+            # gradient is a rounding error): inf in float16, and inf times the rescale's 0 is
+            # NaN, while the grafted update itself has the magnitude's (finite) norm.
+            g = [x.to(state_dtype(x)) for x in g]
+            updates = tree_unflatten(g, spec)
         count = safe_increment(state.count)
         filtered = state.filtered
         if beta1:
@@ -1346,7 +1357,7 @@ def graft(magnitude: GradientTransformation | None, direction: GradientTransform
                                         tree_unflatten(sq(dir_l), spec)), extra_args)
         grafting = count < start_preconditioning_step
         out = []
-        for g_i, m_i, d_i, ms, ds in zip(g, mag_l, dir_l, tree_flatten(m_sq)[0],
+        for g_i, m_i, d_i, ms, ds in zip(leaves, mag_l, dir_l, tree_flatten(m_sq)[0],
                                          tree_flatten(d_sq)[0]):
             scaled = d_i * (torch.sqrt(ms) / (torch.sqrt(ds) + 1e-16)).to(d_i.dtype) \
                 if rescale else d_i
