@@ -150,7 +150,8 @@ def test_full_matrix_shampoo_equals_dense_derivation(shape, freq) -> None:
     expected = dense_shampoo(x0, grads, lr, eps, freq)
     # max_preconditioner_dim = the largest dim: no dims merge, so a matrix keeps two factors
     tx = opttx.shampoo(lr, betas=(0.0, 1.0), epsilon=eps, precondition_frequency=freq,
-                       preconditioner_dtype=torch.float64, max_preconditioner_dim=max(shape))
+                       preconditioner_dtype=torch.float64, inv_factor_matrix_dtype=torch.float64,
+                       max_preconditioner_dim=max(shape))
     actual, _ = run_transform(tx, {"x": x0}, [{"x": g} for g in grads])
     assert_trees_close(actual, {"x": expected}, rtol=1e-5)
 
@@ -160,7 +161,8 @@ def test_beta2_and_bias_correction_of_the_factors() -> None:
     gen = torch.Generator().manual_seed(1)
     g = [torch.randn(3, 2, generator=gen, dtype=torch.float64) for _ in range(4)]
     tx = opttx.precondition_shampoo(beta2=0.9, epsilon=1e-6, precondition_frequency=1,
-                                    preconditioner_dtype=torch.float64)
+                                    preconditioner_dtype=torch.float64,
+                                    inv_factor_matrix_dtype=torch.float64)
     state = tx.init({"w": g[0]})
     left = torch.zeros(3, 3, dtype=torch.float64)
     for t, gi in enumerate(g, start=1):

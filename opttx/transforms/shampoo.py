@@ -656,7 +656,7 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
                          preconditioner_dtype: torch.dtype = torch.float32,
                          use_bias_correction: bool = True,
                          max_consecutive_failures: int = 3,
-                         inv_factor_matrix_dtype: torch.dtype | None = None,
+                         inv_factor_matrix_dtype: torch.dtype | None = torch.float32,
                          use_trace_scaling: bool = False,
                          trace_scaling_exponent: float = 0.5,
                          drop_weighting_factor_on_gsquare: bool = False,
@@ -741,7 +741,9 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
       use_bias_correction: divide factors by :math:`1-\beta_2^t` before the root.
       max_consecutive_failures: root failures tolerated in a row.
       inv_factor_matrix_dtype: dtype of the roots and of the preconditioning product
-        (Meta's ``inv_factor_matrix_dtype``; default: ``preconditioner_dtype``).
+        (Meta's ``inv_factor_matrix_dtype``; default float32 as Meta's, whatever
+        ``preconditioner_dtype`` is, so float64 factors alone give float32 roots: pass
+        ``inv_factor_matrix_dtype=torch.float64`` too for float64 throughout; None: float32).
       use_trace_scaling, trace_scaling_exponent: Meta's options of the same names.
       drop_weighting_factor_on_gsquare: Meta's option: :math:`w = 1` even when
         :math:`\beta_2 < 1`, and no bias correction.
@@ -915,7 +917,8 @@ def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int
         start=start, root_method=root_method,
         inverse_exponent_override=inverse_exponent_override,
         preconditioner_dtype=preconditioner_dtype,
-        root_dtype=preconditioner_dtype if inv_factor_matrix_dtype is None
+        # Meta's default, whatever the factors' dtype (None: the `shampoo` alias's default)
+        root_dtype=torch.float32 if inv_factor_matrix_dtype is None
         else inv_factor_matrix_dtype,
         bias_correction=not (beta2 == 1 or not use_bias_correction
                              or drop_weighting_factor_on_gsquare),
