@@ -15,7 +15,8 @@ Two conventions differ from JAX and are worth knowing:
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import contextlib
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.utils._pytree as _pytree
@@ -298,6 +299,19 @@ def flatten_matching(updates: PyTree, *trees: PyTree, what: str = "updates and s
 
 
 _MASKED = object()   # stands for a MaskedNode position while labels are resolved
+_FLAT_LAYOUT = [0]   # depth of `flat_layout` blocks (opttx.flatten's inner transform)
+
+
+@contextlib.contextmanager
+def flat_layout() -> Iterator[None]:
+    """Inside this block the trees transforms see are flat buffers (`opttx.flatten`), not the
+    parameters: per-leaf values given as functions of the tree (masks, labels, axes), which
+    would read the buffers' shapes instead of the parameters', are refused by `leaf_labels`."""
+    _FLAT_LAYOUT[0] += 1
+    try:
+        yield
+    finally:
+        _FLAT_LAYOUT[0] -= 1
 
 
 def leaf_labels(labels: PyTree | Callable[[PyTree], PyTree], tree: PyTree,
@@ -307,6 +321,15 @@ def leaf_labels(labels: PyTree | Callable[[PyTree], PyTree], tree: PyTree,
     of ``tree`` returning one) to one value per leaf of ``tree``; ``is_leaf`` marks values
     that are containers in pytree terms (a tuple of axes) as single values."""
     is_masked = lambda x: isinstance(x, MaskedNode)  # noqa: E731
+    if callable(labels) and _FLAT_LAYOUT[0]:
+        raise ValueError(
+            f"opttx.flatten: the {what} are given as a function of the tree, but inside "
+            "flatten the tree is one flat buffer per (device, dtype), so the function would "
+            "see the buffers instead of the parameters (a mask of ndim >= 2 would drop every "
+            "matrix). Put flatten inside the masking instead: "
+            "opttx.partition({'decay': opttx.flatten(opttx.adamw(lr, weight_decay=wd)), "
+            "'no_decay': opttx.flatten(opttx.adamw(lr, weight_decay=0.0))}, labels), or "
+            "opttx.masked(opttx.flatten(inner), mask).")
     if callable(labels):
         fn = labels
         try:
@@ -338,8 +361,12 @@ def leaf_labels(labels: PyTree | Callable[[PyTree], PyTree], tree: PyTree,
         flat = [v for v, sub in zip(values, subtrees) for _ in tree_leaves(sub)]
     if flat is None:
         where = _first_difference(labels, tree) or "the structures differ"
+        inside = (" Inside opttx.flatten the tree is one flat buffer per (device, dtype), not "
+                  "the parameters: put flatten inside the masking (opttx.masked(opttx.flatten"
+                  "(inner), mask) or opttx.partition of flattened transforms)."
+                  if _FLAT_LAYOUT[0] else "")
         raise ValueError(f"The {what} do not match the parameter tree: {where}. Give one "
-                         f"value per parameter leaf, in a tree of the same structure.")
+                         f"value per parameter leaf, in a tree of the same structure.{inside}")
     return [v for v, x in zip(flat, tree_leaves(positions)) if x is not _MASKED]
 
 

@@ -68,3 +68,57 @@ def test_an_injected_learning_rate_set_to_nan_is_refused_at_the_next_update() ->
     opttx.set_hyperparams_(state, learning_rate=-0.5)
     with pytest.raises(ValueError, match="learning_rate must be >= 0, got a tensor holding -0.5"):
         tx.update({"w": torch.ones(3)}, state, params)
+
+
+# ---------------------------------------------------------------------------------------------
+# flatten refuses masks that would see its flat buffers
+# ---------------------------------------------------------------------------------------------
+
+
+def _decay_matrices(tree):
+    return opttx.tree.tree_map(lambda x: x.ndim >= 2, tree)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: opttx.flatten(opttx.adamw(0.1, weight_decay=0.5, mask=_decay_matrices)),
+    lambda: opttx.flatten(opttx.masked(opttx.add_decayed_weights(0.5), _decay_matrices)),
+    lambda: opttx.flatten(opttx.partition(
+        {True: opttx.sgd(0.1), False: opttx.adam(0.1)}, _decay_matrices)),
+])
+def test_flatten_refuses_a_mask_given_as_a_function(make) -> None:
+    """``flatten(adamw(mask=<function of ndim>))`` dropped the weight decay of every matrix:
+    the mask saw one 1-D buffer. It is refused at init (and at update), naming the way out."""
+    params = {"w": torch.ones(3, 4), "b": torch.ones(4)}
+    tx = make()
+    with pytest.raises(ValueError, match="inside flatten the tree is one flat buffer"):
+        tx.init(params)
+    state = opttx.flatten(opttx.adamw(0.1)).init(params)       # a state of the same layout
+    with pytest.raises(ValueError, match="inside flatten the tree is one flat buffer"):
+        tx.update({"w": torch.zeros(3, 4), "b": torch.zeros(4)}, state, params)
+
+
+def test_flatten_names_itself_when_a_mask_tree_does_not_fit_its_buffers() -> None:
+    params = {"w": torch.ones(3, 4), "b": torch.ones(4)}
+    tx = opttx.flatten(opttx.adamw(0.1, weight_decay=0.5, mask={"w": True, "b": False}))
+    with pytest.raises(ValueError, match="Inside opttx.flatten the tree is one flat buffer"):
+        tx.init(params)
+
+
+def test_flatten_inside_the_masking_keeps_the_decay_of_matrices() -> None:
+    """The way out the error names: the same bits as ``adamw(mask=...)`` per leaf."""
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(3, 4, generator=gen), "b": torch.randn(4, generator=gen)}
+    labels = lambda t: opttx.tree.tree_map(lambda x: "decay" if x.ndim >= 2 else "no", t)  # noqa: E731
+    flat = opttx.partition({"decay": opttx.flatten(opttx.adamw(0.1, weight_decay=0.5)),
+                            "no": opttx.flatten(opttx.adamw(0.1, weight_decay=0.0))}, labels)
+    ref = opttx.adamw(0.1, weight_decay=0.5, mask=_decay_matrices)
+    s_flat, s_ref = flat.init(params), ref.init(params)
+    for _ in range(3):
+        g = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+        u_flat, s_flat = flat.update(g, s_flat, params)
+        u_ref, s_ref = ref.update(g, s_ref, params)
+        assert all(torch.equal(u_flat[k], u_ref[k]) for k in params)
+    # and the decay of the matrix is there: zero gradients still move "w", not "b"
+    zero = {k: torch.zeros_like(v) for k, v in params.items()}
+    u, _ = flat.update(zero, flat.init(params), params)
+    assert float(u["w"].abs().min()) > 0 and float(u["b"].abs().max()) == 0
