@@ -549,7 +549,7 @@ def exit_rank(code: int = 0) -> None:
 
 
 def _rank_main(rank: int, world: int, tmp: str, fn: Callable, args: tuple,
-               timeout: float) -> None:
+               timeout: float, consistency_checks: int | None = None) -> None:
     """The body of every spawned rank: a gloo process group, ``fn``, its result or its error
     written to ``tmp`` for the parent."""
     import datetime
@@ -558,8 +558,11 @@ def _rank_main(rank: int, world: int, tmp: str, fn: Callable, args: tuple,
     from pathlib import Path
 
     import torch.distributed as dist
+
+    from .distributed.consistency import set_consistency_checks
     try:
         torch.set_num_threads(1)
+        set_consistency_checks(consistency_checks)
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=timeout))
         result = fn(rank, world, *args)
@@ -608,14 +611,17 @@ def _raise_rank_error(tmp: str, world: int, cause: BaseException) -> None:
 
 
 def spawn_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (),
-                timeout: float = 120.0) -> list[Any]:
+                timeout: float = 120.0, consistency_checks: int | None = 1) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in a gloo
     process group (CPU); return what each rank returned, in rank order.
 
     Every rank starts with ``torch.distributed`` initialised (``file://`` rendezvous in a
     temporary directory, collectives timing out after ``timeout`` seconds) and one intra-op
-    thread. An exception in a rank is raised again here, with the rank's traceback attached as
-    a note; the other ranks are stopped. Ranks leave by `exit_rank`; one killed after every
+    thread, and with opttx's distributed checking mode on (``consistency_checks``: every
+    update of `opttx.distributed.sharded` and `opttx.distributed.zero` compares the ranks'
+    replicated parameters and step counters, see `opttx.distributed.consistency_checks`). An
+    exception in a rank is raised again here, with the rank's traceback attached as a note;
+    the other ranks are stopped. Ranks leave by `exit_rank`; one killed after every
     rank has returned its result (a process group's thread aborting at shutdown) loses
     nothing: the results are returned with a ``RuntimeWarning``. If the ranks have not all
     finished after ``timeout`` seconds (a rank waiting in a collective that another never
@@ -630,6 +636,7 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (),
       world_size: the number of processes.
       args: further arguments of ``fn``.
       timeout: seconds for the whole run.
+      consistency_checks: check every this many updates (None or 0: no checks).
 
     Returns:
       The list of the ranks' return values.
@@ -652,7 +659,8 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (),
                         f"reach the spawned processes (a function defined at the top level of "
                         f"an importable module, or a functools.partial of one): {e}") from None
     with tempfile.TemporaryDirectory(prefix="opttx-ranks-") as tmp:
-        ctx = mp.start_processes(_rank_main, args=(world_size, tmp, fn, tuple(args), timeout),
+        ctx = mp.start_processes(_rank_main, args=(world_size, tmp, fn, tuple(args), timeout,
+                                                   consistency_checks),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 import opttx
-from opttx.distributed import all_reduce_gradients, zero
+from opttx.distributed import (Replicated, Shard, all_reduce_gradients, consistency_checks,
+                               sharded, zero)
 from opttx.testing import exit_rank
 from test_distributed import _spawn
 
@@ -122,6 +123,69 @@ def _overlap_cases(rank: int) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# the checking mode: replicated leaves that differ, a rank that skips an update
+# ---------------------------------------------------------------------------------------------
+
+
+def _init_outcome(make: Callable[[], opttx.GradientTransformation], params: dict) -> dict:
+    def run() -> None:
+        make().init(params)
+    got = _outcome(run)
+    got["healthy"] = _healthy()
+    return got
+
+
+def _replicated_differs(rank: int) -> dict:
+    """A Replicated leaf (and, under zero, any parameter) holding different values on the two
+    ranks: refused at init with the checking mode on, accepted without it."""
+    params = {"w": torch.ones(2, 3), "b": torch.full((3,), float(rank))}
+    specs = {"w": Shard(0), "b": Replicated()}
+    out = {}
+    with consistency_checks(1):
+        out["sharded"] = _init_outcome(lambda: sharded(opttx.adamw(1e-2), specs), params)
+        out["zero"] = _init_outcome(lambda: zero(opttx.adamw(1e-2)), params)
+        out["same"] = _init_outcome(lambda: sharded(opttx.adamw(1e-2), specs),
+                                    {"w": params["w"], "b": torch.zeros(3)})
+    with consistency_checks(None):
+        out["unchecked"] = _init_outcome(lambda: sharded(opttx.adamw(1e-2), specs), params)
+    return out
+
+
+def _train_skipping(rank: int, every: int | None, skip: bool) -> dict:
+    """Four steps of sharded adamw (a Shard(0) matrix, a Replicated vector whose gradient
+    depends on the step, alike on every rank); rank 1 skips the update of step 1."""
+    params = {"w": torch.ones(2, 3), "b": torch.zeros(3)}
+    calls = []
+
+    def run() -> list[float]:
+        nonlocal params
+        tx = sharded(opttx.adamw(1e-1), {"w": Shard(0), "b": Replicated()})
+        state = tx.init(params)
+        for step in range(4):
+            if skip and rank == 1 and step == 1:
+                continue
+            calls.append(step)
+            grads = {"w": torch.full((2, 3), step + 1.0), "b": torch.full((3,), (step + 1.0) ** 2)}
+            updates, state = tx.update(grads, state, params)
+            params = opttx.apply_updates(params, updates)
+        return params["b"].tolist()
+
+    with consistency_checks(every):
+        got = _outcome(run)
+    got["calls"] = calls
+    got["healthy"] = _healthy()
+    return got
+
+
+def _checking_cases(rank: int) -> dict:
+    return {"replicated": _replicated_differs(rank),
+            "skip_every_1": _train_skipping(rank, 1, True),
+            "skip_every_2": _train_skipping(rank, 2, True),
+            "no_skip_every_1": _train_skipping(rank, 1, False),
+            "skip_unchecked": _train_skipping(rank, None, True)}
+
+
 def _worker(rank: int, world: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -129,6 +193,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
     results: dict[str, Any] = {}
     cases: dict[str, Callable[[], Any]] = {
         "overlap": lambda: _overlap_cases(rank),
+        "checking": lambda: _checking_cases(rank),
     }
     for name, case in cases.items():
         try:
@@ -179,3 +244,40 @@ def test_overlap_names_a_parameter_unused_on_one_rank_on_every_rank(results, nam
 def test_overlap_with_a_layer_unused_on_every_rank_equals_no_overlap(results, name) -> None:
     for res in _case(results, "overlap"):
         assert res[name]["unused_everywhere"], res[name]
+
+
+@pytest.mark.parametrize("how", ["sharded", "zero"])
+def test_checking_mode_refuses_replicated_leaves_that_differ_on_every_rank(results, how) -> None:
+    """A Replicated leaf (under zero: any parameter, all are replicated) holding other values
+    on rank 1 was accepted; with the checking mode on, init raises on every rank naming it."""
+    got = [r["replicated"][how] for r in _case(results, "checking")]
+    for g in got:
+        assert g["type"] == "ValueError" and g["healthy"], got
+        assert "['b'] holds different values on different ranks" in g["error"], got
+        assert "consistency check at init" in g["error"], got
+    assert all(r["replicated"]["same"]["error"] is None for r in _case(results, "checking"))
+
+
+def test_without_the_checking_mode_differing_replicated_leaves_pass_silently(results) -> None:
+    """What the mode is for: off (the default outside tests), nothing notices."""
+    assert all(r["replicated"]["unchecked"]["error"] is None
+               for r in _case(results, "checking"))
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_checking_mode_catches_a_rank_that_skipped_an_update(results, every) -> None:
+    """Rank 1 skips step 1: its next update pairs with the others' step 1, its replicated
+    leaf falls behind. Checked every update (or every other), the next check whose
+    parameters differ raises on both ranks (the third update; before: the run ended with
+    different replicated values, below)."""
+    got = [r[f"skip_every_{every}"] for r in _case(results, "checking")]
+    for g in got:
+        assert g["type"] == "ValueError" and g["healthy"], got
+        assert "consistency check at update 3" in g["error"], got
+        assert "['b'] holds different values" in g["error"], got
+    assert [g["calls"] for g in got] == [[0, 1, 2], [0, 2, 3]], got
+    clean = [r["no_skip_every_1"] for r in _case(results, "checking")]
+    assert clean[0]["error"] is None and clean[0]["value"] == clean[1]["value"], clean
+    silent = [r["skip_unchecked"] for r in _case(results, "checking")]
+    assert silent[0]["error"] is None and silent[1]["error"] is None, silent
+    assert silent[0]["value"] != silent[1]["value"], silent

@@ -14,6 +14,7 @@ Example:
 
 from .checkpoint import (check_checkpoint, load_checkpoint, load_state_dict, param_paths,
                          state_dict)
+from .consistency import consistency_checks, set_consistency_checks
 from .data_parallel import all_reduce_gradients, plan_buckets
 from .overlap import BackwardLaunches, no_sync
 from .owners import OwnerPlan, default_cost, on_owners, plan_owners
@@ -36,6 +37,7 @@ __all__ = [
     "ZeroPlan",
     "all_reduce_gradients",
     "check_checkpoint",
+    "consistency_checks",
     "default_cost",
     "flatten_specs",
     "global_factor_axes",
@@ -51,6 +53,7 @@ __all__ = [
     "plan_owners",
     "raise_on_every_rank",
     "shard_groups",
+    "set_consistency_checks",
     "sharded",
     "specs_from_dtensors",
     "state_costs",

@@ -24,6 +24,7 @@ from ..base import (REDUCER_KEY, TOTALS_KEY, GradientTransformation, Params, Sta
                     Updates, current_reducer, reducer_during_init, traits_of)
 from ..tree import (MaskedNode, PyTree, assert_same_structure, tree_flatten, tree_leaves,
                     tree_map, tree_paths, tree_unflatten)
+from .consistency import ConsistencyCheck
 from .overlap import BackwardLaunches
 from .reducer import CollectiveStats, ShardedReducer, collective_device
 from .specs import Shard
@@ -620,6 +621,7 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
                        balance=balance, stats=stats, communication_dtype=communication_dtype,
                        overlap=overlap, split_above_mb=split_above_mb)
     resolved: list[_Resolved] = []
+    check = ConsistencyCheck("opttx.distributed.zero")      # off unless the mode is on
 
     def init(params: Params) -> State:
         res = _resolve_at_init(params, cfg)
@@ -636,6 +638,7 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
                 state = cfg.tx.init(_mask(params, res))
         agree_on_state_structure(state, res.group, res.control_device,
                                  "opttx.distributed.zero")
+        check(params, None, state, res.group, at_init=True)
         return _to_host(state, cfg.pin) if cfg.offload else state
 
     def update(updates: Updates, state: State, params: Params | None = None,
@@ -643,6 +646,7 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
         if not resolved:
             require_member(cfg.group, "opttx.distributed.zero")
             resolved[:] = [_resolve(updates, cfg, current_reducer(extra_args))]
+        check(params, None, state, resolved[0].group)
         return _zero_update(updates, state, params, extra_args, resolved[0], cfg)
 
     return GradientTransformation(init, update)
