@@ -122,3 +122,50 @@ def test_flatten_inside_the_masking_keeps_the_decay_of_matrices() -> None:
     zero = {k: torch.zeros_like(v) for k, v in params.items()}
     u, _ = flat.update(zero, flat.init(params), params)
     assert float(u["w"].abs().min()) > 0 and float(u["b"].abs().max()) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Shampoo and SOAP: gradients that are None, broadcastable, of another shape or integer
+# ---------------------------------------------------------------------------------------------
+
+PRECONDITIONERS = {
+    "soap": lambda: opttx.soap(1e-3),
+    "shampoo": lambda: opttx.shampoo(1e-3),
+    "eigenvalue_corrected": lambda: opttx.shampoo(1e-3, preconditioner="eigenvalue_corrected"),
+    "eigenvalue_corrected_no_grafting": lambda: opttx.shampoo(
+        1e-3, preconditioner="eigenvalue_corrected", grafting=None, betas=(0.0, 0.999)),
+    "precondition_eigenvalue_corrected": lambda: opttx.precondition_eigenvalue_corrected(),
+    "precondition_shampoo": lambda: opttx.precondition_shampoo(),
+    "block_by_dims": lambda: opttx.block_by_dims(opttx.precondition_shampoo()),
+}
+BAD_GRADIENTS = {
+    "None": (None, TypeError, r"gradient\['w'\] is NoneType"),
+    "broadcastable": (torch.ones(1, 3), ValueError, r"gradient\['w'\]\S* has shape"),
+    "transposed": (torch.ones(3, 4), ValueError, r"gradient\['w'\]\S* has shape"),
+    "integer": (torch.ones(4, 3, dtype=torch.int64), TypeError,
+                r"gradient\['w'\]\S* has dtype torch.int64"),
+}
+
+
+@pytest.mark.parametrize("with_params", [True, False])
+@pytest.mark.parametrize("bad", list(BAD_GRADIENTS))
+@pytest.mark.parametrize("name", list(PRECONDITIONERS))
+def test_shampoo_and_soap_name_a_bad_gradient(name, bad, with_params) -> None:
+    """soap and eigenvalue-corrected Shampoo gave torch's RuntimeError or AttributeError for a
+    None, broadcastable or wrongly shaped gradient (and Shampoo accepted a transposed one, and
+    precondition_shampoo an integer one): now a TypeError or ValueError naming the leaf,
+    before anything is computed. One case cannot be told from the state alone: without
+    params, a transposed matrix that block_by_dims merges into one dim has the same blocks
+    (documented; given the params, it is refused)."""
+    gradient, error, text = BAD_GRADIENTS[bad]
+    params = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    tx = PRECONDITIONERS[name]()
+    state = tx.init(params)
+    grads = {"w": gradient, "b": torch.ones(3)}
+    blocked = name in ("shampoo", "eigenvalue_corrected", "eigenvalue_corrected_no_grafting",
+                       "block_by_dims")
+    if bad == "transposed" and blocked and not with_params:
+        tx.update(grads, state)          # (12,) blocks either way: the documented gap
+        return
+    with pytest.raises(error, match=text):
+        tx.update(grads, state, params if with_params else None)

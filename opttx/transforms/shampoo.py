@@ -66,7 +66,7 @@ from ..base import (PRECONDITION_INPUT, PRECONDITIONER, REDUCER_KEY, GradientTra
                     safe_increment, traits_of, zero_count)
 from ..kernels import cast_like, foreach, foreach_, foreach_ema, foreach_sum_of_squares
 from ..tree import (PyTree, flatten_matching, state_dtype, stats_like, tree_cond, tree_flatten,
-                    tree_map, tree_structure, tree_unflatten, tree_while)
+                    tree_map, tree_paths, tree_structure, tree_unflatten, tree_while)
 
 __all__ = [
     "DiagonalGraftState",
@@ -206,6 +206,12 @@ def block_by_dims(inner: GradientTransformation, max_preconditioner_dim: int | f
         require_whole_leaves(updates, extra_args, "block_by_dims", block_rows=rows)
         _check_row_blocks(updates, current_reducer(extra_args), max_preconditioner_dim)
         spec, leaves = flatten_matching(updates)
+        # None, sparse, integer or complex leaves, and (with params) shapes other than the
+        # params': refused here, naming the leaf, before the blocks are cut (a transposed
+        # gradient merged into one dim would otherwise pass as the same blocks)
+        check_gradient_leaves(leaves, None if params is None
+                              else flatten_matching(updates, params)[2], updates,
+                              "block_by_dims")
         # leaves split by rows at block boundaries (zero's split_above_mb) give whole
         # blocks: inner sees no sharded reducer
         extra = {k: v for k, v in extra_args.items() if k != REDUCER_KEY}
@@ -245,6 +251,32 @@ def _check_row_blocks(tree: PyTree, reducer: Any, max_dim: int) -> None:
                 f"differently from the whole leaf (merged dims {mine} vs {theirs} at "
                 f"max_preconditioner_dim={max_dim}); give every rank at least one whole block "
                 "of rows, or do not split this leaf.")
+
+
+def check_block_shapes(g: list[torch.Tensor], factors: list[tuple], tree: PyTree, who: str,
+                       packed: bool = False) -> None:
+    """Every gradient block has the order and the sizes of the state's factors (one per dim,
+    ``(d, d)``, packed ``(d (d + 1) / 2,)``, ``(0, 0)`` for a dim kept without one); else a
+    ``ValueError`` naming the leaf and both shapes."""
+    for i, (x, fs) in enumerate(zip(g, factors)):
+        shape = tuple(x.shape) or (1,)
+        sizes = [_factor_size(f, packed) for f in fs]
+        if len(fs) == len(shape) and all(n is None or n == d for n, d in zip(sizes, shape)):
+            continue
+        expected = tuple("?" if n is None else n for n in sizes)
+        path = tree_paths(tree)[i] if i < len(tree_paths(tree)) else f" leaf {i}"
+        raise ValueError(f"{who}: the gradient{path} has shape {tuple(x.shape)}, but the "
+                         f"state's factors are those of a block of shape {expected} ('?': a "
+                         "dim without a factor): gradients must have the shapes of the params, "
+                         "and the state must come from init on these params (with the same "
+                         "max_preconditioner_dim).")
+
+
+def _factor_size(f: torch.Tensor, packed: bool) -> int | None:
+    """The dim a factor (or basis) preconditions, None for a dim kept without one."""
+    if not f.shape[0]:
+        return None
+    return (math.isqrt(8 * f.shape[0] + 1) - 1) // 2 if packed and f.dim() == 1 else f.shape[0]
 
 
 def _chunks(flat: list, counts: list[int], who: str) -> list[list]:
@@ -1189,10 +1221,12 @@ def _update_shampoo(updates: Updates, state: ShampooState, target: Updates,
     """One step of `precondition_shampoo`: the factors take in ``updates``, the roots are
     recomputed when due, and ``target`` is preconditioned with them."""
     spec, g = flatten_matching(updates)
+    check_gradient_leaves(g, None, updates, "precondition_shampoo")
     x = flatten_matching(target)[1]
     orders = [max(x.dim(), 1) for x in g]
     factors = [tuple(c) for c in _chunks(tree_flatten(state.factors)[0], orders,
                                          "precondition_shampoo")]
+    check_block_shapes(g, factors, updates, "precondition_shampoo", cfg.symmetric_packing)
     roots = [tuple(c) for c in _chunks(tree_flatten(state.roots)[0], orders,
                                        "precondition_shampoo")]
     count = safe_increment(state.count)
@@ -1342,6 +1376,7 @@ def graft(magnitude: GradientTransformation | None, direction: GradientTransform
         filtered = state.filtered
         if beta1:
             _, m = flatten_matching(updates, state.filtered)[1:]
+            check_gradient_leaves(g, m, updates, "graft")      # shaped like the blocks
             m, bar = _filtered_gradient(m, g, beta1, b3, count, use_bias_correction)
             filtered = tree_unflatten(m, spec)
         else:
@@ -1414,6 +1449,7 @@ def scale_by_grafted_diagonal(beta2: float = 1.0, epsilon: float = 1e-10,
         if not g:
             return updates, advance_counts(state)
         nu = flatten_matching(updates, state.nu)[2]
+        check_gradient_leaves(g, nu, updates, "scale_by_grafted_diagonal")
         count = safe_increment(state.count)
         nu = foreach("mul", nu, beta2) if injected or beta2 != 1 else list(nu)
         nu = foreach("addcmul", nu, cast_like(g, nu), cast_like(g, nu), value=weighting_factor)
