@@ -169,3 +169,27 @@ def test_shampoo_and_soap_name_a_bad_gradient(name, bad, with_params) -> None:
         return
     with pytest.raises(error, match=text):
         tx.update(grads, state, params if with_params else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# schedule_free_eval_params with parameters the state was not built on
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [opttx.schedule_free_eval_params,
+                                opttx.schedule_free_train_params])
+@pytest.mark.parametrize("bad, error, text", [
+    (torch.randn(3, 4), ValueError, r"params\['w'\] has shape \(3, 4\), but the schedule-free "
+                                    r"state's z has \(4, 3\)"),
+    (torch.randn(1, 3), ValueError, r"params\['w'\] has shape \(1, 3\)"),
+    (None, TypeError, r"params\['w'\] is NoneType, expected a floating-point tensor"),
+    (torch.ones(4, 3, dtype=torch.int64), TypeError, r"params\['w'\] is torch.int64"),
+])
+def test_schedule_free_eval_params_names_a_param_of_another_shape(fn, bad, error, text) -> None:
+    """A wrongly shaped tree gave a size error deep in kernels.py, and a broadcastable one,
+    (1, 3) for (4, 3), silently gave evaluation parameters of shape (4, 3)."""
+    params = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    tx = opttx.schedule_free_adamw(1e-2)
+    state = tx.init(params)
+    with pytest.raises(error, match=text):
+        fn(state, {"w": bad, "b": params["b"]})

@@ -186,6 +186,37 @@ def _checking_cases(rank: int) -> dict:
             "skip_unchecked": _train_skipping(rank, None, True)}
 
 
+# ---------------------------------------------------------------------------------------------
+# Schedule-Free's evaluation parameters under zero and on_owners
+# ---------------------------------------------------------------------------------------------
+
+
+def _schedule_free_eval(rank: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    params = {"a": torch.randn(5, 3, generator=gen), "b": torch.randn(7, generator=gen),
+              "c": torch.randn(2, 2, generator=gen, dtype=torch.float64),
+              "d": torch.randn(4, generator=gen)}
+    txs = {"zero": zero(opttx.schedule_free_adamw(1e-2), chunk_size_mb=1e-4),
+           "owners": sharded(opttx.schedule_free_adamw(1e-2), on_owners=True),
+           "one": opttx.schedule_free_adamw(1e-2)}
+    out: dict[str, Any] = {}
+    for name, tx in txs.items():
+        p = {k: v.clone() for k, v in params.items()}
+        state = tx.init(p)
+        for step in range(3):
+            g = {k: v * (step + 1.0) - 0.1 for k, v in p.items()}
+            updates, state = tx.update(g, state, p)
+            p = opttx.apply_updates(p, updates)
+        x = (opttx.schedule_free_eval_params(state, p) if name == "one"
+             else opttx.distributed.schedule_free_eval_params(state, p))
+        out[name] = {k: v.tolist() for k, v in x.items()}
+        out[f"{name}_moved"] = any(not torch.equal(x[k], p[k]) for k in p)
+        if name == "zero":
+            out["single_device_function"] = _outcome(
+                lambda: opttx.schedule_free_eval_params(state, p) and None)
+    return out
+
+
 def _worker(rank: int, world: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -194,6 +225,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
     cases: dict[str, Callable[[], Any]] = {
         "overlap": lambda: _overlap_cases(rank),
         "checking": lambda: _checking_cases(rank),
+        "schedule_free": lambda: _schedule_free_eval(rank),
     }
     for name, case in cases.items():
         try:
@@ -281,3 +313,14 @@ def test_checking_mode_catches_a_rank_that_skipped_an_update(results, every) -> 
     silent = [r["skip_unchecked"] for r in _case(results, "checking")]
     assert silent[0]["error"] is None and silent[1]["error"] is None, silent
     assert silent[0]["value"] != silent[1]["value"], silent
+
+
+@pytest.mark.parametrize("how", ["zero", "owners"])
+def test_schedule_free_eval_params_under_zero_and_on_owners(results, how) -> None:
+    """Under zero (or on_owners) a rank's state holds z of its own leaves only, and there was
+    no way to get the evaluation parameters. opttx.distributed.schedule_free_eval_params
+    gathers them from the owners: on every rank, bitwise the single-device ones."""
+    for res in _case(results, "schedule_free"):
+        assert res[how] == res["one"] and res["one_moved"], res
+        assert "call opttx.distributed.schedule_free_eval_params on every rank" in \
+            res["single_device_function"]["error"], res

@@ -16,6 +16,7 @@ from .checkpoint import (check_checkpoint, load_checkpoint, load_state_dict, par
                          state_dict)
 from .consistency import consistency_checks, set_consistency_checks
 from .data_parallel import all_reduce_gradients, plan_buckets
+from .eval_params import schedule_free_eval_params
 from .overlap import BackwardLaunches, no_sync
 from .owners import OwnerPlan, default_cost, on_owners, plan_owners
 from .reducer import CollectiveStats, ShardedReducer, pack_all_reduce
@@ -53,6 +54,7 @@ __all__ = [
     "plan_owners",
     "raise_on_every_rank",
     "shard_groups",
+    "schedule_free_eval_params",
     "set_consistency_checks",
     "sharded",
     "specs_from_dtensors",
