@@ -27,9 +27,9 @@ started by ``torch.multiprocessing``); opttx's own test suite runs with ``k = 1`
 ``update`` is not checked.
 
 Example:
-  >>> with opttx.distributed.consistency_checks(every=100):
-  ...     for step in range(steps):
-  ...         updates, state = tx.update(grads, state, params)   # checked every 100 updates
+  >>> with opttx.distributed.consistency_checks(every=100):   # checks updates 1, 101, ...
+  ...     for step in range(2):
+  ...         updates, state = tx.update(grads, state, params)
 """
 
 from __future__ import annotations

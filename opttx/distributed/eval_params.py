@@ -43,9 +43,9 @@ def schedule_free_eval_params(state: PyTree, params: Params, group: Any = None) 
         rows of a leaf (``split_above_mb``: not supported).
 
     Example:
-      >>> tx = opttx.distributed.zero(opttx.schedule_free_adamw(1e-3))
+      >>> tx = opttx.schedule_free_adamw(1e-3)    # under zero: zero(schedule_free_adamw(...))
+      >>> state = tx.init(params)
       >>> x = opttx.distributed.schedule_free_eval_params(state, params)   # on every rank
-      >>> loss = evaluate(x)
     """
     name = "opttx.distributed.schedule_free_eval_params"
     sf = _the_state(state, name)
