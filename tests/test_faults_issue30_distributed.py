@@ -217,6 +217,50 @@ def _schedule_free_eval(rank: int) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# checkpoints with checksums on two ranks
+# ---------------------------------------------------------------------------------------------
+
+
+def _checksummed_checkpoint(rank: int, root: Path) -> dict:
+    """zero(adam) saved by save_checkpoint: verified and loaded back on both ranks; with one
+    bit flipped in one file (by rank 0), refused on both ranks, nothing loaded."""
+    import struct
+
+    from opttx.distributed import load_checkpoint, save_checkpoint, state_dict, verify_checkpoint
+    torch.manual_seed(0)
+    params = {"w": torch.randn(4, 3), "u": torch.randn(5), "v": torch.randn(3, 2)}
+    tx = zero(opttx.adam(1e-2))
+    state = tx.init(params)
+    updates, state = tx.update({k: torch.ones_like(v) for k, v in params.items()}, state, params)
+    params = opttx.apply_updates(params, updates)
+    path = root / "checksummed"
+    save_checkpoint({"params": params, "optim": state_dict(state, params)}, path)
+    saved = {k: v.clone() for k, v in params.items()}
+    out: dict[str, Any] = {"verified": verify_checkpoint(path)}
+    live = {"params": {k: v + 1 for k, v in params.items()},
+            "optim": state_dict(tx.init(params), params)}
+    out["clean"] = _outcome(lambda: load_checkpoint(live, checkpoint_id=str(path)))
+    out["clean_equal"] = all(torch.equal(live["params"][k], saved[k]) for k in saved)
+    dist.barrier()
+    if rank == 0:
+        target = sorted(path.glob("*.distcp"))[-1]
+        data = bytearray(target.read_bytes())
+        value = struct.pack("<f", float(saved["w"][0, 0]))
+        at = data.find(value)
+        data[at if at >= 0 else len(data) // 2] ^= 0x01
+        target.write_bytes(bytes(data))
+    dist.barrier()
+    live = {"params": {k: v + 1 for k, v in params.items()},
+            "optim": state_dict(tx.init(params), params)}
+    before = [x.clone() for x in opttx.tree.tree_leaves(live)]
+    out["flipped"] = _outcome(lambda: load_checkpoint(live, checkpoint_id=str(path)))
+    out["untouched"] = all(torch.equal(a, b) for a, b in
+                           zip(before, opttx.tree.tree_leaves(live)))
+    out["healthy"] = _healthy()
+    return out
+
+
 def _worker(rank: int, world: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -226,6 +270,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
         "overlap": lambda: _overlap_cases(rank),
         "checking": lambda: _checking_cases(rank),
         "schedule_free": lambda: _schedule_free_eval(rank),
+        "checkpoint": lambda: _checksummed_checkpoint(rank, Path(out).parent),
     }
     for name, case in cases.items():
         try:
@@ -324,3 +369,17 @@ def test_schedule_free_eval_params_under_zero_and_on_owners(results, how) -> Non
         assert res[how] == res["one"] and res["one_moved"], res
         assert "call opttx.distributed.schedule_free_eval_params on every rank" in \
             res["single_device_function"]["error"], res
+
+
+def test_save_checkpoint_round_trip_and_a_flipped_bit_on_two_ranks(results) -> None:
+    """save_checkpoint writes SHA-256 checksums of every file of the DCP checkpoint;
+    load_checkpoint verifies them first (hashing split over the ranks): a clean checkpoint
+    loads back bitwise, one flipped bit is refused with the same ValueError on both ranks
+    naming the file, and nothing is written (before: loaded silently)."""
+    got = _case(results, "checkpoint")
+    for g in got:
+        assert g["verified"] is True and g["clean"]["error"] is None and g["clean_equal"], g
+        assert g["flipped"]["type"] == "ValueError", g
+        assert ".distcp does not have the SHA-256 it was saved with" in g["flipped"]["error"], g
+        assert g["untouched"] and g["healthy"], g
+    assert got[0]["flipped"]["error"] == got[1]["flipped"]["error"]

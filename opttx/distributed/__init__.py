@@ -13,7 +13,7 @@ Example:
 """
 
 from .checkpoint import (check_checkpoint, load_checkpoint, load_state_dict, param_paths,
-                         state_dict)
+                         save_checkpoint, state_dict, verify_checkpoint)
 from .consistency import consistency_checks, set_consistency_checks
 from .data_parallel import all_reduce_gradients, plan_buckets
 from .eval_params import schedule_free_eval_params
@@ -54,12 +54,14 @@ __all__ = [
     "plan_owners",
     "raise_on_every_rank",
     "shard_groups",
+    "save_checkpoint",
     "schedule_free_eval_params",
     "set_consistency_checks",
     "sharded",
     "specs_from_dtensors",
     "state_costs",
     "state_dict",
+    "verify_checkpoint",
     "zero",
     "zero_plan",
 ]
