@@ -65,13 +65,20 @@ def assert_trees_close(actual: PyTree, expected: PyTree, rtol: float = 1e-5,
                        atol: float = 0.0, what: str = "trees") -> None:
     """Assert two trees have the same structure and every leaf is close.
 
-    A leaf passes when ``max|a − e| <= atol + rtol · max|e|`` (its max relative error, see
+    Dicts that hold the same keys in another order are compared key by key; any other
+    difference of structure fails, naming the first place where the trees differ. A leaf
+    passes when ``max|a − e| <= atol + rtol · max|e|`` (its max relative error, see
     `max_relative_error`, is at most ``rtol`` when ``atol`` is 0). Shapes and dtypes must
     match. The error names the path of the worst leaf and its error.
     """
     if tree_structure(actual) != tree_structure(expected):
-        from .tree import assert_same_structure
-        assert_same_structure(actual, expected, what)
+        from .tree import _first_difference, reorder_like
+        reordered = reorder_like(actual, expected)
+        if reordered is None:       # not only dict keys in another order: say what differs
+            where = _first_difference(actual, expected) or "<root>"
+            raise AssertionError(f"{what}: the actual and expected trees have different "
+                                 f"structures; first difference at {where}.")
+        actual = reordered          # the same keys in another order: compared key by key
     worst: tuple[float, str] = (0.0, "")
     for (path, a), e in zip(tree_flatten_with_path(actual)[0], tree_leaves(expected)):
         where = keystr(path) or "<root>"

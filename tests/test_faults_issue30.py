@@ -296,3 +296,52 @@ def test_verify_checkpoint_requires_the_checksums_when_asked(tmp_path) -> None:
     assert verify_checkpoint(path, required=False) is False
     with pytest.raises(ValueError, match="has no .opttx-checksums.json"):
         verify_checkpoint(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# structures: dict key order, a swapped (state, updates), assert_trees_close's messages
+# ---------------------------------------------------------------------------------------------
+
+
+def test_assert_trees_close_compares_dicts_in_another_key_order_by_key() -> None:
+    """The same keys in another order counted as another structure, and the error advised
+    "pass updates, state and params built from the same parameter tree"."""
+    from opttx.testing import assert_trees_close
+    a = {"w": torch.ones(2), "b": torch.zeros(3), "n": {"x": torch.ones(1), "y": torch.ones(1)}}
+    b = {"n": {"y": torch.ones(1), "x": torch.ones(1)}, "b": torch.zeros(3), "w": torch.ones(2)}
+    assert_trees_close(a, b)
+    b["n"]["x"] = torch.full((1,), 2.0)
+    with pytest.raises(AssertionError, match=r"trees\['n'\]\['x'\]: max abs error 1.000e\+00"):
+        assert_trees_close(a, b)
+
+
+def test_assert_trees_close_says_what_differs_without_advice_for_transforms() -> None:
+    from opttx.testing import assert_trees_close
+    with pytest.raises(AssertionError) as info:
+        assert_trees_close({"w": torch.ones(2), "b": torch.zeros(3)}, {"w": torch.ones(2)})
+    text = str(info.value)
+    assert "first difference at <root>: dict with keys ['w', 'b'] vs dict with keys ['w']" \
+        in text and "Pass updates" not in text, text
+
+
+def test_an_update_of_another_key_order_says_so() -> None:
+    params = {"w": torch.ones(3), "b": torch.ones(2)}
+    tx = opttx.adam(1e-2)
+    with pytest.raises(ValueError, match=r"the same keys in another order, \['b', 'w'\] vs "
+                                         r"\['w', 'b'\].*same key order"):
+        tx.update({"b": torch.ones(2), "w": torch.ones(3)}, tx.init(params), params)
+
+
+@pytest.mark.parametrize("make", [lambda: opttx.adam(1e-2), lambda: opttx.sgd(1e-2),
+                                  lambda: opttx.sgd(1e-2, momentum=0.9),
+                                  lambda: opttx.shampoo(1e-2)])
+@pytest.mark.parametrize("apply", [opttx.apply_updates, opttx.apply_updates_])
+def test_unpacking_update_the_wrong_way_round_is_named(make, apply) -> None:
+    """``state, updates = tx.update(...)`` gave a structure error with no hint of the swap."""
+    params = {"w": torch.ones(3), "b": torch.ones(2)}
+    tx = make()
+    state, updates = tx.update({k: torch.ones_like(v) for k, v in params.items()},
+                               tx.init(params), params)
+    with pytest.raises(ValueError, match=r"unpacked the wrong way round\? It returns "
+                                         r"\(updates, state\)"):
+        apply({k: v.clone() for k, v in params.items()}, updates)
