@@ -395,3 +395,39 @@ def test_sharded_settings_do_not_shrink() -> None:
     assert Phase.shrink not in sharded_settings().phases
     assert Phase.shrink in sharded_settings(shrink=True).phases
     assert sharded_settings(max_examples=2).max_examples == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# joining the process group again after a torchrun restart
+# ---------------------------------------------------------------------------------------------
+
+
+def test_init_process_group_for_restarts_uses_a_namespace_per_attempt(monkeypatch) -> None:
+    """Restarting after a killed rank needed the per-restart PrefixStore code copied from
+    examples/resume_after_kill.py; opttx.distributed.init_process_group_for_restarts does it
+    (the restart itself: tests/test_resume.py). Here, one process and an agent-like store:
+    the group's keys land under ``attempt_<TORCHELASTIC_RESTART_COUNT>/``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from opttx.distributed import init_process_group_for_restarts
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True,
+                          timeout=datetime.timedelta(seconds=30))
+    for key, value in {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "3",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent.port),
+                       "RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    assert not dist.is_initialized()
+    init_process_group_for_restarts("gloo", timeout=datetime.timedelta(seconds=30))
+    try:
+        x = torch.ones(2)
+        dist.all_reduce(x)
+        assert x.tolist() == [1.0, 1.0]
+        store = dist.distributed_c10d._get_default_store()
+        while isinstance(store.underlying_store, dist.PrefixStore):
+            store = store.underlying_store            # the innermost: the attempt's
+        store.set("probe", "here")
+        assert agent.get("attempt_3/probe") == b"here"
+    finally:
+        dist.destroy_process_group()

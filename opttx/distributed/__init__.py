@@ -17,6 +17,7 @@ from .checkpoint import (check_checkpoint, load_checkpoint, load_state_dict, par
 from .consistency import consistency_checks, set_consistency_checks
 from .data_parallel import all_reduce_gradients, plan_buckets
 from .eval_params import schedule_free_eval_params
+from .launch import init_process_group_for_restarts
 from .overlap import BackwardLaunches, no_sync
 from .owners import OwnerPlan, default_cost, on_owners, plan_owners
 from .reducer import CollectiveStats, ShardedReducer, pack_all_reduce
@@ -43,6 +44,7 @@ __all__ = [
     "flatten_specs",
     "global_factor_axes",
     "global_shapes",
+    "init_process_group_for_restarts",
     "load_checkpoint",
     "load_state_dict",
     "local_shard",
