@@ -431,3 +431,52 @@ def test_init_process_group_for_restarts_uses_a_namespace_per_attempt(monkeypatc
         assert agent.get("attempt_3/probe") == b"here"
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# what Lion and Muon do with a non-finite gradient element (docs/guide/faults.md)
+# ---------------------------------------------------------------------------------------------
+
+
+def _one_bad_element(tx, bad: float, steps: int = 4) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(3, generator=gen)}
+    state = tx.init(params)
+    out = []
+    for step in range(steps):
+        g = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+        if step == 1:
+            g["w"][0, 0] = bad
+            g["b"][0] = bad
+        u, state = tx.update(g, state, params)
+        out.append(u)
+    return out
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_lion_freezes_an_element_whose_gradient_was_not_finite(bad) -> None:
+    """Lion's sign keeps the step bounded: at a NaN the element's update is 0, at +-inf a
+    normal step of size lr; from the next step on its momentum is NaN and its update 0 for
+    ever. The other elements keep moving by lr."""
+    lr = float(torch.tensor(1e-2))                    # the float32 step size
+    updates = _one_bad_element(opttx.lion(1e-2, weight_decay=0.0), bad)
+    for step, u in enumerate(updates):
+        for k in ("w", "b"):
+            first = u[k].reshape(-1)[0]
+            assert torch.isfinite(u[k]).all()
+            assert (u[k].reshape(-1)[1:].abs() == lr).all()
+            if step == 1:
+                assert float(first.abs()) == (0.0 if math.isnan(bad) else lr)
+            elif step > 1:
+                assert float(first) == 0.0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_muon_spreads_a_non_finite_element_over_the_matrix(bad) -> None:
+    """Newton-Schulz mixes every element of a matrix: one NaN or inf makes the matrix's whole
+    update NaN from that step on; a vector (Muon's AdamW fallback) loses that element only."""
+    updates = _one_bad_element(opttx.muon(1e-2), bad)
+    assert all(torch.isfinite(updates[0][k]).all() for k in ("w", "b"))
+    for u in updates[1:]:
+        assert torch.isnan(u["w"]).all()
+        assert torch.isnan(u["b"][0]) and torch.isfinite(u["b"][1:]).all()
