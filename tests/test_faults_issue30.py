@@ -108,7 +108,8 @@ def test_flatten_inside_the_masking_keeps_the_decay_of_matrices() -> None:
     """The way out the error names: the same bits as ``adamw(mask=...)`` per leaf."""
     gen = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(3, 4, generator=gen), "b": torch.randn(4, generator=gen)}
-    labels = lambda t: opttx.tree.tree_map(lambda x: "decay" if x.ndim >= 2 else "no", t)  # noqa: E731
+    def labels(tree):
+        return opttx.tree.tree_map(lambda x: "decay" if x.ndim >= 2 else "no", tree)
     flat = opttx.partition({"decay": opttx.flatten(opttx.adamw(0.1, weight_decay=0.5)),
                             "no": opttx.flatten(opttx.adamw(0.1, weight_decay=0.0))}, labels)
     ref = opttx.adamw(0.1, weight_decay=0.5, mask=_decay_matrices)

@@ -574,7 +574,8 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
         all-reduce) on which launched chunks stand: a chunk whose ``.grad`` tensors were
         replaced or modified in place since backward (``clip_grad_norm_``; clip inside the
         chain instead) is reduced again, so the numbers are those without overlap. Eager
-        only (a compiled step issues its collectives itself). Accumulating micro-batches: run the backwards before the last inside
+        only (a compiled step issues its collectives itself). Accumulating micro-batches:
+        run the backwards before the last inside
         ``opttx.distributed.no_sync()`` (else each backward launches again, correct but
         wasted).
       split_above_mb: split every parameter larger than this (MiB) into row segments (dim 0),
