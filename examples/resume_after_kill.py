@@ -18,8 +18,10 @@ What it shows:
 
 * the optimizer is ``opttx.distributed.zero(opttx.adamw(...))`` (``--mode owners``:
   ``sharded(on_owners(adamw))``): each rank holds the Adam moments of the parameters it owns;
-* every ``--every`` steps each rank saves its share with ``dcp.save({"params": params,
-  "optim": opttx.distributed.state_dict(state, params)})``: the moments are keyed by
+* every ``--every`` steps each rank saves its share with
+  ``opttx.distributed.save_checkpoint({"params": params, "optim":
+  opttx.distributed.state_dict(state, params)}, dir)`` (``dcp.save`` plus the SHA-256 of every
+  file, which ``load_checkpoint`` verifies before reading): the moments are keyed by
   parameter name and field (``optim.state.2.weight.0.mu``), so every rank writes exactly the
   leaves it owns and the step count once; rank 0 then records the step in ``latest`` (a
   checkpoint half-written when a rank dies is never read). ``latest`` is read back only if it
@@ -29,7 +31,11 @@ What it shows:
 * on start, a run finding ``latest`` rebuilds its optimizer state with ``tx.init`` (at the
   current world size, so the owners may differ from the saved run's), checks the checkpoint
   against it (`opttx.distributed.check_checkpoint`: a checkpoint of another model or chain is
-  refused, naming the mismatch), loads it in place with ``dcp.load`` and goes on;
+  refused, naming the mismatch), loads it with ``opttx.distributed.load_checkpoint`` (checksums
+  verified first; nothing written unless every rank read its part) and goes on;
+* after a restart the group is joined with
+  ``opttx.distributed.init_process_group_for_restarts``, which gives each torchrun attempt a
+  namespace of its own in the agent's store (the dead workers' addresses stay there);
 * ``--check REF`` compares the final parameters with ``torch.equal`` against a reference run's
   ``final.pt`` and exits non-zero unless every tensor is identical. The data of a step depends
   only on the step and the rank, and gradients are averaged over the ranks, so a resumed run
@@ -56,8 +62,9 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad
 
 import opttx
-from opttx.distributed import (check_checkpoint, load_state_dict, on_owners, sharded,
-                               state_dict, zero)
+from opttx.distributed import (check_checkpoint, init_process_group_for_restarts,
+                               load_checkpoint, load_state_dict, on_owners, save_checkpoint,
+                               sharded, state_dict, zero)
 from opttx.testing import exit_rank
 
 
@@ -80,23 +87,6 @@ def make_tx(mode: str) -> opttx.GradientTransformation:
         return zero(adamw, chunk_size_mb=0.01)
     # replicated parameters: average the gradients, then every leaf at one owner rank
     return sharded(opttx.chain(opttx.distributed.all_reduce_gradients(), on_owners(adamw)))
-
-
-def init_process_group() -> None:
-    """The gloo group, in a store namespace of its own per torchrun restart: a restarted group
-    reusing the agent's store would otherwise read the dead workers' addresses left there by
-    the previous attempt (seen with torch 2.13: "Gloo connectFullMesh failed ... Connection
-    refused", or a hang)."""
-    timeout = datetime.timedelta(seconds=60)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group("gloo", timeout=timeout)
-        return
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt_{attempt}/", store),
-                            rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
 def checkpoint_step(path: Path) -> int:
@@ -127,7 +117,8 @@ def latest(directory: Path) -> Path | None:
 
 def save(directory: Path, step: int, params: dict, state: object) -> None:
     target = directory / f"step_{step}"
-    dcp.save({"params": params, "optim": state_dict(state, params)}, checkpoint_id=str(target))
+    # dcp.save plus the SHA-256 of every file, checked by load_checkpoint
+    save_checkpoint({"params": params, "optim": state_dict(state, params)}, target)
     dist.barrier()
     if dist.get_rank() == 0:                 # only a complete checkpoint is ever "latest"
         tmp = directory / "latest.tmp"
@@ -143,7 +134,9 @@ def restore(path: Path, tx: opttx.GradientTransformation, params: dict
     state = tx.init(params)
     sd = {"params": params, "optim": state_dict(state, params)}
     check_checkpoint(sd["optim"], dcp.FileSystemReader(str(path)).read_metadata(), "optim")
-    dcp.load(sd, checkpoint_id=str(path))
+    # verifies the checksums (a flipped bit or an emptied file is refused on every rank),
+    # then loads, writing nothing unless every rank read its part
+    load_checkpoint(sd, checkpoint_id=str(path))
     state = load_state_dict(state, sd["optim"], params)
     return params, state, checkpoint_step(path)
 
@@ -162,7 +155,9 @@ def main() -> int:
                         help="a reference final.pt: fail unless the final parameters equal it")
     args = parser.parse_args()
 
-    init_process_group()
+    # a store namespace of its own per torchrun restart (the agent's store keeps the dead
+    # workers' addresses): opttx.distributed.init_process_group_for_restarts
+    init_process_group_for_restarts("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     args.dir.mkdir(parents=True, exist_ok=True)

@@ -971,7 +971,9 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
         preconditioned as one matrix.
       inv_factor_matrix_dtype, beta3, use_trace_scaling, trace_scaling_exponent,
         inverse_exponent_override, drop_weighting_factor_on_gsquare (of the Shampoo factors):
-        Meta's options of these names
+        Meta's options of these names (``inv_factor_matrix_dtype`` defaults to float32 as
+        Meta's, also with ``preconditioner_dtype=torch.float64``: give both for float64
+        roots, bases and second moments)
       rank_deficient, rank_atol, rank_rtol: Meta's ``rank_deficient_stability_config`` of its
         ``EigenConfig``: ``"perturb_before"`` (default) / ``"perturb_after"``
         (``PerturbationConfig(perturb_before_computation=...)``), ``"pseudo_inverse"``
@@ -1076,7 +1078,10 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
             beta2, epsilon, precondition_frequency, start,
             eigendecomposition=eigendecomposition, qr_iterations=qr_iterations,
             tolerance=eigendecomposition_tolerance, preconditioner_dtype=preconditioner_dtype,
-            basis_dtype=inv_factor_matrix_dtype, use_bias_correction=use_bias_correction,
+            # Meta's factor_matrix_eigenvectors_dtype / corrected_eigenvalues_dtype: float32
+            # by default, whatever the factors' dtype
+            basis_dtype=torch.float32 if inv_factor_matrix_dtype is None
+            else inv_factor_matrix_dtype, use_bias_correction=use_bias_correction,
             eigenvalue_exponent=inverse_exponent_override or {},
             ignored_basis_change_dims=ignored_basis_change_dims,
             drop_weighting_factor_on_gsquare=drop_weighting_factor_on_gsquare,

@@ -13,8 +13,9 @@ Same numbers: for an element-wise inner transform (``adam``, ``adamw``, ``lion``
 bitwise those of the per-leaf path. A transform that reduces per leaf (``clip_by_block_rms``,
 ``scale_by_trust_ratio``, Adafactor's factored statistics, Shampoo) would see one flat vector
 instead of its leaves, so `flatten` must not wrap those; `clip_by_global_norm` is unaffected
-(the norm over all buffers is the norm over all leaves). Masks inside the inner transform see
-the flat tree: give them as callables of it, or put `flatten` inside `masked`/`partition`.
+(the norm over all buffers is the norm over all leaves). Masks and labels inside the inner
+transform would see the flat buffers: one given as a function of the tree (``adamw(mask=...)``
+deciding by ``ndim``) raises a ``ValueError``; put `flatten` inside `masked`/`partition`.
 
 Cost: `flatten` concatenates the gradients and the parameters into new flat buffers at every
 step (two extra copies: 44 instead of 28 bytes per parameter for AdamW), which a compiled
@@ -26,6 +27,7 @@ gradients taken with respect to them) in flat buffers to begin with: prefer it f
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, NamedTuple
 
@@ -33,7 +35,7 @@ import torch
 
 from .base import (GradientTransformation, check_init_params, combine_traits, declare,
                    declare_roles)
-from .tree import PyTree, Static, tree_flatten, tree_unflatten
+from .tree import PyTree, Static, flat_layout, tree_flatten, tree_unflatten
 
 __all__ = ["FlatParams", "FlattenState", "flatten"]
 
@@ -89,7 +91,8 @@ def flatten(inner: GradientTransformation) -> GradientTransformation:
     def init(params: PyTree) -> FlattenState:
         check_init_params(params)
         leaves, _ = tree_flatten(params)
-        return FlattenState(inner.init(_pack(leaves, _groups(leaves))))
+        with flat_layout():              # masks given as functions would see the buffers
+            return FlattenState(inner.init(_pack(leaves, _groups(leaves))))
 
     def update(updates: PyTree, state: FlattenState, params: PyTree | None = None,
                **extra_args: Any) -> tuple[PyTree, FlattenState]:
@@ -102,8 +105,9 @@ def flatten(inner: GradientTransformation) -> GradientTransformation:
                 from .tree import assert_same_structure
                 assert_same_structure(updates, params, "updates and params")
             flat_params = _pack(p_leaves, groups)
-        flat_updates, inner_state = inner.update(_pack(leaves, groups), state.inner_state,
-                                                 flat_params, **extra_args)
+        with contextlib.nullcontext() if torch.compiler.is_compiling() else flat_layout():
+            flat_updates, inner_state = inner.update(_pack(leaves, groups), state.inner_state,
+                                                     flat_params, **extra_args)
         out: list[Any] = [None] * len(leaves)
         for g, buf in zip(groups, flat_updates):
             sizes = [leaves[i].numel() for i in g]

@@ -15,8 +15,9 @@ Two conventions differ from JAX and are worth knowing:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.utils._pytree as _pytree
@@ -109,6 +110,11 @@ def _first_difference(a: PyTree, b: PyTree, path: str = "") -> str:
         return f"{path or '<root>'}: {kinds[not a_leaf]} vs {kinds[not b_leaf]}"
     a_children, a_ctx = _node_children(a)
     b_children, b_ctx = _node_children(b)
+    if (isinstance(a, dict) and type(a) is type(b) and a_ctx != b_ctx
+            and sorted(map(repr, a_ctx)) == sorted(map(repr, b_ctx))):
+        return (f"{path or '<root>'}: the same keys in another order, {list(a_ctx)!r} vs "
+                f"{list(b_ctx)!r} (the order of a dict's keys is part of a pytree's "
+                "structure)")
     if type(a) is not type(b) or a_ctx != b_ctx or len(a_children) != len(b_children):
         return (f"{path or '<root>'}: {type(a).__name__} with keys {a_ctx!r} vs "
                 f"{type(b).__name__} with keys {b_ctx!r}")
@@ -154,12 +160,64 @@ def find_instances(tree: Any, cls: type) -> list[Any]:
 
 
 def assert_same_structure(a: PyTree, b: PyTree, what: str = "trees") -> None:
-    """Raise ``ValueError`` naming the first differing path if ``a`` and ``b`` differ."""
+    """Raise ``ValueError`` naming the first differing path if ``a`` and ``b`` differ (and,
+    for dicts whose keys differ in order only, saying so)."""
     if tree_structure(a) == tree_structure(b):
         return
     where = _first_difference(a, b) or "<root>"
+    if "the same keys in another order" in where:
+        advice = ("Build both with the same key order (e.g. {k: grads[k] for k in params}), "
+                  "or pass the tree you built the state from.")
+    else:
+        advice = "Pass updates, state and params built from the same parameter tree."
+        if _looks_swapped(a, b) or _looks_swapped(b, a):
+            which = "first" if _looks_swapped(a, b) else "second"
+            advice = (f"The {which} looks like an optimizer state (NamedTuples, step counts), "
+                      "not a tree like the parameters: were the two results of update "
+                      "unpacked the wrong way round? It returns (updates, state): "
+                      "updates, state = tx.update(grads, state, params).")
     raise ValueError(f"The {what} have different structures; first difference at {where}. "
-                     "Pass updates, state and params built from the same parameter tree.")
+                     f"{advice}")
+
+
+def _looks_swapped(a: PyTree, b: PyTree) -> bool:
+    """Whether ``a`` looks like an optimizer state (holds a NamedTuple or a 0-dim integer
+    tensor) where ``b`` does not: the sign of ``(state, updates)`` unpacked the wrong way."""
+    def state_like(tree: PyTree) -> bool:
+        if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+            return not isinstance(tree, MaskedNode)
+        if isinstance(tree, (tuple, list)):
+            return any(state_like(x) for x in tree)
+        if isinstance(tree, dict):
+            return any(state_like(x) for x in tree.values())
+        return isinstance(tree, torch.Tensor) and tree.ndim == 0 and \
+            not tree.is_floating_point()
+    return state_like(a) and not state_like(b)
+
+
+def reorder_like(tree: PyTree, like: PyTree) -> PyTree | None:
+    """``tree`` with the keys of each dict in the order of the same dict in ``like`` when the
+    two differ only in the order of dict keys (the same values, re-keyed), else None."""
+    if isinstance(tree, dict) and isinstance(like, dict):
+        if type(tree) is not type(like) or set(tree) != set(like):
+            return None
+        out = {}
+        for k in like:
+            sub = reorder_like(tree[k], like[k])
+            if sub is None:
+                return None
+            out[k] = sub
+        return type(tree)(out) if type(tree) is not dict else out
+    if isinstance(tree, (list, tuple)) and type(tree) is type(like) and len(tree) == len(like):
+        parts = [reorder_like(a, b) for a, b in zip(tree, like)]
+        if any(p is None for p in parts):
+            return None
+        if hasattr(tree, "_fields"):
+            return type(tree)(*parts)
+        return type(tree)(parts)
+    if tree_structure(tree) == tree_structure(like):
+        return tree
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,6 +382,19 @@ def flatten_matching(updates: PyTree, *trees: PyTree, what: str = "updates and s
 
 
 _MASKED = object()   # stands for a MaskedNode position while labels are resolved
+_FLAT_LAYOUT = [0]   # depth of `flat_layout` blocks (opttx.flatten's inner transform)
+
+
+@contextlib.contextmanager
+def flat_layout() -> Iterator[None]:
+    """Inside this block the trees transforms see are flat buffers (`opttx.flatten`), not the
+    parameters: per-leaf values given as functions of the tree (masks, labels, axes), which
+    would read the buffers' shapes instead of the parameters', are refused by `leaf_labels`."""
+    _FLAT_LAYOUT[0] += 1
+    try:
+        yield
+    finally:
+        _FLAT_LAYOUT[0] -= 1
 
 
 def leaf_labels(labels: PyTree | Callable[[PyTree], PyTree], tree: PyTree,
@@ -333,6 +404,15 @@ def leaf_labels(labels: PyTree | Callable[[PyTree], PyTree], tree: PyTree,
     of ``tree`` returning one) to one value per leaf of ``tree``; ``is_leaf`` marks values
     that are containers in pytree terms (a tuple of axes) as single values."""
     is_masked = lambda x: isinstance(x, MaskedNode)  # noqa: E731
+    if callable(labels) and _FLAT_LAYOUT[0]:
+        raise ValueError(
+            f"opttx.flatten: the {what} are given as a function of the tree, but inside "
+            "flatten the tree is one flat buffer per (device, dtype), so the function would "
+            "see the buffers instead of the parameters (a mask of ndim >= 2 would drop every "
+            "matrix). Put flatten inside the masking instead: "
+            "opttx.partition({'decay': opttx.flatten(opttx.adamw(lr, weight_decay=wd)), "
+            "'no_decay': opttx.flatten(opttx.adamw(lr, weight_decay=0.0))}, labels), or "
+            "opttx.masked(opttx.flatten(inner), mask).")
     if callable(labels):
         fn = labels
         try:
@@ -364,8 +444,12 @@ def leaf_labels(labels: PyTree | Callable[[PyTree], PyTree], tree: PyTree,
         flat = [v for v, sub in zip(values, subtrees) for _ in tree_leaves(sub)]
     if flat is None:
         where = _first_difference(labels, tree) or "the structures differ"
+        inside = (" Inside opttx.flatten the tree is one flat buffer per (device, dtype), not "
+                  "the parameters: put flatten inside the masking (opttx.masked(opttx.flatten"
+                  "(inner), mask) or opttx.partition of flattened transforms)."
+                  if _FLAT_LAYOUT[0] else "")
         raise ValueError(f"The {what} do not match the parameter tree: {where}. Give one "
-                         f"value per parameter leaf, in a tree of the same structure.")
+                         f"value per parameter leaf, in a tree of the same structure.{inside}")
     return [v for v, x in zip(flat, tree_leaves(positions)) if x is not _MASKED]
 
 

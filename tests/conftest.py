@@ -1,6 +1,11 @@
 import os
 from pathlib import Path
 
+# opttx's distributed checking mode in every test and every rank they start (the environment
+# reaches spawned processes): each update of sharded and zero compares the ranks' replicated
+# parameters and step counters (opttx.distributed.consistency). Read when opttx is imported.
+os.environ.setdefault("OPTTX_CONSISTENCY_CHECKS", "1")
+
 import pytest
 import torch
 import torch.distributed as dist

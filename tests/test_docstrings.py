@@ -30,7 +30,9 @@ from opttx.distributed import Replicated, Shard
 NEEDS_PROCESS_GROUP = {
     "opttx.distributed", "opttx.distributed.checkpoint.load_checkpoint",
     "opttx.distributed.checkpoint.state_dict",
-    "opttx.distributed.data_parallel.all_reduce_gradients", "opttx.distributed.owners.on_owners",
+    "opttx.distributed.data_parallel.all_reduce_gradients",
+    "opttx.distributed.launch.init_process_group_for_restarts",
+    "opttx.distributed.owners.on_owners",
     "opttx.distributed.owners.plan_owners", "opttx.distributed.shapes.global_factor_axes",
     "opttx.distributed.sharded.sharded", "opttx.distributed.specs.Shard",
     "opttx.distributed.zero.zero", "opttx.testing.MeshDim", "opttx.testing.assert_shard_invariant",

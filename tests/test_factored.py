@@ -167,8 +167,12 @@ def test_came_equals_came_pytorch(wd, drawn) -> None:
         else:
             names.update(v="exp_avg_sq")
         for ours, theirs in names.items():
+            # mu is an EMA of updates whose RMS CAME clips to 1: its float32 rounding is
+            # absolute (terms of order 1), not relative to a final value the terms may cancel
+            # down to (a drawn 1-D leaf of mu at 7e-3 was 1.07e-7 from came_pytorch, itself
+            # 8.3e-8 from a float64 run, and opttx's 2.4e-8): atol 1e-6 there
             assert_trees_close(getattr(came_state, ours)[k], ref_state[k][theirs], rtol=1e-5,
-                               what=f"{ours}[{k}]")
+                               atol=1e-6 if ours == "mu" else 0.0, what=f"{ours}[{k}]")
 
 
 def test_came_keeps_instability_statistics_apart_from_the_second_moment() -> None:

@@ -19,13 +19,13 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.func import functional_call, grad_and_value
 
 import opttx
-from opttx.testing import (assert_shard_invariant, assert_trees_close, gradient_stream,
-                           param_trees, run_transform)
+from opttx.testing import (ParamTree, assert_shard_invariant, assert_trees_close,
+                           gradient_stream, param_trees, run_transform)
 import optax_reference
 
 STEPS = 20
@@ -61,8 +61,23 @@ def test_prodigy_equals_optax_contrib_prodigy(dtype: torch.dtype) -> None:
     jax.config.update("jax_enable_x64", True)
     import jax.numpy as jnp
 
+    # two draws the CI profile never made that failed the property as it was: a 0-dim leaf
+    # whose estimate does not move, and a tree whose float32 estimate both sides get 0.7 %
+    # wrong (2e-5 apart)
+    gen = torch.Generator().manual_seed(1)
+    cancelling = ParamTree({f"p{i}": torch.randn(shape, generator=gen, dtype=torch.float64)
+                            .to(dtype) for i, shape in enumerate([(4, 6), (4, 7, 7), ()])}, 1)
+    still = ParamTree({"p0": torch.randn((), generator=torch.Generator().manual_seed(20),
+                                         dtype=torch.float64).to(dtype)}, 20)
+
     @settings(max_examples=6, deadline=None)
     @given(drawn=param_trees(dtypes=(dtype,)), h=hparams)
+    @example(drawn=cancelling, h=dict(betas=(0.5, 0.9), beta3=None, weight_decay=0.0,
+                                      safeguard_warmup=False, estim_lr_coef=2.0,
+                                      estim_lr0=1e-6, schedule=False))
+    @example(drawn=still, h=dict(betas=(0.9, 0.99), beta3=None, weight_decay=0.0,
+                                 safeguard_warmup=False, estim_lr_coef=1.0, estim_lr0=1e-6,
+                                 schedule=True))
     def prop(drawn, h):
         h = dict(h)
         theirs_lr = ours_lr = 1.0
@@ -77,12 +92,52 @@ def test_prodigy_equals_optax_contrib_prodigy(dtype: torch.dtype) -> None:
                                          grads)
         actual, state = run_transform(opttx.prodigy(ours_lr, **h), drawn.tree, grads)
         tol = optax_reference.TOLERANCE[dtype]
-        assert math.isclose(float(state.estim_lr), d_expected, rel_tol=tol), \
-            (float(state.estim_lr), d_expected)
+        ours = float(state.estim_lr)
+        if dtype == torch.float32 and not math.isclose(ours, d_expected, rel_tol=tol):
+            # the estimate is a ratio of dot products that can cancel: in float32 both
+            # implementations may drift from the exact value by far more than 1e-5 (a drawn
+            # 4x6, 4x7x7 and 0-dim tree: both 0.7 % from float64, 2e-5 apart). Then opttx
+            # must be as close to the float64 run as optax is (within a factor 2)
+            exact = run_optax(optax.contrib.prodigy(theirs_lr, **h),
+                              {k: v.double() for k, v in drawn.tree.items()},
+                              [{k: v.double() for k, v in g.items()} for g in grads])[1]
+            assert abs(ours - exact) <= 2 * abs(d_expected - exact) + tol * exact, \
+                (ours, d_expected, exact)
+        else:
+            assert math.isclose(ours, d_expected, rel_tol=tol), (ours, d_expected)
         optax_reference.assert_params_close(actual, expected, drawn.tree, dtype,
                                             "prodigy vs optax.contrib.prodigy")
-        assert float(state.estim_lr) > h["estim_lr0"]     # the estimate did move
+        # Prodigy's estimate never decreases, and moves where optax's does (a decaying
+        # schedule and a tiny estim_lr0 on a 0-dim leaf can leave both where they started:
+        # "it moved" is not a property of every legal draw)
+        start = float(torch.tensor(h["estim_lr0"], dtype=state.estim_lr.dtype))
+        assert ours >= start
+        if d_expected > start * (1 + 10 * tol):
+            assert ours > start, (ours, d_expected)
     prop()
+
+
+def test_an_estimate_that_does_not_move_matches_optax() -> None:
+    """The draw that made the property above fail once without the CI profile: a 0-dim
+    parameter, estim_lr0 = 1e-6 and a decaying schedule, where optax's estimate stays at
+    estim_lr0 (its numerator never turns positive); opttx's stays there too, and the
+    parameters agree (the property said the estimate must move, which is not the law)."""
+    jax = pytest.importorskip("jax")
+    optax = pytest.importorskip("optax")
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+    tree = {"p0": torch.randn((), generator=torch.Generator().manual_seed(20),
+                              dtype=torch.float64)}
+    h = dict(betas=(0.9, 0.99), beta3=None, weight_decay=0.0, safeguard_warmup=False,
+             estim_lr_coef=1.0, estim_lr0=1e-6)
+    grads = drifting_gradients(tree, 21)
+    expected, d_expected = run_optax(optax.contrib.prodigy(
+        lambda c: 1.0 - jnp.asarray(c, jnp.float64) / 40, **h), tree, grads)
+    actual, state = run_transform(opttx.prodigy(lambda c: 1.0 - c.to(torch.float64) / 40, **h),
+                                  tree, grads)
+    assert d_expected == float(state.estim_lr) == 1e-6
+    optax_reference.assert_params_close(actual, expected, tree, torch.float64,
+                                        "prodigy vs optax.contrib.prodigy")
 
 
 def test_growth_rate_bounds_the_estimate_per_step() -> None:

@@ -124,7 +124,8 @@ def opttx_shampoo(cfg: dict, dtype: torch.dtype, **extra):
     cfg = dict(cfg)
     qr = cfg.pop("qr")
     return opttx.shampoo(LR, grafting_beta2=0.999, grafting_epsilon=1e-8,
-                         preconditioner_dtype=dtype, preconditioner="eigenvalue_corrected",
+                         preconditioner_dtype=dtype, inv_factor_matrix_dtype=dtype,
+                         preconditioner="eigenvalue_corrected",
                          eigendecomposition="qr" if qr else "eigh", **cfg, **extra)
 
 
@@ -167,7 +168,7 @@ def test_meta_first_step_is_adam_in_the_standard_basis() -> None:
     tree, grads = problem({"m": (4, 3)}, 2, 0, torch.float64)
     tx = opttx.shampoo(LR, betas=(0.9, 0.999), epsilon=1e-8, precondition_frequency=3,
                        preconditioner="eigenvalue_corrected",
-                       preconditioner_dtype=torch.float64)
+                       preconditioner_dtype=torch.float64, inv_factor_matrix_dtype=torch.float64)
     adam = opttx.adam(LR, 0.9, 0.999, 1e-8)
     assert max(displacement_gaps(run_opttx(tx, tree, grads), run_opttx(adam, tree, grads),
                     tree).values()) <= 1e-4
@@ -235,7 +236,8 @@ def test_first_moment_in_eigenbasis_state_is_the_rotated_filtered_gradient() -> 
     tree, grads = problem({"m": (6, 4)}, 7, 5, torch.float64)
     kw = dict(betas=(0.9, 0.999), epsilon=1e-8, precondition_frequency=3,
               preconditioner="eigenvalue_corrected", preconditioner_dtype=torch.float64,
-              target_parameter_dimensionality=2, first_moment_in_eigenbasis=True)
+              inv_factor_matrix_dtype=torch.float64, target_parameter_dimensionality=2,
+              first_moment_in_eigenbasis=True)
     tx = opttx.shampoo(LR, grafting="adam", **kw)
     _, state = run_transform(tx, tree, grads)
     graft_state = state[0]

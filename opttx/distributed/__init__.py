@@ -13,8 +13,11 @@ Example:
 """
 
 from .checkpoint import (check_checkpoint, load_checkpoint, load_state_dict, param_paths,
-                         state_dict)
+                         save_checkpoint, state_dict, verify_checkpoint)
+from .consistency import consistency_checks, set_consistency_checks
 from .data_parallel import all_reduce_gradients, plan_buckets
+from .eval_params import schedule_free_eval_params
+from .launch import init_process_group_for_restarts
 from .overlap import BackwardLaunches, no_sync
 from .owners import OwnerPlan, default_cost, on_owners, plan_owners
 from .reducer import CollectiveStats, ShardedReducer, pack_all_reduce
@@ -42,10 +45,12 @@ __all__ = [
     "all_reduce_gradients",
     "check_checkpoint",
     "check_offloadable",
+    "consistency_checks",
     "default_cost",
     "flatten_specs",
     "global_factor_axes",
     "global_shapes",
+    "init_process_group_for_restarts",
     "load_checkpoint",
     "load_state_dict",
     "local_shard",
@@ -60,10 +65,14 @@ __all__ = [
     "plan_owners",
     "raise_on_every_rank",
     "shard_groups",
+    "save_checkpoint",
+    "schedule_free_eval_params",
+    "set_consistency_checks",
     "sharded",
     "specs_from_dtensors",
     "state_costs",
     "state_dict",
+    "verify_checkpoint",
     "zero",
     "zero_plan",
 ]

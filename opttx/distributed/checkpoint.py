@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .checkpoint_files import save_checkpoint, verify_checkpoint
 from .checkpoint_keys import (
     dtensor_placement,
     keyed_state,
@@ -60,7 +61,7 @@ from ..tree import PyTree, Static, tree_flatten
 from .shapes import is_dtensor, raise_on_every_rank
 
 __all__ = ["check_checkpoint", "load_checkpoint", "load_state_dict", "param_paths",
-           "state_dict"]
+           "save_checkpoint", "state_dict", "verify_checkpoint"]
 
 STATE, SHARED, MADE_BY = "state", "shared", "made_by"
 
@@ -466,9 +467,14 @@ def load_checkpoint(state_dict: dict[str, Any], checkpoint_id: Any = None, *,
       checkpoint_id, storage_reader, planner: as for ``torch.distributed.checkpoint.load``.
       group: the ranks loading together (None: the default group).
 
+    A checkpoint directory saved by `save_checkpoint` is verified first against its
+    checksums (`verify_checkpoint`: every file's size and SHA-256; ``torch``'s formats detect
+    no flipped bit); any directory is refused if one of its files is empty.
+
     Raises:
       the read's own error on the rank that failed, a ``ValueError`` naming that rank on the
-      others; nothing of ``state_dict`` was written.
+      others, or a ``ValueError`` on every rank naming a file that fails verification;
+      nothing of ``state_dict`` was written.
 
     Example:
       >>> sd = {"params": params, "optim": state_dict(state, params)}
@@ -476,6 +482,9 @@ def load_checkpoint(state_dict: dict[str, Any], checkpoint_id: Any = None, *,
       >>> state = load_state_dict(state, sd["optim"], params)
     """
     import torch.distributed.checkpoint as dcp
+    if checkpoint_id is not None and storage_reader is None:
+        # the bits as saved (save_checkpoint's checksums, when present; no empty file)
+        verify_checkpoint(checkpoint_id, group=group, required=False)
     error = None
     try:       # what made the saved optimizer states, against this run's, before any read
         _check_saved_makers(state_dict, checkpoint_id, storage_reader)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from .._checks import check_positive
 from ..base import (EmptyState, GradientTransformation, Params, Updates, _describe,
                     check_init_params, declare)
-from ..tree import tree_flatten, tree_leaves, tree_unflatten
+from ..tree import tree_flatten, tree_leaves, tree_paths, tree_unflatten
 from .overlap import BackwardLaunches
 from .reducer import CollectiveStats, collective_device, pack_all_reduce
 from .shapes import agree_on_configuration, agree_on_tree, require_member
@@ -69,10 +69,13 @@ def all_reduce_gradients(group: Any = None, bucket_size_mb: float = 25, *,
         :math:`(W + 1)\,2^{-8}` times the mean of the ranks' absolute values.
       overlap: start each bucket's all-reduce during backward, from the post-accumulate-grad
         hooks of its parameters (`opttx.distributed.overlap.BackwardLaunches`), as DDP does;
-        ``update`` waits for it. ``init`` must get the model's parameters themselves, the
-        gradients given to ``update`` must be the ``.grad`` tensors backward left, and every
-        rank must produce the same gradients. Eager only; accumulate micro-batches inside
-        `opttx.distributed.no_sync`.
+        ``update`` waits for it. ``init`` must get the model's parameters themselves, and
+        every rank must give every parameter a gradient in each backward (else a
+        ``ValueError`` on every rank naming the parameter). ``update`` first agrees across
+        the ranks (one small all-reduce) on which launched buckets stand: a bucket whose
+        ``.grad`` tensors were replaced or modified in place since backward (say by
+        ``clip_grad_norm_``) is all-reduced again, so the numbers are those without overlap.
+        Eager only; accumulate micro-batches inside `opttx.distributed.no_sync`.
 
     Returns:
       A stateless `GradientTransformation` (with ``overlap``, ``init`` also hooks the
@@ -128,20 +131,25 @@ def all_reduce_gradients(group: Any = None, bucket_size_mb: float = 25, *,
                 old.remove()
             g = group if group is not None else dist.group.WORLD
             launched[:] = [BackwardLaunches(leaves, plan_buckets(leaves, bucket_bytes),
-                                            _bucket_launcher(g, communication_dtype, stats))]
+                                            _bucket_launcher(g, communication_dtype, stats),
+                                            group=g, names=tree_paths(params), stats=stats)]
         return EmptyState()
 
     def update(updates: Updates, state: EmptyState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, EmptyState]:
         del params, extra_args
         g = group if group is not None else dist.group.WORLD
+        launches = launched[0] if launched and not torch.compiler.is_compiling() else None
+        if launches is not None:
+            # which launches from backward stand, agreed on every rank (a missing gradient on
+            # one rank raises on every rank here, before the tree checks)
+            launches.settle(tree_flatten(updates)[0])
         if not checked and not torch.compiler.is_compiling():
             agree(updates, g)
         leaves, treespec = tree_flatten(updates)
         if not leaves:
             return updates, state
         world = dist.get_world_size(g)
-        launches = launched[0] if launched and not torch.compiler.is_compiling() else None
         out = list(leaves)
         for k, bucket in enumerate(plan_buckets(leaves, bucket_bytes)):
             grads = [leaves[i] for i in bucket]

@@ -571,8 +571,10 @@ def on_owners(tx: GradientTransformation, owner_group: Any = None,
         error at most :math:`2^{-8}` for bf16), the same rounding on every rank that holds a
         copy of a replicated leaf.
 
-    It must run inside `opttx.distributed.sharded` (which knows the specs); ``sharded(tx,
-    specs, on_owners=True)`` is ``sharded(on_owners(tx), specs)``. Put element-wise and
+    Inside `opttx.distributed.sharded` (which knows the specs) it does the above;
+    ``sharded(tx, specs, on_owners=True)`` is ``sharded(on_owners(tx), specs)``. Outside any
+    `sharded` (one device, the single-device reference of a sharded run) it is ``tx`` itself,
+    with ``tx``'s state, so one factory serves both runs. Put element-wise and
     layer-wise links outside it to keep them on the local shards (less traffic), e.g.
     ``sharded(chain(all_reduce_gradients(dp), on_owners(shampoo(...))), specs)``.
 
@@ -607,6 +609,8 @@ def on_owners(tx: GradientTransformation, owner_group: Any = None,
     checked: set[int] = set()                         # plans whose pieces the ranks agreed on
 
     def init(params: Params) -> State:
+        if current_reducer(None) is None:      # one device: the leaves are whole already
+            return cfg.tx.init(params)
         reducer = _reducer_of("init", None)
         local = _split_tree(reducer, params)
         plan = _plan_for(reducer, local, params, plans, cfg)
@@ -617,6 +621,8 @@ def on_owners(tx: GradientTransformation, owner_group: Any = None,
 
     def update(updates: Updates, state: State, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, State]:
+        if current_reducer(extra_args) is None:   # one device: tx itself
+            return cfg.tx.update(updates, state, params, **extra_args)
         return _on_owners_update(updates, state, params, extra_args, cfg, plans, checked)
 
     return GradientTransformation(init, update)

@@ -10,6 +10,7 @@ from ..base import (GradientTransformation, Params, REDUCER_KEY, State, Updates,
                     configuration_items, declare, reducer_during_init)
 from ..tree import PyTree, tree_flatten, tree_paths
 from .owners import on_owners as _on_owners
+from .consistency import ConsistencyCheck
 from .reducer import CollectiveStats, ShardedReducer, collective_device
 from .shapes import (agree_on_configuration, agree_on_state_structure, global_shapes, is_dtensor,
                      raise_on_every_rank)
@@ -162,6 +163,7 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
     # Resolved once (at init, or at the first update after a restore): static config, so a
     # compiled step reads it as a constant.
     resolved: list[ShardedReducer] = []
+    check = ConsistencyCheck("opttx.distributed.sharded")   # off unless the mode is on
 
     def build(tree: PyTree) -> ShardedReducer:
         leaves, treespec = tree_flatten(tree)
@@ -204,6 +206,7 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
         if dist.is_initialized() and dist.get_world_size() > 1:
             agree_on_state_structure(state, None, collective_device(None),
                                      "opttx.distributed.sharded")
+        check(params, lambda: [not shards for shards in reducer.flat_specs], state, at_init=True)
         return state
 
     def update(updates: Updates, state: State, params: Params | None = None,
@@ -212,6 +215,7 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
             agree()
             resolved[:] = [resolve_shapes(build(updates), updates)]
         reducer = resolved[0]
+        check(params, lambda: [not shards for shards in reducer.flat_specs], state)
         local_updates, templates = _to_local(updates)
         local_params = _to_local(params)[0] if params is not None else None
         out, new_state = tx.update(local_updates, state, local_params,

@@ -25,6 +25,7 @@ from ..base import (GradientTransformation, Params, REDUCER_KEY, State, TOTALS_K
                     traits_of)
 from ..tree import (MaskedNode, PyTree, assert_same_structure, tree_flatten, tree_leaves,
                     tree_paths, tree_unflatten)
+from .consistency import ConsistencyCheck
 from .overlap import BackwardLaunches
 from .reducer import CollectiveStats, ShardedReducer, collective_device
 from .specs import Shard
@@ -561,11 +562,14 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
         post-accumulate-grad hooks, as soon as backward has produced all gradients of the
         chunk (`opttx.distributed.overlap.BackwardLaunches`); ``update`` then waits for it
         instead of issuing it. ``init`` must get the model's parameters themselves (plain
-        tensors that require grad, e.g. ``dict(model.named_parameters())``), the gradients
-        passed to ``update`` must be the ``.grad`` tensors backward left, unchanged (clip
-        inside the chain), and every rank must produce the same gradients (no unused
-        parameter on one rank only). Eager only (a compiled step issues its collectives
-        itself). Accumulating micro-batches: run the backwards before the last inside
+        tensors that require grad, e.g. ``dict(model.named_parameters())``), and every rank
+        must give every parameter a gradient in each backward (else a ``ValueError`` on every
+        rank naming the parameter). ``update`` first agrees across the ranks (one small
+        all-reduce) on which launched chunks stand: a chunk whose ``.grad`` tensors were
+        replaced or modified in place since backward (``clip_grad_norm_``; clip inside the
+        chain instead) is reduced again, so the numbers are those without overlap. Eager
+        only (a compiled step issues its collectives itself). Accumulating micro-batches:
+        run the backwards before the last inside
         ``opttx.distributed.no_sync()`` (else each backward launches again, correct but
         wasted).
       split_above_mb: split every parameter larger than this (MiB) into row segments (dim 0),
@@ -633,6 +637,7 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
             require_member(cfg.group, "opttx.distributed.zero")
             agree_on_configuration(settings, cfg.group, collective_device(cfg.group),
                                    "opttx.distributed.zero")
+    check = ConsistencyCheck("opttx.distributed.zero")      # off unless the mode is on
 
     def init(params: Params) -> State:
         agree()
@@ -660,6 +665,7 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
                 state = cfg.tx.init(_mask(params, res))
         agree_on_state_structure(state, res.group, res.control_device,
                                  "opttx.distributed.zero")
+        check(params, None, state, res.group, at_init=True)
         return state
 
     def update(updates: Updates, state: State, params: Params | None = None,
@@ -672,6 +678,7 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
                 res = _with_offloader(res, updates, cfg)
                 state = res.offloader.adopt(state)
             resolved[:] = [res]
+        check(params, None, state, resolved[0].group)
         return _zero_update(updates, state, params, extra_args, resolved[0], cfg)
 
     return GradientTransformation(init, update)
@@ -877,6 +884,10 @@ def _zero_update(updates: Updates, state: State, params: Params | None,
                  extra_args: dict[str, Any], res: _Resolved, cfg: _ZeroConfig
                  ) -> tuple[Updates, State]:
     """One step of `zero`: reduce the gradients, the owners' update, gather the updates."""
+    if res.launches is not None and not torch.compiler.is_compiling():
+        # overlap: which chunks launched in backward stand, agreed on every rank (a missing
+        # gradient on one rank raises on every rank here, before the tree checks)
+        res.launches.settle(tree_leaves(updates))
     grads = _check_tree(updates, res, "updates")
     if params is not None:
         _check_tree(params, res, "params")
@@ -947,7 +958,8 @@ def _with_launches(res: _Resolved, params: Params, cfg: _ZeroConfig) -> _Resolve
         return wait
 
     groups = [list(c.leaves) if c.segment else [] for c in chunks]
-    return dataclasses.replace(res, launches=BackwardLaunches(leaves, groups, launch))
+    return dataclasses.replace(res, launches=BackwardLaunches(
+        leaves, groups, launch, group=res.group, names=res.leaf_paths, stats=cfg.stats))
 
 
 def _combiner(res: _Resolved, stats: CollectiveStats | None,

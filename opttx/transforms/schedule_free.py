@@ -23,8 +23,8 @@ from ..base import (GradientTransformation, HyperRole, Params, Role, State, Upda
                     safe_increment, zero_count)
 from ..kernels import Scalar, cast_like, foreach, foreach_, is_donating, mark_scratch
 from ..schedules import Schedule
-from ..tree import (PyTree, Static, find_instances, flatten_matching, tree_flatten, tree_map,
-                    tree_unflatten)
+from ..tree import (MaskedNode, PyTree, Static, find_instances, flatten_matching, tree_flatten,
+                    tree_map, tree_paths, tree_unflatten)
 
 __all__ = [
     "ScheduleFreeState",
@@ -240,12 +240,37 @@ def _the_state(state: PyTree, name: str) -> ScheduleFreeState:
 
 def _moved(state: PyTree, params: Params, weight_of: Any, name: str) -> Params:
     sf = _the_state(state, name)
+    if find_instances(sf.z, MaskedNode) and not find_instances(params, MaskedNode):
+        raise ValueError(f"{name}: this state holds z for some parameters only (a rank's part "
+                         "under opttx.distributed.zero or on_owners): call "
+                         f"opttx.distributed.{name} on every rank instead, which gathers the "
+                         "evaluation parameters from their owners.")
     spec, y, z = flatten_matching(params, sf.z, what="params and the schedule-free z")
     if not y:
         return params
+    _check_like_z(y, z, params, name)
     w = weight_of(sf.b1)
     out = foreach("lerp", y, cast_like(z, y), w)
     return tree_unflatten(out, spec)
+
+
+def _check_like_z(y: list[Any], z: list[torch.Tensor], params: Params, name: str) -> None:
+    """Every leaf of ``params`` is a floating-point tensor of its ``z``'s shape (the state was
+    built on these parameters); else a clear error naming the leaf, before anything is
+    computed (a broadcastable shape would silently give parameters of another shape)."""
+    for path, yi, zi in zip(tree_paths(params), y, z):
+        local_z = zi.to_local() if hasattr(zi, "to_local") else zi
+        local_y = yi.to_local() if hasattr(yi, "to_local") else yi
+        if not isinstance(yi, torch.Tensor) or not yi.is_floating_point():
+            got = type(yi).__name__ if not isinstance(yi, torch.Tensor) else str(yi.dtype)
+            raise TypeError(f"{name}: params{path} is {got}, expected a floating-point tensor "
+                            f"of shape {tuple(local_z.shape)} (the schedule-free z's).")
+        if local_y.shape != local_z.shape:
+            raise ValueError(f"{name}: params{path} has shape {tuple(local_y.shape)}, but the "
+                             f"schedule-free state's z has {tuple(local_z.shape)}: pass the "
+                             "parameters the state was built on (under zero or on_owners, a "
+                             "rank's state holds z only for the leaves it owns: see "
+                             "opttx.distributed.schedule_free_eval_params).")
 
 
 def schedule_free_eval_params(state: PyTree, params: Params) -> Params:

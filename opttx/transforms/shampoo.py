@@ -66,7 +66,8 @@ from ..base import (GradientTransformation, HyperRole, PRECONDITIONER, PRECONDIT
                     traits_of, zero_count)
 from ..kernels import cast_like, foreach, foreach_, foreach_ema, foreach_sum_of_squares
 from ..tree import (PyTree, Static, flatten_matching, state_dtype, stats_like, tree_cond,
-                    tree_flatten, tree_map, tree_structure, tree_unflatten, tree_while)
+                    tree_flatten, tree_map, tree_paths, tree_structure, tree_unflatten,
+                    tree_while)
 
 __all__ = [
     "DiagonalGraftState",
@@ -207,6 +208,12 @@ def block_by_dims(inner: GradientTransformation, max_preconditioner_dim: int | f
         require_whole_leaves(updates, extra_args, "block_by_dims", block_rows=rows)
         _check_row_blocks(updates, current_reducer(extra_args), max_preconditioner_dim)
         spec, leaves = flatten_matching(updates)
+        # None, sparse, integer or complex leaves, and (with params) shapes other than the
+        # params': refused here, naming the leaf, before the blocks are cut (a transposed
+        # gradient merged into one dim would otherwise pass as the same blocks)
+        check_gradient_leaves(leaves, None if params is None
+                              else flatten_matching(updates, params)[2], updates,
+                              "block_by_dims")
         # leaves split by rows at block boundaries (zero's split_above_mb) give whole
         # blocks: inner sees no sharded reducer
         extra = {k: v for k, v in extra_args.items() if k != REDUCER_KEY}
@@ -246,6 +253,32 @@ def _check_row_blocks(tree: PyTree, reducer: Any, max_dim: int) -> None:
                 f"differently from the whole leaf (merged dims {mine} vs {theirs} at "
                 f"max_preconditioner_dim={max_dim}); give every rank at least one whole block "
                 "of rows, or do not split this leaf.")
+
+
+def check_block_shapes(g: list[torch.Tensor], factors: list[tuple], tree: PyTree, who: str,
+                       packed: bool = False) -> None:
+    """Every gradient block has the order and the sizes of the state's factors (one per dim,
+    ``(d, d)``, packed ``(d (d + 1) / 2,)``, ``(0, 0)`` for a dim kept without one); else a
+    ``ValueError`` naming the leaf and both shapes."""
+    for i, (x, fs) in enumerate(zip(g, factors)):
+        shape = tuple(x.shape) or (1,)
+        sizes = [_factor_size(f, packed) for f in fs]
+        if len(fs) == len(shape) and all(n is None or n == d for n, d in zip(sizes, shape)):
+            continue
+        expected = tuple("?" if n is None else n for n in sizes)
+        path = tree_paths(tree)[i] if i < len(tree_paths(tree)) else f" leaf {i}"
+        raise ValueError(f"{who}: the gradient{path} has shape {tuple(x.shape)}, but the "
+                         f"state's factors are those of a block of shape {expected} ('?': a "
+                         "dim without a factor): gradients must have the shapes of the params, "
+                         "and the state must come from init on these params (with the same "
+                         "max_preconditioner_dim).")
+
+
+def _factor_size(f: torch.Tensor, packed: bool) -> int | None:
+    """The dim a factor (or basis) preconditions, None for a dim kept without one."""
+    if not f.shape[0]:
+        return None
+    return (math.isqrt(8 * f.shape[0] + 1) - 1) // 2 if packed and f.dim() == 1 else f.shape[0]
 
 
 def _chunks(flat: list, counts: list[int], who: str) -> list[list]:
@@ -664,7 +697,7 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
                          preconditioner_dtype: torch.dtype = torch.float32,
                          use_bias_correction: bool = True,
                          max_consecutive_failures: int = 3,
-                         inv_factor_matrix_dtype: torch.dtype | None = None,
+                         inv_factor_matrix_dtype: torch.dtype | None = torch.float32,
                          use_trace_scaling: bool = False,
                          trace_scaling_exponent: float = 0.5,
                          drop_weighting_factor_on_gsquare: bool = False,
@@ -749,7 +782,9 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
       use_bias_correction: divide factors by :math:`1-\beta_2^t` before the root.
       max_consecutive_failures: root failures tolerated in a row.
       inv_factor_matrix_dtype: dtype of the roots and of the preconditioning product
-        (Meta's ``inv_factor_matrix_dtype``; default: ``preconditioner_dtype``).
+        (Meta's ``inv_factor_matrix_dtype``; default float32 as Meta's, whatever
+        ``preconditioner_dtype`` is, so float64 factors alone give float32 roots: pass
+        ``inv_factor_matrix_dtype=torch.float64`` too for float64 throughout; None: float32).
       use_trace_scaling, trace_scaling_exponent: Meta's options of the same names.
       drop_weighting_factor_on_gsquare: Meta's option: :math:`w = 1` even when
         :math:`\beta_2 < 1`, and no bias correction.
@@ -923,7 +958,8 @@ def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int
         start=start, root_method=root_method,
         inverse_exponent_override=inverse_exponent_override,
         preconditioner_dtype=preconditioner_dtype,
-        root_dtype=preconditioner_dtype if inv_factor_matrix_dtype is None
+        # Meta's default, whatever the factors' dtype (None: the `shampoo` alias's default)
+        root_dtype=torch.float32 if inv_factor_matrix_dtype is None
         else inv_factor_matrix_dtype,
         bias_correction=not (beta2 == 1 or not use_bias_correction
                              or drop_weighting_factor_on_gsquare),
@@ -1194,10 +1230,12 @@ def _update_shampoo(updates: Updates, state: ShampooState, target: Updates,
     """One step of `precondition_shampoo`: the factors take in ``updates``, the roots are
     recomputed when due, and ``target`` is preconditioned with them."""
     spec, g = flatten_matching(updates)
+    check_gradient_leaves(g, None, updates, "precondition_shampoo")
     x = flatten_matching(target)[1]
     orders = [max(x.dim(), 1) for x in g]
     factors = [tuple(c) for c in _chunks(tree_flatten(state.factors)[0], orders,
                                          "precondition_shampoo")]
+    check_block_shapes(g, factors, updates, "precondition_shampoo", cfg.symmetric_packing)
     roots = [tuple(c) for c in _chunks(tree_flatten(state.roots)[0], orders,
                                        "precondition_shampoo")]
     count = safe_increment(state.count)
@@ -1285,8 +1323,10 @@ def graft(magnitude: GradientTransformation | None, direction: GradientTransform
     filtered gradient :math:`\bar G` (passed to them as ``extra_args[PRECONDITION_INPUT]``).
     ``magnitude=None`` grafts SGD (:math:`M = I`). Leaves are blocks when used inside
     `block_by_dims`, so norms are per block, as Meta's. The filtered gradient of 16-bit
-    leaves is kept in float32 (docs/design.md, rule 3); the update comes back in the gradient's
-    dtype.
+    leaves is kept in float32 (docs/design.md, rule 3), and 16-bit gradients are cast to float32
+    before both transforms see them, so the magnitude, the direction and the rescale are
+    computed in float32 (a direction may hold entries far beyond float16's range that the
+    rescale brings back); the update comes back in the gradient's dtype.
 
     Args:
       magnitude: the grafted method: ``scale_by_rms(decay=β2, eps, eps_in_sqrt=False,
@@ -1333,12 +1373,22 @@ def graft(magnitude: GradientTransformation | None, direction: GradientTransform
         spec, g = flatten_matching(updates)
         if not g:             # a tree without leaves: only the step counters move
             return updates, advance_counts(state)
+        leaves = g
         # an int gradient would give zero updates; complex, sparse or None ones torch errors
         check_gradient_leaves(g, None, updates, "graft")
+        if any(x.dtype != state_dtype(x) for x in g):
+            # 16-bit gradients: both methods and the rescale run in float32 and only the
+            # grafted update is cast back. A direction of unit norm per element in exact
+            # arithmetic may hold entries of 1e5 (Adam in an eigenbasis, where the squared
+            # gradient is a rounding error): inf in float16, and inf times the rescale's 0 is
+            # NaN, while the grafted update itself has the magnitude's (finite) norm.
+            g = [x.to(state_dtype(x)) for x in g]
+            updates = tree_unflatten(g, spec)
         count = safe_increment(state.count)
         filtered = state.filtered
         if beta1:
             _, m = flatten_matching(updates, state.filtered)[1:]
+            check_gradient_leaves(g, m, updates, "graft")      # shaped like the blocks
             m, bar = _filtered_gradient(m, g, beta1, b3, count, use_bias_correction)
             filtered = tree_unflatten(m, spec)
         else:
@@ -1357,7 +1407,7 @@ def graft(magnitude: GradientTransformation | None, direction: GradientTransform
                                         tree_unflatten(sq(dir_l), spec)), extra_args)
         grafting = count < start_preconditioning_step
         out = []
-        for g_i, m_i, d_i, ms, ds in zip(g, mag_l, dir_l, tree_flatten(m_sq)[0],
+        for g_i, m_i, d_i, ms, ds in zip(leaves, mag_l, dir_l, tree_flatten(m_sq)[0],
                                          tree_flatten(d_sq)[0]):
             scaled = d_i * (torch.sqrt(ms) / (torch.sqrt(ds) + 1e-16)).to(d_i.dtype) \
                 if rescale else d_i
@@ -1414,6 +1464,7 @@ def scale_by_grafted_diagonal(beta2: float = 1.0, epsilon: float = 1e-10,
         if not g:
             return updates, advance_counts(state)
         nu = flatten_matching(updates, state.nu)[2]
+        check_gradient_leaves(g, nu, updates, "scale_by_grafted_diagonal")
         count = safe_increment(state.count)
         nu = foreach("mul", nu, beta2) if injected or beta2 != 1 else list(nu)
         nu = foreach("addcmul", nu, cast_like(g, nu), cast_like(g, nu), value=weighting_factor)

@@ -62,7 +62,8 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from .._checks import check_nonnegative, check_positive_int, check_unit_interval
+from .._checks import (check_gradient_leaves, check_nonnegative, check_positive_int,
+                       check_unit_interval)
 from ..base import (GradientTransformation, HyperRole, Params, Role, Traits, Updates,
                     advance_counts, check_init_params, declare, declare_roles, precondition_target,
                     require_whole_leaves, safe_increment, zero_count)
@@ -654,8 +655,11 @@ def _update_ec(updates: Updates, state: EigenvalueCorrectedState, target: Update
     spec, g = flatten_matching(updates)
     if not g:
         return updates, advance_counts(state)
-    x = flatten_matching(target)[1]
     nu = flatten_matching(updates, state.nu)[2]
+    # None, sparse, integer, complex or wrongly shaped gradients: refused naming the leaf
+    # (nu is shaped like the params)
+    check_gradient_leaves(g, nu, updates, "precondition_eigenvalue_corrected")
+    x = flatten_matching(target)[1]
     mu = flatten_matching(updates, state.mu)[2] if _has(cfg.beta1) else []
     shapes = [gi.shape for gi in g]
     if cfg.merge is not None:       # every leaf (and its moments) in its merged shape
