@@ -149,6 +149,7 @@ class LeafSlot:
 
 
 register_static_node(LeafSlot, "opttx.LeafSlot")
+torch.serialization.add_safe_globals([LeafSlot])    # as StateLayout: weights_only loads
 
 
 def leaf_slots(state: QuantizedState, spec: Any) -> list[LeafSlot | None]:

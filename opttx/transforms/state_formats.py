@@ -16,8 +16,9 @@ format        element storage                                         scales    
 ``"4bit"``    4-bit index, two per byte: first moments on the         fp32 per 128       0.531
               signed 4-bit dynamic map; second moments on the         rank-1 (≥ 2-D):    ~0.5
               linear map without zero ``{1/16, ..., 1}``              fp32 per row/col
-``"e4m3"``    ``torch.float8_e4m3fn`` value times its block's scale   fp32 per 256       1.016
-``"e5m2"``    ``torch.float8_e5m2`` value times its block's scale     fp32 per 256       1.016
+``"e4m3"``    ``torch.float8_e4m3fn`` value (its bits, as uint8)      fp32 per 256       1.016
+              times its block's scale
+``"e5m2"``    ``torch.float8_e5m2`` value, the same                   fp32 per 256       1.016
 ``"bf16_ecc"`` bfloat16 (round to nearest) + int8 correction of its   none               3
               rounding error, in 1/254 of the bfloat16 spacing
 ``"bf16_sr"`` bfloat16, stochastically rounded (a hash dither)        none               2
@@ -285,14 +286,17 @@ class StateLayout:
 
 
 register_static_node(StateLayout, "opttx.StateLayout")
+# a whole state saved with torch.save loads with weights_only=True (`opttx.register_safe_globals`
+# registers the NamedTuple classes; this one is a frozen dataclass of plain values)
+torch.serialization.add_safe_globals([StateLayout])
 
 
 class QuantizedTensor(NamedTuple):
     """A statistic stored as codes and fp32 scales (formats ``"8bit"``, ``"4bit"``,
     ``"e4m3"``, ``"e5m2"``): ``x ≈ value(codes) * scale``, as its `StateLayout` says. A
     pytree node, so ``tree_map``, ``torch.compile`` and checkpoints see its two tensors."""
-    codes: torch.Tensor   # layout.codes_shape: uint8 map indices (4-bit: two per byte) or
-                          # float8 values
+    codes: torch.Tensor   # uint8, layout.codes_shape: map indices (4-bit: two per byte) or
+                          # the bits of float8 values (FP8 ops are few on CPU; uint8 has all)
     absmax: torch.Tensor  # fp32, layout.scales_shape: max |x| per block, or per row/column...
     layout: StateLayout   # static: the format, the statistic's shape and dtype, the blocks
     __roles__ = declare_roles(codes=Role.QUANTIZED, absmax=Role.QUANTIZED)
@@ -465,7 +469,7 @@ def _encode_fp8(x: torch.Tensor, layout: StateLayout) -> QuantizedTensor:
         normed = normed.clamp(-info.max, info.max)
     else:    # no zero for a non-negative statistic: at least the smallest subnormal
         normed = normed.clamp(_smallest_subnormal(dtype), info.max)
-    codes = _trim(normed.reshape(-1), x.numel()).to(dtype)
+    codes = _trim(normed.reshape(-1), x.numel()).to(dtype).view(torch.uint8)
     return QuantizedTensor(codes=codes.view(layout.shape), absmax=absmax, layout=layout)
 
 
@@ -478,8 +482,9 @@ def _smallest_subnormal(dtype: torch.dtype) -> float:
 
 def _decode_fp8(q: QuantizedTensor) -> torch.Tensor:
     layout = q.layout
-    info = torch.finfo(_FLOAT8[layout.format])
-    values = _blocks(q.codes.reshape(-1).to(torch.float32), layout.block_size)
+    dtype = _FLOAT8[layout.format]
+    info = torch.finfo(dtype)
+    values = _blocks(q.codes.reshape(-1).view(dtype).to(torch.float32), layout.block_size)
     out = (values * (q.absmax / info.max).unsqueeze(1)).view(-1)
     return _trim(out, layout.numel).view(layout.shape)
 
@@ -523,12 +528,14 @@ def _decode_ecc(q: CorrectedTensor) -> torch.Tensor:
 
 
 def _dither(bits: torch.Tensor) -> torch.Tensor:
-    """16 pseudo-random bits per element (int64), a hash of its float32 pattern ``bits``
-    (int32) and its position: the same input gives the same bits on every device and rank,
-    a changed value or another element other ones."""
+    """16 pseudo-random bits per element (int64): a hash of the upper 16 bits of its float32
+    pattern ``bits`` (int32: the bfloat16 it truncates to) and of its position. The same on
+    every device, rank and resumed run; a float32 value that changes in its last bits (another
+    summation order, a compiled graph) keeps its dither, so it rounds the same way unless it
+    crosses the threshold, as rarely as round-to-nearest crosses a midpoint."""
     mask = 0xFFFFFFFF
     where = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64).view(bits.shape)
-    h = ((bits.to(torch.int64) & mask) * 0x7FEB352D + where * 0x68E31DA5) & mask
+    h = (((bits.to(torch.int64) >> 16) & 0xFFFF) * 0x7FEB352D + where * 0x68E31DA5) & mask
     h = h ^ (h >> 15)
     h = (h * 0x2C1B3C6D) & mask
     h = h ^ (h >> 12)
