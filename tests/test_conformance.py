@@ -138,9 +138,10 @@ def test_state_keeps_its_structure_shapes_and_dtypes(case: Case) -> None:
         for p, u in zip(tree_leaves(params), tree_leaves(updates)):
             assert u.dtype == p.dtype and u.shape == p.shape, (case.name, u.dtype, u.shape)
         if dtype == torch.bfloat16:
-            # a CorrectedTensor is a statistic stored in bfloat16 on request (quantize_state's
-            # bfloat16 formats), declared as such by its layout
-            chosen = lambda node: isinstance(node, opttx.CorrectedTensor)  # noqa: E731
+            # quantize_state's compressed statistics (bfloat16 values, bfloat16 scales at 4
+            # bits) are stored so on request, declared as such by their layouts
+            chosen = lambda node: isinstance(  # noqa: E731
+                node, (opttx.QuantizedTensor, opttx.CorrectedTensor))
             low = [x for x in tree_leaves(state, is_leaf=chosen) if isinstance(x, torch.Tensor)
                    and x.dtype in (torch.bfloat16, torch.float16)]
             assert not low, f"{case.name}: 16-bit state tensors {[x.shape for x in low]}"
