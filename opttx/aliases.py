@@ -38,7 +38,8 @@ from .transforms.soap import (merge_dims_heavyball, merge_dims_soap,
 from .tree import PyTree, mask_leaves, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = ["adabelief", "adafactor", "adagrad", "adalomo", "adam", "adamax", "radam",
-           "adamw", "adamw_4bit", "adamw_8bit", "came", "muon", "muon_hidden_matrices", "adopt", "ademamix",
+           "adamw", "adamw_4bit", "adamw_8bit", "came", "muon", "muon_hidden_matrices", "adopt",
+           "ademamix",
            "galore_adamw", "galore_adamw_8bit", "lamb", "lars", "lion", "nadam", "rmsprop",
            "sgd", "shampoo", "prodigy", "schedule_free_adamw", "schedule_free_sgd"]
 __all__ += ["soap"]   # SOAP (issue 16)

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 import opttx
 from opttx.testing import assert_trees_close, gradient_stream, spawn_ranks
-from opttx.transforms.state_formats import (CorrectedTensor, QuantizedTensor, StateLayout,
-                                            _pack4, _unpack4, decode, dynamic_map, encode,
-                                            format_maps, layout_for, linear_map)
+from opttx.transforms.state_formats import (CorrectedTensor, QuantizedTensor, _pack4, _unpack4,
+                                            decode, dynamic_map, encode, format_maps,
+                                            layout_for, linear_map)
 from opttx.tree import tree_leaves, tree_map
 
 MAPS = {fmt: dict(zip((True, False), format_maps(fmt))) for fmt in ("8bit", "4bit")}
@@ -162,7 +162,6 @@ def test_bf16_ecc_error(shape, signed, log_scale, seed) -> None:
     assert q.value.dtype == torch.bfloat16 and q.correction.dtype == torch.int8
     assert torch.equal(q.value, x.to(torch.bfloat16))
     y = decode(q)
-    v = q.value.float()
     magnitude = q.value.abs()
     spacing = torch.nextafter(magnitude, torch.tensor(math.inf, dtype=torch.bfloat16)).float() \
         - magnitude.float()
