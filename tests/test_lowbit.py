@@ -60,6 +60,28 @@ def test_four_bit_maps() -> None:
     assert torch.equal(values, torch.unique(bnb.create_dynamic_map(True, 3, 4)))
 
 
+@pytest.mark.parametrize("name", ["dynamic4", "linear4", "dynamic8"])
+def test_rounding_tables_are_small_and_round_like_bucketize(name: str) -> None:
+    """The rounding table keeps as few mantissa bits as separate the map's midpoints: 2**11
+    cells (2 KB) for the signed 4-bit map, 2**12 for the linear one, 2**16 for the unsigned
+    8-bit map (format_maps("8bit") keeps its 2**17); codes equal torch.bucketize on the
+    midpoints for random values, random bit patterns and the midpoints' neighbours."""
+    from opttx.transforms.state_formats import _round_to_map, quantization_map
+    values = {"dynamic4": dynamic_map(True, 4), "linear4": linear_map(4),
+              "dynamic8": dynamic_map(False, 8)}[name]
+    qmap = quantization_map(values)
+    assert qmap.cells.numel() == {"dynamic4": 2**11, "linear4": 2**12, "dynamic8": 2**16}[name]
+    assert format_maps("8bit")[1].cells.numel() == 2**17
+    gen = torch.Generator().manual_seed(0)
+    mids = qmap.midpoints[:-1]
+    patterns = torch.randint(-2**31, 2**31 - 1, (1 << 16,), generator=gen,
+                             dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.cat([mids, torch.nextafter(mids, torch.tensor(2.0)),
+                   torch.nextafter(mids, torch.tensor(-2.0)), values,
+                   torch.rand(1 << 14, generator=gen) * 2 - 1, patterns[patterns.abs() <= 1]])
+    assert torch.equal(_round_to_map(x, qmap), torch.bucketize(x, mids).to(torch.uint8))
+
+
 @given(n=st.integers(1, 300), seed=st.integers(0, 2**31 - 1))
 def test_pack4_round_trip(n: int, seed: int) -> None:
     """Two codes per byte, element 2i in the low nibble of byte i: ceil(n/2) bytes."""

@@ -101,16 +101,44 @@ def _heavyball_soap(named: NamedParams, hp: dict[str, Any]) -> torch.optim.Optim
     return _eager_heavyball().SOAP([p for _, p in named], **hp)
 
 
-def _torchao(cls: str) -> Callable[[NamedParams, dict[str, Any]], torch.optim.Optimizer]:
-    def make(named: NamedParams, hp: dict[str, Any]) -> torch.optim.Optimizer:
+class _TorchaoRun:
+    """A torchao low-bit optimizer as the bench runs it: its step compiles itself
+    (``torch.compile``), which refuses to run under a torch dispatch mode, so the step runs
+    with the bench's live-tensor tracker popped (its peak then omits the step's own
+    temporaries); ``state`` shows each compressed moment as the tensors it stores (codes,
+    scales, map), so the state's bytes are what it holds, not its fp32 appearance."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt = opt
+
+    def step(self) -> None:
+        from torch.utils._python_dispatch import _disable_current_modes
+        with _disable_current_modes():
+            self.opt.step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    @property
+    def state(self) -> list[Any]:
+        def stored(x: Any) -> Any:
+            names = getattr(x, "tensor_attrs", None)
+            return [getattr(x, n) for n in names] if names else x
+        return [{k: stored(v) for k, v in s.items()} for s in self.opt.state.values()]
+
+
+def _torchao(cls: str) -> Callable[[NamedParams, dict[str, Any]], _TorchaoRun]:
+    def make(named: NamedParams, hp: dict[str, Any]) -> _TorchaoRun:
         from torchao import optim
-        return getattr(optim, cls)([p for _, p in named], **hp)
+        return _TorchaoRun(getattr(optim, cls)([p for _, p in named], **hp))
     return make
 
 
 _TORCHAO = ("torchao compiles its per-parameter step (torch.compile, Inductor) even in this "
-            "eager loop; it compresses tensors of >= 4096 elements whose size is a multiple of "
-            "the block (every matrix here), the others stay fp32, as opttx's min_size")
+            "eager loop, and runs it outside the live-tensor tracker (a compiled step refuses "
+            "a dispatch mode: its peak omits the step's temporaries); it compresses tensors of "
+            ">= 4096 elements whose size is a multiple of the block (every matrix here), the "
+            "others stay fp32, as opttx's min_size")
 
 
 _MUON_SPLIT = ("Muon on the hidden matrices (opttx.muon_hidden_matrices), torch AdamW "
