@@ -582,3 +582,71 @@ def test_stacked_equals_per_leaf_and_layouts_describe_a_slice(fmt: str) -> None:
     for q in stored(state):
         assert q.layout.shape == (24, 40)
         assert tuple(q[0].shape) == (4, *q.layout.codes_shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2: on_owners over DTensor parameters, a DCP checkpoint written at world 2 read on one device
+# ---------------------------------------------------------------------------------------------
+
+
+def _fsdp_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Tanh(), torch.nn.Linear(48, 5))
+
+
+def _fsdp_tx(fmt: str) -> opttx.GradientTransformation:
+    return opttx.chain(opttx.quantize_state(opttx.scale_by_came(min_dim_size_to_factor=2),
+                                            format=fmt, min_size=16),
+                       opttx.scale_by_learning_rate(1e-2))
+
+
+def _fsdp_worker(rank: int, world: int, fmt: str, path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from opttx.distributed import sharded, state_dict
+    model = _fsdp_model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    named = {k: p.detach() for k, p in model.named_parameters()}
+    tx = sharded(_fsdp_tx(fmt), on_owners=True)
+    state = tx.init(named)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        x = torch.randn(8, 16, generator=gen)
+        model(x.tensor_split(world)[rank]).square().mean().backward()
+        updates, state = tx.update({k: p.grad for k, p in model.named_parameters()}, state,
+                                   named)
+        opttx.apply_updates_(named, updates)
+        model.zero_grad()
+    sd = state_dict(state, named)
+    dcp.save({"optim": sd}, checkpoint_id=path)
+    return {p: {f: x.clone() for f, x in fields.items()} for p, fields in sd["state"].items()}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fmt", ["4bit", "e4m3"])
+def test_fsdp2_on_owners_checkpoint_reads_at_world_1(fmt: str) -> None:
+    """FSDP2 (DTensor parameters, uneven dim-0 splits) at world 2, CAME under quantize_state
+    with on_owners: opttx.distributed.state_dict keeps each leaf's compressed state whole on
+    its owner (declared whole-leaf entries: packed codes, scales and CAME's row/column
+    statistics, whose shapes are neither the shard's nor the leaf's, so shapes alone would
+    refuse them); the DCP checkpoint loads into a one-device state bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from opttx.distributed import load_state_dict, state_dict
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "ckpt")
+        ranks = spawn_ranks(_fsdp_worker, world_size=2, args=(fmt, path), timeout=300)
+        saved = {p: f for r in ranks for p, f in r.items()}
+        assert sorted(saved) == sorted(k for k, _ in _fsdp_model().named_parameters())
+        assert all(set(ranks[0]).isdisjoint(r) for r in ranks[1:])     # one owner each
+        params = {k: p.detach() for k, p in _fsdp_model().named_parameters()}
+        tx = _fsdp_tx(fmt)
+        state = tx.init(params)
+        sd = {"optim": state_dict(state, params)}
+        dcp.load(sd, checkpoint_id=path)
+        state = load_state_dict(state, sd["optim"], params)
+    loaded = state_dict(state, params)["state"]
+    assert {p: set(f) for p, f in loaded.items()} == {p: set(f) for p, f in saved.items()}
+    for p, fields in saved.items():
+        for f, x in fields.items():
+            assert torch.equal(loaded[p][f], x), (p, f)

@@ -6,6 +6,7 @@ The layout-independent naming used by `opttx.Optimizer.state_dict` and
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -133,6 +134,15 @@ def _put(table: dict, key: str, x: torch.Tensor) -> None:
     table[key] = x
 
 
+# The tensors that `keyed_state` found in `quantize_state`'s per-leaf states: statistics of
+# the whole leaf by its declared plan (computed on whole leaves), which
+# `local_entries_as_dtensors` keeps whole (written by the leaf's owner) instead of telling them
+# from local-shard statistics by their shapes (packed codes, block scales and row statistics
+# have neither the shard's nor the leaf's shape). By id, weakly: a mark lives as long as its
+# buffer (a WeakSet would compare tensors with ==).
+_WHOLE_LEAF: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
 def _walk_quantized(node: Any, path: tuple, view: _View, out_state: dict,
                     out_shared: dict) -> None:
     """A `QuantizedState`: its declared plan (`leaf_slots`) says where each parameter's state
@@ -153,10 +163,16 @@ def _walk_quantized(node: Any, path: tuple, view: _View, out_state: dict,
     for j, leaf_state in enumerate(per_leaf):
         for inner, x in _tensors(leaf_state):
             _put(out_state.setdefault(view.paths[large[j]], {}), _field(where, inner), x)
+            _WHOLE_LEAF[id(x)] = x
     if small:
-        small_view = _View(tree_structure([0] * len(small)), tuple(view.paths[i] for i in small),
-                           (True,) * len(small))
-        _walk(node.dense, path + ("dense",), small_view, out_state, out_shared)
+        small_view = _View(tree_structure([0] * len(small)),
+                           tuple(view.paths[i] for i in small), (True,) * len(small))
+        dense: dict = {}
+        _walk(node.dense, path + ("dense",), small_view, dense, out_shared)
+        for param, fields in dense.items():
+            for key, x in fields.items():
+                _put(out_state.setdefault(param, {}), key, x)
+                _WHOLE_LEAF[id(x)] = x
     for name in node._fields:
         if name not in (field, "dense"):
             for inner, x in _tensors(getattr(node, name)):
@@ -267,7 +283,8 @@ def local_entries_as_dtensors(table: dict[str, dict[str, torch.Tensor]], paths: 
             continue
         local = leaf.to_local() if hasattr(leaf, "to_local") else leaf
         for field, x in table.get(path, {}).items():
-            mine[(path, field)] = _kind(x, tuple(local.shape), tuple(where[2]))
+            mine[(path, field)] = ("whole" if _WHOLE_LEAF.get(id(x)) is x   # quantize_state's
+                                   else _kind(x, tuple(local.shape), tuple(where[2])))
     everyone = [mine]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
