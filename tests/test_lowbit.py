@@ -178,7 +178,8 @@ def test_fp8_error(fmt, mantissa, shape, signed, block, log_scale, seed) -> None
 def test_bf16_ecc_error(shape, signed, log_scale, seed) -> None:
     """value = x rounded to the nearest bfloat16, correction = its rounding error in
     1/254 of the bfloat16 spacing above |value|: |x - x̂| <= spacing/508 (at most
-    2**-7/508 = 1.54e-5 of |x|: about 16 significant bits), 3 bytes."""
+    2**-7/508 = 1.54e-5 of |x|: about 16 significant bits), 3 bytes; below 2**-118 the unit
+    is that of 2**-118 (absolute error <= 2**-126/254)."""
     x = draw(shape, signed, log_scale, seed)
     q = encode(x, layout_for("bf16_ecc", x, signed))
     assert q.value.dtype == torch.bfloat16 and q.correction.dtype == torch.int8
@@ -187,8 +188,9 @@ def test_bf16_ecc_error(shape, signed, log_scale, seed) -> None:
     magnitude = q.value.abs()
     spacing = torch.nextafter(magnitude, torch.tensor(math.inf, dtype=torch.bfloat16)).float() \
         - magnitude.float()
-    assert bool(((y - x).abs() <= spacing / 508 * (1 + 1e-3) + 2**-24 * x.abs() + 1e-44).all())
-    assert bool(((y - x).abs() <= 1.6e-5 * x.abs() + 1e-44).all())
+    tiny = 2**-126 / 254 * (1 + 1e-3)
+    assert bool(((y - x).abs() <= spacing / 508 * (1 + 1e-3) + 2**-24 * x.abs() + tiny).all())
+    assert bool(((y - x).abs() <= 1.6e-5 * x.abs() + tiny).all())
 
 
 @given(shape=shapes, signed=st.booleans(), log_scale=st.floats(-30, 30),
