@@ -9,20 +9,19 @@ statistic they stand for and how its blocks are laid out. Dequantizing, checkpoi
 `opttx.stacked` and the distributed wrappers read that declaration instead of inferring it
 from the tensors' shapes.
 
-============  ======================================================  =================  ==========
-format        element storage                                         scales             bytes/elem
-============  ======================================================  =================  ==========
-``"8bit"``    uint8 index into the dynamic map (signed or unsigned)   fp32 per 256       1.016
-``"4bit"``    4-bit index, two per byte: first moments on the         bf16 per 128       0.516
-              signed 4-bit dynamic map; second moments on the         rank-1 (≥ 2-D):    ~0.5
-              linear map without zero ``{1/16, ..., 1}``              bf16 per row/col
-``"e4m3"``    ``torch.float8_e4m3fn`` value (its bits, as uint8)      fp32 per 256       1.016
-              times its block's scale
-``"e5m2"``    ``torch.float8_e5m2`` value, the same                   fp32 per 256       1.016
-``"bf16_ecc"`` bfloat16 (round to nearest) + int8 correction of its   none               3
-              rounding error, in 1/254 of the bfloat16 spacing
-``"bf16_sr"`` bfloat16, stochastically rounded (a hash dither)        none               2
-============  ======================================================  =================  ==========
+The formats (bytes per element of one statistic):
+
+* ``"8bit"``: a uint8 index into the dynamic map (signed or unsigned), an fp32 absmax per
+  block of 256: 1.016.
+* ``"4bit"``: 4-bit indices, two per byte; first moments on the signed 4-bit dynamic map with
+  a bfloat16 absmax per block of 128 (0.516); second moments on the linear map without zero
+  ``{1/16, ..., 1}`` with bfloat16 rank-1 scales, the maxima of every row and column (about
+  0.5; 1-D: blocks of 128).
+* ``"e4m3"``, ``"e5m2"``: the float8 value (its bits, as uint8) times its block's scale, an
+  fp32 absmax per block of 256: 1.016.
+* ``"bf16_ecc"``: bfloat16 (round to nearest) and an int8 correction of its rounding error in
+  1/254 of the bfloat16 spacing: 3.
+* ``"bf16_sr"``: bfloat16, stochastically rounded (a hash dither): 2.
 
 All of it is pure torch: the (de)quantizers are table lookups, bit operations and
 element-wise arithmetic that compile with the rest of a step into one graph.
@@ -56,7 +55,7 @@ __all__ = [
 ]
 
 FORMATS = ("8bit", "4bit", "e4m3", "e5m2", "bf16_ecc", "bf16_sr")
-"""The storage formats of `opttx.quantize_state`, in order of decreasing compression."""
+"""The storage formats of `opttx.quantize_state`."""
 
 _FLOAT8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _DEFAULT_BLOCK = {"8bit": 256, "4bit": 128, "e4m3": 256, "e5m2": 256}
