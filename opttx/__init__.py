@@ -14,8 +14,9 @@ Example:
 """
 
 from . import schedules, transforms, tree
-from .aliases import (adafactor, adagrad, adalomo, adam, adamw, adamw_8bit, came, galore_adamw,
-                      galore_adamw_8bit, lamb, lars, lion, nadam, rmsprop, sgd, shampoo)
+from .aliases import (adafactor, adagrad, adalomo, adam, adamw, adamw_4bit, adamw_8bit, came,
+                      galore_adamw, galore_adamw_8bit, lamb, lars, lion, nadam, rmsprop, sgd,
+                      shampoo)
 from .aliases import ademamix, adopt
 from .aliases import adabelief, adamax, muon, muon_hidden_matrices, radam
 from .aliases import mars
@@ -63,7 +64,8 @@ __all__ = [
     "GradientTransformation", "StackedParams", "StackedState", "stacked",
     "InjectHyperparamsState", "MaskedNode", "MaskedState", "MultiSteps", "MultiStepsState",
     "Optimizer", "PartitionState", "adafactor", "adagrad", "adalomo", "adam", "adamw",
-    "adamw_8bit", "apply_if_finite", "apply_updates", "apply_updates_", "came", "chain",
+    "adamw_4bit", "adamw_8bit", "apply_if_finite", "apply_updates", "apply_updates_", "came",
+    "chain",
     "constant_schedule", "cosine_decay_schedule", "donating", "exponential_decay", "flatten",
     "freeze", "galore_adamw", "galore_adamw_8bit", "identity", "inject_hyperparams",
     "join_schedules", "lamb", "lars", "linear_schedule", "lion", "masked", "multi_transform",

@@ -135,7 +135,11 @@ def check_state_structure_and_dtypes(make: Make, params_of: Callable[[torch.dtyp
         for p, u in zip(tree_leaves(params), tree_leaves(updates)):
             assert u.dtype == p.dtype and u.shape == p.shape, (name, u.dtype, u.shape)
         if dtype == torch.bfloat16:
-            low = [x for x in tree_leaves(state) if isinstance(x, torch.Tensor)
+            # quantize_state's compressed statistics (bfloat16 values, bfloat16 scales at 4
+            # bits) are stored so on request, declared as such by their layouts
+            from .transforms.state_formats import CorrectedTensor, QuantizedTensor
+            chosen = lambda node: isinstance(node, (QuantizedTensor, CorrectedTensor))  # noqa
+            low = [x for x in tree_leaves(state, is_leaf=chosen) if isinstance(x, torch.Tensor)
                    and x.dtype in (torch.bfloat16, torch.float16)]
             assert not low, f"{name}: 16-bit state tensors {[x.shape for x in low]}"
 

@@ -34,6 +34,7 @@ __all__ = [
     "find_instances",
     "mark_static_",
     "stats_like",
+    "register_static_node",
     "tree_cast",
     "tree_cond",
     "tree_while",
@@ -93,6 +94,24 @@ _pytree.register_pytree_node(
 # ---------------------------------------------------------------------------------------------
 # structure
 # ---------------------------------------------------------------------------------------------
+
+
+def register_static_node(cls: type, name: str) -> type:
+    """Make ``cls`` a pytree node without children whose instance is its own context.
+
+    Static, declared metadata inside a state (the layout of a quantized statistic, the place of
+    a parameter's state): flattening yields no leaf, the instance sits in the treespec (so
+    tree structures with other metadata compare unequal), ``tree_map``, ``torch.compile``,
+    ``torch.func.vmap`` and checkpoints pass it through unchanged. Instances must be
+    immutable, hashable and comparable (a frozen dataclass). ``name`` is the stable name used
+    when a treespec is serialized. Returns ``cls``.
+    """
+    _pytree.register_pytree_node(cls, lambda node: ([], node), lambda _, node: node,
+                                 serialized_type_name=name,
+                                 flatten_with_keys_fn=lambda node: ([], node))
+    return cls
+
+
 
 
 def tree_paths(tree: PyTree) -> list[str]:
@@ -242,10 +261,29 @@ def tree_cast(tree: PyTree, dtype: torch.dtype | None) -> PyTree:
     return tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, tree)
 
 
+_FLOAT8 = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2",
+                                                   "float8_e4m3fnuz", "float8_e5m2fnuz")
+                if hasattr(torch, name))
+
+
 def state_dtype(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.dtype:
     """The dtype of optimizer statistics for a leaf: ``dtype`` if given, else fp32 for
-    16-bit floats (docs/design.md, rule 3), else the leaf's own dtype."""
+    16-bit floats (docs/design.md, rule 3), else the leaf's own dtype.
+
+    Raises:
+      TypeError: a float8 ``dtype`` (``mu_dtype=torch.float8_e4m3fn``): torch's grouped
+        kernels have no float8 arithmetic, and an unscaled float8 moment loses every value
+        below its smallest subnormal; `opttx.quantize_state` with ``format="e4m3"`` keeps
+        moments in float8 with a scale per block.
+    """
     if dtype is not None:
+        if dtype in _FLOAT8:
+            raise TypeError(
+                f"a {dtype} optimizer statistic (mu_dtype/nu_dtype) is not supported: torch's "
+                "grouped kernels (lerp, addcmul) have no float8 arithmetic, and an unscaled "
+                "float8 moment flushes small values to zero. Keep the moments in float8 with "
+                "opttx.quantize_state(inner, format='e4m3') (or 'e5m2'): float8 values with "
+                "one fp32 scale per block of 256, decoded to fp32 for each step.")
         return dtype
     if x.dtype in (torch.float16, torch.bfloat16):
         return torch.float32

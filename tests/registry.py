@@ -124,6 +124,28 @@ def declared_momentum(learning_rate: float, decay: float = 0.9,
     """A user's factory declared with `opttx.declare` (hyperparameters and their roles)."""
     return opttx.chain(opttx.trace(decay, nesterov), opttx.scale_by_learning_rate(learning_rate))
 
+
+_STATE_FORMATS = ("4bit", "e4m3", "e5m2", "bf16_ecc", "bf16_sr")   # "8bit": adamw_8bit
+
+
+def _stored(inner: opttx.GradientTransformation, fmt: str) -> opttx.GradientTransformation:
+    """``inner`` under `quantize_state` in format ``fmt``: every leaf of the cases but the
+    5-element vector compressed, in several blocks of 8 where the format has blocks."""
+    blocks = {} if fmt.startswith("bf16") else {"block_size": 8}
+    return opttx.quantize_state(inner, format=fmt, min_size=8, **blocks)
+
+
+def _adamw_stored(fmt: str) -> opttx.GradientTransformation:
+    return opttx.chain(_stored(opttx.scale_by_adam(), fmt), opttx.add_decayed_weights(0.1),
+                       opttx.scale_by_learning_rate(LR))
+
+
+def _came_stored(fmt: str) -> opttx.GradientTransformation:
+    """CAME's factored chain: its first moment (and the second moment of unfactored leaves)
+    compressed; the row and column statistics are not shaped like the leaf and stay fp32."""
+    return opttx.chain(_stored(opttx.scale_by_came(min_dim_size_to_factor=2), fmt),
+                       opttx.add_decayed_weights(0.01), opttx.scale_by_learning_rate(1e-3))
+
 CASES: list[Case] = [
     # --- aliases --------------------------------------------------------------------------
     case("sgd", opttx.sgd, learning_rate=LR, momentum=0.9, nesterov=True),
@@ -257,6 +279,12 @@ CASES: list[Case] = [
                                                            update_proj_gap=2)),
     built("quantize_state", lambda: opttx.quantize_state(opttx.scale_by_adam(), min_size=8,
                                                          block_size=8)),
+    case("adamw_4bit", opttx.adamw_4bit, learning_rate=LR, min_size=8, block_size=8),
+    built("quantize_state/came_8bit", lambda: _came_stored("8bit")),
+    *[built(f"quantize_state/adamw_{fmt}", functools.partial(_adamw_stored, fmt))
+      for fmt in _STATE_FORMATS],
+    *[built(f"quantize_state/came_{fmt}", functools.partial(_came_stored, fmt))
+      for fmt in _STATE_FORMATS],
     # --- combinators and wrappers ---------------------------------------------------------
     built("identity", opttx.identity),
     built("set_to_zero", opttx.set_to_zero),

@@ -763,10 +763,11 @@ def test_optimizer_state_dict_names_fields_per_parameter() -> None:
         other.load_state_dict(sd)
 
 
-def test_quantized_state_over_unknown_leaves_asks_for_owned() -> None:
-    """quantize_state under masked keeps lists over the masked-in leaves only: the quantized
-    codes' declared shapes say which leaves those are; when they cannot (two leaves of one
-    shape, one quantized), keying refuses (never mis-keys) and ``owned`` fixes it."""
+def test_quantized_state_over_masked_leaves_is_keyed_by_its_declared_plan() -> None:
+    """quantize_state under masked keeps lists over the masked-in leaves only: its declared
+    plan (a LeafSlot per parameter, MaskedNode where masked) says which leaves those are, also
+    where shapes could not (two leaves of one shape, one quantized, the other masked out);
+    ``owned`` changes nothing."""
     params = {"a": torch.randn(10, 10), "b": torch.randn(10), "c": torch.randn(50)}
     inner = opttx.quantize_state(opttx.scale_by_adam(), min_size=5, block_size=4)
     tx = opttx.chain(opttx.masked(inner, {"a": True, "b": True, "c": False}), opttx.scale(-1e-3))
@@ -782,10 +783,11 @@ def test_quantized_state_over_unknown_leaves_asks_for_owned() -> None:
     params = {"a": torch.randn(10), "b": torch.randn(10), "c": torch.randn(3)}
     tx = opttx.chain(opttx.masked(inner, {"a": False, "b": True, "c": True}), opttx.scale(-1e-3))
     state = tx.init(params)
-    with pytest.raises(ValueError, match="pass owned="):
-        state_dict(state, params)
+    read = state_dict(state, params)
     sd = state_dict(state, params, owned=[False, True, True])
-    assert set(sd["state"]) == {"b", "c"}
+    assert set(sd["state"]) == set(read["state"]) == {"b", "c"}
+    assert read["state"]["b"]["0.inner_state.quantized.mu.codes"].data_ptr() == \
+        state[0].inner_state.quantized[0].mu.codes.data_ptr()
     assert sd["state"]["b"]["0.inner_state.quantized.mu.codes"].shape == (10,)
     assert sd["state"]["c"]["0.inner_state.dense.mu"].shape == (3,)
 

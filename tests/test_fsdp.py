@@ -114,6 +114,11 @@ def _aliases() -> dict[str, tuple[str, int, Callable[[Any], opttx.GradientTransf
         "shampoo": ("owners", 2, lambda ax: shampoo()),
         "adamw_8bit": ("owners", 2, lambda ax: opttx.adamw_8bit(1e-2, block_size=16,
                                                                  min_size=16)),
+        "adamw_4bit": ("owners", 2, lambda ax: opttx.adamw_4bit(1e-2, block_size=16,
+                                                                 min_size=16)),
+        "adamw_bf16_ecc": ("owners", 2, lambda ax: opttx.chain(
+            opttx.quantize_state(opttx.scale_by_adam(), format="bf16_ecc", min_size=16),
+            opttx.scale_by_learning_rate(1e-2))),
         # whole leaves on their owners: the named rule sees the global shapes by itself
         "adafactor_owners": ("owners", 2, lambda ax: opttx.adafactor(
             1e-2, min_dim_size_to_factor=1, factor_axes="largest")),

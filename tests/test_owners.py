@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import traceback
-from pathlib import Path
 from typing import Any, Callable
 
 from hypothesis import HealthCheck, Phase, given, settings

@@ -34,7 +34,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--optimizers",
         default=",".join(DEFAULT_OPTIMIZERS),
-        help="comma-separated opttx alias names; names opttx does not provide are skipped",
+        help="comma-separated opttx alias names (and adamw_fp8, adamw_fp8_e5m2, "
+        "adamw_bf16_ecc, adamw_bf16_sr: AdamW with quantize_state's other formats); names "
+        "opttx does not provide are skipped",
     )
     p.add_argument("--steps", type=int, default=150,
                    help=f"training steps per optimizer (the first {WARMUP_STEPS} untimed)")
@@ -44,7 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--references",
         action="store_true",
         help="also run the other libraries' counterparts of the chosen optimizers "
-        "(torch.optim AdamW and Muon, transformers Adafactor, heavyball Muon and SOAP; "
+        "(torch.optim AdamW and Muon, transformers Adafactor, heavyball Muon and SOAP, "
+        "torchao AdamW8bit, AdamW4bit and AdamWFp8; "
         "eagerly; a library not installed is skipped with the reason printed)",
     )
     p.add_argument("--batch-size", type=int, default=16, help="sequences per batch")

@@ -8,8 +8,17 @@ import opttx
 
 # adamw, lion and sgd are the first-order baselines; the rest run as their aliases land.
 DEFAULT_OPTIMIZERS = ("adamw", "lion", "sgd", "muon", "adafactor", "came", "lamb",
-                      "galore_adamw", "adamw_8bit", "galore_adamw_8bit", "shampoo", "adalomo",
-                      "soap", "normuon", "adamuon", "dion", "dion2", "kron")
+                      "galore_adamw", "adamw_8bit", "adamw_4bit", "galore_adamw_8bit", "shampoo",
+                      "adalomo", "soap", "normuon", "adamuon", "dion", "dion2", "kron")
+
+# AdamW with its moments stored in each of quantize_state's formats, beside fp32 "adamw" (the
+# rows of `--optimizers` given by `LOW_BIT_OPTIMIZERS`): each is chain(quantize_state(
+# scale_by_adam(), format=...), add_decayed_weights(wd), scale_by_learning_rate(lr)) with
+# adamw's rate and weight decay, so that the state format is all that differs. adamw_8bit and
+# adamw_4bit are opttx aliases; these are built here.
+STATE_FORMAT_ROWS: dict[str, str] = {"adamw_fp8": "e4m3", "adamw_fp8_e5m2": "e5m2",
+                                     "adamw_bf16_ecc": "bf16_ecc", "adamw_bf16_sr": "bf16_sr"}
+LOW_BIT_OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", *STATE_FORMAT_ROWS)
 
 # Keyword arguments per optimizer alias for the tiny byte-level GPT at its default
 # size.  The sgd, adamw and lion rates are the best of a coarse 150-step sweep
@@ -31,7 +40,10 @@ HYPERPARAMS: dict[str, dict[str, Any]] = {
     "galore_adamw": {"learning_rate": 3e-3, "rank": 32, "update_proj_gap": 50, "scale": 0.25},
     "galore_adamw_8bit": {"learning_rate": 3e-3, "rank": 32, "update_proj_gap": 50,
                           "scale": 0.25},
-    "adamw_8bit": {"learning_rate": 1e-3},
+    # adamw's weight decay (1e-4), not the aliases' default 1e-2: only the state format differs
+    "adamw_8bit": {"learning_rate": 1e-3, "weight_decay": 1e-4},
+    "adamw_4bit": {"learning_rate": 1e-3, "weight_decay": 1e-4},
+    **{name: {"learning_rate": 1e-3, "weight_decay": 1e-4} for name in STATE_FORMAT_ROWS},
     "shampoo": {"learning_rate": 1e-3, "betas": (0.9, 0.999), "grafting": "adam",
                 "precondition_frequency": 10, "epsilon": 1e-10},
     "adalomo": {"learning_rate": 1e-2},
@@ -54,7 +66,7 @@ FALLBACK_HYPERPARAMS: dict[str, Any] = {"learning_rate": 1e-3}
 
 def split_available(names: list[str]) -> tuple[list[str], list[str]]:
     """Partition ``names`` into those that ``opttx`` provides and those it lacks."""
-    present = [n for n in names if hasattr(opttx, n)]
+    present = [n for n in names if hasattr(opttx, n) or n in STATE_FORMAT_ROWS]
     return present, [n for n in names if n not in present]
 
 
@@ -65,4 +77,10 @@ def hyperparams(name: str) -> dict[str, Any]:
 
 def build(name: str) -> opttx.GradientTransformation:
     """Build the ``opttx`` gradient transformation named ``name``."""
+    if name in STATE_FORMAT_ROWS:
+        hp = hyperparams(name)
+        return opttx.chain(
+            opttx.quantize_state(opttx.scale_by_adam(), format=STATE_FORMAT_ROWS[name]),
+            opttx.add_decayed_weights(hp["weight_decay"]),
+            opttx.scale_by_learning_rate(hp["learning_rate"]))
     return getattr(opttx, name)(**hyperparams(name))

@@ -1,5 +1,6 @@
 """The counterparts of opttx's optimizers in other libraries (``--references``): torch.optim,
-transformers and heavyball optimizers, run eagerly beside opttx on the same model and batches.
+transformers, heavyball and torchao optimizers, run eagerly (torchao compiles its own step)
+beside opttx on the same model and batches.
 
 Each reference is configured like the opttx alias it stands beside (`HYPERPARAMS` in
 ``optimizers.py``) as far as its library allows; where the two compute different numbers the
@@ -100,6 +101,46 @@ def _heavyball_soap(named: NamedParams, hp: dict[str, Any]) -> torch.optim.Optim
     return _eager_heavyball().SOAP([p for _, p in named], **hp)
 
 
+class _TorchaoRun:
+    """A torchao low-bit optimizer as the bench runs it: its step compiles itself
+    (``torch.compile``), which refuses to run under a torch dispatch mode, so the step runs
+    with the bench's live-tensor tracker popped (its peak then omits the step's own
+    temporaries); ``state`` shows each compressed moment as the tensors it stores (codes,
+    scales, map), so the state's bytes are what it holds, not its fp32 appearance."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt = opt
+
+    def step(self) -> None:
+        from torch.utils._python_dispatch import _disable_current_modes
+        with _disable_current_modes():
+            self.opt.step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    @property
+    def state(self) -> list[Any]:
+        def stored(x: Any) -> Any:
+            names = getattr(x, "tensor_attrs", None)
+            return [getattr(x, n) for n in names] if names else x
+        return [{k: stored(v) for k, v in s.items()} for s in self.opt.state.values()]
+
+
+def _torchao(cls: str) -> Callable[[NamedParams, dict[str, Any]], _TorchaoRun]:
+    def make(named: NamedParams, hp: dict[str, Any]) -> _TorchaoRun:
+        from torchao import optim
+        return _TorchaoRun(getattr(optim, cls)([p for _, p in named], **hp))
+    return make
+
+
+_TORCHAO = ("torchao compiles its per-parameter step (torch.compile, Inductor) even in this "
+            "eager loop, and runs it outside the live-tensor tracker (a compiled step refuses "
+            "a dispatch mode: its peak omits the step's temporaries); it compresses tensors of "
+            ">= 4096 elements whose size is a multiple of the block (every matrix here), the "
+            "others stay fp32, as opttx's min_size")
+
+
 _MUON_SPLIT = ("Muon on the hidden matrices (opttx.muon_hidden_matrices), torch AdamW "
                "(no Nesterov) on embeddings and vectors")
 REFERENCES: tuple[Reference, ...] = (
@@ -122,6 +163,18 @@ REFERENCES: tuple[Reference, ...] = (
                "precondition_frequency": 10}, _heavyball_soap,
               "opttx.soap's rates and frequency; heavyball's own basis refresh, "
               "max_precond_dim 2048 and merged dims"),
+    Reference("torchao.AdamW8bit", "adamw_8bit", "torchao",
+              {"lr": 1e-3, "weight_decay": 1e-4}, _torchao("AdamW8bit"),
+              _TORCHAO + "; the same maps and block 256"),
+    Reference("torchao.AdamW4bit", "adamw_4bit", "torchao",
+              {"lr": 1e-3, "weight_decay": 1e-4}, _torchao("AdamW4bit"),
+              _TORCHAO + "; second moment block-wise (128) where opttx's is rank-1 on matrices, "
+              "fp32 scales (opttx: bfloat16)"),
+    Reference("torchao.AdamWFp8", "adamw_fp8", "torchao",
+              {"lr": 1e-3, "weight_decay": 1e-4}, _torchao("AdamWFp8"),
+              _TORCHAO + "; e4m3 with one scale per block of 256, as opttx's 'e4m3' format, "
+              "which keeps second moments at least at the smallest subnormal (torchao: "
+              "round to nearest, down to 0)"),
 )
 
 

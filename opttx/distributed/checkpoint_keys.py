@@ -6,14 +6,14 @@ The layout-independent naming used by `opttx.Optimizer.state_dict` and
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from ..base import EmptyState, Role, fields_with_role, state_roles
-from ..tree import (MaskedNode, PyTree, tree_flatten, tree_flatten_with_path, tree_leaves,
-                    tree_structure)
+from ..tree import MaskedNode, PyTree, tree_flatten, tree_flatten_with_path, tree_structure
 
 __all__ = ["dtensor_placement", "keyed_state", "local_entries_as_dtensors", "param_paths"]
 
@@ -68,7 +68,6 @@ class _View:
     spec: Any
     paths: tuple[str, ...]
     present: tuple[bool, ...]
-    shapes: tuple[tuple[int, ...], ...]
 
 
 def _is_tensor(x: Any) -> bool:
@@ -98,20 +97,11 @@ def _walk(node: Any, path: tuple, view: _View, out_state: dict, out_shared: dict
     (``out_state[param path][field path]``) and shared ones (``out_shared[field path]``).
     ``owner``: the state NamedTuple and the field ``node`` is (its declared layout of the
     field's tensors goes into ``layouts[param path][field path]``, see `_declared_dims`)."""
-    from ..transforms.lowrank import ProjectLowrankState
     from ..transforms.quantized import QuantizedState
     if isinstance(node, (MaskedNode, EmptyState)):
         return
     if isinstance(node, QuantizedState):
         _walk_quantized(node, path, view, out_state, out_shared)
-        return
-    if isinstance(node, ProjectLowrankState):
-        # the inner state is over the projected leaves: same paths, the projected shapes
-        # (which `quantize_state`'s per-leaf states are matched by)
-        inner_view = _projected_view(node, view)
-        for key, child in _children(node) or []:
-            _walk(child, path + (key,), inner_view if child is node.inner_state else view,
-                  out_state, out_shared)
         return
     if not view.spec.is_leaf():
         try:
@@ -165,37 +155,6 @@ def _declared_dims(owner: tuple[Any, str] | None, k: int) -> tuple[int, ...] | N
     return () if role is not None and role.like_updates else None
 
 
-def _projected_view(node: Any, view: _View) -> _View:
-    """``view`` with the shapes of the leaves as `project_lowrank` hands them to its inner
-    transform, read from its bases: ``U^T G`` is ``(..., k, n)`` for ``U`` of shape
-    ``(..., m, k)``, ``G V^T`` is ``(..., m, k)`` for ``V^T`` of shape ``(..., k, n)``, both
-    ``(..., k_U, k_V)``; a leaf that is not projected (empty bases) keeps its shape."""
-    if view.spec.is_leaf():
-        lefts, rights = [node.left], [node.right]
-    else:
-        try:
-            lefts = view.spec.flatten_up_to(node.left)
-            rights = view.spec.flatten_up_to(node.right)
-        except (ValueError, TypeError, RuntimeError):
-            return view
-    shapes = []
-    for shape, u, v in zip(view.shapes, lefts, rights):
-        has_u = _is_tensor(u) and u.numel() > 0 and u.dim() >= 2
-        has_v = _is_tensor(v) and v.numel() > 0 and v.dim() >= 2
-        if not (has_u or has_v):
-            shapes.append(shape)
-            continue
-        batch = tuple((u if has_u else v).shape[:-2])
-        mn = _numel(shape) // max(_numel(batch), 1)          # m * n of the matrix form
-        if has_u and has_v:
-            shapes.append(batch + (u.shape[-1], v.shape[-2]))
-        elif has_u:
-            shapes.append(batch + (u.shape[-1], mn // u.shape[-2]))
-        else:
-            shapes.append(batch + (mn // v.shape[-1], v.shape[-2]))
-    return _View(view.spec, view.paths, view.present, tuple(shapes))
-
-
 def _put(table: dict, key: str, x: torch.Tensor) -> None:
     if key in table and table[key] is not x:
         raise ValueError(f"Two tensors of the state map to the checkpoint key {key!r}; the "
@@ -204,105 +163,66 @@ def _put(table: dict, key: str, x: torch.Tensor) -> None:
     table[key] = x
 
 
+# The tensors that `keyed_state` found in `quantize_state`'s per-leaf states: statistics of
+# the whole leaf by its declared plan (computed on whole leaves), which
+# `local_entries_as_dtensors` keeps whole (written by the leaf's owner) instead of telling them
+# from local-shard statistics by their shapes (packed codes, block scales and row statistics
+# have neither the shard's nor the leaf's shape). By id, weakly: a mark lives as long as its
+# buffer (a WeakSet would compare tensors with ==).
+_WHOLE_LEAF: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
 def _walk_quantized(node: Any, path: tuple, view: _View, out_state: dict,
                     out_shared: dict) -> None:
-    """A `QuantizedState`: each entry of its `Role.QUANTIZED` field is the state of one
-    quantized leaf alone (in leaf order), ``dense`` is one inner state over the list of the
-    other leaves present; key both by the param paths of those leaves."""
-    present = [i for i, p in enumerate(view.present) if p]
+    """A `QuantizedState`: its declared plan (`leaf_slots`) says where each parameter's state
+    is: entry ``i`` of its `Role.QUANTIZED` field (the state of that leaf alone) or entry ``i``
+    of the lists of ``dense`` (one inner state over the list of the small leaves); key both by
+    the param paths of those leaves."""
+    from ..transforms.quantized import leaf_slots
+    try:
+        slots = leaf_slots(node, view.spec)
+    except ValueError as err:
+        raise ValueError(f"state{_join(path)}: {err}") from None
     (field,) = fields_with_role(node, Role.QUANTIZED)
     per_leaf = getattr(node, field)
-    large = _quantized_leaves(present, view.shapes, per_leaf, path)
-    small = [i for i in present if i not in set(large)]
+    large = {s.index: i for i, s in enumerate(slots) if s is not None and s.quantized}
+    small = [i for _, i in sorted((s.index, i) for i, s in enumerate(slots)
+                                  if s is not None and not s.quantized)]
     where = _join(path + (field,))
-    for i, leaf_state in zip(large, per_leaf):
+    for j, leaf_state in enumerate(per_leaf):
         for inner, x in _tensors(leaf_state):
-            _put(out_state.setdefault(view.paths[i], {}), _field(where, inner), x)
+            _put(out_state.setdefault(view.paths[large[j]], {}), _field(where, inner), x)
+            _WHOLE_LEAF[id(x)] = x
     if small:
-        small_spec = tree_structure([0] * len(small))
-        small_view = _View(small_spec, tuple(view.paths[i] for i in small),
-                           (True,) * len(small), tuple(view.shapes[i] for i in small))
-        if (_present_from_state(node.dense, small_spec) is None
-                and any(x.dim() > 0 for _, x in _tensors(node.dense))):
-            raise ValueError(f"state{_join(path)}.dense: its per-leaf lists do not have one "
-                             f"entry per small leaf ({len(small)}); pass owned= (the leaves "
-                             "this quantize_state state was built over).")
-        _walk(node.dense, path + ("dense",), small_view, out_state, out_shared)
+        small_view = _View(tree_structure([0] * len(small)),
+                           tuple(view.paths[i] for i in small), (True,) * len(small))
+        dense: dict = {}
+        _walk(node.dense, path + ("dense",), small_view, dense, out_shared)
+        for param, fields in dense.items():
+            for key, x in fields.items():
+                _put(out_state.setdefault(param, {}), key, x)
+                _WHOLE_LEAF[id(x)] = x
     for name in node._fields:
         if name not in (field, "dense"):
             for inner, x in _tensors(getattr(node, name)):
                 _put(out_shared, _field(_join(path + (name,)), inner), x)
 
 
-def _quantized_shapes(leaf_state: Any) -> set[tuple[int, ...]]:
-    """The shapes of the codes in one leaf's quantized state: the leaf's shape, read from the
-    nodes whose fields are all declared `Role.QUANTIZED` (`QuantizedTensor`: codes shaped like
-    the leaf, one absmax per block)."""
-    def quantized_node(n: Any) -> bool:
-        fields = getattr(n, "_fields", None)
-        return bool(fields) and fields_with_role(n, Role.QUANTIZED) == list(fields)
-    return {tuple(n[0].shape) for n in tree_leaves(leaf_state, is_leaf=quantized_node)
-            if quantized_node(n)}
-
-
-def _quantized_leaves(present: list[int], shapes: Sequence[tuple[int, ...]],
-                      per_leaf: Sequence[Any], path: tuple) -> list[int]:
-    """The present leaves that the per-leaf states ``per_leaf`` belong to, in leaf order: each
-    state's quantized codes have its leaf's shape, so each is matched to the next present
-    leaf of that shape (refused when fewer states than present leaves have a shape: which of
-    them was quantized is not written anywhere). A state holding no quantized tensor says no
-    shape; then the leaves are those of `quantize_state`'s rule (every leaf with at least one
-    dim and at least ``min_size`` elements), the one such set with ``len(per_leaf)``
-    leaves."""
-    said = [_quantized_shapes(s) for s in per_leaf]
-    if not per_leaf:
-        return []
-    stated = [next(iter(s)) for s in said if len(s) == 1]
-    unique = all(sum(shapes[i] == shape for i in present) == stated.count(shape)
-                 for shape in stated)
-    if len(stated) == len(per_leaf) and unique:
-        # every present leaf of a stated shape is quantized: the order maps them one to one
-        chosen, start = [], 0
-        for (shape,) in said:
-            nxt = next((j for j in range(start, len(present)) if shapes[present[j]] == shape),
-                       None)
-            if nxt is None:
-                break
-            chosen.append(present[nxt])
-            start = nxt + 1
-        else:
-            return chosen
-    elif not any(said):
-        numel = {i: _numel(shapes[i]) for i in present if len(shapes[i]) >= 1}
-        for threshold in sorted(set(numel.values()), reverse=True):
-            chosen = [i for i in present if i in numel and numel[i] >= threshold]
-            if len(chosen) == len(per_leaf):
-                return chosen
-            if len(chosen) > len(per_leaf):
-                break
-    raise ValueError(f"state{_join(path)}: cannot tell which parameters this quantize_state "
-                     f"state covers ({len(per_leaf)} quantized leaf states of shapes "
-                     f"{[sorted(s) for s in said]}, {len(present)} leaves present); is this "
-                     "the state of these parameters (under zero or on_owners, pass owned=: "
-                     "the leaves it was built over)?")
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _present_from_state(state: Any, spec: Any) -> list[bool] | None:
     """Which parameter leaves a state built over a masked tree (zero, on_owners) covers: the
     positions not masked in some node of the state shaped like the parameter tree (a link
     under `opttx.masked` covers fewer, hence the union)."""
-    from ..transforms.quantized import QuantizedState
+    from ..transforms.quantized import QuantizedState, leaf_slots
     found: list[list[bool]] = []
 
     def visit(node: Any) -> None:
-        if isinstance(node, (MaskedNode, EmptyState, QuantizedState)) or _is_tensor(node):
+        if isinstance(node, QuantizedState):     # its plan declares the leaves it covers
+            try:
+                found.append([s is not None for s in leaf_slots(node, spec)])
+            except ValueError:
+                pass
+            return
+        if isinstance(node, (MaskedNode, EmptyState)) or _is_tensor(node):
             return
         if not spec.is_leaf():
             try:
@@ -331,7 +251,7 @@ def keyed_state(state: Any, params: PyTree, mask: Sequence[bool] | None = None,
     paths = tuple(param_paths(params))
     if mask is None:
         mask = _present_from_state(state, spec) or [True] * len(leaves)
-    view = _View(spec, paths, tuple(mask), tuple(tuple(x.shape) for x in leaves))
+    view = _View(spec, paths, tuple(mask))
     out_state: dict[str, dict[str, torch.Tensor]] = {}
     out_shared: dict[str, torch.Tensor] = {}
     _walk(state, (), view, out_state, out_shared, None, layouts)
@@ -428,7 +348,8 @@ def local_entries_as_dtensors(table: dict[str, dict[str, torch.Tensor]], paths: 
         local = leaf.to_local() if hasattr(leaf, "to_local") else leaf
         for field, x in table.get(path, {}).items():
             dims = (layouts or {}).get(path, {}).get(field)
-            mine[(path, field)] = _kind(x, tuple(local.shape), tuple(where[2]), dims)
+            mine[(path, field)] = ("whole" if _WHOLE_LEAF.get(id(x)) is x   # quantize_state's
+                                   else _kind(x, tuple(local.shape), tuple(where[2]), dims))
     everyone = [mine]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()

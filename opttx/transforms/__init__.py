@@ -21,8 +21,9 @@ from .mars import ScaleByMarsState, scale_by_mars
 from .prodigy import ProdigyState, scale_by_prodigy
 from .schedule_free import (ScheduleFreeState, schedule_free, schedule_free_eval_params,
                             schedule_free_train_params)
-from .quantized import (QuantizationMap, QuantizedState, QuantizedTensor, dequantize_blockwise,
-                        dynamic_map, quantization_map, quantize_blockwise, quantize_state)
+from .quantized import (CorrectedTensor, LeafSlot, QuantizationMap, QuantizedState,
+                        QuantizedTensor, StateLayout, dequantize_blockwise, dynamic_map,
+                        linear_map, quantization_map, quantize_blockwise, quantize_state)
 from .scaling import (ScaleByScheduleState, add_decayed_weights, scale, scale_by_learning_rate,
                       scale_by_schedule, scale_by_sign)
 from .shampoo import (DiagonalGraftState, GraftState, ShampooState, block_by_dims, block_shapes,
@@ -35,9 +36,9 @@ from .soap import (EigenvalueCorrectedState, merge_dims_heavyball, merge_dims_so
 
 __all__ = [
     "ProjectLowrankState", "project_lowrank",
-    "QuantizationMap", "QuantizedState", "QuantizedTensor",
-    "dequantize_blockwise", "dynamic_map", "quantization_map", "quantize_blockwise",
-    "quantize_state",
+    "CorrectedTensor", "LeafSlot", "QuantizationMap", "QuantizedState", "QuantizedTensor",
+    "StateLayout", "dequantize_blockwise", "dynamic_map", "linear_map", "quantization_map",
+    "quantize_blockwise", "quantize_state",
     "GraftState", "ShampooState", "block_by_dims", "block_shapes", "graft",
     "matrix_inverse_root", "merge_small_dims", "precondition_shampoo",
     "DiagonalGraftState", "meta_bias_correction", "scale_by_grafted_diagonal",
