@@ -28,7 +28,8 @@ from .base import (ELEMENTWISE, LEAFWISE, PRECONDITIONER, EmptyState, GradientTr
                    combine_traits, declare_roles, identity, leafwise, round_stochastic_,
                    set_to_zero, state_roles, stateless, stateless_with_tree_map, traits_of,
                    zero_count)
-from .combine import (MaskedState, PartitionState, chain, freeze, masked, multi_transform,
+from .combine import (MaskedState, PartitionState, chain, chain_links, freeze, masked,
+                      multi_transform,
                       named_chain, partition)
 from .layout import FlatParams, FlattenState, flatten
 from .optim import Optimizer
@@ -66,6 +67,7 @@ __all__ = [
     "Optimizer", "PartitionState", "adafactor", "adagrad", "adalomo", "adam", "adamw",
     "adamw_4bit", "adamw_8bit", "apply_if_finite", "apply_updates", "apply_updates_", "came",
     "chain",
+    "chain_links",
     "constant_schedule", "cosine_decay_schedule", "donating", "exponential_decay", "flatten",
     "freeze", "galore_adamw", "galore_adamw_8bit", "identity", "inject_hyperparams",
     "join_schedules", "lamb", "lars", "linear_schedule", "lion", "masked", "multi_transform",

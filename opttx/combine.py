@@ -13,6 +13,7 @@ __all__ = [
     "MaskedState",
     "PartitionState",
     "chain",
+    "chain_links",
     "freeze",
     "masked",
     "multi_transform",
@@ -53,6 +54,20 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return updates, tuple(new_state)
 
     return GradientTransformation(init, update, combine_traits(transforms))
+
+
+def chain_links(tx: GradientTransformation) -> tuple[GradientTransformation, ...]:
+    """The transforms of a `chain`, in order, as its recipe records them; ``()`` for any
+    other transform (a chain's state is the tuple of its links' states, so machinery that runs
+    the links one by one, as `opttx.distributed.offload` does, may split it the same way).
+
+    Example:
+      >>> opttx.chain_links(opttx.chain(opttx.clip(1.0), opttx.adamw(1e-3)))  # two links
+    """
+    recipe = tx.recipe
+    if recipe is None or recipe.factory is not chain:
+        return ()
+    return tuple(recipe.arguments["transforms"])
 
 
 @declare()
@@ -98,7 +113,10 @@ def _mask_tree(tree: PyTree, keep: list[bool]) -> PyTree:
     return tree_unflatten([x if k else MaskedNode() for x, k in zip(leaves, keep)], spec)
 
 
-@declare()
+# which leaves a mask selects is not part of the state's identity: it follows the tree (a
+# partition's masks are computed from it, with MaskedNode where a rank holds no leaf), and
+# the state's structure carries it
+@declare(runtime=("mask",))
 def masked(inner: GradientTransformation,
            mask: PyTree | Callable[[Params], PyTree]) -> GradientTransformation:
     """Apply ``inner`` to the leaves where ``mask`` is True; pass the others through unchanged.
@@ -138,7 +156,7 @@ def masked(inner: GradientTransformation,
     return GradientTransformation(init, update, combine_traits((inner,)))
 
 
-@declare()
+@declare(runtime=("mask",))
 def freeze(mask: PyTree | Callable[[Params], PyTree]) -> GradientTransformation:
     """Zero the updates of the leaves where ``mask`` is True (those parameters do not move).
 
@@ -161,7 +179,7 @@ class PartitionState(NamedTuple):
     __roles__ = declare_roles()
 
 
-@declare()
+@declare(runtime=("param_labels",))
 def partition(transforms: Mapping[Hashable, GradientTransformation],
               param_labels: PyTree | Callable[[Params], PyTree]) -> GradientTransformation:
     """Apply a different transform to each group of leaves, chosen by a label per leaf.

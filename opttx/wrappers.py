@@ -132,14 +132,43 @@ def _split_arguments(inner_factory: Callable[..., GradientTransformation], argum
     return schedules, numeric, other
 
 
+def _call_plan(factory: Callable[..., GradientTransformation]) -> tuple[tuple[str, str], ...]:
+    """How ``_call`` passes each argument of ``factory``: ``(name, kind)`` pairs in the order of
+    its signature, read once outside traced code (Dynamo does not trace ``inspect``)."""
+    kinds = {inspect.Parameter.POSITIONAL_ONLY: "positional",
+             inspect.Parameter.POSITIONAL_OR_KEYWORD: "either",
+             inspect.Parameter.VAR_POSITIONAL: "spread",
+             inspect.Parameter.KEYWORD_ONLY: "keyword",
+             inspect.Parameter.VAR_KEYWORD: "spread_keywords"}
+    return tuple((name, kinds[p.kind])
+                 for name, p in inspect.signature(factory).parameters.items())
+
+
 def _call(factory: Callable[..., GradientTransformation], arguments: Mapping[str, Any],
-          signature: inspect.Signature | None = None) -> GradientTransformation:
+          plan: tuple[tuple[str, str], ...] | None = None) -> GradientTransformation:
     """``factory`` called with ``arguments`` by name, in the order of its signature (so a
-    ``*transforms`` or ``**kwargs`` argument is spread again, as it was given)."""
-    signature = signature or inspect.signature(factory)
-    bound = inspect.BoundArguments(signature, {n: arguments[n] for n in signature.parameters
-                                               if n in arguments})
-    return factory(*bound.args, **bound.kwargs)
+    ``*transforms`` or ``**kwargs`` argument is spread again, as it was given): positional
+    arguments stay positional until the first one left out, the rest go by keyword."""
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    gap = False
+    for name, kind in plan if plan is not None else _call_plan(factory):
+        if name not in arguments:
+            gap = gap or kind in ("positional", "either")
+            continue
+        value = arguments[name]
+        if kind == "spread":
+            if gap:
+                raise TypeError(f"{_public_name(factory)}: *{name} given after a positional "
+                                "argument that was left out")
+            args.extend(value)
+        elif kind == "spread_keywords":
+            kwargs.update(value)
+        elif kind == "positional" or (kind == "either" and not gap):
+            args.append(value)
+        else:
+            kwargs[name] = value
+    return factory(*args, **kwargs)
 
 
 def _injected_identity(inner_factory: Callable[..., GradientTransformation],
@@ -161,8 +190,8 @@ def injected(inner_factory: Callable[..., GradientTransformation], arguments: Ma
     static = (static_args,) if isinstance(static_args, str) else tuple(static_args)
     declaration = declaration_of(inner_factory)
     schedules, numeric, other = _split_arguments(inner_factory, dict(arguments), static)
-    signature = inspect.signature(inner_factory)
-    sample = _call(inner_factory, arguments, signature)  # validates the values once
+    plan = _call_plan(inner_factory)
+    sample = _call(inner_factory, arguments, plan)  # validates the values once
     roles = Static(tuple(
         (name, (declaration.hyperparams.get(name).value
                 if declaration and declaration.hyperparams.get(name) is not None else None),
@@ -183,7 +212,7 @@ def injected(inner_factory: Callable[..., GradientTransformation], arguments: Ma
         count = zero_count(params)
         hyperparams = {name: as_tensor(v, count.device) for name, v in numeric.items()}
         hyperparams.update(evaluate_schedules(count))
-        inner = _call(inner_factory, {**other, **hyperparams}, signature)
+        inner = _call(inner_factory, {**other, **hyperparams}, plan)
         return InjectHyperparamsState(count=count, hyperparams=hyperparams,
                                       inner_state=inner.init(params), roles=roles,
                                       made_by=made_by)
@@ -199,7 +228,7 @@ def injected(inner_factory: Callable[..., GradientTransformation], arguments: Ma
         hyperparams = dict(state.hyperparams)
         hyperparams.update(evaluate_schedules(state.count))
         with step_local_transforms():       # rebuilt for this step only: no recipes
-            inner = _call(inner_factory, {**other, **hyperparams}, signature)
+            inner = _call(inner_factory, {**other, **hyperparams}, plan)
         updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
         return updates, InjectHyperparamsState(count=safe_increment(state.count),
                                                hyperparams=hyperparams,

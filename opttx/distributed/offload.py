@@ -37,6 +37,7 @@ import torch
 from .._checks import check_nonnegative, check_positive
 from ..base import (EmptyState, GradientTransformation, Params, REDUCER_KEY, Role, State,
                     TOTALS_KEY, Updates, combine_traits, declare, fields_with_role, traits_of)
+from ..combine import chain_links
 from ..kernels import is_donating
 from ..tree import (MaskedNode, PyTree, tree_copy_, tree_flatten, tree_map, tree_paths,
                     tree_unflatten)
@@ -329,15 +330,14 @@ def check_offloadable(tx: GradientTransformation, layout: str = "leaves") -> int
     """
     if layout not in ("leaves", "flat"):
         raise ValueError(f"offload: layout must be 'leaves' or 'flat', got {layout!r}.")
-    traits = traits_of(tx)
-    links = traits.links or (tx,)
+    links = chain_links(tx) or (tx,)
     head = 0                  # links that do not work leaf by leaf, run first if stateless
     while head < len(links) and not _chunkable(traits_of(links[head]), "leaves"):
         head += 1
     for j in range(head, len(links)):
         t = traits_of(links[j])
         if not _chunkable(t, layout):
-            what = f"link {j} of the chain" if traits.links else "the transform"
+            what = f"link {j} of the chain" if chain_links(tx) else "the transform"
             raise ValueError(f"offload: {what} cannot run chunk by chunk: {_why(t, layout)}.")
     return head
 
@@ -476,8 +476,8 @@ class _Offloader:
                  delayed: bool = False) -> None:
         self.tx = tx
         self.head = check_offloadable(tx, layout)
-        self.is_chain = bool(traits_of(tx).links)
-        self.links = traits_of(tx).links or (tx,)
+        self.is_chain = bool(chain_links(tx))
+        self.links = chain_links(tx) or (tx,)
         self.fraction = fraction
         self.layout = layout
         self.compile = compile
@@ -869,7 +869,11 @@ class _Offloader:
             leaves[pos] = s_leaves[j].clone() if shared is None else shared[n]
         return tree_unflatten(leaves, m.spec)
 
-    def _write_back(self, k: int, new_state: Any, s_leaves: list[Any], shared: bool) -> None:
+    def _write_back(self, k: int, new_state: Any, s_leaves: list[Any], written: set[int]
+                    ) -> None:
+        """Chunk ``k``'s new state into the whole state's leaves; each shared tensor (a step
+        count) from the first chunk written that holds it (``written``: those already taken;
+        a chunk without a partition's leaves holds none of that partition's counts)."""
         m = self.maps[k]
         leaves, spec = tree_flatten(new_state)
         if spec != m.spec:
@@ -879,8 +883,9 @@ class _Offloader:
             s_leaves[j] = leaves[pos]
         if m.flat:
             self._scatter_flat(k, leaves, s_leaves)
-        if shared:
-            for pos, j in m.shared:
+        for pos, j in m.shared:
+            if j not in written:
+                written.add(j)
                 s_leaves[j] = self._shared_back(leaves[pos], s_leaves[j].device)
 
     def _shared_back(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -957,9 +962,9 @@ class _Offloader:
                 u = self._send(k, u)
             self._scatter_updates(k, u, out)
         self.stats.steps += 1
-        sharer = next((k for k, c in enumerate(chunks) if not c.on_host), 0)
-        for k in range(len(chunks)):
-            self._write_back(k, new_states[k], s_leaves, shared=k == sharer)
+        written: set[int] = set()                # shared tensors: device chunks' first
+        for k in sorted(range(len(chunks)), key=lambda k: chunks[k].on_host):
+            self._write_back(k, new_states[k], s_leaves, written)
         if self._streams is not None and host:    # the device waits, not the host
             torch.cuda.current_stream(self.device).wait_stream(self._streams[1])
         new_state = tree_unflatten(s_leaves, self.state_spec)
