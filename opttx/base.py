@@ -1286,8 +1286,10 @@ def reduce_leaf_statistics(partials: Sequence[torch.Tensor], extra_args: dict[st
     ``spec`` of the updates (``spec, g = flatten_matching(updates)``). Unsharded it returns
     ``partials`` unchanged, with no work.
 
-    Example (in a leafwise step: each leaf's sum of squares, whole when sharded):
-      >>> sq = reduce_leaf_statistics(foreach_sum_of_squares(g), extra_args)
+    Example (in a leafwise step, each leaf's sum of squares, whole when sharded; unsharded,
+    as here, the partials come back as they are):
+      >>> g = [torch.ones(3), torch.ones(2, 2)]
+      >>> sq = reduce_leaf_statistics([x.square().sum() for x in g], extra_args={})
     """
     if extra_args.get(REDUCER_KEY) is None:
         return list(partials)

@@ -5,7 +5,8 @@ opttx's conformance registry (``tests/registry.py``) runs these same checks over
 public transform; `check_transform` runs them over yours:
 
     >>> from opttx.testing import check_transform
-    >>> check_transform(lambda: my_signum(0.9), factory=my_signum, kwargs={"b": 0.9})
+    >>> check_transform(lambda: opttx.lion(1e-3), factory=opttx.lion,
+    ...                 kwargs={"learning_rate": 1e-3})
 
 Each check takes a function that builds a fresh transform (``make``) and raises
 ``AssertionError`` (or the transform's own error) naming what broke. The distributed
@@ -371,9 +372,10 @@ def check_transform(make: Make, *, factory: Callable[..., GradientTransformation
     Raises:
       AssertionError: listing every check that failed and why.
 
-    Example:
-      >>> check_transform(lambda: scale_by_sign_momentum(0.9),
-      ...                 factory=scale_by_sign_momentum, kwargs={"b": 0.9})
+    Example (a transform of your own passes its factory in the same way; docs/guide/writing.md
+    checks its worked examples so):
+      >>> check_transform(lambda: opttx.lion(1e-3), factory=opttx.lion,
+      ...                 kwargs={"learning_rate": 1e-3})
     """
     def params(dtype: torch.dtype = torch.float32) -> PyTree:
         return standard_params(dtype, matrices_only=matrices_only)

@@ -126,15 +126,30 @@ def _aliases() -> dict[str, tuple[str, int, Callable[[Any], opttx.GradientTransf
     }
 
 
-def _reference(make: Callable, batches: list) -> list[dict[str, torch.Tensor]]:
-    """The single-device run: the unwrapped model on the whole batch, every step's params."""
+def _reference(make: Callable, batches: list, api: str = "optimizer"
+               ) -> list[dict[str, torch.Tensor]]:
+    """The single-device run: the unwrapped model on the whole batch, every step's params,
+    through the same API (`opttx.Optimizer` runs the transform with its hyperparameters
+    injected as float32 tensors, the functional path with the Python floats given: CAME's
+    instability term tells the two apart by 1e-4 relative at step 0)."""
     model = _model()
-    opt = opttx.Optimizer(model.named_parameters(), make(lambda rule: rule))
+    tx = make(lambda rule: rule)
+    if api == "optimizer":
+        opt = opttx.Optimizer(model.named_parameters(), tx)
+    else:
+        params = {k: p.detach() for k, p in model.named_parameters()}
+        state = tx.init(params)
     out = []
     for x, y in batches:
         F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+        if api == "optimizer":
+            opt.step()
+            opt.zero_grad()
+        else:
+            grads = {k: p.grad for k, p in model.named_parameters()}
+            updates, state = tx.update(grads, state, params)
+            opttx.apply_updates_(params, updates)
+            model.zero_grad()
         out.append({k: p.detach().clone() for k, p in model.named_parameters()})
     return out
 
@@ -254,8 +269,8 @@ def _worker(rank: int, world: int, store: str, out: str, apis: list[str],
     batches = _batches()
     for name in names:
         how, _, make = _aliases()[name]
-        expected = _reference(make, batches)
         for api in apis:
+            expected = _reference(make, batches, api)
             key = f"{name}/{api}"
             try:
                 results["counts"][key] = _run_fsdp(how, make, api, batches, expected, rank,
