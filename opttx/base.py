@@ -132,8 +132,9 @@ class Role(str, enum.Enum):
     PROJECTION = "projection"
     """A basis (GaLore's projector, an eigenbasis): needs the whole tensor, never quantized."""
     QUANTIZED = "quantized"
-    """8-bit codes and their block scales standing for another field (see
-    `opttx.quantize_state`)."""
+    """A compressed copy standing for another field: block-wise 8-bit or packed 4-bit codes
+    with their scales, FP8 values with per-block scales, or bfloat16 values with an error
+    correction; each container records its own layout (see `opttx.quantize_state`)."""
     SCALAR = "scalar"
     """A 0-dim value shared by all leaves (Prodigy's distance estimate, an injected
     hyperparameter, a wrapper's step flags): one tensor whatever the layout of the leaves
@@ -755,12 +756,20 @@ def declare(*, hyperparams: Mapping[str, "HyperRole | None"] | None = None,
                 # built inside a compiled function: a Python-float hyperparameter would be a
                 # constant of the graph (a recompile for every new value, and a symbolic float
                 # that the checks cannot read once Dynamo makes it dynamic); as a 0-dim tensor
-                # it is a graph input, as an injected hyperparameter is
+                # it is a graph input, as an injected hyperparameter is. Only the outermost
+                # factory's: the factories it calls get what it passes them (Shampoo decides
+                # its bias correction from beta2 == 1 as Meta does, a Python decision)
+                if _TRACED_FACTORY_DEPTH[0]:
+                    return factory(*args, **kwargs)
                 args = tuple(_as_graph_input(a) if i < len(positional) and
                              positional[i] in hyperparams else a for i, a in enumerate(args))
                 kwargs = {k: _as_graph_input(v) if k in hyperparams else v
                           for k, v in kwargs.items()}
-                return factory(*args, **kwargs)   # traced, not kept: no recipe
+                _TRACED_FACTORY_DEPTH[0] += 1
+                try:
+                    return factory(*args, **kwargs)   # traced, not kept: no recipe
+                finally:
+                    _TRACED_FACTORY_DEPTH[0] -= 1
             tx = factory(*args, **kwargs)
             if _STEP_LOCAL.get():
                 return tx       # built to run inside one step (see step_local_transforms)
@@ -773,6 +782,10 @@ def declare(*, hyperparams: Mapping[str, "HyperRole | None"] | None = None,
         return declared
 
     return decorate
+
+
+_TRACED_FACTORY_DEPTH = [0]
+"""How many declared factories are being called inside a compiled function (see `declare`)."""
 
 
 def _as_graph_input(value: Any) -> Any:

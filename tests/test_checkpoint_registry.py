@@ -1,6 +1,6 @@
 """Every chain of the conformance registry checkpoints under `opttx.distributed.zero` (stages 1
-and 2) as a DCP checkpoint that moves from world 4 to world 2 to one device (docs/design.md,
-section 7).
+and 2) and under `opttx.distributed.on_owners` (each whole leaf's state on its owner) as a DCP
+checkpoint that moves from world 4 to world 2 to one device (docs/design.md, section 7).
 
 All the entries run at once, as one `opttx.partition` with a label per entry over a tree with
 a subtree per entry, so each world size makes one plan, one checkpoint and one load: saved at
@@ -28,15 +28,15 @@ import torch.distributed.checkpoint as dcp
 
 import opttx
 from opttx.conformance import standard_params
-from opttx.distributed import (check_checkpoint, load_checkpoint, load_state_dict, state_dict,
-                               zero, zero_plan)
+from opttx.distributed import (check_checkpoint, load_checkpoint, load_state_dict, on_owners,
+                               sharded, state_dict, zero, zero_plan)
 from opttx.testing import assert_trees_close, gradient_stream, spawn_ranks
 
 from registry import CASES
 
 K, N = 2, 2
 CHUNK = 256 / (1 << 20)
-STAGES = (1, 2)
+MODES = ("zero1", "zero2", "on_owners")
 
 
 def _runs_in_a_partition(case: Any) -> bool:
@@ -64,7 +64,7 @@ NOT_RESHARDED = {
 # inside the partition they see the entries' keys (tested alone, in tests/test_conformance.py)
 FLAT_TREE_ONLY = {"clip_qk"}
 DISTRIBUTED = [c for c in CASES if c.distributed is None]
-ENTRIES = [c for c in DISTRIBUTED if c.name not in NOT_RESHARDED | FLAT_TREE_ONLY
+ENTRIES = [c for c in DISTRIBUTED if c.name not in set(NOT_RESHARDED) | FLAT_TREE_ONLY
            and _runs_in_a_partition(c)]
 ALONE = sorted(c.name for c in DISTRIBUTED if c not in ENTRIES and c.name not in NOT_RESHARDED)
 
@@ -98,24 +98,35 @@ def _train(tx: opttx.GradientTransformation, params: dict, state: Any, grads: li
     return params, state
 
 
-def _owned(params: dict) -> Any:
-    return zero_plan(params, dist.get_world_size(), CHUNK) if dist.is_initialized() else None
+def _owned(params: dict, mode: str) -> Any:
+    """zero's plan (its states record their leaves too; given here as a user of zero would);
+    on_owners's states say which leaves they cover by their masked leaves."""
+    if dist.is_initialized() and mode.startswith("zero"):
+        return zero_plan(params, dist.get_world_size(), CHUNK)
+    return None
 
 
-def _run_world(root: Path, world: int, stage: int) -> tuple[dict, Any]:
+def _distributed(mode: str) -> opttx.GradientTransformation:
+    if mode == "on_owners":
+        return sharded(on_owners(_everything()))       # whole (replicated) leaves on owners
+    return zero(_everything(), chunk_size_mb=CHUNK, stage=int(mode[-1]))
+
+
+def _run_world(root: Path, world: int, mode: str) -> tuple[dict, Any]:
     """World 4: K steps and a checkpoint; world 2 and one device: the previous world's
     checkpoint checked, loaded and (at world 2) saved again. Returns (params, state)."""
     params = _params()
-    tx = _everything() if world == 1 else zero(_everything(), chunk_size_mb=CHUNK, stage=stage)
-    where = root / f"stage{stage}"
+    tx = _everything() if world == 1 else _distributed(mode)
+    where = root / mode
     if world == 4:
         params, state = _train(tx, params, tx.init(params), _grads(params)[:K])
-        dcp.save({"params": params, "optim": state_dict(state, params, owned=_owned(params))},
+        dcp.save({"params": params,
+                  "optim": state_dict(state, params, owned=_owned(params, mode))},
                  checkpoint_id=str(where / "w4"))
         return params, state
     params = opttx.tree.tree_map(torch.zeros_like, params)
     state = tx.init(params)
-    owned = _owned(params)
+    owned = _owned(params, mode)
     sd = {"params": params, "optim": state_dict(state, params, owned=owned)}
     source = str(where / f"w{world * 2}")
     check_checkpoint(sd["optim"], dcp.FileSystemReader(source).read_metadata(), "optim")
@@ -128,23 +139,23 @@ def _run_world(root: Path, world: int, stage: int) -> tuple[dict, Any]:
 
 
 def _worker(rank: int, world: int, root: str) -> bool:
-    for stage in STAGES:
-        _run_world(Path(root), world, stage)
+    for mode in MODES:
+        _run_world(Path(root), world, mode)
         dist.barrier()
     return True
 
 
 @pytest.fixture(scope="module")
 def resumed() -> dict[int, dict]:
-    """Per stage: every entry's parameters after K steps at world 4, the move to world 2 and
+    """Per mode: every entry's parameters after K steps at world 4, the move to world 2 and
     to one device, and N steps there."""
     root = Path(tempfile.mkdtemp(prefix="opttx_registry_ckpt_"))
     spawn_ranks(_worker, world_size=4, args=(str(root),), timeout=600)
     spawn_ranks(_worker, world_size=2, args=(str(root),), timeout=600)
     out = {}
-    for stage in STAGES:
-        params, state = _run_world(root, 1, stage)
-        out[stage] = _train(_everything(), params, state, _grads(_params())[K:])[0]
+    for mode in MODES:
+        params, state = _run_world(root, 1, mode)
+        out[mode] = _train(_everything(), params, state, _grads(_params())[K:])[0]
     return out
 
 
@@ -155,12 +166,12 @@ def test_every_distributed_entry_takes_part() -> None:
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", ENTRIES, ids=[c.name for c in ENTRIES])
-def test_zero_checkpoint_moves_from_world_4_to_2_to_one_device(case, stage, resumed) -> None:
+def test_checkpoint_moves_from_world_4_to_2_to_one_device(case, mode, resumed) -> None:
     params = _params()[_label(case)]
     grads = [g[_label(case)] for g in _grads(_params())]
     tx = case.make()
     expected = _train(tx, params, tx.init(params), grads)[0]
-    assert_trees_close(resumed[stage][_label(case)], expected, rtol=1e-5, atol=1e-7,
-                       what=f"{case.name} (zero stage {stage}, world 4 -> 2 -> 1)")
+    assert_trees_close(resumed[mode][_label(case)], expected, rtol=1e-5, atol=1e-7,
+                       what=f"{case.name} ({mode}, world 4 -> 2 -> 1)")

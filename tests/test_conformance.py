@@ -55,7 +55,8 @@ def clone(tree):
 
 def public_transform_names() -> set[str]:
     """Every name in ``opttx.__all__`` that builds a transform: functions annotated to return
-    a `GradientTransformation` (or a factory of them), and `MultiSteps`."""
+    a `GradientTransformation` (or a factory of them), and `MultiSteps`; not those that
+    read transforms back (`opttx.chain_links` returns a chain's tuple of links)."""
     names = set()
     for name in opttx.__all__:
         obj = getattr(opttx, name)
@@ -69,7 +70,8 @@ def public_transform_names() -> set[str]:
             annotation = inspect.signature(obj).return_annotation
         except (TypeError, ValueError):
             continue
-        if "GradientTransformation" in str(annotation):
+        if "GradientTransformation" in str(annotation) and \
+                not str(annotation).startswith("tuple"):
             names.add(name)
     return names
 

@@ -207,6 +207,7 @@ def test_nu_uses_the_unsigned_map_by_its_declared_role() -> None:
         count: torch.Tensor
         mu: torch.Tensor
         nu: torch.Tensor
+        made_by: opttx.tree.Static = opttx.tree.Static()   # as scale_by_adam's state
         __roles__ = declare_roles(count=Role.COUNT, mu=Role.FIRST_MOMENT,
                                   nu=Role.FIRST_MOMENT)
 

@@ -216,13 +216,15 @@ def state_dict(state: Any, params: PyTree, *, specs: PyTree | None = None,
         to `sharded`) so that local-shard statistics become DTensors; DTensor parameters need
         none.
       owned: which parameter leaves this rank holds state for (a list of booleans, an
-        `OwnerPlan` or a `ZeroPlan`). Needed only when the state has no field shaped like the
-        parameter tree to read it from (a `quantize_state` alone under `zero`).
-      per_rank: under `sharded`, keep a statistic of a local shard that is neither
-        element-wise nor a scalar (Adafactor's row and column means on shards) as this rank's
-        own entry, ``field path + "@rank<r>"`` (global rank), instead of raising: the
-        checkpoint then reloads only at the same world size and sharding (`check_checkpoint`
-        names the per-rank entries another world size lacks).
+        `OwnerPlan` or a `ZeroPlan`). Needed only when nothing in the state says it: no
+        field is shaped like the parameter tree and no `quantize_state` plan records the
+        leaves (a state of your own under `zero`).
+      per_rank: under `sharded`, keep a statistic of a local shard whose layout is not
+        declared (neither element-wise, nor a scalar, nor a reduction the state declares as
+        Adafactor's and CAME's row and column statistics do) as this rank's own entry,
+        ``field path + "@rank<r>"`` (global rank), instead of raising: the checkpoint then
+        reloads only at the same world size and sharding (`check_checkpoint` names the
+        per-rank entries another world size lacks).
 
     Returns:
       ``{"state": {param path: {field path: tensor}}, "shared": {field path: tensor}}``: a
@@ -233,8 +235,8 @@ def state_dict(state: Any, params: PyTree, *, specs: PyTree | None = None,
       parameter's element-wise statistics are DTensors.
 
     Raises:
-      NotImplementedError: a statistic of a local shard that is neither element-wise nor a
-        scalar (it cannot be resharded), or an uneven split DTensor cannot describe.
+      NotImplementedError: a statistic of a local shard whose layout is not declared (it
+        cannot be resharded), or an uneven split DTensor cannot describe.
       ValueError: ``owned`` of the wrong length, or a `quantize_state` state that does not
         fit the parameters.
 
