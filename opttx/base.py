@@ -1201,6 +1201,9 @@ def leafwise(state_type: type, step: LeafwiseStep, *, needs_params: str | None =
                         f"add __roles__ = opttx.declare_roles(...) to its class body.")
     tree_fields = [f for f in state_type._fields if f in roles and roles[f].like_updates]
     counters = [f for f in state_type._fields if roles.get(f) is Role.COUNT]
+    # scalars shared by the tree (Nadam's momentum product) move on a rank without leaves as
+    # on the others: the step runs on empty lists
+    scalars = [f for f in state_type._fields if roles.get(f) is Role.SCALAR]
 
     def update(updates: Updates, state: Any, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, Any]:
@@ -1210,7 +1213,7 @@ def leafwise(state_type: type, step: LeafwiseStep, *, needs_params: str | None =
         if needs_params is not None:
             trees.append(require_params(params, needs_params))
         spec, g, *leaves = flatten_matching(updates, *trees)
-        if not g:             # a tree without leaves: only the step counters move
+        if not g and not scalars:   # a tree without leaves: only the step counters move
             return updates, advance_counts(state)
         check_gradient_leaves(g, leaves[0] if leaves else None, updates, state_type.__name__)
         p = leaves.pop() if needs_params is not None else None

@@ -199,8 +199,11 @@ def _grouped(name: str, tensors: list[torch.Tensor], args: tuple, kwargs: dict) 
     goes to an overload that takes a tensor (the Tensor overload, or the List overload with
     it repeated): the Python binding picks the Scalar overload, whose ``.item()`` is a
     data-dependent output that breaks the graph unless ``fullgraph=True`` (where Dynamo
-    captures scalar outputs), so ``torch.compile(opt.step)`` would be many graphs."""
-    if torch.compiler.is_compiling() and tensors and any(
+    captures scalar outputs), so ``torch.compile(opt.step)`` would be many graphs. An empty
+    list gives an empty list (a rank without leaves still steps its shared scalars)."""
+    if not tensors:
+        return []
+    if torch.compiler.is_compiling() and any(
             isinstance(a, torch.Tensor) and a.dim() == 0 for a in args):
         base = name.rstrip("_")
         if base in _TENSOR_OVERLOADS and len(args) == 1:
@@ -236,7 +239,8 @@ def foreach_op_(op: str, tensors: list[torch.Tensor], *args: Any) -> list[torch.
     """
     if torch.compiler.is_compiling():
         return foreach(op, tensors, *args)
-    getattr(torch, f"_foreach_{op}_")(tensors, *args)
+    if tensors:
+        getattr(torch, f"_foreach_{op}_")(tensors, *args)
     return tensors
 
 
@@ -254,7 +258,9 @@ def foreach_copy_(dst: Tensors, src: Tensors) -> None:
         for d, s in zip(dst, src):
             d.copy_(s)
         return
-    torch._foreach_copy_(list(dst), list(src))
+    dst = list(dst)
+    if dst:
+        torch._foreach_copy_(dst, list(src))
 
 
 def foreach_norm(tensors: Tensors, ord: float = 2, dtype: torch.dtype | None = None

@@ -184,3 +184,23 @@ def test_apply_updates_pure_and_in_place() -> None:
     ptr = params["w"].data_ptr()
     opttx.apply_updates_(params, updates)
     assert params["w"].data_ptr() == ptr and torch.equal(params["w"], torch.full((2,), 1.5))
+
+
+@pytest.mark.parametrize("make", [lambda: opttx.nadam(1e-2, momentum_decay=4e-3),
+                                  lambda: opttx.schedule_free_adamw(1e-2)],
+                         ids=["nadam", "schedule_free_adamw"])
+def test_shared_scalars_move_on_a_tree_without_leaves(make) -> None:
+    """A rank that holds no leaf (zero, on_owners, a partition label with no leaf there)
+    steps its shared scalars as a rank with leaves does: Nadam's momentum product stayed 1.0
+    there, and a DCP checkpoint could keep that rank's copy (world 4 -> 2 -> 1 off by 8e-3)."""
+    params = {"w": torch.randn(3, 4), "b": torch.randn(4)}
+    tx = make()
+    full, empty = tx.init(params), tx.init({})
+    for _ in range(3):
+        full = tx.update(opttx.tree.tree_map(torch.ones_like, params), full, params)[1]
+        empty = tx.update({}, empty, {})[1]
+    _, shared_full = opttx.distributed.checkpoint_keys.keyed_state(full, params)
+    _, shared_empty = opttx.distributed.checkpoint_keys.keyed_state(empty, {})
+    assert shared_full.keys() == shared_empty.keys()
+    for key, value in shared_full.items():
+        assert torch.equal(value, shared_empty[key]), key
