@@ -29,8 +29,7 @@ from .base import (ELEMENTWISE, LEAFWISE, PRECONDITIONER, EmptyState, GradientTr
                    set_to_zero, state_roles, stateless, stateless_with_tree_map, traits_of,
                    zero_count)
 from .combine import (MaskedState, PartitionState, chain, chain_links, freeze, masked,
-                      multi_transform,
-                      named_chain, partition)
+                      multi_transform, named_chain, partition)
 from .layout import FlatParams, FlattenState, flatten
 from .optim import Optimizer
 from .stacked import StackedParams, StackedState, stacked

@@ -749,6 +749,8 @@ def declare(*, hyperparams: Mapping[str, "HyperRole | None"] | None = None,
 
         positional = [n for n, p in signature.parameters.items()
                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        learning_rates = {n for n, role in hyperparams.items()
+                          if role is HyperRole.LEARNING_RATE}
 
         @functools.wraps(factory)
         def declared(*args: Any, **kwargs: Any) -> GradientTransformation:
@@ -756,20 +758,15 @@ def declare(*, hyperparams: Mapping[str, "HyperRole | None"] | None = None,
                 # built inside a compiled function: a Python-float hyperparameter would be a
                 # constant of the graph (a recompile for every new value, and a symbolic float
                 # that the checks cannot read once Dynamo makes it dynamic); as a 0-dim tensor
-                # it is a graph input, as an injected hyperparameter is. Only the outermost
-                # factory's: the factories it calls get what it passes them (Shampoo decides
-                # its bias correction from beta2 == 1 as Meta does, a Python decision)
-                if _TRACED_FACTORY_DEPTH[0]:
-                    return factory(*args, **kwargs)
+                # it is a graph input, as an injected hyperparameter is. Learning rates only:
+                # they are scale factors everywhere, while a factory may decide in Python on
+                # its other hyperparameters (graft's filter on beta1, Shampoo's bias correction
+                # on beta2 == 1), also when another factory's body calls it
                 args = tuple(_as_graph_input(a) if i < len(positional) and
-                             positional[i] in hyperparams else a for i, a in enumerate(args))
-                kwargs = {k: _as_graph_input(v) if k in hyperparams else v
+                             positional[i] in learning_rates else a for i, a in enumerate(args))
+                kwargs = {k: _as_graph_input(v) if k in learning_rates else v
                           for k, v in kwargs.items()}
-                _TRACED_FACTORY_DEPTH[0] += 1
-                try:
-                    return factory(*args, **kwargs)   # traced, not kept: no recipe
-                finally:
-                    _TRACED_FACTORY_DEPTH[0] -= 1
+                return factory(*args, **kwargs)   # traced, not kept: no recipe
             tx = factory(*args, **kwargs)
             if _STEP_LOCAL.get():
                 return tx       # built to run inside one step (see step_local_transforms)
@@ -782,10 +779,6 @@ def declare(*, hyperparams: Mapping[str, "HyperRole | None"] | None = None,
         return declared
 
     return decorate
-
-
-_TRACED_FACTORY_DEPTH = [0]
-"""How many declared factories are being called inside a compiled function (see `declare`)."""
 
 
 def _as_graph_input(value: Any) -> Any:

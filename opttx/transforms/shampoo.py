@@ -851,7 +851,7 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
 @dataclass(frozen=True, eq=False)
 class _ShampooConfig:
     """The static settings of one `precondition_shampoo`, validated and resolved (plain data)."""
-    beta2: float
+    beta2: Any                          # a float, or a 0-dim tensor (injected)
     epsilon: float
     precondition_frequency: int
     start: int                          # first step that uses the roots
@@ -953,6 +953,9 @@ def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int
         max_iterations=root_max_iterations, tolerance=root_tolerance)
     if root_method == "higher_order":
         iteration_options.update(order=root_order, rel_epsilon=root_rel_epsilon)
+    # a 0-dim tensor (injected, or a float given inside a compiled function): its value may
+    # change, so beta2 = 1 (a sum, not corrected) is decided in the graph, not in Python
+    injected = isinstance(beta2, torch.Tensor)
     return _ShampooConfig(
         beta2=beta2, epsilon=epsilon, precondition_frequency=precondition_frequency,
         start=start, root_method=root_method,
@@ -961,9 +964,11 @@ def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int
         # Meta's default, whatever the factors' dtype (None: the `shampoo` alias's default)
         root_dtype=torch.float32 if inv_factor_matrix_dtype is None
         else inv_factor_matrix_dtype,
-        bias_correction=not (beta2 == 1 or not use_bias_correction
-                             or drop_weighting_factor_on_gsquare),
-        weight=1.0 if beta2 == 1 or drop_weighting_factor_on_gsquare else 1 - beta2,
+        bias_correction=use_bias_correction and not drop_weighting_factor_on_gsquare
+        and (injected or beta2 != 1),
+        weight=1.0 if drop_weighting_factor_on_gsquare
+        else torch.where(beta2 == 1, torch.ones_like(beta2), 1 - beta2) if injected
+        else 1.0 if beta2 == 1 else 1 - beta2,
         max_consecutive_failures=max_consecutive_failures, use_trace_scaling=use_trace_scaling,
         trace_scaling_exponent=trace_scaling_exponent,
         rank_options=dict(rank_deficient=rank_deficient, rank_atol=rank_atol,
@@ -1049,8 +1054,11 @@ def _update_factors(g: torch.Tensor, factors: tuple, cfg: _ShampooConfig,
         outer = _contract_factor(g if kl_roots is None else _by_other_roots(g, kl_roots, k), k)
         if cfg.symmetric_packing:
             outer = pack_symmetric(outer)
-        out.append(torch.add(f * cfg.beta2 if cfg.beta2 != 1 else f, outer,
-                             alpha=cfg.weight).to(f.dtype))
+        if isinstance(cfg.beta2, torch.Tensor):      # injected: no Python branch, no alpha
+            out.append((f * cfg.beta2 + outer * cfg.weight).to(f.dtype))
+        else:
+            out.append(torch.add(f * cfg.beta2 if cfg.beta2 != 1 else f, outer,
+                                 alpha=cfg.weight).to(f.dtype))
     return tuple(out)
 
 
@@ -1067,6 +1075,8 @@ def _root_inputs(factors: list[tuple], count: torch.Tensor, cfg: _ShampooConfig
     """The matrices to take roots of (bias-corrected, trace-scaled, zeroed when not finite)
     with their finiteness, and the root of each, for every factor of every block."""
     scale = meta_bias_correction(cfg.beta2, count) if cfg.bias_correction else None
+    if scale is not None and isinstance(cfg.beta2, torch.Tensor):   # a sum is not corrected
+        scale = torch.where(cfg.beta2 < 1, scale, torch.ones_like(scale))
     inputs, exps = [], []
     for block_factors in factors:
         for f, p in zip(block_factors,
