@@ -176,8 +176,29 @@ def coefficient(value: Any, tensors: Sequence[torch.Tensor], op: str | None = No
         # fused, against 1.03x with this form; benchmarks/RESULTS.md, 25 Nov)
         # (aten's Tensor overload named explicitly: Dynamo without fullgraph=True resolves
         # the Python binding to the Scalar overload, whose .item() breaks the graph)
-        return torch.ops.aten._foreach_add.Tensor([value.new_zeros(())], value * 1)[0]
+        return _computed_once(value)
     return value
+
+
+@torch.library.custom_op("opttx::computed_once", mutates_args=())
+def _computed_once(value: torch.Tensor) -> torch.Tensor:
+    """A copy of ``value`` that Inductor cannot fuse into its consumers (an opaque op): the
+    scalar's arithmetic (a bias correction's ``pow``) runs once, into a 0-dim buffer that the
+    element loops read, instead of once per element. Traced as one node, with or without
+    ``fullgraph`` (an ``.item()`` would break the graph without it)."""
+    return value.clone()
+
+
+@_computed_once.register_fake
+def _(value: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(value)
+
+
+def _computed_once_batched(info: Any, in_dims: tuple, value: torch.Tensor) -> tuple:
+    return _computed_once(value), in_dims[0]     # under vmap (opttx.stacked): elementwise
+
+
+_computed_once.register_vmap(_computed_once_batched)
 
 
 # ---------------------------------------------------------------------------------------------
