@@ -126,6 +126,30 @@ def _aliases() -> dict[str, tuple[str, int, Callable[[Any], opttx.GradientTransf
     }
 
 
+def _stepper(model: torch.nn.Module, tx: opttx.GradientTransformation, api: str
+             ) -> Callable[[], None]:
+    """One optimizer step of ``model`` from its ``.grad``s, then the grads zeroed: through
+    `opttx.Optimizer` (``api="optimizer"``) or ``tx.update`` + ``apply_updates_`` on the
+    parameters' own storage (``"functional"``)."""
+    if api == "optimizer":
+        opt = opttx.Optimizer(model.named_parameters(), tx)
+
+        def step() -> None:
+            opt.step()
+            opt.zero_grad()
+        return step
+    named = dict(model.named_parameters())
+    params = {k: p.detach() for k, p in named.items()}     # the same storage
+    state = [tx.init(params)]
+
+    def step() -> None:
+        grads = {k: p.grad for k, p in named.items()}
+        updates, state[0] = tx.update(grads, state[0], params)
+        opttx.apply_updates_(params, updates)
+        model.zero_grad()
+    return step
+
+
 def _reference(make: Callable, batches: list, api: str = "optimizer"
                ) -> list[dict[str, torch.Tensor]]:
     """The single-device run: the unwrapped model on the whole batch, every step's params,
@@ -133,23 +157,11 @@ def _reference(make: Callable, batches: list, api: str = "optimizer"
     injected as float32 tensors, the functional path with the Python floats given: CAME's
     instability term tells the two apart by 1e-4 relative at step 0)."""
     model = _model()
-    tx = make(lambda rule: rule)
-    if api == "optimizer":
-        opt = opttx.Optimizer(model.named_parameters(), tx)
-    else:
-        params = {k: p.detach() for k, p in model.named_parameters()}
-        state = tx.init(params)
+    step = _stepper(model, make(lambda rule: rule), api)
     out = []
     for x, y in batches:
         F.mse_loss(model(x), y).backward()
-        if api == "optimizer":
-            opt.step()
-            opt.zero_grad()
-        else:
-            grads = {k: p.grad for k, p in model.named_parameters()}
-            updates, state = tx.update(grads, state, params)
-            opttx.apply_updates_(params, updates)
-            model.zero_grad()
+        step()
         out.append({k: p.detach().clone() for k, p in model.named_parameters()})
     return out
 
@@ -175,24 +187,13 @@ def _run_fsdp(how: str, make: Callable, api: str, batches: list, expected: list,
     inner = make(axes)
     tx = inner if how == "dtensor" else sharded(inner, stats=stats,
                                                 on_owners=how == "owners")
-    if api == "optimizer":
-        opt = opttx.Optimizer(model.named_parameters(), tx)
-    else:
-        params = {k: p.detach() for k, p in named.items()}     # the same storage
-        state = tx.init(params)
+    optimizer_step = _stepper(model, tx, api)
     counts, mismatches = [], []
     for step, ((x, y), want) in enumerate(zip(batches, expected)):
         xs, ys = x.tensor_split(world)[rank], y.tensor_split(world)[rank]
         F.mse_loss(model(xs), ys).backward()
         stats.reset()
-        if api == "optimizer":
-            opt.step()
-            opt.zero_grad()
-        else:
-            grads = {k: p.grad for k, p in named.items()}
-            updates, state = tx.update(grads, state, params)
-            opttx.apply_updates_(params, updates)
-            model.zero_grad()
+        optimizer_step()
         counts.append(stats.collectives)
         # every rank gathers every param (collectives in step) before any comparison fails
         whole = {k: p.detach().full_tensor() for k, p in model.named_parameters()}
