@@ -8,6 +8,9 @@ GPT-like shape set (an embedding and transformer layers of width 1024):
 
   opttx flat compiled   offload(adamw, 1.0, layout="flat", compile=True): Inductor's one
                         vectorized C++ loop per chunk (the path the guide recommends on CPU)
+  opttx master compiled the same with master_params=True: the parameters kept on the host
+                        and stepped there in place (read g, m, v, p; write m, v, p, as
+                        DeepSpeed), their new values sent back instead of the updates
   opttx flat eager      offload(adamw, 1.0, layout="flat"): torch's eager grouped kernels,
                         one pass per op and chunk
   torch fused           torch.optim.AdamW(fused=True) on CPU: one fused kernel per tensor
@@ -73,14 +76,14 @@ def copy_bandwidth(n: int = 100_000_000) -> float:
 
 class OpttxVariant:
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], compile: bool,
-                 chunk_mb: float) -> None:
+                 chunk_mb: float, master_params: bool = False) -> None:
         self.params = {str(i): p.clone() for i, p in enumerate(params)}
         self.start = {k: v.clone() for k, v in self.params.items()}
         self.grads = {str(i): g for i, g in enumerate(grads)}
         self.stats = OffloadStats()
         self.tx = offload(opttx.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD),
                           1.0, layout="flat", compile=compile, chunk_size_mb=chunk_mb,
-                          stats=self.stats)
+                          stats=self.stats, master_params=master_params)
         self.state = self.tx.init(self.params)
 
     def step(self) -> float:
@@ -140,6 +143,7 @@ def main() -> None:
     variants: dict[str, object] = {}
     t = time.perf_counter()
     variants["opttx flat compiled"] = OpttxVariant(params, grads, True, args.chunk_mb)
+    variants["opttx master compiled"] = OpttxVariant(params, grads, True, args.chunk_mb, True)
     variants["opttx flat eager"] = OpttxVariant(params, grads, False, args.chunk_mb)
     tp = torch_params(params, grads)
     variants["torch fused"] = TorchVariant(torch.optim.AdamW(

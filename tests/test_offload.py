@@ -600,6 +600,122 @@ def _saved(state) -> bytes:
 
 
 # ---------------------------------------------------------------------------------------------
+# master_params: the host chunks' parameters kept and stepped on the host
+# ---------------------------------------------------------------------------------------------
+
+
+MASTERED = {
+    "adamw": lambda: opttx.adamw(1e-2, weight_decay=0.1),
+    "lion": lambda: opttx.lion(1e-3, weight_decay=0.1),
+    "adafactor": lambda: opttx.adafactor(1e-2, min_dim_size_to_factor=2, momentum=0.9),
+    "came": lambda: opttx.came(1e-2),
+    "adamw_8bit": lambda: opttx.adamw_8bit(1e-2, min_size=8, block_size=8),
+}
+
+
+def _check_reached(got: dict, old: dict, new: dict, what: str) -> None:
+    """``got`` (old + fl(new' - old) on the device) equals the master's ``new`` bitwise where
+    the step stays within a factor 2 (Sterbenz: the difference is exact), and within one
+    rounding of the difference elsewhere (a parameter crossing zero)."""
+    for k in new:
+        exact = (new[k] / old[k] >= 0.5) & (new[k] / old[k] <= 2.0)
+        diff = (got[k] - new[k]).abs()
+        assert torch.equal(got[k][exact], new[k][exact]), f"{what}: {k}"
+        assert bool((diff <= (new[k] - old[k]).abs() * 2.0 ** -23).all()), f"{what}: {k}"
+
+
+@pytest.mark.parametrize("name", list(MASTERED))
+def test_master_params_reach_the_parameters_of_the_transform(name: str) -> None:
+    """``master_params=True``, float32: the host chunks step their master copy in place and
+    the device gets the updates reaching its values. Step by step, the state equals the
+    transform's bitwise (it saw the same parameters), and the parameters do wherever a step
+    stays within a factor 2, at every fraction and through the donating path."""
+    make = MASTERED[name]
+    params = leaves_0d_to_4d()
+    grads = gradient_stream(params, STEPS, seed=14)
+    for fraction in (1.0, 0.5):
+        for donate in (False, True):
+            tx, ref = offload(make(), fraction, chunk_size_mb=CHUNK_MB, master_params=True), make()
+            p, state = dict(params), tx.init(params)
+            p_ref, s_ref = dict(params), ref.init(params)
+            for step, g in enumerate(grads):
+                with opttx.donating(donate):
+                    u, state = tx.update(g, state, p)
+                u_ref, s_ref = ref.update(g, s_ref, p_ref)
+                new_ref = opttx.apply_updates(p_ref, u_ref)
+                p = opttx.apply_updates(p, u)
+                _check_reached(p, p_ref, new_ref, f"{name} {fraction} step {step}")
+                assert_trees_close(state, s_ref, rtol=0.0, what=f"{name} state, step {step}")
+                p, p_ref = new_ref, new_ref     # the next step from the same parameters
+
+
+def test_master_params_keep_bfloat16_updates_below_half_an_ulp() -> None:
+    """bfloat16 parameters: the master is float32, so the parameters are the float32 run's
+    rounded to bfloat16 (AdamW from the same bfloat16 gradients), and steps of 1e-3 on
+    parameters of magnitude 1 to 2 (half a bf16 ulp: 3.9e-3) add up to moves that the
+    parameters updated in bfloat16 lose."""
+    gen = torch.Generator().manual_seed(15)
+    params = {"w": (1 + torch.rand(8, 16, generator=gen)).bfloat16(),
+              "b": (1 + torch.rand(16, generator=gen)).bfloat16()}
+    grads = gradient_stream(params, STEPS, seed=15)
+    make = lambda: opttx.adamw(1e-3, weight_decay=0.1)     # noqa: E731
+    stats = OffloadStats()
+    tx = offload(make(), 1.0, master_params=True, stats=stats)
+    got = run_transform(tx, params, grads)
+    wide = {k: v.float() for k, v in params.items()}
+    reference = run_transform(make(), wide, grads, state=make().init(params))
+    assert_trees_close(got[1], reference[1], rtol=0.0)
+    for k in params:
+        assert torch.equal(got[0][k], reference[0][k].bfloat16()), k
+    plain = run_transform(make(), params, grads)[0]
+    assert all(torch.equal(plain[k], params[k]) for k in params)    # every step rounded away
+    assert all(not torch.equal(got[0][k], params[k]) for k in params)
+    n = sum(x.numel() for x in params.values())
+    assert (stats.bytes_to_host, stats.bytes_to_device) == (2 * n * STEPS, 2 * n * STEPS)
+
+
+def test_master_params_start_afresh_from_a_restored_state() -> None:
+    """A state the master run did not return last (a checkpoint restored into it, a step
+    dropped by apply_if_finite) starts the master copy again from the parameters: resumed
+    and skipping runs equal the plain transform's."""
+    params = leaves_0d_to_4d()
+    grads = gradient_stream(params, STEPS, seed=16)
+    make = lambda: opttx.adamw(1e-2, weight_decay=0.1)     # noqa: E731
+    expected = run_transform(make(), params, grads)
+    tx = offload(make(), 0.5, chunk_size_mb=CHUNK_MB, master_params=True)
+    mid_params, mid_state = run_transform(tx, params, grads[:3])
+    resumed = load_state_dict(make().init(params), _through_bytes(
+        state_dict(mid_state, mid_params)), mid_params)
+    got = run_transform(tx, mid_params, grads[3:], state=resumed)
+    assert_trees_close(got, expected, rtol=0.0)
+    grads[2] = dict(grads[2], w=torch.full((6, 5), float("nan")))
+    expected = run_transform(opttx.apply_if_finite(make(), 3), params, grads)
+    got = run_transform(opttx.apply_if_finite(offload(make(), 0.5, chunk_size_mb=CHUNK_MB,
+                                                      master_params=True), 3), params, grads)
+    assert_trees_close(got, expected, rtol=0.0)
+
+
+def test_master_params_refusals_and_bytes() -> None:
+    """Refused with overlap and delayed, and without params; all on the host, a step copies
+    the gradients down and the new values up (the parameters no longer go down)."""
+    with pytest.raises(ValueError, match="master_params is not implemented with overlap"):
+        offload(opttx.adam(1e-3), overlap=True, master_params=True)
+    with pytest.raises(ValueError, match="master_params is not implemented with overlap"):
+        offload(opttx.adam(1e-3), delayed=True, master_params=True)
+    params = leaves_0d_to_4d()
+    g = gradient_stream(params, 1, seed=6)[0]
+    tx = offload(opttx.lion(1e-3), 1.0, chunk_size_mb=CHUNK_MB, master_params=True)
+    with pytest.raises(ValueError, match=r"update needs the parameters"):
+        tx.update(g, tx.init(params))
+    stats = OffloadStats()
+    tx = offload(opttx.lion(1e-3), 1.0, chunk_size_mb=CHUNK_MB, master_params=True,
+                 stats=stats)
+    tx.update(g, tx.init(params), params)
+    n = sum(x.numel() for x in params.values())
+    assert (stats.bytes_to_host, stats.bytes_to_device) == (4 * n, 4 * n)
+
+
+# ---------------------------------------------------------------------------------------------
 # the compiled host step (Inductor, CPU): one small test
 # ---------------------------------------------------------------------------------------------
 
@@ -618,13 +734,19 @@ def test_compiled_flat_host_step_is_close_and_writes_in_place() -> None:
     assert_trees_close(got, expected, rtol=1e-6, atol=1e-7)
     state = tx.init(params)
     before = [x.data_ptr() for x in tree_leaves(state) if x.dim() > 0]
-    p = dict(params)
+    p = {k: v.clone() for k, v in params.items()}
     for g in grads:
         with opttx.donating():
             u, state = tx.update(g, state, p)
         opttx.apply_updates_(p, u)
     assert [x.data_ptr() for x in tree_leaves(state) if x.dim() > 0] == before
     assert_trees_close((p, state), expected, rtol=1e-6, atol=1e-7)
+    # master_params: the update added to the master copy in the same loop, as close
+    tx = offload(opttx.adamw(1e-2, weight_decay=0.1), 1.0, chunk_size_mb=CHUNK_MB,
+                 layout="flat", compile=True, master_params=True)
+    with opttx.donating():
+        got = run_transform(tx, params, grads)
+    assert_trees_close(got, expected, rtol=1e-6, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -634,8 +756,8 @@ def test_compiled_flat_host_step_is_close_and_writes_in_place() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_state_on_the_host_and_copies_off_the_compute_stream(tmp_path) -> None:
-    """On CUDA, half of AdamW's state offloaded: the host chunks' state tensors are in host
-    memory and the device chunks' on the device; in a profiled step every copy between host
+    """On CUDA, half of AdamW's state offloaded: the host chunks' state tensors are in pinned
+    host memory and the device chunks' on the device; in a profiled step every copy between host
     and device goes through pinned memory (``Pinned`` in the CUDA copy's name, so it is
     asynchronous) on a stream other than the one the model's kernels run on; the numbers
     are close to AdamW on the device (CPU and CUDA kernels round differently)."""
@@ -654,6 +776,7 @@ def test_cuda_state_on_the_host_and_copies_off_the_compute_stream(tmp_path) -> N
         for i in c.leaves:
             for x in keys[f"l{i}"].values():
                 assert x.device.type == ("cpu" if c.on_host else "cuda")
+                assert x.is_pinned() == c.on_host      # page-locked host memory
     p = dict(params)
     u, state = tx.update(grads[0], state, p)              # warm: buffers, streams
     p = opttx.apply_updates(p, u)
@@ -672,3 +795,7 @@ def test_cuda_state_on_the_host_and_copies_off_the_compute_stream(tmp_path) -> N
         assert e["args"]["stream"] not in kernels, e
     expected = run_transform(opttx.adamw(1e-2), params, grads[:2])
     assert_trees_close(p, expected[0], rtol=1e-5, atol=1e-6)
+    # master_params: the values come back through pinned memory, the same numbers
+    tx = offload(opttx.adamw(1e-2), 0.5, chunk_size_mb=0.5, master_params=True)
+    got = run_transform(tx, params, grads[:2])
+    assert_trees_close(got[0], expected[0], rtol=1e-5, atol=1e-6)

@@ -36,7 +36,8 @@ import torch
 
 from .._checks import check_nonnegative, check_positive
 from ..base import (EmptyState, GradientTransformation, Params, REDUCER_KEY, Role, State,
-                    TOTALS_KEY, Updates, combine_traits, declare, fields_with_role, traits_of)
+                    TOTALS_KEY, Updates, apply_updates_, combine_traits, declare,
+                    fields_with_role, traits_of)
 from ..combine import chain_links
 from ..kernels import is_donating
 from ..tree import (MaskedNode, PyTree, tree_copy_, tree_flatten, tree_map, tree_paths,
@@ -473,7 +474,7 @@ class _Offloader:
                  compile: bool, budget_mb: float | None,
                  memory_probe: Callable[[], tuple[int, int]] | None, where: str,
                  stats: OffloadStats | None = None, overlap: bool = False,
-                 delayed: bool = False) -> None:
+                 delayed: bool = False, master_params: bool = False) -> None:
         self.tx = tx
         self.head = check_offloadable(tx, layout)
         self.is_chain = bool(chain_links(tx))
@@ -500,6 +501,9 @@ class _Offloader:
         self._live: Any = None                # the state the last update returned
         self._extra: dict[str, Any] = {}      # the extra args of the last update
         self._compiled: Callable | None = None
+        self._compiled_master: Callable | None = None
+        self.master_params = master_params
+        self._masters: dict[int, torch.Tensor] = {}   # host chunk -> its flat master copy
         self.stats = stats if stats is not None else OffloadStats()
 
     # --- resolving -----------------------------------------------------------------------
@@ -696,6 +700,11 @@ class _Offloader:
             self._build_maps(state)
         self._check_head(state)
         s_leaves = tree_flatten(state)[0]
+        if self.layout != "flat":             # (the flat layout's buffers are pinned whole)
+            for k, c in enumerate(self.plan.chunks):
+                if c.on_host:
+                    for _, j in self.maps[k].take:
+                        s_leaves[j] = self._host_memory(s_leaves[j])
         self._place_shared(s_leaves)
         self._live = tree_unflatten(s_leaves, self.state_spec)
         return self._live
@@ -712,6 +721,9 @@ class _Offloader:
             flat = torch.cat([leaves[i].detach().reshape(-1) for i in c.leaves]).to(dev) \
                 if c.leaves else torch.empty(0, dtype=c.dtype, device=dev)
             chunk_state = tree_flatten(self.tx.init((flat,)))[0]
+            if c.on_host:
+                for pos, _ in self.maps[k].flat:
+                    chunk_state[pos] = self._host_memory(chunk_state[pos])
             self._scatter_flat(k, chunk_state, s_leaves)
             if k == 0:
                 for pos, j in self.maps[k].shared:
@@ -762,12 +774,24 @@ class _Offloader:
 
     def _move_chunk(self, k: int, s_leaves: list[Any], device: torch.device) -> None:
         m, c = self.maps[k], self.plan.chunks[k]
+        place = self._host_memory if device == _HOST else lambda x: x.to(device)
         for _, j in m.take:
-            s_leaves[j] = s_leaves[j].to(device)
+            s_leaves[j] = place(s_leaves[j])
         for pos, parts in m.flat:
-            buf = _flat_view([s_leaves[j] for j in parts], c.numel).to(device)
+            buf = place(_flat_view([s_leaves[j] for j in parts], c.numel))
             for j, off, n, i in zip(parts, c.offsets, c.sizes, c.leaves):
                 s_leaves[j] = buf[off:off + n].view(self.shapes[i])
+        if device != _HOST:
+            self._masters.pop(k, None)        # a chunk on the device steps its parameters there
+
+    def _host_memory(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` in host memory: page-locked (pinned) when the parameters live on a CUDA
+        device, so a host chunk's tensors can be copied to the device asynchronously (a
+        chunk moved there by the "auto" warm-up, a master copy sent each step)."""
+        x = x.to(_HOST)
+        if self.device.type == "cuda" and not x.is_pinned():
+            x = x.pin_memory()
+        return x
 
     # --- "auto": the warm-up measurement -------------------------------------------------
 
@@ -848,10 +872,84 @@ class _Offloader:
     def _updates_buffer(self, k: int, dtype: torch.dtype) -> torch.Tensor:
         """Host chunk ``k``'s staging buffer for its updates, once the last step's copy to
         the device has read it."""
+        self._await_sent(k)
+        return self._buffer(k, "updates", dtype)
+
+    def _await_sent(self, k: int) -> None:
+        """Wait until the last copy of host chunk ``k``'s updates (or values) to the device
+        has read its host buffer."""
         previous = self._sent.pop(k, None)
         if previous is not None:
             previous.synchronize()
-        return self._buffer(k, "updates", dtype)
+
+    # --- master_params: the host chunks' parameters kept and stepped on the host ---------
+
+    def _master(self, k: int, p_leaves: list[torch.Tensor]) -> torch.Tensor:
+        """Host chunk ``k``'s master copy: its parameters back to back, float32 for 16-bit
+        parameters, in (pinned) host memory; started from ``p_leaves`` when there is none."""
+        master = self._masters.get(k)
+        if master is None:
+            c = self.plan.chunks[k]
+            dtype = torch.float32 if c.dtype in (torch.float16, torch.bfloat16) else c.dtype
+            master = torch.empty(c.numel, dtype=dtype, device=_HOST,
+                                 pin_memory=self.device.type == "cuda")
+            for i, off, n in zip(c.leaves, c.offsets, c.sizes):
+                master[off:off + n].copy_(p_leaves[i].detach().reshape(-1))
+            self._masters[k] = master
+        return master
+
+    def _master_step(self, k: int, grads: PyTree, state: Any, p_leaves: list[torch.Tensor],
+                     extra: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+        """Host chunk ``k``'s update applied to its master copy in place (in the same
+        compiled loop with ``compile``); returns the chunk's new parameter values (the master
+        itself, or its cast to the parameters' dtype in a staging buffer) and new state."""
+        self.stats.host_chunk_steps += 1
+        c = self.plan.chunks[k]
+        master = self._master(k, p_leaves)
+        self._await_sent(k)                   # the last step's values have left the buffers
+        params = self._as_chunk(k, master)
+        cast = master.dtype != c.dtype
+        out = self._buffer(k, "values", c.dtype) if cast else None
+        if not self.compile:
+            u, new = self._run(grads, state, params, extra)
+            apply_updates_(params, u)
+            if out is not None:
+                out.copy_(master)
+            return (master if out is None else out), new
+        if self._compiled_master is None:
+            self._compiled_master = torch.compile(self._in_place_master, fullgraph=True,
+                                                  dynamic=True)
+        if not is_donating():
+            state = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+        self._compiled_master(grads, state, params, extra,
+                              None if out is None else self._as_chunk(k, out))
+        return (master if out is None else out), state
+
+    def _in_place_master(self, grads: PyTree, state: Any, params: PyTree,
+                         extra: dict[str, Any], out: PyTree | None) -> None:
+        """The compiled master step: the new state into the old buffers, the updates added
+        to the master copy (``params``) in place, its cast into ``out`` (16-bit parameters):
+        one loop that reads and writes each byte once, as DeepSpeed's CPU Adam."""
+        u, new = self._run(grads, state, params, extra)
+        tree_copy_(state, new)
+        apply_updates_(params, u)
+        if out is not None:
+            tree_copy_(out, params)
+
+    def _send_values(self, k: int, flat: torch.Tensor) -> torch.Tensor:
+        """Host chunk ``k``'s new parameter values on the device: on CUDA from pinned
+        memory on the update stream (the caller's stream waits for it), else as they are."""
+        self.stats.bytes_to_device += flat.numel() * flat.element_size()
+        if self.device.type != "cuda":
+            return flat
+        _, up = self._cuda_streams()
+        with torch.cuda.stream(up):
+            on_device = flat.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(up)
+        on_device.record_stream(torch.cuda.current_stream(self.device))
+        self._sent[k] = done
+        return on_device
 
     def _chunk_state(self, k: int, s_leaves: list[Any], shared: list[torch.Tensor] | None
                      ) -> Any:
@@ -924,6 +1022,13 @@ class _Offloader:
             updates, _ = self.links[j].update(updates, link_state, params, **extra_args)
         grads = tree_flatten(updates)[0]
         p_leaves = tree_flatten(params)[0] if params is not None else None
+        if self.master_params:
+            if p_leaves is None:
+                raise ValueError(f"{self.where}(master_params=True): update needs the "
+                                 "parameters (params=...), to start the master copy from "
+                                 "them and to return the updates that reach its values.")
+            if state is not self._live:       # a restored (or another) state: start afresh
+                self._masters.clear()
         if not self.warmed_up:
             self._warm_up(s_leaves)
         extra = {k: v for k, v in extra_args.items() if k not in (TOTALS_KEY, REDUCER_KEY)}
@@ -935,8 +1040,9 @@ class _Offloader:
         # delayed: the steps started last time are done before their buffers are refilled
         joined = {k: self._pending.pop(k).result() for k in host if k in self._pending}
         # the host chunks' copies start first; the whole state is only read until the end
-        staged = {k: self._stage(k, grads, p_leaves, s_leaves) for k in host
-                  if k not in launched}
+        staged = {k: self._stage(k, grads, None if self.master_params else p_leaves,
+                                 s_leaves) for k in host if k not in launched}
+        values: dict[int, torch.Tensor] = {}      # master_params: new values on the device
         out: list[Any] = [None] * len(grads)
         new_states: dict[int, Any] = {}
         for k, c in enumerate(chunks):                # the device's chunks are queued
@@ -953,6 +1059,14 @@ class _Offloader:
             elif self.delayed:
                 u, new_states[k] = self._delayed(k, staged[k], s_leaves, extra, grads,
                                                  joined.get(k))
+            elif self.master_params:
+                g, _, shared = self._wait_staged(k, staged[k])
+                start = time.perf_counter()
+                new_values, new_states[k] = self._master_step(
+                    k, g, self._chunk_state(k, s_leaves, shared), p_leaves, extra)
+                self.stats.host_seconds += time.perf_counter() - start
+                values[k] = self._send_values(k, new_values)
+                continue
             else:
                 g, p, shared = self._wait_staged(k, staged[k])
                 start = time.perf_counter()
@@ -967,6 +1081,12 @@ class _Offloader:
             self._write_back(k, new_states[k], s_leaves, written)
         if self._streams is not None and host:    # the device waits, not the host
             torch.cuda.current_stream(self.device).wait_stream(self._streams[1])
+        for k, flat in values.items():           # master_params: the updates reaching them
+            c = chunks[k]
+            new = [flat[off:off + n].view(self.shapes[i])
+                   for i, off, n in zip(c.leaves, c.offsets, c.sizes)]
+            for i, u in zip(c.leaves, torch._foreach_sub(new, [p_leaves[i] for i in c.leaves])):
+                out[i] = u
         new_state = tree_unflatten(s_leaves, self.state_spec)
         self._live, self._extra = new_state, extra
         return tree_unflatten(out, self.spec), new_state
@@ -1139,7 +1259,7 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
             compile: bool = False, device_budget_mb: float | None = None,
             memory_probe: Callable[[], tuple[int, int]] | None = None,
             stats: OffloadStats | None = None, overlap: bool = False,
-            delayed: bool = False) -> GradientTransformation:
+            delayed: bool = False, master_params: bool = False) -> GradientTransformation:
     r"""Run ``tx`` with a fraction of its optimizer state, and that part's update, on the host.
 
     The parameters are packed into chunks (`offload_plan`); the state of the chunks the
@@ -1207,6 +1327,25 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
         your model; the paper starts the delay after a few dozen warm-up steps, this option
         from the first). The state ``update`` returns has the host chunks as of step
         :math:`t-1` (a checkpoint drops the step in flight). Not with ``overlap``.
+      master_params: keep the host chunks' parameters on the host too, as ZeRO-Offload does:
+        a master copy (float32 for 16-bit parameters, their own dtype otherwise; pinned on
+        CUDA), started from the parameters at the first ``update`` and stepped there in
+        place, :math:`x_C \leftarrow x_C + u_C` in the same loop as the update (with
+        ``compile``, one pass over gradient, state and master: what DeepSpeed's CPU Adam
+        reads and writes). The parameters are then not copied to the host each step; the
+        new values go to the device instead of the updates (in the parameters' dtype), and
+        ``update`` returns for those leaves :math:`\mathrm{fl}(x_C' - x)`, computed on the
+        device, so that applying it gives the master's values: exactly whenever a
+        parameter's new value is within a factor 2 of its old one (Sterbenz's lemma; a step
+        that crosses zero may land one rounding of the difference away, and the next step
+        starts again from the master). For 16-bit parameters this is the float32 master
+        copy of mixed-precision training: updates below half a bf16 ulp accumulate instead
+        of vanishing (`opttx.Optimizer`'s ``stochastic_rounding`` is the alternative
+        without a copy). The master lives with the transform, not in its state: a state
+        other than the one the last ``update`` returned (a restored checkpoint) starts it
+        afresh from the parameters, which for 16-bit parameters drops its extra bits; write
+        parameters through the optimizer while it runs (the master overwrites other
+        changes). Not with ``overlap`` or ``delayed``.
 
     Returns:
       A `GradientTransformation` whose state is ``tx``'s state, laid out as without offload
@@ -1233,6 +1372,10 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
     if overlap and delayed:
         raise ValueError("offload: overlap and delayed do not go together: delayed already "
                          "runs each host step behind the next forward and backward.")
+    if master_params and (overlap or delayed):
+        raise ValueError("offload: master_params is not implemented with overlap or delayed "
+                         "(their host steps run functionally beside the caller's, a master "
+                         "copy stepped in place would run ahead of the state they return).")
     if device_budget_mb is not None:
         check_nonnegative("device_budget_mb", device_budget_mb)
         if fraction != "auto":
@@ -1248,7 +1391,8 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
     def make() -> _Offloader:
         return _Offloader(tx, fraction, layout=layout, compile=compile,
                           budget_mb=device_budget_mb, memory_probe=memory_probe,
-                          where="offload", stats=stats, overlap=overlap, delayed=delayed)
+                          where="offload", stats=stats, overlap=overlap, delayed=delayed,
+                          master_params=master_params)
 
     resolved: list[_Offloader] = []
 
