@@ -20,9 +20,12 @@ demo: $(VENV)/.installed
 	$(BIN)/python -m opttx.bench
 
 # OPTTX_REQUIRE_REFERENCES=1: a reference package of .[test] that does not import fails
-# (tests/test_reference_packages.py) instead of letting its comparisons skip
+# (tests/test_reference_packages.py) instead of letting its comparisons skip.
+# TEST_WORKERS pytest-xdist processes, a test file to each (--dist loadfile: a module's
+# spawned worlds and compiled graphs are made once); TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	OPTTX_REQUIRE_REFERENCES=1 $(BIN)/python -m pytest -q
+	OPTTX_REQUIRE_REFERENCES=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/step_time.py
