@@ -15,6 +15,9 @@ parameters), batch 4 x 512 tokens, bf16 compute:
   opttx f=1 DPU   offload(adamw, 1.0, layout="flat", compile=True, delayed=True): the host
                   steps run behind the next forward and backward (a different optimizer:
                   one step late; see the guide)
+  opttx f=1 master offload(adamw, 1.0, layout="flat", compile=True, master_params=True): a
+                  float32 master copy of the bf16 parameters on the host, stepped there in
+                  place; the bf16 values go up instead of the updates (not with overlap)
 
 opttx runs the functional loop over the model's own parameters (``init(dict(model.
 named_parameters()))``, as ``overlap`` needs), donating its state, with float32 state for the
@@ -24,7 +27,8 @@ Per row: a fresh model (same seed), 3 untimed steps (compiles, pinned buffers), 
 ``torch.cuda.reset_peak_memory_stats``: peak device memory is ``max_memory_allocated`` over
 the timed steps. Targets (issue 27): opttx's peak memory <= torchao's at f=1, step time <=
 1.1x torchao's. The loss after the last step is printed as a sanity check (all rows but the
-DPU one follow the same trajectory up to rounding).
+DPU one and the master one, whose float32 master keeps the small updates, follow the same
+trajectory up to rounding).
 
 Example:
   python benchmarks/offload_gpu.py --steps 10            # about 3 to 5 minutes on an H100
@@ -139,6 +143,8 @@ def rows(only: set[str] | None):
                                                     compile=True, overlap=True)),
         "opttx f=1 DPU": lambda m: opttx_row(m, offload(adamw(), 1.0, layout="flat",
                                                         compile=True, delayed=True)),
+        "opttx f=1 master": lambda m: opttx_row(m, offload(adamw(), 1.0, layout="flat",
+                                                           compile=True, master_params=True)),
     }
     return {k: v for k, v in table.items() if only is None or k in only}
 

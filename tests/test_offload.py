@@ -672,6 +672,15 @@ def test_master_params_keep_bfloat16_updates_below_half_an_ulp() -> None:
     assert all(not torch.equal(got[0][k], params[k]) for k in params)
     n = sum(x.numel() for x in params.values())
     assert (stats.bytes_to_host, stats.bytes_to_device) == (2 * n * STEPS, 2 * n * STEPS)
+    # opttx.Optimizer hands back the state it got, so the master lives across its steps too
+    model = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    opt = opttx.Optimizer(model.items(), offload(make(), 1.0, master_params=True))
+    for g in grads:
+        for k, p in model.items():
+            p.grad = g[k]
+        opt.step()
+    for k in params:
+        assert torch.equal(model[k].detach(), got[0][k]), k
 
 
 def test_master_params_start_afresh_from_a_restored_state() -> None:

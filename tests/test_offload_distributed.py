@@ -72,7 +72,8 @@ def _compare(rank: int, world: int, errors: dict[str, str]) -> None:
 
 def _extras(rank: int, world: int, errors: dict[str, str]) -> None:
     """Global-norm clipping at the head of the chain (one all-reduce across ranks), "auto"
-    with a budget, and the plan each rank made of its own segments."""
+    with a budget, the plan each rank made of its own segments, and the master copy
+    (``offload_master_params``)."""
     from opttx.distributed import OffloadStats, zero
     params = leaves_0d_to_4d()
     grads = gradient_stream(params, STEPS, seed=14)
@@ -94,6 +95,14 @@ def _extras(rank: int, world: int, errors: dict[str, str]) -> None:
         plan = opttx.distributed.zero_plan(params, world, CHUNK_MB)
         mine = sorted(i for c in stats.plan.chunks for i in c.leaves)
         assert len(mine) == len(plan.owned(rank)), (mine, plan.owned(rank))
+        # the master copy on each rank's host: the state of zero(tx) bit for bit, the
+        # parameters within one rounding of a step (bitwise where no step crosses zero)
+        expected = run_transform(zero(_adamw(), chunk_size_mb=CHUNK_MB), params, grads)
+        got = run_transform(zero(_adamw(), chunk_size_mb=CHUNK_MB, offload=0.5,
+                                 offload_master_params=True), params, grads)
+        assert_trees_close(got[1], expected[1], rtol=0.0, what=f"rank {rank} master state")
+        assert_trees_close(got[0], expected[0], rtol=1e-6, atol=0.0,
+                           what=f"rank {rank} master params")
     except Exception:  # noqa: BLE001
         errors["extras"] = traceback.format_exc(limit=4)
 

@@ -485,7 +485,8 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
          communication_dtype: torch.dtype | None = None, overlap: bool = False,
          split_above_mb: float | None = None, offload_layout: str = "leaves",
          offload_compile: bool = False, device_budget_mb: float | None = None,
-         offload_stats: Any = None) -> GradientTransformation:
+         offload_stats: Any = None,
+         offload_master_params: bool = False) -> GradientTransformation:
     r"""ZeRO data parallelism: each rank keeps the optimizer state of the parameters it owns.
 
     With :math:`W` ranks in ``group``, rank :math:`r` holding its local gradients
@@ -588,6 +589,9 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
         `opttx.distributed.offload` for the host chunks.
       device_budget_mb: with ``offload="auto"``, the device memory (MiB) for the state.
       offload_stats: an `opttx.distributed.OffloadStats` for this rank's offload.
+      offload_master_params: the ``master_params`` of `opttx.distributed.offload`: each rank
+        keeps its host chunks' parameters on the host (float32 for 16-bit parameters) and
+        steps them there; the updates it gathers to the other ranks reach the master's values.
 
     ``update(local_grads, state, params)`` takes this rank's unreduced gradients (the full
     tree, plain tensors) and the full replicated ``params``; gradients are cast to the
@@ -620,7 +624,8 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
                        balance=balance, stats=stats, communication_dtype=communication_dtype,
                        overlap=overlap, split_above_mb=split_above_mb,
                        offload_layout=offload_layout, offload_compile=offload_compile,
-                       device_budget_mb=device_budget_mb, offload_stats=offload_stats)
+                       device_budget_mb=device_budget_mb, offload_stats=offload_stats,
+                       offload_master_params=offload_master_params)
     resolved: list[_Resolved] = []
     settings = configuration_items(tx) + [
         (f"zero.{k}", _describe(v, True)) for k, v in (
@@ -629,7 +634,8 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
             ("balance", balance), ("communication_dtype", communication_dtype),
             ("overlap", overlap), ("split_above_mb", split_above_mb),
             ("offload_layout", offload_layout), ("offload_compile", offload_compile),
-            ("device_budget_mb", device_budget_mb))]
+            ("device_budget_mb", device_budget_mb),
+            ("offload_master_params", offload_master_params))]
 
     def agree() -> None:
         # first of all: a setting that differs across ranks would pair mismatched collectives
@@ -703,6 +709,7 @@ class _ZeroConfig:
     offload_compile: bool = False             # offload: compile the host chunks' update
     device_budget_mb: float | None = None     # offload="auto": the state's device budget
     offload_stats: Any = None                 # offload: an OffloadStats to fill
+    offload_master_params: bool = False       # offload: the host chunks' parameters there too
 
 
 def _zero_config(tx: GradientTransformation, group: Any, stage: int,
@@ -712,7 +719,8 @@ def _zero_config(tx: GradientTransformation, group: Any, stage: int,
                  communication_dtype: torch.dtype | None = None, overlap: bool = False,
                  split_above_mb: float | None = None, offload_layout: str = "leaves",
                  offload_compile: bool = False, device_budget_mb: float | None = None,
-                 offload_stats: Any = None) -> _ZeroConfig:
+                 offload_stats: Any = None, offload_master_params: bool = False
+                 ) -> _ZeroConfig:
     """Validate `zero`'s arguments into a `_ZeroConfig`."""
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"zero needs a GradientTransformation, got a {type(tx).__name__} (did "
@@ -741,13 +749,17 @@ def _zero_config(tx: GradientTransformation, group: Any, stage: int,
                 "of a split leaf, so its share of a global total would be counted once per "
                 "rank. Split only element-wise, factored and layer-wise chains.")
     share = _offload_share(tx, offload, split_above_mb, offload_layout, device_budget_mb)
+    if offload_master_params and share is None:
+        raise ValueError("zero: offload_master_params goes with offload (a share of the state "
+                         "on the host).")
     return _ZeroConfig(tx=tx, group=group, stage=stage, chunk_size_mb=chunk_size_mb,
                        offload=share, min_chunk_size_mb=min_chunk_size_mb,
                        search_range_mb=search_range_mb, balance=balance, stats=stats,
                        communication_dtype=communication_dtype, overlap=bool(overlap),
                        split_above_mb=split_above_mb, offload_layout=offload_layout,
                        offload_compile=bool(offload_compile),
-                       device_budget_mb=device_budget_mb, offload_stats=offload_stats)
+                       device_budget_mb=device_budget_mb, offload_stats=offload_stats,
+                       offload_master_params=bool(offload_master_params))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -789,7 +801,7 @@ def _with_offloader(res: _Resolved, tree: PyTree, cfg: _ZeroConfig) -> _Resolved
     engine = _Offloader(cfg.tx, cfg.offload, layout=cfg.offload_layout,
                         compile=cfg.offload_compile, budget_mb=cfg.device_budget_mb,
                         memory_probe=None, where="opttx.distributed.zero",
-                        stats=cfg.offload_stats)
+                        stats=cfg.offload_stats, master_params=cfg.offload_master_params)
     engine.resolve(masked, members=[m for m in members if m],
                    costs=state_costs(cfg.tx, masked))
     return dataclasses.replace(res, offloader=engine)
