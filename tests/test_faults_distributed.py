@@ -7,12 +7,8 @@ each case records what every rank saw, and the tests read the records.
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
-import traceback
 from pathlib import Path
-from typing import Any, Callable
 
 import pytest
 import torch
@@ -22,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 import opttx
 from opttx.distributed import (Replicated, Shard, all_reduce_gradients, load_checkpoint,
                                sharded, state_dict, zero)
-from opttx.testing import exit_rank
+from fault_cases import outcome, run_cases
 from test_distributed import _spawn
 from opttx.tree import tree_leaves, tree_map
 
@@ -30,13 +26,6 @@ pytestmark = pytest.mark.timeout(300)
 
 WORLD = 2
 
-
-def _outcome(fn: Callable[[], Any]) -> dict:
-    """``{"error": message or None, "type": exception type, "value": fn() when it returned}``."""
-    try:
-        return {"error": None, "value": fn()}
-    except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - recorded for tests
-        return {"error": f"{type(e).__name__}: {e}"[:2000], "type": type(e).__name__}
 
 
 def _replicated_nan(rank: int) -> dict:
@@ -76,13 +65,13 @@ def _replicated_overflow(rank: int) -> dict:
 def _empty_tree_on_one_rank(rank: int) -> dict:
     params = {"w": torch.ones(2, 3)} if rank == 0 else {}
     specs = {"w": Shard(0)} if rank == 0 else {}
-    return _outcome(lambda: sharded(opttx.adam(1e-2), specs).init(params) and None)
+    return outcome(lambda: sharded(opttx.adam(1e-2), specs).init(params) and None)
 
 
 def _different_shard_dims(rank: int) -> dict:
     params = {"w": torch.ones(2, 2)}
     specs = {"w": Shard(0) if rank == 0 else Shard(1)}
-    return _outcome(lambda: sharded(opttx.lamb(1e-2), specs).init(params) and None)
+    return outcome(lambda: sharded(opttx.lamb(1e-2), specs).init(params) and None)
 
 
 def _on_owners_wrong_shape(rank: int) -> dict:
@@ -91,7 +80,7 @@ def _on_owners_wrong_shape(rank: int) -> dict:
     tx = sharded(opttx.shampoo(1e-2), {"w": Shard(0)}, on_owners=True)
     state = tx.init(params)
     grads = {"w": torch.ones(2, 6) if rank == 0 else torch.ones(6, 2)}
-    return _outcome(lambda: tx.update(grads, state, params) and None)
+    return outcome(lambda: tx.update(grads, state, params) and None)
 
 
 def _different_chains(rank: int) -> dict:
@@ -99,15 +88,15 @@ def _different_chains(rank: int) -> dict:
     rank 0 (a gloo abort or a hang at the first update); now both ranks raise at init."""
     params = {"w": torch.ones(4, 3)}
     make = opttx.adamw if rank == 0 else opttx.lamb
-    return {"sharded": _outcome(lambda: sharded(make(1e-2), {"w": Shard(0)}).init(params)
+    return {"sharded": outcome(lambda: sharded(make(1e-2), {"w": Shard(0)}).init(params)
                                 and None),
-            "zero": _outcome(lambda: zero(make(1e-2)).init(params) and None)}
+            "zero": outcome(lambda: zero(make(1e-2)).init(params) and None)}
 
 
 def _zero_outside_group(rank: int) -> dict:
     only0 = dist.new_group([0])                  # every rank creates every group
     params = {"w": torch.ones(4, 3)}
-    return _outcome(lambda: zero(opttx.adam(1e-2), only0).init(params) and None)
+    return outcome(lambda: zero(opttx.adam(1e-2), only0).init(params) and None)
 
 
 def _reduce(grads: dict) -> dict:
@@ -117,9 +106,9 @@ def _reduce(grads: dict) -> dict:
 
 def _all_reduce_mismatch(rank: int) -> dict:
     dtype = torch.float32 if rank == 0 else torch.float64
-    by_dtype = _outcome(lambda: _reduce({"a": torch.ones(3, dtype=dtype)})["a"].tolist())
+    by_dtype = outcome(lambda: _reduce({"a": torch.ones(3, dtype=dtype)})["a"].tolist())
     key = "a" if rank == 0 else "b"                # same shapes, other trees
-    by_tree = _outcome(lambda: _reduce({key: torch.ones(3)})[key].tolist())
+    by_tree = outcome(lambda: _reduce({key: torch.ones(3)})[key].tolist())
     return {"dtype": by_dtype, "tree": by_tree}
 
 
@@ -145,18 +134,14 @@ def _missing_shard_file(rank: int, root: Path) -> dict:
     sd = {"params": params, "optim": state_dict(state, params)}
     # the tensors, and the maker's record (strings) beside them
     before = [x.clone() if isinstance(x, torch.Tensor) else x for x in tree_leaves(sd)]
-    out = _outcome(lambda: load_checkpoint(sd, checkpoint_id=str(path)))
+    out = outcome(lambda: load_checkpoint(sd, checkpoint_id=str(path)))
     out["untouched"] = all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
                            for a, b in zip(before, tree_leaves(sd)))
     return out
 
 
 def _worker(rank: int, world: int, store: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=20))
-    results: dict[str, Any] = {}
-    cases: dict[str, Callable[[], Any]] = {
+    run_cases(rank, world, store, out, {
         "replicated_nan": lambda: _replicated_nan(rank),
         "replicated_overflow": lambda: _replicated_overflow(rank),
         "empty_tree": lambda: _empty_tree_on_one_rank(rank),
@@ -166,14 +151,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
         "different_chains": lambda: _different_chains(rank),
         "all_reduce": lambda: _all_reduce_mismatch(rank),
         "missing_file": lambda: _missing_shard_file(rank, Path(out).parent),
-    }
-    for name, case in cases.items():
-        try:
-            results[name] = case()
-        except Exception:  # noqa: BLE001 - a crash of the case itself, reported by its test
-            results[name] = {"crash": traceback.format_exc(limit=6)}
-    Path(f"{out}.{rank}").write_text(json.dumps(results))
-    exit_rank()
+    })
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,6 @@ each case records what every rank saw, and the tests read the records.
 
 from __future__ import annotations
 
-import datetime
-import json
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,7 +17,7 @@ import torch.distributed as dist
 import opttx
 from opttx.distributed import (Replicated, Shard, all_reduce_gradients, consistency_checks,
                                sharded, zero)
-from opttx.testing import exit_rank
+from fault_cases import outcome, run_cases
 from test_distributed import _spawn
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,13 +34,6 @@ def _copy(leaf):
 def _same(a, b) -> bool:
     return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
-
-def _outcome(fn: Callable[[], Any]) -> dict:
-    """``{"error": message or None, "type": exception type, "value": fn() when it returned}``."""
-    try:
-        return {"error": None, "value": fn()}
-    except Exception as e:  # noqa: BLE001 - recorded for the tests
-        return {"error": f"{type(e).__name__}: {e}"[:2000], "type": type(e).__name__}
 
 
 def _healthy() -> bool:
@@ -120,7 +110,7 @@ def _overlap_cases(rank: int) -> dict:
             _train(make, rank, overlap=False)
         # layer 2 unused on rank 1 at step 1 only
         for via in ("none", "zeros"):
-            got = _outcome(lambda: _train(make, rank, overlap=True, zeros=via == "zeros",
+            got = outcome(lambda: _train(make, rank, overlap=True, zeros=via == "zeros",
                                           skip=lambda r, s: r == 1 and s == 1))
             got.pop("value", None)
             got["healthy"] = _healthy()
@@ -138,10 +128,10 @@ def _overlap_cases(rank: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def _init_outcome(make: Callable[[], opttx.GradientTransformation], params: dict) -> dict:
+def _initoutcome(make: Callable[[], opttx.GradientTransformation], params: dict) -> dict:
     def run() -> None:
         make().init(params)
-    got = _outcome(run)
+    got = outcome(run)
     got["healthy"] = _healthy()
     return got
 
@@ -153,12 +143,12 @@ def _replicated_differs(rank: int) -> dict:
     specs = {"w": Shard(0), "b": Replicated()}
     out = {}
     with consistency_checks(1):
-        out["sharded"] = _init_outcome(lambda: sharded(opttx.adamw(1e-2), specs), params)
-        out["zero"] = _init_outcome(lambda: zero(opttx.adamw(1e-2)), params)
-        out["same"] = _init_outcome(lambda: sharded(opttx.adamw(1e-2), specs),
+        out["sharded"] = _initoutcome(lambda: sharded(opttx.adamw(1e-2), specs), params)
+        out["zero"] = _initoutcome(lambda: zero(opttx.adamw(1e-2)), params)
+        out["same"] = _initoutcome(lambda: sharded(opttx.adamw(1e-2), specs),
                                     {"w": params["w"], "b": torch.zeros(3)})
     with consistency_checks(None):
-        out["unchecked"] = _init_outcome(lambda: sharded(opttx.adamw(1e-2), specs), params)
+        out["unchecked"] = _initoutcome(lambda: sharded(opttx.adamw(1e-2), specs), params)
     return out
 
 
@@ -182,7 +172,7 @@ def _train_skipping(rank: int, every: int | None, skip: bool) -> dict:
         return params["b"].tolist()
 
     with consistency_checks(every):
-        got = _outcome(run)
+        got = outcome(run)
     got["calls"] = calls
     got["healthy"] = _healthy()
     return got
@@ -222,7 +212,7 @@ def _schedule_free_eval(rank: int) -> dict:
         out[name] = {k: v.tolist() for k, v in x.items()}
         out[f"{name}_moved"] = any(not torch.equal(x[k], p[k]) for k in p)
         if name == "zero":
-            out["single_device_function"] = _outcome(
+            out["single_device_function"] = outcome(
                 lambda: opttx.schedule_free_eval_params(state, p) and None)
     return out
 
@@ -250,7 +240,7 @@ def _checksummed_checkpoint(rank: int, root: Path) -> dict:
     out: dict[str, Any] = {"verified": verify_checkpoint(path)}
     live = {"params": {k: v + 1 for k, v in params.items()},
             "optim": state_dict(tx.init(params), params)}
-    out["clean"] = _outcome(lambda: load_checkpoint(live, checkpoint_id=str(path)))
+    out["clean"] = outcome(lambda: load_checkpoint(live, checkpoint_id=str(path)))
     out["clean_equal"] = all(torch.equal(live["params"][k], saved[k]) for k in saved)
     dist.barrier()
     if rank == 0:
@@ -264,7 +254,7 @@ def _checksummed_checkpoint(rank: int, root: Path) -> dict:
     live = {"params": {k: v + 1 for k, v in params.items()},
             "optim": state_dict(tx.init(params), params)}
     before = [_copy(x) for x in opttx.tree.tree_leaves(live)]
-    out["flipped"] = _outcome(lambda: load_checkpoint(live, checkpoint_id=str(path)))
+    out["flipped"] = outcome(lambda: load_checkpoint(live, checkpoint_id=str(path)))
     out["untouched"] = all(_same(a, b) for a, b in
                            zip(before, opttx.tree.tree_leaves(live)))
     out["healthy"] = _healthy()
@@ -272,23 +262,12 @@ def _checksummed_checkpoint(rank: int, root: Path) -> dict:
 
 
 def _worker(rank: int, world: int, store: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=20))
-    results: dict[str, Any] = {}
-    cases: dict[str, Callable[[], Any]] = {
+    run_cases(rank, world, store, out, {
         "overlap": lambda: _overlap_cases(rank),
         "checking": lambda: _checking_cases(rank),
         "schedule_free": lambda: _schedule_free_eval(rank),
         "checkpoint": lambda: _checksummed_checkpoint(rank, Path(out).parent),
-    }
-    for name, case in cases.items():
-        try:
-            results[name] = case()
-        except Exception:  # noqa: BLE001 - a crash of the case itself, reported by its test
-            results[name] = {"crash": traceback.format_exc(limit=8)}
-    Path(f"{out}.{rank}").write_text(json.dumps(results))
-    exit_rank()
+    })
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ import torch
 from hypothesis import given, strategies as st
 
 import opttx
-from opttx.testing import assert_trees_close, gradient_stream, spawn_ranks
+from opttx.testing import (assert_optimizer_resumes, assert_trees_close, gradient_stream,
+                           spawn_ranks)
 from opttx.transforms.state_formats import (CorrectedTensor, QuantizedTensor, _pack4, _unpack4,
                                             decode, dynamic_map, encode, format_maps,
                                             layout_for, linear_map)
@@ -389,32 +390,11 @@ def test_optimizer_state_dict_round_trip(fmt: str) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), torch.nn.Linear(96, 4))
     x, y = torch.randn(32, 64), torch.randn(32, 4)
-
-    def make():
-        return opttx.Optimizer(model.parameters(), opttx.chain(
+    assert_optimizer_resumes(
+        lambda: opttx.Optimizer(model.parameters(), opttx.chain(
             opttx.quantize_state(opttx.scale_by_adam(), format=fmt),
-            opttx.scale_by_learning_rate(1e-2)))
-
-    def run(opt, steps):
-        for _ in range(steps):
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-
-    opt = make()
-    run(opt, 3)
-    saved = opt.state_dict()
-    snapshot = [p.detach().clone() for p in model.parameters()]
-    run(opt, 2)
-    after = [p.detach().clone() for p in model.parameters()]
-    with torch.no_grad():
-        for p, s in zip(model.parameters(), snapshot):
-            p.copy_(s)
-    fresh = make()
-    fresh.load_state_dict(saved)
-    run(fresh, 2)
-    for p, a in zip(model.parameters(), after):
-        assert torch.equal(p, a)
+            opttx.scale_by_learning_rate(1e-2))),
+        model, lambda: torch.nn.functional.mse_loss(model(x), y))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from torch.func import functional_call, grad_and_value
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import opttx
-from opttx.testing import assert_trees_close, gradient_stream, param_trees, run_transform
+from opttx.testing import (assert_optimizer_resumes, assert_trees_close, gradient_stream,
+                           param_trees, run_transform)
 from opttx.base import Role, declare_roles, state_roles
 from opttx.transforms.quantized import (QuantizedState, QuantizedTensor,
                                         dequantize_blockwise, dynamic_map, quantization_map,
@@ -279,28 +280,10 @@ def test_optimizer_state_dict_round_trip() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), torch.nn.Linear(96, 4))
     x, y = torch.randn(32, 64), torch.randn(32, 4)
-
-    def run(opt, steps):
-        for _ in range(steps):
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-
-    opt = opttx.Optimizer(model.parameters(), opttx.adamw_8bit(1e-2))
-    run(opt, 3)
-    saved = opt.state_dict()
+    saved = assert_optimizer_resumes(
+        lambda: opttx.Optimizer(model.parameters(), opttx.adamw_8bit(1e-2)), model,
+        lambda: torch.nn.functional.mse_loss(model(x), y))
     assert any(v.dtype == torch.uint8 for v in saved["state"][0].values())
-    snapshot = [p.detach().clone() for p in model.parameters()]
-    run(opt, 2)
-    after = [p.detach().clone() for p in model.parameters()]
-    with torch.no_grad():
-        for p, s in zip(model.parameters(), snapshot):
-            p.copy_(s)
-    fresh = opttx.Optimizer(model.parameters(), opttx.adamw_8bit(1e-2))
-    fresh.load_state_dict(saved)
-    run(fresh, 2)
-    for p, a in zip(model.parameters(), after):
-        assert torch.equal(p, a)
 
 
 def test_errors() -> None:
