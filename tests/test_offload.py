@@ -704,6 +704,26 @@ def test_master_params_start_afresh_from_a_restored_state() -> None:
     assert_trees_close(got, expected, rtol=0.0)
 
 
+def test_master_params_under_clipping_and_multi_steps() -> None:
+    """Global-norm clipping at the head of the chain (on every leaf first), and MultiSteps
+    around the offloaded transform (the master waits with the state between real steps):
+    the numbers of the plain chains (no step of these seeds crosses zero, so bitwise)."""
+    params = leaves_0d_to_4d()
+    grads = gradient_stream(params, 9, seed=17)
+
+    def clipped():
+        return opttx.chain(opttx.clip_by_global_norm(0.5), opttx.adamw(1e-2))
+    expected = run_transform(clipped(), params, grads)
+    got = run_transform(offload(clipped(), 0.5, chunk_size_mb=CHUNK_MB, master_params=True),
+                        params, grads)
+    assert_trees_close(got, expected, rtol=0.0)
+    expected = run_transform(opttx.MultiSteps(opttx.adamw(1e-2), 3).gradient_transformation(),
+                             params, grads)
+    around = opttx.MultiSteps(offload(opttx.adamw(1e-2), 0.5, chunk_size_mb=CHUNK_MB,
+                                      master_params=True), 3).gradient_transformation()
+    assert_trees_close(run_transform(around, params, grads), expected, rtol=0.0)
+
+
 def test_master_params_refusals_and_bytes() -> None:
     """Refused with overlap and delayed, and without params; all on the host, a step copies
     the gradients down and the new values up (the parameters no longer go down)."""
