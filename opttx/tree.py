@@ -479,7 +479,12 @@ def leaf_labels(labels: PyTree | Callable[[PyTree], PyTree], tree: PyTree,
     except (ValueError, TypeError, RuntimeError):
         flat = None
     else:
-        flat = [v for v, sub in zip(values, subtrees) for _ in tree_leaves(sub)]
+        flat = []                # (a leaf position is one value: no pytree call for it)
+        for v, sub in zip(values, subtrees):
+            if _is_leaf(sub):
+                flat.append(v)
+            else:
+                flat.extend(v for _ in tree_leaves(sub))
     if flat is None:
         where = _first_difference(labels, tree) or "the structures differ"
         inside = (" Inside opttx.flatten the tree is one flat buffer per (device, dtype), not "
@@ -499,8 +504,9 @@ def mask_leaves(mask: PyTree | Callable[[PyTree], PyTree], params: PyTree) -> li
     booleans (from names and shapes), never tensors.
     """
     flat = leaf_labels(mask, params, "mask values")
-    for path, value in zip(tree_paths(params), flat):
-        if not isinstance(value, bool):
-            raise TypeError(f"mask{path} is {type(value).__name__}; masks hold Python booleans "
-                            "(decided from names and shapes), not tensors.")
+    if not all(isinstance(value, bool) for value in flat):    # (the paths only for the error)
+        for path, value in zip(tree_paths(params), flat):
+            if not isinstance(value, bool):
+                raise TypeError(f"mask{path} is {type(value).__name__}; masks hold Python "
+                                "booleans (decided from names and shapes), not tensors.")
     return flat
