@@ -243,6 +243,11 @@ class Traits:
     across_leaves: bool = False
     """It takes a statistic across leaves (a global norm, a finiteness test): it must see the
     whole tree at once, and reduces through `reduce_across_leaves` when sharded."""
+    batched_across_leaves: bool = False
+    """It computes the leaves of one shape together in batched kernels (Muon's orthogonalization:
+    one batched matrix product per shape). Each leaf's output is its own in exact arithmetic
+    (``per_leaf`` may hold), but it rounds with the batch: run on a part of the leaves (offload
+    chunks, owner ranks) it agrees to rounding, not bit for bit."""
     takes_precondition_input: bool = False
     """Inside `opttx.graft` it takes its statistics from the updates and applies itself to
     ``extra_args[PRECONDITION_INPUT]`` (`precondition_leaves`); ``graft`` refuses a
@@ -272,6 +277,7 @@ def combine_traits(transforms: "tuple[GradientTransformation, ...]", **changes: 
                       per_leaf=all(t.per_leaf for t in traits),
                       whole_leaves=any(t.whole_leaves for t in traits),
                       across_leaves=any(t.across_leaves for t in traits),
+                      batched_across_leaves=any(t.batched_across_leaves for t in traits),
                       block_rows=math.lcm(*rows) if rows else None)
     return dataclasses.replace(combined, **changes)
 

@@ -425,7 +425,8 @@ def stacked(inner: GradientTransformation) -> GradientTransformation:
         return tree_unflatten(out, spec), StackedState(tuple(new_states), made_by=state.made_by)
 
     inner_traits = traits_of(inner)
-    return GradientTransformation(init, update, Traits(elementwise=inner_traits.elementwise,
-                                                       per_leaf=True))
+    return GradientTransformation(init, update, Traits(
+        elementwise=inner_traits.elementwise, per_leaf=True,
+        batched_across_leaves=inner_traits.batched_across_leaves))
 
 

@@ -188,12 +188,9 @@ def mixed_fraction(params: dict, tx: opttx.GradientTransformation) -> float | No
     return None
 
 
-# orthogonalized in products batched across same-shaped leaves: a chunk's batch is smaller,
-# and rounds differently (test_orthogonalized_one_matrix_at_a_time_offloads_bitwise)
-BATCHED_ACROSS_LEAVES = {"muon", "muon/3d", "muon/momentum_8bit", "normuon",
-                         "normuon/nesterov_rms", "adamuon", "adamuon/sign", "dion2",
-                         "scale_by_dion2", "orthogonalize", "orthogonalize/svd",
-                         "orthogonalize/polar_express", "orthogonalize/gram_split"}
+# transforms that declare Traits.batched_across_leaves (orthogonalized in one batched product
+# per shape, across leaves): a chunk's batch is smaller, and rounds differently
+# (test_orthogonalized_one_matrix_at_a_time_offloads_bitwise)
 
 
 @pytest.mark.parametrize("case", RUN, ids=[c.name for c in RUN])
@@ -201,9 +198,9 @@ def test_offloaded_equals_not_offloaded_bitwise(case: Case) -> None:
     """In chunks of about 50 floats on 0-D to 4-D leaves, all of the state on the host, and
     part of it (a fraction that splits the chunks, when the transform has state): 6 steps
     give the parameters and state of ``tx`` bit for bit (to 1e-5 where matrices are
-    orthogonalized in batches across leaves), through the functional path and
-    the donating one (what `opttx.Optimizer` runs). A chain that cannot run chunk by chunk
-    is refused at init with its reason."""
+    orthogonalized in batches across leaves: ``Traits.batched_across_leaves``), through the
+    functional path and the donating one (what `opttx.Optimizer` runs). A chain that cannot
+    run chunk by chunk is refused at init with its reason."""
     params = leaves_0d_to_4d(case)
     grads = gradient_stream(params, STEPS, seed=3)
     if case.name in REFUSED_AT_INIT:
@@ -212,7 +209,7 @@ def test_offloaded_equals_not_offloaded_bitwise(case: Case) -> None:
         return
     assert chunk_count(params, case.make()) >= 3
     expected = run_transform(case.make(), params, grads)
-    rtol = 1e-5 if case.name in BATCHED_ACROSS_LEAVES else 0.0
+    rtol = 1e-5 if traits_of(case.make()).batched_across_leaves else 0.0
     chunked = check_offloadable(case.make()) < len(opttx.chain_links(case.make()) or (0,))
     fractions = [1.0] + [f for f in [mixed_fraction(params, case.make())] if f is not None]
     for fraction in fractions:

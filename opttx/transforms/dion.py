@@ -22,7 +22,7 @@ from .._checks import check_nonnegative, check_positive_int, check_unit_interval
 from ..base import (EmptyState, GradientTransformation, HyperRole, LEAFWISE, Params, REDUCER_KEY,
                     Role, Traits, Updates, check_init_params, current_reducer, declare,
                     declare_roles, leafwise, reduce_statistics, replace_state,
-                    require_whole_leaves, zero_count)
+                    require_whole_leaves, traits_of, zero_count)
 from ..kernels import mark_scratch
 from ..tree import PyTree, Static, state_dtype, tree_flatten, tree_paths, tree_unflatten
 from .orthogonalize import NS_COEFFS, Method, orthogonalize
@@ -389,4 +389,7 @@ def scale_by_dion2(fraction: float = 0.25, ef_decay: float = 0.95, eps: float = 
         require_whole_leaves(updates, extra_args, "scale_by_dion2")
         return inner(updates, state, params, **extra_args)
 
-    return GradientTransformation(init, update, Traits(per_leaf=True, whole_leaves=True))
+    # rows of one shape orthogonalized in one batched product, as `orthogonalize`'s
+    return GradientTransformation(init, update, Traits(
+        per_leaf=True, whole_leaves=True,
+        batched_across_leaves=traits_of(ortho).batched_across_leaves))

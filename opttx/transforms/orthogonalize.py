@@ -18,6 +18,7 @@ the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Literal, Sequence
 
@@ -207,7 +208,8 @@ def _global_shapes(updates: PyTree, extra_args: dict[str, Any]) -> list[tuple[in
 
 
 def _stateless(name: str, fn: Callable[..., list[torch.Tensor]], matrix_axes: MatrixAxes,
-               split: Split, whole: bool = True) -> GradientTransformation:
+               split: Split, whole: bool = True, batched: bool = False
+               ) -> GradientTransformation:
     """A stateless matrix transform from ``fn(leaves, axes, splits, shapes) -> leaves``
     (``shapes``: the whole shapes of the leaves); the leaves are checked (dims, axes, splits)
     at init and at every update (while tracing, in a compiled step). ``whole``: it needs
@@ -236,8 +238,9 @@ def _stateless(name: str, fn: Callable[..., list[torch.Tensor]], matrix_axes: Ma
         shapes = _global_shapes(updates, extra_args)
         return tree_unflatten(fn(leaves, axes, splits, shapes), spec), state
 
+    traits = _WHOLE_MATRICES if whole else Traits(per_leaf=True)
     return GradientTransformation(init, update,
-                                  _WHOLE_MATRICES if whole else Traits(per_leaf=True))
+                                  dataclasses.replace(traits, batched_across_leaves=batched))
 
 
 def _to_last_two(x: torch.Tensor, axes: tuple[int, int]) -> torch.Tensor:
@@ -627,7 +630,7 @@ def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: f
         mark_scratch([out[i] for i in pieces])   # fresh tensors
         return out
 
-    return _stateless("orthogonalize", fn, matrix_axes, split)
+    return _stateless("orthogonalize", fn, matrix_axes, split, batched=batched)
 # ---------------------------------------------------------------------------------------------
 # shape scaling
 # ---------------------------------------------------------------------------------------------
