@@ -15,9 +15,10 @@ parameters), batch 4 x 512 tokens, bf16 compute:
   opttx f=1 DPU   offload(adamw, 1.0, layout="flat", compile=True, delayed=True): the host
                   steps run behind the next forward and backward (a different optimizer:
                   one step late; see the guide)
-  opttx f=1 master offload(adamw, 1.0, layout="flat", compile=True, master_params=True): a
-                  float32 master copy of the bf16 parameters on the host, stepped there in
-                  place; the bf16 values go up instead of the updates (not with overlap)
+  opttx f=1 master offload(adamw, 1.0, layout="flat", compile=True, overlap=True,
+                  master_params=True): a float32 master copy of the bf16 parameters on the
+                  host, stepped there from backward; the bf16 values go up instead of the
+                  updates (ZeRO-Offload's arrangement)
 
 opttx runs the functional loop over the model's own parameters (``init(dict(model.
 named_parameters()))``, as ``overlap`` needs), donating its state, with float32 state for the
@@ -144,7 +145,8 @@ def rows(only: set[str] | None):
         "opttx f=1 DPU": lambda m: opttx_row(m, offload(adamw(), 1.0, layout="flat",
                                                         compile=True, delayed=True)),
         "opttx f=1 master": lambda m: opttx_row(m, offload(adamw(), 1.0, layout="flat",
-                                                           compile=True, master_params=True)),
+                                                           compile=True, overlap=True,
+                                                           master_params=True)),
     }
     return {k: v for k, v in table.items() if only is None or k in only}
 

@@ -497,6 +497,41 @@ def test_overlap_starts_the_host_steps_in_backward_with_the_same_numbers() -> No
     assert stats.host_chunk_steps == 2 * host * 6      # started in backward, then again
 
 
+def test_overlap_with_the_master_copy_equals_the_master_copy_alone() -> None:
+    """overlap=True with master_params=True: the steps started in backward write the chunk's
+    second master buffer, which ``update`` swaps in when it takes them; the parameters equal
+    those of master_params without overlap bit for bit, eagerly and compiled, and when the
+    started steps are dropped (clones passed) the master is as if they never ran."""
+    def master(**kw):
+        return offload(opttx.adamw(1e-2, weight_decay=0.1), 0.5, chunk_size_mb=300 / MIB,
+                       master_params=True, **kw)
+    for compile in (False, True):
+        expected = _train_functionally(master(compile=compile))
+        stats = OffloadStats()
+        got = _train_functionally(master(overlap=True, stats=stats, compile=compile))
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)), compile
+        host = sum(c.on_host for c in stats.plan.chunks)
+        assert host >= 2 and stats.started_in_backward == host * 6
+        assert stats.host_chunk_steps == host * 6          # every started step taken
+        got = _train_functionally(master(overlap=True, compile=compile), pass_clones=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)), compile
+
+
+def test_tracing_is_refused_but_a_compile_on_the_worker_thread_is_not_tracing() -> None:
+    """``torch.compile(fullgraph=True)`` of a step with offload inside is refused with the
+    reason; Dynamo's "compiling" flag is one per process, so while a host step compiles on
+    offload's worker thread the caller's eager ``update`` must not take itself for traced
+    (the overlap test with compile=True above failed one run in two before)."""
+    params = {"w": torch.randn(4)}
+    tx = offload(opttx.adamw(1e-2), 1.0)
+    state = tx.init(params)
+    with pytest.raises(Exception, match="offload runs eagerly"):
+        torch.compile(lambda g, s, p: tx.update(g, s, p), fullgraph=True)(
+            {"w": torch.randn(4)}, state, params)
+    from opttx.distributed.offload import _traced_here
+    assert not _traced_here()
+
+
 def test_overlap_refusals() -> None:
     with pytest.raises(ValueError, match="statistic across leaves"):
         offload(opttx.chain(opttx.clip_by_global_norm(1.0), opttx.adam(1e-3)), overlap=True)
@@ -722,11 +757,9 @@ def test_master_params_under_clipping_and_multi_steps() -> None:
 
 
 def test_master_params_refusals_and_bytes() -> None:
-    """Refused with overlap and delayed, and without params; all on the host, a step copies
+    """Refused with delayed, and without params; all on the host, a step copies
     the gradients down and the new values up (the parameters no longer go down)."""
-    with pytest.raises(ValueError, match="master_params is not implemented with overlap"):
-        offload(opttx.adam(1e-3), overlap=True, master_params=True)
-    with pytest.raises(ValueError, match="master_params is not implemented with overlap"):
+    with pytest.raises(ValueError, match="master_params is not implemented with delayed"):
         offload(opttx.adam(1e-3), delayed=True, master_params=True)
     params = leaves_0d_to_4d()
     g = gradient_stream(params, 1, seed=6)[0]

@@ -502,6 +502,7 @@ class _Offloader:
         self._extra: dict[str, Any] = {}      # the extra args of the last update
         self._compiled: Callable | None = None
         self._compiled_master: Callable | None = None
+        self._stepped: set[int] = set()       # host chunks whose step has compiled (compile)
         self.master_params = master_params
         self._masters: dict[int, torch.Tensor] = {}   # host chunk -> its flat master copy
         self.stats = stats if stats is not None else OffloadStats()
@@ -513,6 +514,23 @@ class _Offloader:
             from concurrent.futures import ThreadPoolExecutor
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opttx-offload")
         return self._worker
+
+    def _submit(self, k: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the worker thread (a future). With ``compile``, host chunk ``k``'s
+        first step runs here instead, and compiles here: Dynamo's "compiling" flag
+        (``torch.compiler.is_compiling``) is one per process, so a compile on the worker
+        would make the caller's eager code meanwhile take its traced paths (this
+        transform's own refusal to be traced among them)."""
+        if self.compile and k not in self._stepped:
+            from concurrent.futures import Future
+            self._stepped.add(k)
+            done: Future = Future()
+            try:
+                done.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - raised where the result is taken
+                done.set_exception(e)
+            return done
+        return self._background().submit(fn, *args)
 
     def hook(self, params: PyTree) -> None:
         """overlap: hooks on ``params`` (the model's own) that start each host chunk's copy
@@ -538,13 +556,46 @@ class _Offloader:
         full: list[Any] = [None] * len(self.shapes)
         for i, g in zip(self.plan.chunks[k].leaves, grads):
             full[i] = g
-        staged = self._stage(k, full, self._params, s_leaves)
         self.stats.started_in_backward += 1
         # functional: if update does not take this result (other gradients, another state),
         # the state it started from must be intact
-        future = self._background().submit(self._job, k, staged, s_leaves, dict(self._extra),
-                                           False)
+        if self.master_params:
+            self._master(k, self._params)
+            staged = self._stage(k, full, None, s_leaves)
+            future = self._submit(k, self._job_master, k, staged, s_leaves,
+                                  dict(self._extra))
+        else:
+            staged = self._stage(k, full, self._params, s_leaves)
+            future = self._submit(k, self._job, k, staged, s_leaves, dict(self._extra),
+                                  False)
         return future.result
+
+    def _job_master(self, k: int, staged: tuple[Any, ...], s_leaves: list[Any],
+                    extra: dict[str, Any]) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """master_params with overlap: host chunk ``k``'s step from backward, functionally:
+        the new master into the chunk's second master buffer (swapped in when ``update``
+        takes the result), its values sent to the device. Returns (the values on the device,
+        the new state, the new master)."""
+        from ..kernels import donating
+        g, _, shared = self._wait_staged(k, staged)
+        state = self._chunk_state(k, s_leaves, shared)
+        start = time.perf_counter()
+        master, c = self._masters[k], self.plan.chunks[k]
+        with donating(False):
+            u, new = self._host_run(k, g, state, self._as_chunk(k, master), extra)
+        nxt = self._buffer(k, "master", master.dtype)
+        if nxt.data_ptr() == master.data_ptr():   # (never: the two buffers alternate)
+            raise RuntimeError("offload: the master buffers alias.")
+        self._await_sent(k)                   # the last values have left the buffers
+        for x, d, o in zip(tree_flatten(self._as_chunk(k, master))[0], tree_flatten(u)[0],
+                           tree_flatten(self._as_chunk(k, nxt))[0]):
+            torch.add(x, d.to(x.dtype), out=o)
+        values = nxt
+        if nxt.dtype != c.dtype:
+            values = self._buffer(k, "values", c.dtype)
+            values.copy_(nxt)
+        self.stats.host_seconds += time.perf_counter() - start
+        return self._send_values(k, values), new, nxt
 
     def _job(self, k: int, staged: tuple[Any, ...], s_leaves: list[Any],
              extra: dict[str, Any], donate: bool, base: Any = None) -> tuple[PyTree, Any]:
@@ -1003,7 +1054,7 @@ class _Offloader:
     def update(self, updates: Updates, state: State, params: Params | None,
                extra_args: dict[str, Any]) -> tuple[Updates, State]:
         """One step: the head links on every leaf, then every chunk where it lives."""
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and _traced_here():
             raise ValueError(f"{self.where}: offload runs eagerly (its copies, streams and "
                              "host steps are not traced); compile the model's forward and "
                              "backward, and offload(..., compile=True) for the host steps.")
@@ -1054,6 +1105,11 @@ class _Offloader:
             self.stats.device_chunk_steps += 1
             self._scatter_updates(k, u, out)
         for k in host:                                # each host chunk as its copy lands
+            if k in launched and self.master_params:
+                values[k], new_states[k], nxt = launched[k]
+                # the chunk's two master buffers trade places: the new one is the master now
+                self._staging[(k, "master")], self._masters[k] = self._masters[k], nxt
+                continue
             if k in launched:
                 u, new_states[k] = launched[k]
             elif self.delayed:
@@ -1119,7 +1175,7 @@ class _Offloader:
         else:
             u, state = previous
             base = state
-        self._pending[k] = self._background().submit(self._job, k, staged, s_leaves,
+        self._pending[k] = self._submit(k, self._job, k, staged, s_leaves,
                                                      dict(extra), False, base)
         return u, state
 
@@ -1242,6 +1298,15 @@ class _Offloader:
                               tree_flatten(self._as_chunk(k, flat))[0], spec)
 
 
+@torch._dynamo.assume_constant_result
+def _traced_here() -> bool:
+    """Whether this thread is tracing (Dynamo evaluates this once, at trace time). Dynamo's
+    "compiling" flag is one per process: a host step compiling on offload's worker thread
+    raises it for the caller's thread too, which is then not traced."""
+    from torch._guards import TracingContext
+    return TracingContext.try_get() is not None
+
+
 def keyed_paths(tree: PyTree) -> list[str]:
     """The checkpoint name of every leaf of ``tree`` (`opttx.distributed.param_paths`)."""
     from .checkpoint_keys import param_paths
@@ -1345,7 +1410,10 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
         other than the one the last ``update`` returned (a restored checkpoint) starts it
         afresh from the parameters, which for 16-bit parameters drops its extra bits; write
         parameters through the optimizer while it runs (the master overwrites other
-        changes). Not with ``overlap`` or ``delayed``.
+        changes). With ``overlap`` a step started in backward writes the chunk's second
+        master buffer (4 more bytes per parameter on the host), which ``update`` swaps in
+        when it takes the step, so a step it drops leaves the master as it was. Not with
+        ``delayed``.
 
     Returns:
       A `GradientTransformation` whose state is ``tx``'s state, laid out as without offload
@@ -1372,10 +1440,9 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
     if overlap and delayed:
         raise ValueError("offload: overlap and delayed do not go together: delayed already "
                          "runs each host step behind the next forward and backward.")
-    if master_params and (overlap or delayed):
-        raise ValueError("offload: master_params is not implemented with overlap or delayed "
-                         "(their host steps run functionally beside the caller's, a master "
-                         "copy stepped in place would run ahead of the state they return).")
+    if master_params and delayed:
+        raise ValueError("offload: master_params is not implemented with delayed (its host "
+                         "steps run one step behind the parameters the master would follow).")
     if device_budget_mb is not None:
         check_nonnegative("device_budget_mb", device_budget_mb)
         if fraction != "auto":
