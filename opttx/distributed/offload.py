@@ -1175,8 +1175,8 @@ class _Offloader:
         else:
             u, state = previous
             base = state
-        self._pending[k] = self._submit(k, self._job, k, staged, s_leaves,
-                                                     dict(extra), False, base)
+        self._pending[k] = self._submit(k, self._job, k, staged, s_leaves, dict(extra), False,
+                                        base)
         return u, state
 
     def _drop_pending(self) -> None:
