@@ -517,19 +517,23 @@ def test_overlap_with_the_master_copy_equals_the_master_copy_alone() -> None:
         assert all(torch.equal(a, b) for a, b in zip(got, expected)), compile
 
 
-def test_tracing_is_refused_but_a_compile_on_the_worker_thread_is_not_tracing() -> None:
+def test_tracing_is_refused_but_a_compile_on_the_worker_thread_is_not_tracing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """``torch.compile(fullgraph=True)`` of a step with offload inside is refused with the
-    reason; Dynamo's "compiling" flag is one per process, so while a host step compiles on
-    offload's worker thread the caller's eager ``update`` must not take itself for traced
-    (the overlap test with compile=True above failed one run in two before)."""
+    reason. Dynamo's "compiling" flag is one per process: while a host step compiles on
+    offload's worker thread it is raised for the caller's thread too (set here by hand, as
+    that compile leaves it), and the caller's eager ``update`` still runs (it refused itself
+    before, and the overlap test with compile=True failed one run in two)."""
     params = {"w": torch.randn(4)}
     tx = offload(opttx.adamw(1e-2), 1.0)
     state = tx.init(params)
     with pytest.raises(Exception, match="offload runs eagerly"):
         torch.compile(lambda g, s, p: tx.update(g, s, p), fullgraph=True)(
             {"w": torch.randn(4)}, state, params)
-    from opttx.distributed.offload import _traced_here
-    assert not _traced_here()
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+    assert torch.compiler.is_compiling()
+    updates, _ = tx.update({"w": torch.ones(4)}, state, params)
+    assert updates["w"].shape == (4,)
 
 
 def test_overlap_refusals() -> None:
@@ -806,6 +810,25 @@ def test_compiled_flat_host_step_is_close_and_writes_in_place() -> None:
     with opttx.donating():
         got = run_transform(tx, params, grads)
     assert_trees_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_more_compiled_host_chunks_than_dynamos_recompile_limit() -> None:
+    """``layout="leaves", compile=True``: each chunk's tree (its masked positions) is a graph
+    of its own, and each chunk compiles under a code object of its own: ten host chunks,
+    more than Dynamo's limit of 8 graphs per code object, all run (one code object shared by
+    the chunks made the ninth a hard failure under ``fullgraph``, on the tree before this
+    test), with the master copy and without."""
+    gen = torch.Generator().manual_seed(18)
+    params = {f"l{i}": torch.randn(4, 3, generator=gen) for i in range(10)}
+    grads = gradient_stream(params, 2, seed=18)
+    expected = run_transform(opttx.adamw(1e-2), params, grads)
+    for master in (False, True):
+        stats = OffloadStats()
+        tx = offload(opttx.adamw(1e-2), 1.0, chunk_size_mb=48 / MIB, compile=True,
+                     master_params=master, stats=stats)
+        got = run_transform(tx, params, grads)
+        assert len(stats.plan.chunks) == 10
+        assert_trees_close(got, expected, rtol=1e-6, atol=1e-7, what=f"master {master}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -36,8 +37,8 @@ import torch
 
 from .._checks import check_nonnegative, check_positive
 from ..base import (EmptyState, GradientTransformation, Params, REDUCER_KEY, Role, State,
-                    TOTALS_KEY, Updates, apply_updates_, combine_traits, declare,
-                    fields_with_role, traits_of)
+                    TOTALS_KEY, Updates, apply_updates, apply_updates_, combine_traits,
+                    declare, fields_with_role, traits_of)
 from ..combine import chain_links
 from ..kernels import is_donating
 from ..tree import (MaskedNode, PyTree, tree_copy_, tree_flatten, tree_map, tree_paths,
@@ -500,8 +501,7 @@ class _Offloader:
         self._pending: dict[int, Any] = {}    # delayed: each host chunk's step in flight
         self._live: Any = None                # the state the last update returned
         self._extra: dict[str, Any] = {}      # the extra args of the last update
-        self._compiled: Callable | None = None
-        self._compiled_master: Callable | None = None
+        self._compiled: dict[tuple[int, str], Callable] = {}   # (chunk, step) -> compiled
         self._stepped: set[int] = set()       # host chunks whose step has compiled (compile)
         self.master_params = master_params
         self._masters: dict[int, torch.Tensor] = {}   # host chunk -> its flat master copy
@@ -578,22 +578,11 @@ class _Offloader:
         the new state, the new master)."""
         from ..kernels import donating
         g, _, shared = self._wait_staged(k, staged)
-        state = self._chunk_state(k, s_leaves, shared)
+        nxt = self._buffer(k, "master", self._masters[k].dtype)
         start = time.perf_counter()
-        master, c = self._masters[k], self.plan.chunks[k]
         with donating(False):
-            u, new = self._host_run(k, g, state, self._as_chunk(k, master), extra)
-        nxt = self._buffer(k, "master", master.dtype)
-        if nxt.data_ptr() == master.data_ptr():   # (never: the two buffers alternate)
-            raise RuntimeError("offload: the master buffers alias.")
-        self._await_sent(k)                   # the last values have left the buffers
-        for x, d, o in zip(tree_flatten(self._as_chunk(k, master))[0], tree_flatten(u)[0],
-                           tree_flatten(self._as_chunk(k, nxt))[0]):
-            torch.add(x, d.to(x.dtype), out=o)
-        values = nxt
-        if nxt.dtype != c.dtype:
-            values = self._buffer(k, "values", c.dtype)
-            values.copy_(nxt)
+            values, new = self._master_step(k, g, self._chunk_state(k, s_leaves, shared),
+                                            self._params, extra, into=nxt)
         self.stats.host_seconds += time.perf_counter() - start
         return self._send_values(k, values), new, nxt
 
@@ -902,13 +891,10 @@ class _Offloader:
         self.stats.host_chunk_steps += 1
         if not self.compile:
             return self._run(grads, state, params, extra)
-        if self._compiled is None:
-            self._compiled = torch.compile(self._in_place, fullgraph=True, dynamic=True)
-        if not is_donating():
-            state = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+        state = self._writable(state)
         dtype = tree_flatten(grads)[0][0].dtype
         out = self._as_chunk(k, self._updates_buffer(k, dtype))
-        self._compiled(grads, state, params, extra, out)
+        self._compiled_step(k, self._in_place)(grads, state, params, extra, out)
         return out, state
 
     def _as_chunk(self, k: int, buf: torch.Tensor) -> PyTree:
@@ -950,46 +936,76 @@ class _Offloader:
         return master
 
     def _master_step(self, k: int, grads: PyTree, state: Any, p_leaves: list[torch.Tensor],
-                     extra: dict[str, Any]) -> tuple[torch.Tensor, Any]:
-        """Host chunk ``k``'s update applied to its master copy in place (in the same
-        compiled loop with ``compile``); returns the chunk's new parameter values (the master
-        itself, or its cast to the parameters' dtype in a staging buffer) and new state."""
+                     extra: dict[str, Any], into: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, Any]:
+        """Host chunk ``k``'s update added to its master copy, in place, or into ``into`` (the
+        chunk's second master buffer: the master itself is only read), in the same compiled
+        loop with ``compile``; returns the chunk's new parameter values (the new master, or
+        its cast to the parameters' dtype in a staging buffer) and new state."""
         self.stats.host_chunk_steps += 1
         c = self.plan.chunks[k]
         master = self._master(k, p_leaves)
         self._await_sent(k)                   # the last step's values have left the buffers
         params = self._as_chunk(k, master)
-        cast = master.dtype != c.dtype
-        out = self._buffer(k, "values", c.dtype) if cast else None
-        if not self.compile:
-            u, new = self._run(grads, state, params, extra)
-            apply_updates_(params, u)
-            if out is not None:
-                out.copy_(master)
-            return (master if out is None else out), new
-        if self._compiled_master is None:
-            self._compiled_master = torch.compile(self._in_place_master, fullgraph=True,
-                                                  dynamic=True)
-        if not is_donating():
-            state = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
-        self._compiled_master(grads, state, params, extra,
-                              None if out is None else self._as_chunk(k, out))
-        return (master if out is None else out), state
+        target = None if into is None else self._as_chunk(k, into)
+        cast = self._buffer(k, "values", c.dtype) if master.dtype != c.dtype else None
+        out = None if cast is None else self._as_chunk(k, cast)
+        if self.compile:
+            state = self._writable(state)
+            self._compiled_step(k, self._master_update)(grads, state, params, extra, target,
+                                                        out, True)
+            new = state
+        else:
+            new = self._master_update(grads, state, params, extra, target, out, False)
+        if cast is not None:
+            return cast, new
+        return (master if into is None else into), new
 
-    def _in_place_master(self, grads: PyTree, state: Any, params: PyTree,
-                         extra: dict[str, Any], out: PyTree | None) -> None:
-        """The compiled master step: the new state into the old buffers, the updates added
-        to the master copy (``params``) in place, its cast into ``out`` (16-bit parameters):
-        one loop that reads and writes each byte once, as DeepSpeed's CPU Adam."""
+    def _master_update(self, grads: PyTree, state: Any, params: PyTree,
+                       extra: dict[str, Any], into: PyTree | None, out: PyTree | None,
+                       state_in_place: bool) -> Any:
+        """The master step: the updates added to the master copy (``params``) in place, or
+        into ``into``; the new master cast into ``out`` (16-bit parameters); the new state
+        returned, and written into the old buffers with ``state_in_place`` (compiled: one
+        loop that reads and writes each byte once, as DeepSpeed's CPU Adam)."""
         u, new = self._run(grads, state, params, extra)
-        tree_copy_(state, new)
-        apply_updates_(params, u)
+        if into is None:
+            apply_updates_(params, u)
+            into = params
+        else:
+            tree_copy_(into, apply_updates(params, u))
         if out is not None:
-            tree_copy_(out, params)
+            tree_copy_(out, into)
+        if state_in_place:
+            tree_copy_(state, new)
+        return new
+
+    def _compiled_step(self, k: int, method: Callable) -> Callable:
+        """``method`` compiled for host chunk ``k`` alone (Inductor on the CPU), under a copy
+        of its code object. Dynamo keeps the graphs of one code object together, at most
+        ``recompile_limit`` (8) of them; with ``layout="leaves"`` each chunk's tree (its
+        masked positions) is a graph of its own, and every offload transform in a process
+        adds its own: one code object shared by them failed at the ninth (``fullgraph``)."""
+        key = (k, method.__name__)
+        if key not in self._compiled:
+            fn = method.__func__
+            own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                                     fn.__defaults__, fn.__closure__)
+            self._compiled[key] = torch.compile(types.MethodType(own, self), fullgraph=True,
+                                                dynamic=True)
+        return self._compiled[key]
+
+    def _writable(self, state: Any) -> Any:
+        """``state`` for a compiled step that writes it in place: itself when the caller
+        donates it, else a copy."""
+        if is_donating():
+            return state
+        return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
 
     def _send_values(self, k: int, flat: torch.Tensor) -> torch.Tensor:
-        """Host chunk ``k``'s new parameter values on the device: on CUDA from pinned
-        memory on the update stream (the caller's stream waits for it), else as they are."""
+        """Host chunk ``k``'s flat buffer (new parameter values, or updates) on the device: on
+        CUDA from pinned memory on the update stream (the caller's stream waits for it), else
+        as it is."""
         self.stats.bytes_to_device += flat.numel() * flat.element_size()
         if self.device.type != "cuda":
             return flat
@@ -1137,11 +1153,11 @@ class _Offloader:
             self._write_back(k, new_states[k], s_leaves, written)
         if self._streams is not None and host:    # the device waits, not the host
             torch.cuda.current_stream(self.device).wait_stream(self._streams[1])
-        for k, flat in values.items():           # master_params: the updates reaching them
-            c = chunks[k]
-            new = [flat[off:off + n].view(self.shapes[i])
-                   for i, off, n in zip(c.leaves, c.offsets, c.sizes)]
-            for i, u in zip(c.leaves, torch._foreach_sub(new, [p_leaves[i] for i in c.leaves])):
+        if values:                               # master_params: the updates reaching them
+            where = [(i, flat[off:off + n].view(self.shapes[i])) for k, flat in values.items()
+                     for i, off, n in zip(chunks[k].leaves, chunks[k].offsets, chunks[k].sizes)]
+            diffs = torch._foreach_sub([v for _, v in where], [p_leaves[i] for i, _ in where])
+            for (i, _), u in zip(where, diffs):
                 out[i] = u
         new_state = tree_unflatten(s_leaves, self.state_spec)
         self._live, self._extra = new_state, extra
@@ -1269,8 +1285,8 @@ class _Offloader:
         donates (`opttx.Optimizer` applies them before its next step)."""
         c = self.plan.chunks[k]
         leaves, spec = tree_flatten(u)
-        self.stats.bytes_to_device += sum(x.numel() * x.element_size() for x in leaves)
         if self.device.type != "cuda":
+            self.stats.bytes_to_device += sum(x.numel() * x.element_size() for x in leaves)
             if is_donating():
                 return u
             staging = {b.untyped_storage().data_ptr() for (kk, _), b in self._staging.items()
@@ -1287,13 +1303,7 @@ class _Offloader:
             else:
                 for x, off, n in zip(leaves, c.offsets, c.sizes):
                     staging[off:off + n].copy_(x.reshape(-1))
-        _, up = self._cuda_streams()
-        with torch.cuda.stream(up):
-            flat = staging.to(self.device, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(up)
-        flat.record_stream(torch.cuda.current_stream(self.device))
-        self._sent[k] = done
+        flat = self._send_values(k, staging)
         return tree_unflatten(list(self._as_chunk(k, flat)) if self.layout == "flat" else
                               tree_flatten(self._as_chunk(k, flat))[0], spec)
 
