@@ -965,10 +965,12 @@ class _Offloader:
                        extra: dict[str, Any], into: PyTree | None, out: PyTree | None,
                        state_in_place: bool) -> Any:
         """The master step: the updates added to the master copy (``params``) in place, or
-        into ``into``; the new master cast into ``out`` (16-bit parameters); the new state
-        returned, and written into the old buffers with ``state_in_place`` (compiled: one
-        loop that reads and writes each byte once, as DeepSpeed's CPU Adam)."""
+        into ``into``; the new master cast into ``out`` (16-bit parameters). The new state
+        is written into the old buffers with ``state_in_place`` (compiled: one loop that
+        reads and writes each byte once, as DeepSpeed's CPU Adam), else returned."""
         u, new = self._run(grads, state, params, extra)
+        if state_in_place:
+            tree_copy_(state, new)
         if into is None:
             apply_updates_(params, u)
             into = params
@@ -976,9 +978,9 @@ class _Offloader:
             tree_copy_(into, apply_updates(params, u))
         if out is not None:
             tree_copy_(out, into)
-        if state_in_place:
-            tree_copy_(state, new)
-        return new
+        # compiled, nothing is returned: a graph output would be one more buffer written
+        # per state tensor (the state is already in place)
+        return None if state_in_place else new
 
     def _compiled_step(self, k: int, method: Callable) -> Callable:
         """``method`` compiled for host chunk ``k`` alone (Inductor on the CPU), under a copy

@@ -1,0 +1,141 @@
+"""Where the offloaded host step's time goes (issue 27): the loop, and the Python per chunk.
+
+1. One 96 M float32 tensor, AdamW's update as one Inductor loop, three ways, interleaved:
+   writing the updates into a separate buffer (what offload's compiled step does without the
+   master copy), writing the parameters in place (with ``master_params=True``), and
+   DeepSpeed's ``DeepSpeedCPUAdam`` on the same tensor (medians of ``--steps``).
+2. The cost of one host-chunk step beside its loop: ``offload(adamw, 1.0, layout="flat",
+   compile=True, master_params=True)`` on a 1000-element parameter (one chunk), per
+   ``update``'s host step (`OffloadStats.host_seconds`), against a plain compiled function of
+   the four tensors doing the same arithmetic.
+3. The 96 M parameters of benchmarks/offload.py in 12 chunks of 32 MiB, the master step's
+   host seconds with Dynamo's guards evaluated and with
+   ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (unsafe: opttx does not use it;
+   this measures what the guards cost).
+
+Example:
+  DS_ACCELERATOR=cpu PYTHONPATH=$PWD python benchmarks/offload_host_loop.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+
+import opttx  # noqa: E402
+from opttx.distributed import OffloadStats, offload  # noqa: E402
+
+
+def one_tensor(steps: int, n: int = 96_000_000) -> None:
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(n, generator=gen) * 1e-3
+    p = torch.randn(n, generator=gen) * 0.02
+    m, v, u = torch.zeros(n), torch.zeros(n), torch.empty(n)
+    c1 = torch.tensor(0.5, dtype=torch.float64)
+    c2 = torch.tensor(1e-8, dtype=torch.float64)
+
+    def into_buffer(g, p, m, v, u, c1, c2):
+        m.lerp_(g, 0.1)
+        v.mul_(0.999).addcmul_(g, g, value=0.001)
+        u.copy_(-(m / (v.sqrt() * c1 + c2) + 0.01 * p) * 1e-3)
+
+    def in_place(g, p, m, v, u, c1, c2):
+        m.lerp_(g, 0.1)
+        v.mul_(0.999).addcmul_(g, g, value=0.001)
+        p.add_(-(m / (v.sqrt() * c1 + c2) + 0.01 * p) * 1e-3)
+
+    rows = {name: torch.compile(fn, fullgraph=True, dynamic=True)
+            for name, fn in [("updates into a buffer", into_buffer),
+                             ("parameters in place", in_place)]}
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    dp = torch.nn.Parameter(p.clone())
+    dp.grad = g
+    ds = DeepSpeedCPUAdam([dp], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                          adamw_mode=True)
+    times: dict[str, list[float]] = {k: [] for k in [*rows, "DeepSpeedCPUAdam"]}
+    for i in range(steps + 3):
+        for name, fn in rows.items():
+            t = time.perf_counter()
+            fn(g, p, m, v, u, c1, c2)
+            if i >= 3:
+                times[name].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        ds.step()
+        if i >= 3:
+            times["DeepSpeedCPUAdam"].append(time.perf_counter() - t)
+    print(f"\n1. AdamW's loop on one {n / 1e6:.0f} M tensor (median ms)")
+    for name, ts in times.items():
+        print(f"   {name:<24}{1e3 * statistics.median(ts):8.1f}")
+
+
+def per_chunk(steps: int = 300) -> None:
+    params, grads = {"w": torch.randn(1000)}, {"w": torch.randn(1000)}
+    stats = OffloadStats()
+    tx = offload(opttx.adamw(1e-3, weight_decay=0.01), 1.0, layout="flat", compile=True,
+                 master_params=True, stats=stats)
+    state = tx.init(params)
+    for _ in range(5):
+        with opttx.donating():
+            _, state = tx.update(grads, state, params)
+    stats.reset()
+    for _ in range(steps):
+        with opttx.donating():
+            _, state = tx.update(grads, state, params)
+    host = stats.host_seconds / steps
+
+    def plain(g, p, m, v):
+        m.lerp_(g, 0.1)
+        v.mul_(0.999).addcmul_(g, g, value=0.001)
+        p.add_(m / (v.sqrt() + 1e-8), alpha=-1e-3)
+    fn = torch.compile(plain, fullgraph=True, dynamic=True)
+    g, p, m, v = (torch.randn(1000) for _ in range(4))
+    for _ in range(5):
+        fn(g, p, m, v)
+    t = time.perf_counter()
+    for _ in range(steps):
+        fn(g, p, m, v)
+    print("\n2. one host-chunk step of 1000 elements (us per call)")
+    print(f"   offload master step      {1e6 * host:8.0f}")
+    print(f"   plain compiled function  {1e6 * (time.perf_counter() - t) / steps:8.0f}")
+
+
+def guards(steps: int) -> None:
+    from offload import OpttxVariant, shapes
+    gen = torch.Generator().manual_seed(0)
+    sizes = shapes(5)
+    params = [torch.randn(s, generator=gen) * 0.02 for s in sizes]
+    grads = [torch.randn(s, generator=gen) * 1e-3 for s in sizes]
+    variant = OpttxVariant(params, grads, True, 32.0, True)
+    for _ in range(4):
+        variant.step()
+    times: dict[str, list[float]] = {"guards evaluated": [], "guards skipped (unsafe)": []}
+    for _ in range(steps):
+        times["guards evaluated"].append(variant.step())
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            times["guards skipped (unsafe)"].append(variant.step())
+    print(f"\n3. the master step's host seconds, {len(variant.stats.plan.chunks)} chunks "
+          "(median ms)")
+    for name, ts in times.items():
+        print(f"   {name:<24}{1e3 * statistics.median(ts):8.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    one_tensor(args.steps)
+    per_chunk()
+    guards(args.steps)
+
+
+if __name__ == "__main__":
+    main()
