@@ -1,9 +1,11 @@
 """Where the offloaded host step's time goes (issue 27): the loop, and the Python per chunk.
 
-1. One 96 M float32 tensor, AdamW's update as one Inductor loop, three ways, interleaved:
+1. One 96 M float32 tensor, AdamW's update as one Inductor loop, four ways, interleaved:
    writing the updates into a separate buffer (what offload's compiled step does without the
-   master copy), writing the parameters in place (with ``master_params=True``), and
-   DeepSpeed's ``DeepSpeedCPUAdam`` on the same tensor (medians of ``--steps``).
+   master copy), writing the parameters in place (with ``master_params=True``), the same
+   with the C++ compiler allowed to contract multiply-adds into FMAs (the Inductor option
+   offload's compiled host step sets), and DeepSpeed's ``DeepSpeedCPUAdam`` on the same
+   tensor (medians of ``--steps``).
 2. The cost of one host-chunk step beside its loop: ``offload(adamw, 1.0, layout="flat",
    compile=True, master_params=True)`` on a 1000-element parameter (one chunk), per
    ``update``'s host step (`OffloadStats.host_seconds`), against a plain compiled function of
@@ -12,6 +14,10 @@
    host seconds with Dynamo's guards evaluated and with
    ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (unsafe: opttx does not use it;
    this measures what the guards cost).
+4. What a call costs beside its loop: the 96 M tensor of part 1 as 12 pieces, stepped by 12
+   calls of one compiled function, by one compiled call whose graph holds the 12 loops
+   (Inductor's horizontal fusion off, so still 12 loops), and by one loop over the whole
+   tensor (with the FMA option, as offload compiles).
 
 Example:
   DS_ACCELERATOR=cpu PYTHONPATH=$PWD python benchmarks/offload_host_loop.py
@@ -52,9 +58,11 @@ def one_tensor(steps: int, n: int = 96_000_000) -> None:
         v.mul_(0.999).addcmul_(g, g, value=0.001)
         p.add_(-(m / (v.sqrt() * c1 + c2) + 0.01 * p) * 1e-3)
 
-    rows = {name: torch.compile(fn, fullgraph=True, dynamic=True)
-            for name, fn in [("updates into a buffer", into_buffer),
-                             ("parameters in place", in_place)]}
+    from opttx.distributed.offload import _host_compile_options
+    rows = {name: torch.compile(fn, fullgraph=True, dynamic=True, options=options)
+            for name, fn, options in [("updates into a buffer", into_buffer, None),
+                                      ("parameters in place", in_place, None),
+                                      ("in place, FMAs", in_place, _host_compile_options())]}
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     dp = torch.nn.Parameter(p.clone())
     dp.grad = g
@@ -127,6 +135,44 @@ def guards(steps: int) -> None:
         print(f"   {name:<24}{1e3 * statistics.median(ts):8.1f}")
 
 
+def calls(steps: int, n: int = 96_000_000, pieces: int = 12) -> None:
+    from opttx.distributed.offload import _host_compile_options
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(n, generator=gen) * 1e-3
+    p = torch.randn(n, generator=gen) * 0.02
+    m, v = torch.zeros(n), torch.zeros(n)
+    c1 = torch.tensor(0.5, dtype=torch.float64)
+    c2 = torch.tensor(1e-8, dtype=torch.float64)
+
+    def in_place(g, p, m, v, c1, c2):
+        m.lerp_(g, 0.1)
+        v.mul_(0.999).addcmul_(g, g, value=0.001)
+        p.add_(-(m / (v.sqrt() * c1 + c2) + 0.01 * p) * 1e-3)
+
+    def all_pieces(parts, c1, c2):
+        for part in parts:
+            in_place(*part, c1, c2)
+    options = _host_compile_options()
+    one = torch.compile(in_place, fullgraph=True, dynamic=True, options=options)
+    many = torch.compile(all_pieces, fullgraph=True, dynamic=True,
+                         options={**options, "cpp.max_horizontal_fusion_size": 1})
+    s = n // pieces
+    parts = [tuple(x[i * s:(i + 1) * s] for x in (g, p, m, v)) for i in range(pieces)]
+    rows = {f"{pieces} calls": lambda: [one(*part, c1, c2) for part in parts],
+            f"1 call of {pieces} loops": lambda: many(parts, c1, c2),
+            "1 call, 1 loop": lambda: one(g, p, m, v, c1, c2)}
+    times: dict[str, list[float]] = {k: [] for k in rows}
+    for i in range(steps + 3):
+        for name, fn in rows.items():
+            t = time.perf_counter()
+            fn()
+            if i >= 3:
+                times[name].append(time.perf_counter() - t)
+    print(f"\n4. the {n / 1e6:.0f} M tensor in {pieces} pieces (median ms)")
+    for name, ts in times.items():
+        print(f"   {name:<24}{1e3 * statistics.median(ts):8.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=10)
@@ -135,6 +181,7 @@ def main() -> None:
     one_tensor(args.steps)
     per_chunk()
     guards(args.steps)
+    calls(args.steps)
 
 
 if __name__ == "__main__":
