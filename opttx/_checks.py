@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ._tracing import is_tracing
 from .tree import PyTree, keystr, tree_flatten_with_path
 
 
@@ -54,7 +55,7 @@ def tensor_value(value: torch.Tensor) -> float | None:
     synchronisation: a real CPU tensor, outside a compiled region (None otherwise: a tensor
     on an accelerator, a traced or batched one). About 0.3 us on CPU, so the 0-dim tensors
     `opttx.inject_hyperparams` passes the factory at every step are checked at every step."""
-    if (torch.compiler.is_compiling() or not value.is_cpu or value.is_complex()
+    if (is_tracing() or not value.is_cpu or value.is_complex()
             or value.dtype == torch.bool):
         return None
     try:

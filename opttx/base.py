@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Literal, NamedTuple, Protocol, TypeV
 
 import torch
 
+from ._tracing import is_tracing
 from ._checks import check_floating, check_gradient_leaves
 from .kernels import foreach, foreach_
 from .tree import (MaskedNode, PyTree, Static, assert_same_structure, tree_flatten, tree_leaves,
@@ -682,7 +683,7 @@ def step_local_transforms() -> contextlib.AbstractContextManager:
     state was checked already; skipping the recipes keeps the step's Python light. (Under
     ``torch.compile`` recipes are skipped anyway: the transform is traced, not kept, and
     Dynamo cannot enter the context variable.)"""
-    if torch.compiler.is_compiling():
+    if is_tracing():
         return contextlib.nullcontext()
     return _step_local_block()
 
@@ -760,7 +761,7 @@ def declare(*, hyperparams: Mapping[str, "HyperRole | None"] | None = None,
 
         @functools.wraps(factory)
         def declared(*args: Any, **kwargs: Any) -> GradientTransformation:
-            if torch.compiler.is_compiling():
+            if is_tracing():
                 # built inside a compiled function: a Python-float hyperparameter would be a
                 # constant of the graph (a recompile for every new value, and a symbolic float
                 # that the checks cannot read once Dynamo makes it dynamic); as a 0-dim tensor

@@ -29,7 +29,8 @@ __all__ = ["CHECKS", "check_transform", "check_purity", "check_tree_without_leav
            "check_state_structure_and_dtypes", "check_float64_determinism",
            "check_one_compiled_graph", "check_injected_hyperparameters",
            "check_stacked", "check_checkpoint_round_trip", "check_errors",
-           "check_donation", "standard_params", "leaves_0d_to_4d"]
+           "check_donation", "check_compile_on_another_thread", "standard_params",
+           "leaves_0d_to_4d"]
 
 Make = Callable[[], GradientTransformation]
 STEPS = 3
@@ -341,6 +342,36 @@ def check_donation(make: Make, params: PyTree | None = None, steps: int = 30,
            f"{name}: Optimizer")
 
 
+def check_compile_on_another_thread(make: Make, params: PyTree | None = None, steps: int = 12,
+                                    name: str = "transform") -> None:
+    """An eager step taken while ``torch.compile`` traces on another thread gives the same
+    numbers, bit for bit, functional and donating. Dynamo's "compiling" flag
+    (``torch.compiler.is_compiling``) is one per process; this check raises it by hand, as
+    such a compile leaves it for the whole process, around an eager run. A transform that
+    branches on the bare flag instead of `opttx._tracing.is_tracing` (which also asks whether
+    this thread is traced) takes its traced branches in eager code here: another reduction,
+    a skipped check, no donation."""
+    from .base import apply_updates_
+    params = leaves_0d_to_4d() if params is None else params
+    grads = _gradients(params, steps, 10)
+    tx = make()
+    expected = _run(tx, params, grads)
+    flag = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        _close(_run(tx, params, grads), expected, 0.0,
+               f"{name}: functional, while another thread compiles")
+        donated_params, donated_state = _clone(params), tx.init(params)
+        for g in grads:
+            with donating():
+                updates, donated_state = tx.update(g, donated_state, donated_params)
+            apply_updates_(donated_params, updates)
+    finally:
+        torch.compiler._is_compiling_flag = flag
+    _close((donated_params, donated_state), expected, 0.0,
+           f"{name}: donating, while another thread compiles")
+
+
 CHECKS: dict[str, Callable[..., Any]] = {
     "purity": check_purity,
     "tree_without_leaves": check_tree_without_leaves,
@@ -351,6 +382,7 @@ CHECKS: dict[str, Callable[..., Any]] = {
     "checkpoint_round_trip": check_checkpoint_round_trip,
     "errors": check_errors,
     "donation": check_donation,
+    "compile_on_another_thread": check_compile_on_another_thread,
 }
 """The single-process checks of `check_transform`, by name (``injected_hyperparameters``
 runs too when a factory is given)."""
@@ -390,6 +422,8 @@ def check_transform(make: Make, *, factory: Callable[..., GradientTransformation
         "checkpoint_round_trip": lambda: check_checkpoint_round_trip(make, params()),
         "errors": lambda: check_errors(make, params()),
         "donation": lambda: check_donation(make, leaves_0d_to_4d(matrices_only=matrices_only)),
+        "compile_on_another_thread": lambda: check_compile_on_another_thread(
+            make, leaves_0d_to_4d(matrices_only=matrices_only)),
     }
     if factory is not None:
         runs["injected_hyperparameters"] = lambda: check_injected_hyperparameters(

@@ -28,6 +28,7 @@ import weakref
 from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
+from ._tracing import is_tracing
 
 Scalar = float | int | torch.Tensor
 Tensors = Sequence[torch.Tensor]
@@ -79,7 +80,7 @@ def is_donating() -> bool:
     Always False while ``torch.compile`` traces: a compiled step is functional and its final
     ``copy_`` into the inputs (`opttx.tree_copy_`) is what lowers to in-place writes.
     """
-    if torch.compiler.is_compiling():   # first: Dynamo cannot trace ContextVar.get
+    if is_tracing():   # first: Dynamo cannot trace ContextVar.get
         return False
     current = _DONATION.get()
     return current is not None and current.enabled
@@ -109,7 +110,7 @@ def keeping_state() -> contextlib.AbstractContextManager:
     off anyway and Dynamo cannot enter the context variable): for code that reads an old
     state buffer after a helper that would otherwise overwrite it in place (a step that keeps
     the old moment on some condition, a wrapper that may drop the new state)."""
-    if torch.compiler.is_compiling():
+    if is_tracing():
         return contextlib.nullcontext()
     return donating(False)
 
@@ -166,7 +167,7 @@ def coefficient(value: Any, tensors: Sequence[torch.Tensor], op: str | None = No
       out of CUDA graphs); the List overload broadcasts it on the device.
     """
     if not (isinstance(value, torch.Tensor) and value.dim() == 0 and tensors
-            and torch.compiler.is_compiling()):
+            and is_tracing()):
         return value
     if op in _LIST_OVERLOADS and value.device.type not in HOST_READABLE_DEVICES:
         return [value] * len(tensors)
@@ -224,7 +225,7 @@ def _grouped(name: str, tensors: list[torch.Tensor], args: tuple, kwargs: dict) 
     list gives an empty list (a rank without leaves still steps its shared scalars)."""
     if not tensors:
         return []
-    if torch.compiler.is_compiling() and any(
+    if is_tracing() and any(
             isinstance(a, torch.Tensor) and a.dim() == 0 for a in args):
         base = name.rstrip("_")
         if base in _TENSOR_OVERLOADS and len(args) == 1:
@@ -258,7 +259,7 @@ def foreach_op_(op: str, tensors: list[torch.Tensor], *args: Any) -> list[torch.
     (Inductor fuses it anyway, and in-place foreach ops are refused inside ``torch.cond``
     branches). Returns the result list.
     """
-    if torch.compiler.is_compiling():
+    if is_tracing():
         return foreach(op, tensors, *args)
     if tensors:
         getattr(torch, f"_foreach_{op}_")(tensors, *args)
@@ -275,7 +276,7 @@ def foreach_copy_(dst: Tensors, src: Tensors) -> None:
     second pass. Measured on an H100 (torch 2.11, 307 M parameters in 39 tensors, compiled
     opttx AdamW step ending in this copy of its state; `benchmarks/state_copy.py`): 6.13 ms
     with ``_foreach_copy_``, 3.51 ms with per-tensor ``copy_``, torch's fused AdamW 3.60 ms."""
-    if torch.compiler.is_compiling():
+    if is_tracing():
         for d, s in zip(dst, src):
             d.copy_(s)
         return
@@ -306,7 +307,7 @@ def foreach_sum_of_squares(tensors: Tensors, dtype: torch.dtype | None = None
     if dtype is None:
         dtype = torch.float64 if any(x.dtype == torch.float64 for x in tensors) \
             else torch.float32
-    if torch.compiler.is_compiling():
+    if is_tracing():
         return [torch.sum(torch.square(x.to(dtype))) for x in tensors]
     norms = foreach_norm(tensors, 2, dtype=dtype)
     return list(torch._foreach_mul(norms, norms))

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ._tracing import is_tracing
 from .base import (GradientTransformation, check_init_params, combine_traits, declare,
                    declare_roles)
 from .tree import PyTree, Static, flat_layout, tree_flatten, tree_unflatten
@@ -105,7 +106,7 @@ def flatten(inner: GradientTransformation) -> GradientTransformation:
                 from .tree import assert_same_structure
                 assert_same_structure(updates, params, "updates and params")
             flat_params = _pack(p_leaves, groups)
-        with contextlib.nullcontext() if torch.compiler.is_compiling() else flat_layout():
+        with contextlib.nullcontext() if is_tracing() else flat_layout():
             flat_updates, inner_state = inner.update(_pack(leaves, groups), state.inner_state,
                                                      flat_params, **extra_args)
         out: list[Any] = [None] * len(leaves)

@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
+from ._tracing import is_tracing
 from .base import (GradientTransformation, HyperRole, _foreach_add, _kind, _stochastic_pairs,
                    describe_transform, recipe_of, round_stochastic_)
 from .distributed.checkpoint_keys import (dtensor_placement, keyed_state,
@@ -725,7 +726,7 @@ class Optimizer(torch.optim.Optimizer):
             param_tree = self._tree(group, [p.detach() for p in params])
             if group.get("maximize", False) and "maximize" not in self._honoured[slot]:
                 grads = foreach("neg", grads)     # torch's maximize: ascend the gradient
-            if torch.compiler.is_compiling():
+            if is_tracing():
                 # donation is an eager memory saving (Dynamo cannot enter its ContextVar;
                 # under compile the graph reuses buffers itself)
                 updates, state = group["tx"].update(self._tree(group, grads), state,

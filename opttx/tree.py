@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 import torch.utils._pytree as _pytree
 
+from ._tracing import is_tracing
 from .kernels import foreach_copy_
 
 PyTree = Any
@@ -350,7 +351,7 @@ def tree_cond(pred: torch.Tensor, true_fn: Callable, false_fn: Callable,
     (`opttx.stacked`), where ``pred`` holds one value per slice, both run and each element is
     selected with ``torch.where``.
     """
-    if not torch.compiler.is_compiling():
+    if not is_tracing():
         if _is_batched(pred):
             chosen = tree_flatten(true_fn(*operands))[0]
             other, spec = tree_flatten(false_fn(*operands))
@@ -386,7 +387,7 @@ def tree_while(cond_fn: Callable, body_fn: Callable, operands: tuple) -> Any:
     the flat leaves: a data-dependent number of iterations inside one graph, with the same
     iterates as the eager loop.
     """
-    if not torch.compiler.is_compiling():
+    if not is_tracing():
         while bool(cond_fn(*operands)):
             operands = body_fn(*operands)
         return operands

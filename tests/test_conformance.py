@@ -184,6 +184,47 @@ def test_donating_paths_equal_the_functional_path_bitwise(case: Case) -> None:
     conformance.check_donation(case.make, params, name=case.name)
 
 
+@pytest.mark.parametrize("case", cases_for("compile_on_another_thread"))
+def test_an_eager_step_while_another_thread_compiles_is_unchanged(case: Case) -> None:
+    """Dynamo's "compiling" flag is one per process: raised by hand around an eager run (as a
+    compile on another thread leaves it: offload's worker, a user's thread), every entry
+    steps to the same numbers bit for bit, functional and donating (12 steps, first steps
+    and a refresh included). The library branches on `opttx._tracing.is_tracing`, which also
+    asks whether this thread is the one traced."""
+    params = conformance.leaves_0d_to_4d(matrices_only=case.matrices_only)
+    if case.name == "stacked":      # its leaves are stacks: two matrices and two vectors
+        params = opttx.StackedParams({"w": params["w"], "v": params["v"]}).buffers
+    conformance.check_compile_on_another_thread(case.make, params, name=case.name)
+
+
+def test_the_library_reads_the_compiling_flag_only_through_is_tracing() -> None:
+    """``torch.compiler.is_compiling()`` appears in one place of the package, `is_tracing`:
+    a new bare read would take the traced branch in eager code whenever another thread
+    compiles (the registry-wide property above then catches it only if that branch changes
+    the numbers)."""
+    import pathlib
+    root = pathlib.Path(opttx.__file__).parent
+    readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                     if "torch.compiler.is_compiling()" in p.read_text())
+    assert readers == ["_tracing.py"], readers
+
+
+def test_is_tracing_is_true_in_a_trace_and_false_in_eager_code_while_another_thread_compiles(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from opttx._tracing import is_tracing
+    seen = []
+
+    def step(x):
+        seen.append(is_tracing())
+        return x * 2 if is_tracing() else x * 3
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
+    assert seen == [True]
+    assert not is_tracing()
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+    assert torch.compiler.is_compiling() and not is_tracing()
+
+
 # ---------------------------------------------------------------------------------------------
 # sharded and zero on 2 gloo ranks: every entry in one spawn
 # ---------------------------------------------------------------------------------------------

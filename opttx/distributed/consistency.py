@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from .._tracing import is_tracing
 from ..base import Role, fields_with_role
 from ..tree import PyTree, tree_flatten, tree_paths
 
@@ -133,7 +134,7 @@ class ConsistencyCheck:
         """``replicated()``: which leaves of ``params`` are replicated (None: all); a
         function, evaluated only when a check runs."""
         every = _EVERY[0]
-        if (every is None or torch.compiler.is_compiling() or not dist.is_initialized()
+        if (every is None or is_tracing() or not dist.is_initialized()
                 or dist.get_world_size(group) == 1):
             return
         if at_init:

@@ -7,6 +7,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .._tracing import is_tracing
 from .._checks import check_positive
 from ..base import (EmptyState, GradientTransformation, Params, Updates, _describe,
                     check_init_params, declare)
@@ -139,12 +140,12 @@ def all_reduce_gradients(group: Any = None, bucket_size_mb: float = 25, *,
                **extra_args: Any) -> tuple[Updates, EmptyState]:
         del params, extra_args
         g = group if group is not None else dist.group.WORLD
-        launches = launched[0] if launched and not torch.compiler.is_compiling() else None
+        launches = launched[0] if launched and not is_tracing() else None
         if launches is not None:
             # which launches from backward stand, agreed on every rank (a missing gradient on
             # one rank raises on every rank here, before the tree checks)
             launches.settle(tree_flatten(updates)[0])
-        if not checked and not torch.compiler.is_compiling():
+        if not checked and not is_tracing():
             agree(updates, g)
         leaves, treespec = tree_flatten(updates)
         if not leaves:

@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .._tracing import is_tracing
 from .._checks import check_nonnegative, check_positive
 from ..base import (EmptyState, GradientTransformation, Params, REDUCER_KEY, Role, State,
                     TOTALS_KEY, Updates, apply_updates, apply_updates_, combine_traits,
@@ -534,8 +535,9 @@ class _Offloader:
         """``fn(*args)`` on the worker thread (a future). With ``compile``, host chunk ``k``'s
         first step runs here instead, and compiles here: Dynamo's "compiling" flag
         (``torch.compiler.is_compiling``) is one per process, so a compile on the worker
-        would make the caller's eager code meanwhile take its traced paths (this
-        transform's own refusal to be traced among them)."""
+        raises it for the caller's thread too. The library's own branches ask
+        `opttx._tracing.is_tracing`, which also checks that the thread is traced; the user's
+        code (a model's forward that reads the flag) does not."""
         if self.compile and k not in self._stepped:
             from concurrent.futures import Future
             self._stepped.add(k)
@@ -1087,7 +1089,7 @@ class _Offloader:
     def update(self, updates: Updates, state: State, params: Params | None,
                extra_args: dict[str, Any]) -> tuple[Updates, State]:
         """One step: the head links on every leaf, then every chunk where it lives."""
-        if torch.compiler.is_compiling() and _traced_here():
+        if is_tracing():
             raise ValueError(f"{self.where}: offload runs eagerly (its copies, streams and "
                              "host steps are not traced); compile the model's forward and "
                              "backward, and offload(..., compile=True) for the host steps.")
@@ -1323,15 +1325,6 @@ class _Offloader:
         flat = self._send_values(k, staging)
         return tree_unflatten(list(self._as_chunk(k, flat)) if self.layout == "flat" else
                               tree_flatten(self._as_chunk(k, flat))[0], spec)
-
-
-@torch._dynamo.assume_constant_result
-def _traced_here() -> bool:
-    """Whether this thread is tracing (Dynamo evaluates this once, at trace time). Dynamo's
-    "compiling" flag is one per process: a host step compiling on offload's worker thread
-    raises it for the caller's thread too, which is then not traced."""
-    from torch._guards import TracingContext
-    return TracingContext.try_get() is not None
 
 
 def keyed_paths(tree: PyTree) -> list[str]:

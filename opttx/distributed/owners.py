@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from .._tracing import is_tracing
 from .._checks import check_nonnegative
 from ..base import (GradientTransformation, Params, REDUCER_KEY, State, TOTALS_KEY, Updates,
                     current_reducer, declare, reducer_during_init, traits_of)
@@ -739,7 +740,7 @@ def _agree_on_pieces(plan: OwnerPlan, trees: list, updates: PyTree, checked: set
     # plan every rank agrees on it (one all-reduce), so a wrong shape on one rank raises
     # on all of them rather than leave the others waiting in the all_to_all
     error = check_pieces(plan, trees, lambda: tree_paths(updates), ("updates", "params"))
-    if id(plan) not in checked and not torch.compiler.is_compiling():
+    if id(plan) not in checked and not is_tracing():
         from .shapes import raise_on_every_rank
         raise_on_every_rank(error, plan.group)
         checked.add(id(plan))

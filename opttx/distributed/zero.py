@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from .._tracing import is_tracing
 from .._checks import check_floating, check_nonnegative, check_positive
 from ..base import (GradientTransformation, Params, REDUCER_KEY, State, TOTALS_KEY, Updates,
                     _describe, configuration_items, current_reducer, declare, reducer_during_init,
@@ -896,7 +897,7 @@ def _zero_update(updates: Updates, state: State, params: Params | None,
                  extra_args: dict[str, Any], res: _Resolved, cfg: _ZeroConfig
                  ) -> tuple[Updates, State]:
     """One step of `zero`: reduce the gradients, the owners' update, gather the updates."""
-    if res.launches is not None and not torch.compiler.is_compiling():
+    if res.launches is not None and not is_tracing():
         # overlap: which chunks launched in backward stand, agreed on every rank (a missing
         # gradient on one rank raises on every rank here, before the tree checks)
         res.launches.settle(tree_leaves(updates))
@@ -916,7 +917,7 @@ def _reduce_gradients(grads: list[torch.Tensor], res: _Resolved, cfg: _ZeroConfi
     `MaskedNode` for the others: a reduce-scatter per chunk (stage 2) or an all-reduce; taken
     from backward where ``overlap`` started it there."""
     plan, rank = res.plan, res.rank
-    launches = None if torch.compiler.is_compiling() else res.launches
+    launches = None if is_tracing() else res.launches
     owned: list[Any] = [MaskedNode()] * len(grads)
     for k, c in enumerate(plan.chunks):
         mine = c.members(rank)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import torch
 
+from .._tracing import is_tracing
 from .._checks import check_gradient_leaves, check_number, check_positive_int, matrix_axes_of
 from ..base import (GradientTransformation, PRECONDITION_INPUT, Params, Role, State, Updates,
                     check_init_params, combine_traits, declare, declare_roles,
@@ -181,7 +182,7 @@ def _project_back(y: torch.Tensor, left: torch.Tensor, right: torch.Tensor, side
 def _svd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``U`` and ``Vᴴ`` of the thin SVD. In eager mode a LAPACK failure gives NaN factors (so
     the caller keeps its old basis); a compiled step cannot catch it."""
-    if torch.compiler.is_compiling():
+    if is_tracing():
         u, _, vh = torch.linalg.svd(x, full_matrices=False)
         return u, vh
     try:
@@ -582,7 +583,7 @@ def project_lowrank(inner: GradientTransformation, rank: int, update_proj_gap: i
                 if plan is not None}
         due = state.count % update_proj_gap == 0
         # compiled: one torch.cond holds the refresh; eager: nothing to do off refresh steps
-        if mats and (torch.compiler.is_compiling() or bool(due)):
+        if mats and (is_tracing() or bool(due)):
             lefts, rights, inner_state = _refresh(due, mats, plans, lefts, rights, inner_state,
                                                   spec, reproject_moments)
         low = list(g)

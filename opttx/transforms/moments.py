@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._tracing import is_tracing
 from .._checks import check_nonnegative, check_unit_interval
 from ..base import (ELEMENTWISE, GradientTransformation, HyperRole, PRECONDITIONER, Params, Role,
                     Updates, check_init_params, declare, declare_roles, leafwise,
@@ -105,7 +106,7 @@ def _divide(numerators: list[torch.Tensor], denominators: list[torch.Tensor]
     """``numerators / denominators``, overwriting the denominators (temporaries the caller
     owns). In eager mode as ``reciprocal_`` then ``mul_``: one more pass but no new
     parameter-sized allocation, which on CPU costs more than a pass in page faults."""
-    if torch.compiler.is_compiling():
+    if is_tracing():
         return foreach("div", numerators, denominators)
     foreach_("reciprocal", denominators)
     return foreach_("mul", denominators, numerators)

@@ -57,6 +57,7 @@ from typing import Any, Literal, NamedTuple, Sequence
 
 import torch
 
+from .._tracing import is_tracing
 from .._checks import (check_gradient_leaves, check_nonnegative, check_positive_int,
                        check_unit_interval)
 from ..base import (GradientTransformation, HyperRole, PRECONDITIONER, PRECONDITION_INPUT, Params,
@@ -626,7 +627,7 @@ def unpack_symmetric(v: torch.Tensor, d: int | None = None) -> torch.Tensor:
     derived from the length when not given)."""
     if d is None:
         n = v.shape[-1]
-        if torch.compiler.is_compiling():      # isqrt cannot take a traced size
+        if is_tracing():      # isqrt cannot take a traced size
             d = 0
             while d * (d + 1) // 2 < n:
                 d += 1
@@ -1125,7 +1126,7 @@ def _count_failures(failed: torch.Tensor, failures: torch.Tensor, cfg: _ShampooC
     """Consecutive failed recomputations after this one; raises (eager mode) when there are
     more than ``max_consecutive_failures``."""
     failures = torch.where(failed, failures + 1, torch.zeros_like(failures))
-    if not torch.compiler.is_compiling() and int(failures) > cfg.max_consecutive_failures:
+    if not is_tracing() and int(failures) > cfg.max_consecutive_failures:
         raise RuntimeError(f"precondition_shampoo: the {what} failed {int(failures)} times "
                            f"in a row (limit {cfg.max_consecutive_failures}); the factors "
                            "are not usable. Raise epsilon or use "
@@ -1149,7 +1150,7 @@ def _retry_in_float64(inputs: list[tuple[torch.Tensor, torch.Tensor]], exps: lis
     finite now; in eager mode only the failed ones are recomputed."""
     out_r, out_ok = [], []
     for (a, finite_in), p, r, good in zip(inputs, exps, roots, oks):
-        if not torch.compiler.is_compiling() and bool(good):
+        if not is_tracing() and bool(good):
             out_r.append(r)
             out_ok.append(good)
             continue
