@@ -11,6 +11,9 @@ GPT-like shape set (an embedding and transformer layers of width 1024):
   opttx master compiled the same with master_params=True: the parameters kept on the host
                         and stepped there in place (read g, m, v, p; write m, v, p, as
                         DeepSpeed), their new values sent back instead of the updates
+  opttx master grouped  the same with host_group_mb=--host-group-mb (default 1024): the host
+                        chunks' steps in groups, one compiled call per group (no Python
+                        between their loops; on CUDA a group waits for all its copies)
   opttx flat eager      offload(adamw, 1.0, layout="flat"): torch's eager grouped kernels,
                         one pass per op and chunk
   torch fused           torch.optim.AdamW(fused=True) on CPU: one fused kernel per tensor
@@ -76,14 +79,16 @@ def copy_bandwidth(n: int = 100_000_000) -> float:
 
 class OpttxVariant:
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], compile: bool,
-                 chunk_mb: float, master_params: bool = False) -> None:
+                 chunk_mb: float, master_params: bool = False,
+                 host_group_mb: float | None = None) -> None:
         self.params = {str(i): p.clone() for i, p in enumerate(params)}
         self.start = {k: v.clone() for k, v in self.params.items()}
         self.grads = {str(i): g for i, g in enumerate(grads)}
         self.stats = OffloadStats()
         self.tx = offload(opttx.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD),
                           1.0, layout="flat", compile=compile, chunk_size_mb=chunk_mb,
-                          stats=self.stats, master_params=master_params)
+                          stats=self.stats, master_params=master_params,
+                          host_group_mb=host_group_mb)
         self.state = self.tx.init(self.params)
 
     def step(self) -> float:
@@ -124,6 +129,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--chunk-mb", type=float, default=32.0,
                     help="chunk capacity in MiB of parameters (offload's default: 32)")
+    ap.add_argument("--host-group-mb", type=float, default=1024.0,
+                    help="host_group_mb of the grouped variant (MiB of parameters per call)")
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--wait-idle", type=float, default=60.0)
     args = ap.parse_args()
@@ -144,6 +151,8 @@ def main() -> None:
     t = time.perf_counter()
     variants["opttx flat compiled"] = OpttxVariant(params, grads, True, args.chunk_mb)
     variants["opttx master compiled"] = OpttxVariant(params, grads, True, args.chunk_mb, True)
+    variants["opttx master grouped"] = OpttxVariant(params, grads, True, args.chunk_mb, True,
+                                                    args.host_group_mb)
     variants["opttx flat eager"] = OpttxVariant(params, grads, False, args.chunk_mb)
     tp = torch_params(params, grads)
     variants["torch fused"] = TorchVariant(torch.optim.AdamW(

@@ -487,7 +487,8 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
          split_above_mb: float | None = None, offload_layout: str = "leaves",
          offload_compile: bool = False, device_budget_mb: float | None = None,
          offload_stats: Any = None,
-         offload_master_params: bool = False) -> GradientTransformation:
+         offload_master_params: bool = False,
+         offload_host_group_mb: float | None = None) -> GradientTransformation:
     r"""ZeRO data parallelism: each rank keeps the optimizer state of the parameters it owns.
 
     With :math:`W` ranks in ``group``, rank :math:`r` holding its local gradients
@@ -593,6 +594,8 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
       offload_master_params: the ``master_params`` of `opttx.distributed.offload`: each rank
         keeps its host chunks' parameters on the host (float32 for 16-bit parameters) and
         steps them there; the updates it gathers to the other ranks reach the master's values.
+      offload_host_group_mb: the ``host_group_mb`` of `opttx.distributed.offload` (with
+        ``offload_compile``): consecutive host chunks of a rank in one compiled call.
 
     ``update(local_grads, state, params)`` takes this rank's unreduced gradients (the full
     tree, plain tensors) and the full replicated ``params``; gradients are cast to the
@@ -626,7 +629,8 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
                        overlap=overlap, split_above_mb=split_above_mb,
                        offload_layout=offload_layout, offload_compile=offload_compile,
                        device_budget_mb=device_budget_mb, offload_stats=offload_stats,
-                       offload_master_params=offload_master_params)
+                       offload_master_params=offload_master_params,
+                       offload_host_group_mb=offload_host_group_mb)
     resolved: list[_Resolved] = []
     settings = configuration_items(tx) + [
         (f"zero.{k}", _describe(v, True)) for k, v in (
@@ -636,7 +640,8 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
             ("overlap", overlap), ("split_above_mb", split_above_mb),
             ("offload_layout", offload_layout), ("offload_compile", offload_compile),
             ("device_budget_mb", device_budget_mb),
-            ("offload_master_params", offload_master_params))]
+            ("offload_master_params", offload_master_params),
+            ("offload_host_group_mb", offload_host_group_mb))]
 
     def agree() -> None:
         # first of all: a setting that differs across ranks would pair mismatched collectives
@@ -711,6 +716,7 @@ class _ZeroConfig:
     device_budget_mb: float | None = None     # offload="auto": the state's device budget
     offload_stats: Any = None                 # offload: an OffloadStats to fill
     offload_master_params: bool = False       # offload: the host chunks' parameters there too
+    offload_host_group_mb: float | None = None   # offload: compiled host steps per call
 
 
 def _zero_config(tx: GradientTransformation, group: Any, stage: int,
@@ -720,8 +726,8 @@ def _zero_config(tx: GradientTransformation, group: Any, stage: int,
                  communication_dtype: torch.dtype | None = None, overlap: bool = False,
                  split_above_mb: float | None = None, offload_layout: str = "leaves",
                  offload_compile: bool = False, device_budget_mb: float | None = None,
-                 offload_stats: Any = None, offload_master_params: bool = False
-                 ) -> _ZeroConfig:
+                 offload_stats: Any = None, offload_master_params: bool = False,
+                 offload_host_group_mb: float | None = None) -> _ZeroConfig:
     """Validate `zero`'s arguments into a `_ZeroConfig`."""
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"zero needs a GradientTransformation, got a {type(tx).__name__} (did "
@@ -753,6 +759,11 @@ def _zero_config(tx: GradientTransformation, group: Any, stage: int,
     if offload_master_params and share is None:
         raise ValueError("zero: offload_master_params goes with offload (a share of the state "
                          "on the host).")
+    if offload_host_group_mb is not None:
+        check_positive("offload_host_group_mb", offload_host_group_mb)
+        if share is None or not offload_compile:
+            raise ValueError("zero: offload_host_group_mb groups compiled host steps; it goes "
+                             "with offload and offload_compile=True.")
     return _ZeroConfig(tx=tx, group=group, stage=stage, chunk_size_mb=chunk_size_mb,
                        offload=share, min_chunk_size_mb=min_chunk_size_mb,
                        search_range_mb=search_range_mb, balance=balance, stats=stats,
@@ -760,7 +771,8 @@ def _zero_config(tx: GradientTransformation, group: Any, stage: int,
                        split_above_mb=split_above_mb, offload_layout=offload_layout,
                        offload_compile=bool(offload_compile),
                        device_budget_mb=device_budget_mb, offload_stats=offload_stats,
-                       offload_master_params=bool(offload_master_params))
+                       offload_master_params=bool(offload_master_params),
+                       offload_host_group_mb=offload_host_group_mb)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -802,7 +814,8 @@ def _with_offloader(res: _Resolved, tree: PyTree, cfg: _ZeroConfig) -> _Resolved
     engine = _Offloader(cfg.tx, cfg.offload, layout=cfg.offload_layout,
                         compile=cfg.offload_compile, budget_mb=cfg.device_budget_mb,
                         memory_probe=None, where="opttx.distributed.zero",
-                        stats=cfg.offload_stats, master_params=cfg.offload_master_params)
+                        stats=cfg.offload_stats, master_params=cfg.offload_master_params,
+                        host_group_mb=cfg.offload_host_group_mb)
     engine.resolve(masked, members=[m for m in members if m],
                    costs=state_costs(cfg.tx, masked))
     return dataclasses.replace(res, offloader=engine)
