@@ -18,6 +18,11 @@
    calls of one compiled function, by one compiled call whose graph holds the 12 loops
    (Inductor's horizontal fusion off, so still 12 loops), and by one loop over the whole
    tensor (with the FMA option, as offload compiles).
+5. Why a call costs more after a loop: a small compiled call (the AdamW arithmetic on 1000
+   elements), the opaque op `opttx.kernels.coefficient` puts in compiled CPU steps
+   (``opttx::computed_once``) and aten's ``clone`` on a 0-dim tensor, each timed warm (right
+   after itself) and right after an 800 MB copy has streamed through the caches, as a host
+   chunk's loop does.
 
 Example:
   DS_ACCELERATOR=cpu PYTHONPATH=$PWD python benchmarks/offload_host_loop.py
@@ -173,6 +178,37 @@ def calls(steps: int, n: int = 96_000_000, pieces: int = 12) -> None:
         print(f"   {name:<24}{1e3 * statistics.median(ts):8.1f}")
 
 
+def cold_calls(steps: int) -> None:
+    import opttx.kernels  # noqa: F401 - registers opttx::computed_once
+
+    def in_place(g, p, m, v):
+        m.lerp_(g, 0.1)
+        v.mul_(0.999).addcmul_(g, g, value=0.001)
+        p.add_(-(m / (v.sqrt() * 0.5 + 1e-8) + 0.01 * p) * 1e-3)
+    small = [torch.randn(1000) for _ in range(4)]
+    compiled = torch.compile(in_place, fullgraph=True, dynamic=True)
+    scalar = torch.tensor(0.5, dtype=torch.float64)
+    rows = {"small compiled call": lambda: compiled(*small),
+            "opttx::computed_once": lambda: torch.ops.opttx.computed_once.default(scalar),
+            "aten clone, 0-dim": lambda: torch.ops.aten.clone.default(scalar)}
+    src, dst = torch.ones(100_000_000), torch.empty(100_000_000)
+    print("\n5. a call warm, and right after an 800 MB copy (median us)")
+    for name, fn in rows.items():
+        for _ in range(20):
+            fn()
+        warm, cold = [], []
+        for _ in range(max(steps, 10) * 3):
+            t = time.perf_counter()
+            fn()
+            warm.append(time.perf_counter() - t)
+            dst.copy_(src)
+            t = time.perf_counter()
+            fn()
+            cold.append(time.perf_counter() - t)
+        print(f"   {name:<24}{1e6 * statistics.median(warm):8.1f}"
+              f"{1e6 * statistics.median(cold):8.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=10)
@@ -182,6 +218,7 @@ def main() -> None:
     per_chunk()
     guards(args.steps)
     calls(args.steps)
+    cold_calls(args.steps)
 
 
 if __name__ == "__main__":
