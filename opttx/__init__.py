@@ -40,6 +40,7 @@ from .schedules import (constant_schedule, cosine_decay_schedule, exponential_de
 from .transforms import *  # noqa: F401,F403  (the public transforms and their states)
 from .transforms import __all__ as _transforms_all
 from .kernels import donating
+from ._tracing import is_tracing
 from .tree import MaskedNode, tree_copy_
 from .wrappers import (ApplyIfFiniteState, InjectHyperparamsState, MultiSteps, MultiStepsState,
                        apply_if_finite, hyperparameter_roles, inject_all_hyperparams,
@@ -102,3 +103,4 @@ __all__ = [
 from .aliases import adamuon, dion, dion2, kron, muon_clip, normuon  # noqa: E402
 
 __all__ += ["adamuon", "dion", "dion2", "kron", "muon_clip", "normuon"]
+__all__ += ["is_tracing"]

@@ -26,5 +26,10 @@ def is_tracing() -> bool:
     """``torch.compiler.is_compiling()``, and this thread is the one being traced.
 
     The library reads this wherever it takes a different branch under ``torch.compile``. In
-    eager code with no compile anywhere it costs one flag read."""
+    eager code with no compile anywhere it costs one flag read.
+
+    Example (a transform of your own that checks a value eagerly but not when traced):
+      >>> if not opttx.is_tracing():
+      ...     check_finite(value)        # reads the tensor: a sync, a graph break
+    """
     return torch.compiler.is_compiling() and _traced_here()

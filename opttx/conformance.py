@@ -348,7 +348,7 @@ def check_compile_on_another_thread(make: Make, params: PyTree | None = None, st
     numbers, bit for bit, functional and donating. Dynamo's "compiling" flag
     (``torch.compiler.is_compiling``) is one per process; this check raises it by hand, as
     such a compile leaves it for the whole process, around an eager run. A transform that
-    branches on the bare flag instead of `opttx._tracing.is_tracing` (which also asks whether
+    branches on the bare flag instead of `opttx.is_tracing` (which also asks whether
     this thread is traced) takes its traced branches in eager code here: another reduction,
     a skipped check, no donation."""
     from .base import apply_updates_

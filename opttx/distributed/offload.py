@@ -538,7 +538,7 @@ class _Offloader:
         first step runs here instead, and compiles here: Dynamo's "compiling" flag
         (``torch.compiler.is_compiling``) is one per process, so a compile on the worker
         raises it for the caller's thread too. The library's own branches ask
-        `opttx._tracing.is_tracing`, which also checks that the thread is traced; the user's
+        `opttx.is_tracing`, which also checks that the thread is traced; the user's
         code (a model's forward that reads the flag) does not."""
         if self.compile and k not in self._stepped:
             from concurrent.futures import Future
