@@ -4,8 +4,9 @@
    writing the updates into a separate buffer (what offload's compiled step does without the
    master copy), writing the parameters in place (with ``master_params=True``), the same
    with the C++ compiler allowed to contract multiply-adds into FMAs (the Inductor option
-   offload's compiled host step sets), and DeepSpeed's ``DeepSpeedCPUAdam`` on the same
-   tensor (medians of ``--steps``).
+   offload's compiled host step sets), the last on one thread (the loop runs out of
+   arithmetic before bandwidth when this takes twice as long), and DeepSpeed's
+   ``DeepSpeedCPUAdam`` on the same tensor (medians of ``--steps``).
 2. The cost of one host-chunk step beside its loop: ``offload(adamw, 1.0, layout="flat",
    compile=True, master_params=True)`` on a 1000-element parameter (one chunk), per
    ``update``'s host step (`OffloadStats.host_seconds`), against a plain compiled function of
@@ -73,13 +74,21 @@ def one_tensor(steps: int, n: int = 96_000_000) -> None:
     dp.grad = g
     ds = DeepSpeedCPUAdam([dp], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                           adamw_mode=True)
-    times: dict[str, list[float]] = {k: [] for k in [*rows, "DeepSpeedCPUAdam"]}
+    times: dict[str, list[float]] = {k: [] for k in [*rows, "in place, FMAs, 1 thread",
+                                                     "DeepSpeedCPUAdam"]}
+    threads = torch.get_num_threads()
     for i in range(steps + 3):
         for name, fn in rows.items():
             t = time.perf_counter()
             fn(g, p, m, v, u, c1, c2)
             if i >= 3:
                 times[name].append(time.perf_counter() - t)
+        torch.set_num_threads(1)
+        t = time.perf_counter()
+        rows["in place, FMAs"](g, p, m, v, u, c1, c2)
+        if i >= 3:
+            times["in place, FMAs, 1 thread"].append(time.perf_counter() - t)
+        torch.set_num_threads(threads)
         t = time.perf_counter()
         ds.step()
         if i >= 3:
