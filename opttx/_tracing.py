@@ -11,25 +11,26 @@ whether this thread holds a trace: Dynamo's and export's ``TracingContext`` is t
 from __future__ import annotations
 
 import torch
+import torch._dynamo
+from torch._guards import TracingContext
 
 
 @torch._dynamo.assume_constant_result
-def _traced_here() -> bool:
-    """Whether this thread is tracing: Dynamo evaluates this once, at trace time, as a
-    constant; run for real (eager code while another thread compiles, or non-strict export,
-    which executes the Python), it reads the thread's tracing context."""
-    from torch._guards import TracingContext
-    return TracingContext.try_get() is not None
-
-
 def is_tracing() -> bool:
     """``torch.compiler.is_compiling()``, and this thread is the one being traced.
 
     The library reads this wherever it takes a different branch under ``torch.compile``. In
-    eager code with no compile anywhere it costs one flag read.
+    eager code with no compile anywhere it costs one flag read. Dynamo does not trace into
+    it: it calls it once per call site, at trace time (where it is True), and keeps the
+    result as a constant, so it costs a trace no more than ``is_compiling`` does. Run for
+    real (eager code while another thread compiles; non-strict export, which executes the
+    Python), it reads this thread's tracing context.
 
-    Example (a transform of your own that checks a value eagerly but not when traced):
-      >>> if not opttx.is_tracing():
-      ...     check_finite(value)        # reads the tensor: a sync, a graph break
+    Example (code of your own that reads a tensor eagerly, never in a traced step):
+      >>> def doubled(x):
+      ...     if not opttx.is_tracing():     # a host read: a sync, a graph break if traced
+      ...         assert bool(torch.isfinite(x).all())
+      ...     return 2 * x
+      >>> doubled(torch.ones(3))
     """
-    return torch.compiler.is_compiling() and _traced_here()
+    return torch.compiler.is_compiling() and TracingContext.try_get() is not None

@@ -834,31 +834,30 @@ def test_more_compiled_host_chunks_than_dynamos_recompile_limit() -> None:
 def test_host_groups_step_several_chunks_in_one_compiled_call() -> None:
     """``host_group_mb``: consecutive host chunks (four here, under 1 MiB) go through one
     compiled call per group (one graph each: 1 for the group, 4 without), with the numbers
-    of the chunks stepped one call each, bit for bit, for the master copy or not, in both
-    layouts, at fraction 0.5 (device chunks beside the group) and with the steps donated."""
+    of the chunks stepped one call each, bit for bit: with and without the master copy, in
+    both layouts, at fraction 0.5 (device chunks beside the group), the steps donated."""
     from torch._dynamo.utils import counters
     params = leaves_0d_to_4d(zero_dim=False)
     grads = gradient_stream(params, STEPS, seed=21)
-    for master in (False, True):
-        for layout in ("flat", "leaves"):
-            for fraction in (1.0, 0.5):
-                got, graphs = [], []
-                for group in (None, 1.0):
-                    stats = OffloadStats()
-                    tx = offload(opttx.adamw(1e-2, weight_decay=0.1), fraction,
-                                 chunk_size_mb=CHUNK_MB, layout=layout, compile=True,
-                                 master_params=master, host_group_mb=group, stats=stats)
-                    counters.clear()
-                    with opttx.donating():
-                        got.append(run_transform(tx, params, grads))
-                    graphs.append(counters["stats"]["unique_graphs"])
-                host = sum(c.on_host for c in stats.plan.chunks)
-                what = f"master {master}, {layout}, fraction {fraction}"
-                assert host >= 2, what
-                assert graphs == [host, 1], (what, graphs)
-                assert stats.host_chunk_steps == host * STEPS, what
-                assert all(torch.equal(a, b) for a, b in
-                           zip(tree_leaves(got[0]), tree_leaves(got[1]))), what
+    for master, layout, fraction in [(False, "flat", 1.0), (True, "flat", 0.5),
+                                     (True, "leaves", 1.0), (False, "leaves", 0.5)]:
+        got, graphs = [], []
+        for group in (None, 1.0):
+            stats = OffloadStats()
+            tx = offload(opttx.adamw(1e-2, weight_decay=0.1), fraction,
+                         chunk_size_mb=CHUNK_MB, layout=layout, compile=True,
+                         master_params=master, host_group_mb=group, stats=stats)
+            counters.clear()
+            with opttx.donating():
+                got.append(run_transform(tx, params, grads))
+            graphs.append(counters["stats"]["unique_graphs"])
+        host = sum(c.on_host for c in stats.plan.chunks)
+        what = f"master {master}, {layout}, fraction {fraction}"
+        assert host >= 2, what
+        assert graphs == [host, 1], (what, graphs)
+        assert stats.host_chunk_steps == host * STEPS, what
+        assert all(torch.equal(a, b) for a, b in
+                   zip(tree_leaves(got[0]), tree_leaves(got[1]))), what
 
 
 def test_host_groups_refusals() -> None:
