@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterator, Literal, NamedTuple, Protocol, TypeV
 
 import torch
 
-from ._tracing import is_tracing
 from ._checks import check_floating, check_gradient_leaves
+from ._tracing import is_tracing
 from .kernels import foreach, foreach_
 from .tree import (MaskedNode, PyTree, Static, assert_same_structure, tree_flatten, tree_leaves,
                    tree_map, tree_paths, tree_unflatten)

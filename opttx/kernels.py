@@ -28,6 +28,7 @@ import weakref
 from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
+
 from ._tracing import is_tracing
 
 Scalar = float | int | torch.Tensor

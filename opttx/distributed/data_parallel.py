@@ -7,8 +7,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .._tracing import is_tracing
 from .._checks import check_positive
+from .._tracing import is_tracing
 from ..base import (EmptyState, GradientTransformation, Params, Updates, _describe,
                     check_init_params, declare)
 from ..tree import tree_flatten, tree_leaves, tree_paths, tree_unflatten

@@ -35,8 +35,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .._tracing import is_tracing
 from .._checks import check_nonnegative, check_positive
+from .._tracing import is_tracing
 from ..base import (EmptyState, GradientTransformation, Params, REDUCER_KEY, Role, State,
                     TOTALS_KEY, Updates, apply_updates, apply_updates_, combine_traits,
                     declare, fields_with_role, traits_of)

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from .._tracing import is_tracing
 from .._checks import check_nonnegative
+from .._tracing import is_tracing
 from ..base import (GradientTransformation, Params, REDUCER_KEY, State, TOTALS_KEY, Updates,
                     current_reducer, declare, reducer_during_init, traits_of)
 from ..tree import MaskedNode, PyTree, tree_paths

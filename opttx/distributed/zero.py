@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from .._tracing import is_tracing
 from .._checks import check_floating, check_nonnegative, check_positive
+from .._tracing import is_tracing
 from ..base import (GradientTransformation, Params, REDUCER_KEY, State, TOTALS_KEY, Updates,
                     _describe, configuration_items, current_reducer, declare, reducer_during_init,
                     traits_of)

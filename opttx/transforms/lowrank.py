@@ -19,8 +19,8 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import torch
 
-from .._tracing import is_tracing
 from .._checks import check_gradient_leaves, check_number, check_positive_int, matrix_axes_of
+from .._tracing import is_tracing
 from ..base import (GradientTransformation, PRECONDITION_INPUT, Params, Role, State, Updates,
                     check_init_params, combine_traits, declare, declare_roles,
                     require_whole_leaves, safe_increment, traits_of, zero_count)

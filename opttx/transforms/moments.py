@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._tracing import is_tracing
 from .._checks import check_nonnegative, check_unit_interval
+from .._tracing import is_tracing
 from ..base import (ELEMENTWISE, GradientTransformation, HyperRole, PRECONDITIONER, Params, Role,
                     Updates, check_init_params, declare, declare_roles, leafwise,
                     precondition_leaves, replace_state, safe_increment, zero_count)

@@ -57,9 +57,9 @@ from typing import Any, Literal, NamedTuple, Sequence
 
 import torch
 
-from .._tracing import is_tracing
 from .._checks import (check_gradient_leaves, check_nonnegative, check_positive_int,
                        check_unit_interval)
+from .._tracing import is_tracing
 from ..base import (GradientTransformation, HyperRole, PRECONDITIONER, PRECONDITION_INPUT, Params,
                     REDUCER_KEY, Role, Traits, Updates, advance_counts, check_init_params,
                     combine_traits, current_reducer, declare, declare_roles, precondition_target,
