@@ -80,6 +80,18 @@ def _run(tx: GradientTransformation, params: PyTree, grads: list, state: Any = N
     return params, state
 
 
+def _run_donating(tx: GradientTransformation, params: PyTree, grads: list) -> tuple[Any, Any]:
+    """``_run``'s steps inside `donating`, the updates applied in place (`apply_updates_`)
+    to a copy of ``params``: (final params, final state)."""
+    from .base import apply_updates_
+    params, state = _clone(params), tx.init(params)
+    for g in grads:
+        with donating():
+            updates, state = tx.update(g, state, params)
+        apply_updates_(params, updates)
+    return params, state
+
+
 def _clone(tree: Any) -> Any:
     return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
 
@@ -315,18 +327,12 @@ def check_donation(make: Make, params: PyTree | None = None, steps: int = 30,
     state) against ``update`` and `opttx.apply_updates` of the transform it runs (``tx``
     with its declared hyperparameters injected). A transform that writes a state buffer in
     place and reads the old value afterwards fails here."""
-    from .base import apply_updates_
     from .optim import Optimizer
     params = leaves_0d_to_4d() if params is None else params
     grads = _gradients(params, steps, 9)
     tx = make()
     expected = _run(tx, params, grads)
-    donated_params, donated_state = _clone(params), tx.init(params)
-    for g in grads:
-        with donating():
-            updates, donated_state = tx.update(g, donated_state, donated_params)
-        apply_updates_(donated_params, updates)
-    _close((donated_params, donated_state), expected, 0.0,
+    _close(_run_donating(tx, params, grads), expected, 0.0,
            f"{name}: donating + apply_updates_")
     if not isinstance(params, dict):
         return
@@ -351,7 +357,6 @@ def check_compile_on_another_thread(make: Make, params: PyTree | None = None, st
     branches on the bare flag instead of `opttx.is_tracing` (which also asks whether
     this thread is traced) takes its traced branches in eager code here: another reduction,
     a skipped check, no donation."""
-    from .base import apply_updates_
     params = leaves_0d_to_4d() if params is None else params
     grads = _gradients(params, steps, 10)
     tx = make()
@@ -359,17 +364,12 @@ def check_compile_on_another_thread(make: Make, params: PyTree | None = None, st
     flag = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
     try:
-        _close(_run(tx, params, grads), expected, 0.0,
-               f"{name}: functional, while another thread compiles")
-        donated_params, donated_state = _clone(params), tx.init(params)
-        for g in grads:
-            with donating():
-                updates, donated_state = tx.update(g, donated_state, donated_params)
-            apply_updates_(donated_params, updates)
+        functional = _run(tx, params, grads)
+        donated = _run_donating(tx, params, grads)
     finally:
         torch.compiler._is_compiling_flag = flag
-    _close((donated_params, donated_state), expected, 0.0,
-           f"{name}: donating, while another thread compiles")
+    _close(functional, expected, 0.0, f"{name}: functional, while another thread compiles")
+    _close(donated, expected, 0.0, f"{name}: donating, while another thread compiles")
 
 
 CHECKS: dict[str, Callable[..., Any]] = {

@@ -868,8 +868,10 @@ def test_host_groups_refusals() -> None:
     with pytest.raises(ValueError, match="host_group_mb must be > 0"):
         offload(opttx.adamw(1e-3), compile=True, host_group_mb=0)
     from opttx.distributed import zero
-    with pytest.raises(ValueError, match="offload_compile=True"):
+    with pytest.raises(ValueError, match="offload_host_group_mb groups compiled host steps"):
         zero(opttx.adamw(1e-3), offload=0.5, offload_host_group_mb=64)
+    with pytest.raises(ValueError, match="goes with offload"):
+        zero(opttx.adamw(1e-3), offload_compile=True, offload_host_group_mb=64)
 
 
 # ---------------------------------------------------------------------------------------------

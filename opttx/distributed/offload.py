@@ -252,6 +252,21 @@ def _chunks_of(leaves: list[torch.Tensor], members: Sequence[Sequence[int]],
     return out
 
 
+def _check_host_group_mb(host_group_mb: float | None, compile: bool, delayed: bool,
+                         where: str, name: str = "host_group_mb") -> None:
+    """``host_group_mb`` groups compiled host steps: positive, with ``compile``, not with
+    ``delayed`` (each delayed step is a job of its own)."""
+    if host_group_mb is None:
+        return
+    check_positive(name, host_group_mb)
+    if not compile:
+        raise ValueError(f"{where}: {name} groups compiled host steps into one call; it needs "
+                         "compile=True (eager, every op is its own kernel).")
+    if delayed:
+        raise ValueError(f"{where}: {name} is not implemented with delayed (each host "
+                         "chunk's delayed step is a job of its own).")
+
+
 def _validated_fraction(fraction: Any, where: str) -> float | str:
     if isinstance(fraction, str):
         if fraction != "auto":
@@ -1561,14 +1576,7 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
     if overlap and delayed:
         raise ValueError("offload: overlap and delayed do not go together: delayed already "
                          "runs each host step behind the next forward and backward.")
-    if host_group_mb is not None:
-        check_positive("host_group_mb", host_group_mb)
-        if not compile:
-            raise ValueError("offload: host_group_mb groups compiled host steps into one call; "
-                             "it needs compile=True (eager, every op is its own kernel).")
-        if delayed:
-            raise ValueError("offload: host_group_mb is not implemented with delayed (each "
-                             "host chunk's delayed step is a job of its own).")
+    _check_host_group_mb(host_group_mb, compile, delayed, "offload")
     if master_params and delayed:
         raise ValueError("offload: master_params is not implemented with delayed (its host "
                          "steps run one step behind the parameters the master would follow).")

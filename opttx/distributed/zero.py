@@ -759,11 +759,12 @@ def _zero_config(tx: GradientTransformation, group: Any, stage: int,
     if offload_master_params and share is None:
         raise ValueError("zero: offload_master_params goes with offload (a share of the state "
                          "on the host).")
-    if offload_host_group_mb is not None:
-        check_positive("offload_host_group_mb", offload_host_group_mb)
-        if share is None or not offload_compile:
-            raise ValueError("zero: offload_host_group_mb groups compiled host steps; it goes "
-                             "with offload and offload_compile=True.")
+    if offload_host_group_mb is not None and share is None:
+        raise ValueError("zero: offload_host_group_mb goes with offload (a share of the state "
+                         "on the host).")
+    from .offload import _check_host_group_mb
+    _check_host_group_mb(offload_host_group_mb, offload_compile, False, "zero",
+                         "offload_host_group_mb")
     return _ZeroConfig(tx=tx, group=group, stage=stage, chunk_size_mb=chunk_size_mb,
                        offload=share, min_chunk_size_mb=min_chunk_size_mb,
                        search_range_mb=search_range_mb, balance=balance, stats=stats,
