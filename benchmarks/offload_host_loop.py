@@ -10,7 +10,7 @@
 2. The cost of one host-chunk step beside its loop: ``offload(adamw, 1.0, layout="flat",
    compile=True, master_params=True)`` on a 1000-element parameter (one chunk), per
    ``update``'s host step (`OffloadStats.host_seconds`), against a plain compiled function of
-   the four tensors doing the same arithmetic.
+   the same tensors doing the same arithmetic (`adamw_in_place`, below).
 3. The 96 M parameters of benchmarks/offload.py in 12 chunks of 32 MiB, the master step's
    host seconds with Dynamo's guards evaluated and with
    ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (unsafe: opttx does not use it;
@@ -46,29 +46,40 @@ import opttx  # noqa: E402
 from opttx.distributed import OffloadStats, offload  # noqa: E402
 
 
-def one_tensor(steps: int, n: int = 96_000_000) -> None:
+def adamw_tensors(n: int) -> tuple[torch.Tensor, ...]:
+    """Gradient, parameters, the two moments of ``n`` elements, and AdamW's two bias
+    correction scalars (0-dim float64, as the compiled step reads them)."""
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(n, generator=gen) * 1e-3
     p = torch.randn(n, generator=gen) * 0.02
-    m, v, u = torch.zeros(n), torch.zeros(n), torch.empty(n)
-    c1 = torch.tensor(0.5, dtype=torch.float64)
-    c2 = torch.tensor(1e-8, dtype=torch.float64)
+    return (g, p, torch.zeros(n), torch.zeros(n), torch.tensor(0.5, dtype=torch.float64),
+            torch.tensor(1e-8, dtype=torch.float64))
 
-    def into_buffer(g, p, m, v, u, c1, c2):
-        m.lerp_(g, 0.1)
-        v.mul_(0.999).addcmul_(g, g, value=0.001)
-        u.copy_(-(m / (v.sqrt() * c1 + c2) + 0.01 * p) * 1e-3)
 
-    def in_place(g, p, m, v, u, c1, c2):
-        m.lerp_(g, 0.1)
-        v.mul_(0.999).addcmul_(g, g, value=0.001)
-        p.add_(-(m / (v.sqrt() * c1 + c2) + 0.01 * p) * 1e-3)
+def adamw_update(g, p, m, v, c1, c2):
+    """AdamW's moments updated in place; returns the update (lr 1e-3, weight decay 0.01)."""
+    m.lerp_(g, 0.1)
+    v.mul_(0.999).addcmul_(g, g, value=0.001)
+    return -(m / (v.sqrt() * c1 + c2) + 0.01 * p) * 1e-3
 
+
+def adamw_in_place(g, p, m, v, c1, c2):
+    p.add_(adamw_update(g, p, m, v, c1, c2))
+
+
+def adamw_into(g, p, m, v, c1, c2, u):
+    u.copy_(adamw_update(g, p, m, v, c1, c2))
+
+
+def one_tensor(steps: int, n: int = 96_000_000) -> None:
     from opttx.distributed.offload import _host_compile_options
-    rows = {name: torch.compile(fn, fullgraph=True, dynamic=True, options=options)
-            for name, fn, options in [("updates into a buffer", into_buffer, None),
-                                      ("parameters in place", in_place, None),
-                                      ("in place, FMAs", in_place, _host_compile_options())]}
+    g, p, m, v, c1, c2 = tensors = adamw_tensors(n)
+    u = torch.empty(n)
+    rows = {name: (torch.compile(fn, fullgraph=True, dynamic=True, options=options), args)
+            for name, fn, options, args in [
+                ("updates into a buffer", adamw_into, None, (*tensors, u)),
+                ("parameters in place", adamw_in_place, None, tensors),
+                ("in place, FMAs", adamw_in_place, _host_compile_options(), tensors)]}
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     dp = torch.nn.Parameter(p.clone())
     dp.grad = g
@@ -78,14 +89,14 @@ def one_tensor(steps: int, n: int = 96_000_000) -> None:
                                                      "DeepSpeedCPUAdam"]}
     threads = torch.get_num_threads()
     for i in range(steps + 3):
-        for name, fn in rows.items():
+        for name, (fn, args) in rows.items():
             t = time.perf_counter()
-            fn(g, p, m, v, u, c1, c2)
+            fn(*args)
             if i >= 3:
                 times[name].append(time.perf_counter() - t)
         torch.set_num_threads(1)
         t = time.perf_counter()
-        rows["in place, FMAs"](g, p, m, v, u, c1, c2)
+        rows["in place, FMAs"][0](*tensors)
         if i >= 3:
             times["in place, FMAs, 1 thread"].append(time.perf_counter() - t)
         torch.set_num_threads(threads)
@@ -113,17 +124,13 @@ def per_chunk(steps: int = 300) -> None:
             _, state = tx.update(grads, state, params)
     host = stats.host_seconds / steps
 
-    def plain(g, p, m, v):
-        m.lerp_(g, 0.1)
-        v.mul_(0.999).addcmul_(g, g, value=0.001)
-        p.add_(m / (v.sqrt() + 1e-8), alpha=-1e-3)
-    fn = torch.compile(plain, fullgraph=True, dynamic=True)
-    g, p, m, v = (torch.randn(1000) for _ in range(4))
+    fn = torch.compile(adamw_in_place, fullgraph=True, dynamic=True)
+    tensors = adamw_tensors(1000)
     for _ in range(5):
-        fn(g, p, m, v)
+        fn(*tensors)
     t = time.perf_counter()
     for _ in range(steps):
-        fn(g, p, m, v)
+        fn(*tensors)
     print("\n2. one host-chunk step of 1000 elements (us per call)")
     print(f"   offload master step      {1e6 * host:8.0f}")
     print(f"   plain compiled function  {1e6 * (time.perf_counter() - t) / steps:8.0f}")
@@ -151,23 +158,13 @@ def guards(steps: int) -> None:
 
 def calls(steps: int, n: int = 96_000_000, pieces: int = 12) -> None:
     from opttx.distributed.offload import _host_compile_options
-    gen = torch.Generator().manual_seed(0)
-    g = torch.randn(n, generator=gen) * 1e-3
-    p = torch.randn(n, generator=gen) * 0.02
-    m, v = torch.zeros(n), torch.zeros(n)
-    c1 = torch.tensor(0.5, dtype=torch.float64)
-    c2 = torch.tensor(1e-8, dtype=torch.float64)
-
-    def in_place(g, p, m, v, c1, c2):
-        m.lerp_(g, 0.1)
-        v.mul_(0.999).addcmul_(g, g, value=0.001)
-        p.add_(-(m / (v.sqrt() * c1 + c2) + 0.01 * p) * 1e-3)
+    g, p, m, v, c1, c2 = adamw_tensors(n)
 
     def all_pieces(parts, c1, c2):
         for part in parts:
-            in_place(*part, c1, c2)
+            adamw_in_place(*part, c1, c2)
     options = _host_compile_options()
-    one = torch.compile(in_place, fullgraph=True, dynamic=True, options=options)
+    one = torch.compile(adamw_in_place, fullgraph=True, dynamic=True, options=options)
     many = torch.compile(all_pieces, fullgraph=True, dynamic=True,
                          options={**options, "cpp.max_horizontal_fusion_size": 1})
     s = n // pieces
@@ -190,12 +187,8 @@ def calls(steps: int, n: int = 96_000_000, pieces: int = 12) -> None:
 def cold_calls(steps: int) -> None:
     import opttx.kernels  # noqa: F401 - registers opttx::computed_once
 
-    def in_place(g, p, m, v):
-        m.lerp_(g, 0.1)
-        v.mul_(0.999).addcmul_(g, g, value=0.001)
-        p.add_(-(m / (v.sqrt() * 0.5 + 1e-8) + 0.01 * p) * 1e-3)
-    small = [torch.randn(1000) for _ in range(4)]
-    compiled = torch.compile(in_place, fullgraph=True, dynamic=True)
+    small = adamw_tensors(1000)
+    compiled = torch.compile(adamw_in_place, fullgraph=True, dynamic=True)
     scalar = torch.tensor(0.5, dtype=torch.float64)
     rows = {"small compiled call": lambda: compiled(*small),
             "opttx::computed_once": lambda: torch.ops.opttx.computed_once.default(scalar),
