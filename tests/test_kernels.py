@@ -3,6 +3,7 @@ grouped-kernel helpers give the numbers of the plain ops."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -111,3 +112,93 @@ def test_grouped_helpers_equal_the_plain_ops() -> None:
     assert foreach_("mul", copies, 2.0)[0] is copies[0]
     assert torch.equal(copies[1], xs[1] * 2.0)
     assert coefficient(scale, xs, "mul") is scale            # eager: passed through
+
+
+def _two_chunks(c1: torch.Tensor, x1: torch.Tensor, c2: torch.Tensor,
+                x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two chunks' steps traced one after the other, as offload's host groups are: each
+    chunk's bias correction (a 0-dim computation through `_computed_once`) then its loop."""
+    from opttx.kernels import _computed_once
+    y1 = x1 * 2.0 + _computed_once(1 - 0.9 ** (c1 + 1))
+    y2 = x2 * 2.0 + _computed_once(1 - 0.9 ** (c2 + 1))
+    return y1, y2
+
+
+def test_coefficients_first_moves_every_chunks_scalar_work_ahead_of_the_loops() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from opttx.kernels import coefficients_first
+    args = (torch.tensor(3.0), torch.randn(64), torch.tensor(5.0), torch.randn(64))
+    gm = make_fx(_two_chunks)(*args)
+    expected = gm(*args)
+
+    def positions(graph: torch.fx.Graph) -> tuple[list[int], list[int]]:
+        nodes = list(graph.nodes)
+        once = [i for i, n in enumerate(nodes)
+                if n.target is torch.ops.opttx.computed_once.default]
+        loops = [i for i, n in enumerate(nodes) if n.op == "call_function"
+                 and n.meta["val"].dim() == 1]         # the chunks' element-wise work
+        return once, loops
+
+    once, loops = positions(gm.graph)
+    assert once[1] > loops[0]                  # as traced: chunk 2's scalar after chunk 1's loop
+    assert coefficients_first(gm.graph) > 0
+    gm.graph.lint()
+    gm.recompile()
+    once, loops = positions(gm.graph)
+    assert max(once) < min(loops)
+    for a, b in zip(gm(*args), expected):
+        assert torch.equal(a, b)
+    assert coefficients_first(gm.graph) == 0   # nothing left to move
+
+
+def test_coefficients_first_leaves_a_graph_with_a_mutating_ancestor_alone() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from opttx.kernels import _computed_once, coefficients_first
+
+    def f(c: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * 2.0
+        return y, _computed_once(c.add_(1))    # an in-place op feeds the scalar
+
+    gm = make_fx(f)(torch.tensor(1.0), torch.randn(8))
+    before = [n.name for n in gm.graph.nodes]
+    assert coefficients_first(gm.graph) == 0
+    assert [n.name for n in gm.graph.nodes] == before
+
+
+def test_coefficients_first_keeps_its_order_through_inductor() -> None:
+    """What the pass is for: in the compiled code, both chunks' opaque scalar calls come
+    before the first element loop (without it, chunk 2's comes after chunk 1's loop)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from opttx.kernels import CoefficientsFirst
+    # two sizes, as two chunks have: two element loops (one size would fuse them)
+    args = (torch.tensor(3.0), torch.randn(4096), torch.tensor(5.0), torch.randn(3000))
+
+    def order(options: dict) -> list[str]:
+        torch._dynamo.reset()
+        fn = torch.compile(_two_chunks, fullgraph=True, options=options)
+        out, (code, *_) = run_and_get_code(fn, *args)
+        for a, b in zip(out, _two_chunks(*args)):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        vectors, calls = set(), []      # names of 1-d buffers and inputs; the call order
+        for line in code[code.index("def call("):].splitlines():
+            m = re.match(r"\s*(buf\d+) = empty_strided_cpu\(\((\d+), \)", line)
+            m = m or re.match(r"\s*assert_size_stride\((\w+), \((\d+), \)", line)
+            if m:
+                vectors.add(m.group(1))
+            elif "computed_once.default(" in line:
+                calls.append("once")
+            elif re.match(r"\s*cpp_fused\w*\(", line):
+                names = set(re.findall(r"\w+", line.split("(", 1)[1]))
+                calls.append("loop" if names & vectors else "scalar")
+        return calls
+
+    plain = order({})
+    first = order({"post_grad_custom_pre_pass": CoefficientsFirst()})
+    assert plain.count("once") == first.count("once") == 2
+    assert plain.count("loop") == 2 and "loop" in first    # (moved, Inductor may fuse them)
+    last_once = len(first) - 1 - first[::-1].index("once")
+    assert last_once < first.index("loop"), first
+    assert len(plain) - 1 - plain[::-1].index("once") > plain.index("loop"), plain
