@@ -974,10 +974,10 @@ class _Offloader:
         landed: their loops run back to back, with no Python between them. (After a loop
         over tens of MB, the caches hold the loop's data and not the interpreter's: the next
         compiled call's Python then takes about 0.3 ms, against 0.04 ms warm;
-        benchmarks/offload_host_loop.py.) Each chunk's step is the one it takes alone. What
-        is left between the loops is Inductor's: the scalar kernels and opaque ops
-        (`opttx.kernels.coefficient`'s) of the next chunk, which it schedules after the loop
-        before it."""
+        benchmarks/offload_host_loop.py.) Each chunk's step is the one it takes alone. The
+        chunks' scalar work (their bias corrections, through `opttx.kernels.coefficient`'s
+        opaque op) would follow the previous chunk's loop, as traced: the compile options'
+        `opttx.kernels.CoefficientsFirst` moves all of it ahead of the first loop."""
         waited = {k: self._wait_staged(k, staged[k]) for k in group}
         start = time.perf_counter()
         items, results = [], []
