@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import operator
 import weakref
 from typing import Any, Iterator, NamedTuple, Sequence
 
@@ -228,8 +227,8 @@ def coefficients_first(graph: torch.fx.Graph) -> int:
             needed.add(n)
             stack.extend(n.all_input_nodes)
     for n in needed:
-        if n.op == "placeholder" or n.target is operator.getitem:
-            continue
+        if n.op == "placeholder" or getattr(n.target, "__module__", None) == "_operator":
+            continue                   # (getitem, and arithmetic on symbolic sizes: pure)
         op = n.target
         if (n.op != "call_function" or not isinstance(op, torch._ops.OpOverload)
                 or op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags):

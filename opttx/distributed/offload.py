@@ -1554,9 +1554,11 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
         run back to back with no Python between them. After a loop over tens of MB the
         caches hold its data, not the interpreter's, and each compiled call's Python takes
         about 0.3 ms instead of 0.04 (2-core Xeon; benchmarks/offload_host_loop.py): with
-        32 MiB chunks, about a tenth of the host step (benchmarks/offload.py: 1.15x
-        DeepSpeedCPUAdam's time one call per chunk, 1.04x grouped). On CUDA a group starts when the
-        copies of all its chunks have landed (a larger group overlaps less of the copies
+        32 MiB chunks, about a tenth of the host step (benchmarks/offload.py, AdamW on
+        96 M parameters: one call per chunk 1.14x DeepSpeedCPUAdam's time, grouped 1.04x,
+        1.015x paired round by round). The group's scalar work (step counts, bias
+        corrections) runs first, ahead of all its loops (`opttx.kernels.CoefficientsFirst`).
+        On CUDA a group starts when the copies of all its chunks have landed (a larger group overlaps less of the copies
         to the host with the steps). Each chunk's numbers are those of its step alone.
         Default None: one call per chunk. Not with ``delayed``.
 
