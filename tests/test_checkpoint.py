@@ -33,7 +33,7 @@ import opttx
 from opttx.distributed import (Shard, check_checkpoint, global_factor_axes, load_checkpoint,
                                load_state_dict, on_owners, param_paths, sharded, state_dict,
                                zero, zero_plan)
-from opttx.testing import exit_rank, gradient_stream, run_transform
+from opttx.testing import _start_method, exit_rank, gradient_stream, run_transform
 from opttx.tree import tree_flatten, tree_map
 
 pytestmark = pytest.mark.timeout(300)
@@ -502,8 +502,8 @@ def _worker(rank: int, world: int, store: str, root: str, out: str) -> None:
 
 def _spawn(world: int, root: Path, tmp: Path) -> list[dict]:
     out = tmp / f"out{world}"
-    mp.spawn(_worker, args=(world, str(tmp / f"store{world}"), str(root), str(out)),
-             nprocs=world, join=True)
+    mp.start_processes(_worker, args=(world, str(tmp / f"store{world}"), str(root), str(out)),
+                       nprocs=world, join=True, start_method=_start_method())
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
 
 

@@ -28,7 +28,7 @@ import opttx
 from opttx.distributed import (CollectiveStats, Replicated, Shard, all_reduce_gradients,
                                global_factor_axes, global_shapes, local_shard, sharded)
 from opttx.transforms.factored import factored_axes
-from opttx.testing import exit_rank
+from opttx.testing import _start_method, exit_rank
 from opttx.tree import tree_flatten, tree_map
 
 STEPS = 5
@@ -346,7 +346,8 @@ def _misc_worker(rank: int, world: int, store: str, out: str) -> None:
 
 def _spawn(fn: Callable, world: int, tmp: Path, *args: Any) -> list[dict]:
     store, out = tmp / "store", tmp / "out"
-    mp.spawn(fn, args=(world, str(store), str(out), *args), nprocs=world, join=True)
+    mp.start_processes(fn, args=(world, str(store), str(out), *args), nprocs=world, join=True,
+                       start_method=_start_method())
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
 
 

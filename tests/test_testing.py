@@ -8,6 +8,7 @@ a small CPU), so the multi-process tests are few and each runs several spec tree
 
 from __future__ import annotations
 
+import os
 import time
 from functools import partial
 
@@ -62,6 +63,21 @@ def _sleep_on_rank_one(rank: int, world: int) -> int:
     if rank == 1:
         time.sleep(600)
     return rank
+
+
+def _environment_mark(rank: int, world: int) -> str | None:
+    return os.environ.get("OPTTX_TEST_SPAWN_MARK")
+
+
+def test_spawn_ranks_gives_the_ranks_the_environment_of_the_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks fork from a server started at the first call, with that moment's
+    environment; a variable set afterwards still reaches the ranks' ``os.environ``."""
+    from opttx.testing import spawn_ranks
+    monkeypatch.delenv("OPTTX_TEST_SPAWN_MARK", raising=False)
+    assert spawn_ranks(_environment_mark, 2) == [None, None]     # the server runs from here
+    monkeypatch.setenv("OPTTX_TEST_SPAWN_MARK", "set after the first call")
+    assert spawn_ranks(_environment_mark, 2) == ["set after the first call"] * 2
 
 
 def _draw_in_every_rank(rank: int, world: int) -> list[dict]:
