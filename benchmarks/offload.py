@@ -31,8 +31,9 @@ ones, the variants interleaved step by step (so a change in the machine's load h
 them). Reported: the median; "paired", the median over the rounds of the variant's time
 over DeepSpeed's in the same round (a slow stretch of the machine then hits both sides); GB/s
 at 28 bytes per parameter (read p, g, m, v; write p or u, m, v) against the machine's copy
-bandwidth, measured first by a 400 MB copy (read + write bytes over time). After the timed steps every variant's parameters (opttx's: the
-starting ones plus its updates) are compared with torch's.
+bandwidth, measured first by a 400 MB copy (read + write bytes over time). After the timed
+steps every variant's parameters (opttx's: the starting ones plus its updates) are compared
+with torch's.
 
 Examples:
   DS_ACCELERATOR=cpu python benchmarks/offload.py                # about 100 M parameters

@@ -66,7 +66,8 @@ def _host_compile_options() -> dict[str, Any]:
     * `opttx.kernels.CoefficientsFirst` moves every chunk's scalar work (step counts, bias
       corrections) ahead of the element loops, so that with ``host_group_mb`` no Python call
       runs between two chunks' loops with cold caches (benchmarks/offload.py: the grouped
-      step 1.07x -> 0.99x DeepSpeed's time in one run). It changes no value."""
+      step 1.063x -> 1.015x DeepSpeed's time, paired round by round). It changes no
+      value."""
     from torch._inductor import config
     options: dict[str, Any] = {"post_grad_custom_pre_pass": CoefficientsFirst()}
     current = getattr(config.cpp, "enable_floating_point_contract_flag", None)
@@ -1558,8 +1559,9 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
         96 M parameters: one call per chunk 1.14x DeepSpeedCPUAdam's time, grouped 1.04x,
         1.015x paired round by round). The group's scalar work (step counts, bias
         corrections) runs first, ahead of all its loops (`opttx.kernels.CoefficientsFirst`).
-        On CUDA a group starts when the copies of all its chunks have landed (a larger group overlaps less of the copies
-        to the host with the steps). Each chunk's numbers are those of its step alone.
+        On CUDA a group starts when the copies of all its chunks have landed (a larger
+        group overlaps less of the copies to the host with the steps). Each chunk's numbers
+        are those of its step alone.
         Default None: one call per chunk. Not with ``delayed``.
 
     Returns:
