@@ -736,8 +736,10 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (),
     The processes fork from a server that imported torch and opttx once, where the platform
     has one (``"forkserver"``, Linux and macOS; elsewhere each starts a new interpreter): two
     ranks start in about 0.5 s instead of 3 s (2-core Xeon). Each rank gets this process's
-    environment as it is at the call (``os.environ``), but what torch and opttx read from it
-    when imported comes from the server's start, at the first call in this process.
+    environment and import path as they are at the call (``os.environ``, passed by
+    `spawn_ranks`; ``sys.path``, by multiprocessing), but what torch and opttx read from the
+    environment when imported comes from the server's start, at the first call in this
+    process.
 
     Every rank starts with ``torch.distributed`` initialised (``file://`` rendezvous in a
     temporary directory, collectives timing out after ``timeout`` seconds) and one intra-op

@@ -80,6 +80,26 @@ def test_spawn_ranks_gives_the_ranks_the_environment_of_the_call(
     assert spawn_ranks(_environment_mark, 2) == ["set after the first call"] * 2
 
 
+def test_spawn_ranks_imports_the_function_with_the_path_of_the_call(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module importable only from a folder put on ``sys.path`` after the fork server
+    started: its function still reaches the ranks (multiprocessing sends each new process
+    the caller's path before it unpickles the function; the environment it does not send,
+    see the test above)."""
+    import sys
+
+    from opttx.testing import spawn_ranks
+    spawn_ranks(_environment_mark, 2)                            # the server runs from here
+    (tmp_path / "opttx_module_added_late.py").write_text(
+        "def twice_the_rank(rank, world):\n    return 2 * rank\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import opttx_module_added_late
+    try:
+        assert spawn_ranks(opttx_module_added_late.twice_the_rank, 2) == [0, 2]
+    finally:
+        del sys.modules["opttx_module_added_late"]
+
+
 def _draw_in_every_rank(rank: int, world: int) -> list[dict]:
     """Spec trees drawn inside a rank with the real group (hypothesis derandomized, so every
     rank draws the same ones), written as ``{leaf: [(dim, is the world group), ...]}``."""
