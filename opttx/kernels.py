@@ -207,9 +207,10 @@ _computed_once.register_vmap(_computed_once_batched)
 def coefficients_first(graph: torch.fx.Graph) -> int:
     """Move every `_computed_once` node of a post-grad graph, with the nodes it depends on,
     ahead of the graph's other work (Inductor's ``post_grad_custom_pre_pass``; see
-    `CoefficientsFirst`). Returns how many nodes moved: 0 when the graph has none to move
-    or when any of them is not a pure, unseeded op (a mutation, a random draw), which moving
-    could reorder against its readers; the graph is then left as it was.
+    `CoefficientsFirst`). Returns how many nodes moved: 0 when the graph has none to move,
+    when any of them is not a pure, unseeded op (a mutation, a random draw), or when one of
+    them reads a tensor that another node writes in place before it (moved ahead of the
+    write, it would read the old value); the graph is then left as it was.
 
     Why: a compiled step over several groups of state (offload's host groups) is traced
     group after group, so the scalar work of group k+1 (its step count, its bias
@@ -227,20 +228,46 @@ def coefficients_first(graph: torch.fx.Graph) -> int:
             needed.add(n)
             stack.extend(n.all_input_nodes)
     for n in needed:
-        if n.op == "placeholder" or getattr(n.target, "__module__", None) == "_operator":
-            continue                   # (getitem, and arithmetic on symbolic sizes: pure)
+        if n.op in ("placeholder", "get_attr") or \
+                getattr(n.target, "__module__", None) == "_operator":
+            continue          # (inputs, constants, getitem, arithmetic on symbolic sizes)
         op = n.target
         if (n.op != "call_function" or not isinstance(op, torch._ops.OpOverload)
                 or op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags):
             return 0
-    first = next((n for n in graph.nodes if n.op != "placeholder" and n not in needed), None)
+    first = next((n for n in graph.nodes
+                  if n.op not in ("placeholder", "get_attr") and n not in needed), None)
     if first is None:
         return 0
     moved = sorted((n for n in needed if n.op != "placeholder" and order[n] > order[first]),
                    key=order.__getitem__)
+    # a node it would move ahead of a write into something it reads (an input written in
+    # place mid-graph) would read the old value: leave such a graph alone
+    moving = set(moved)
+    for n in graph.nodes:
+        if n not in needed and _writes_before_a_reader(n, needed, moving, order):
+            return 0
     for n in moved:
         first.prepend(n)
     return len(moved)
+
+
+def _writes_before_a_reader(node: torch.fx.Node, needed: set, moving: set,
+                            order: dict) -> bool:
+    """Whether ``node`` writes in place into a node of ``needed`` that a node of ``moving``
+    placed after it reads."""
+    op = node.target
+    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) \
+            or not op._schema.is_mutable:
+        return False
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        target = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if isinstance(target, torch.fx.Node) and target in needed and any(
+                user in moving and order[user] > order[node] for user in target.users):
+            return True
+    return False
 
 
 class CoefficientsFirst(CustomGraphPass):

@@ -734,12 +734,13 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (),
     process group (CPU); return what each rank returned, in rank order.
 
     The processes fork from a server that imported torch and opttx once, where the platform
-    has one (``"forkserver"``, Linux and macOS; elsewhere each starts a new interpreter): two
-    ranks start in about 0.5 s instead of 3 s (2-core Xeon). Each rank gets this process's
-    environment and import path as they are at the call (``os.environ``, passed by
-    `spawn_ranks`; ``sys.path``, by multiprocessing), but what torch and opttx read from the
-    environment when imported comes from the server's start, at the first call in this
-    process.
+    has one (``"forkserver"``, Linux and macOS; elsewhere each starts a new interpreter): a
+    trivial function on two ranks takes 0.06 s instead of 2.6 s (2-core Xeon,
+    benchmarks/spawn_ranks.py); a rank still imports the module of ``fn``. Each rank gets
+    this process's environment and import path as they are at the call (``os.environ``,
+    passed by `spawn_ranks`; ``sys.path``, by multiprocessing), but what torch and opttx
+    read from the environment when imported comes from the server's start, at the first
+    call in this process.
 
     Every rank starts with ``torch.distributed`` initialised (``file://`` rendezvous in a
     temporary directory, collectives timing out after ``timeout`` seconds) and one intra-op

@@ -189,8 +189,8 @@ def test_an_eager_step_while_another_thread_compiles_is_unchanged(case: Case) ->
     """Dynamo's "compiling" flag is one per process: raised by hand around an eager run (as a
     compile on another thread leaves it: offload's worker, a user's thread), every entry
     steps to the same numbers bit for bit, functional and donating (6 steps, first steps
-    and the refreshes of the cases, every 2 steps, included). The library branches on `opttx.is_tracing`, which also
-    asks whether this thread is the one traced."""
+    and the refreshes of the cases, every 2 steps, included). The library branches on
+    `opttx.is_tracing`, which also asks whether this thread is the one traced."""
     params = conformance.leaves_0d_to_4d(matrices_only=case.matrices_only)
     if case.name == "stacked":      # its leaves are stacks: two matrices and two vectors
         params = opttx.StackedParams({"w": params["w"], "v": params["v"]}).buffers

@@ -167,6 +167,27 @@ def test_coefficients_first_leaves_a_graph_with_a_mutating_ancestor_alone() -> N
     assert [n.name for n in gm.graph.nodes] == before
 
 
+def test_coefficients_first_leaves_a_graph_alone_where_an_input_is_written_before_its_read(
+        ) -> None:
+    """An input written in place mid-graph, then read by the scalar work: moved ahead of the
+    write, the read would see the old value, so nothing moves (built by hand: a
+    functionalized graph keeps its input writes at the end)."""
+    from opttx.kernels import coefficients_first
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    c, x = graph.placeholder("c"), graph.placeholder("x")
+    y = graph.call_function(aten.mul.Tensor, (x, 2.0))
+    graph.call_function(aten.add_.Tensor, (c, 1.0))            # c written in place
+    scalar = graph.call_function(aten.mul.Tensor, (c, 3.0))     # ... then read
+    once = graph.call_function(torch.ops.opttx.computed_once.default, (scalar,))
+    graph.output((y, once))
+    before = [n.name for n in graph.nodes]
+    assert coefficients_first(graph) == 0
+    assert [n.name for n in graph.nodes] == before
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert float(gm(torch.tensor(1.0), torch.ones(2))[1]) == 6.0     # (1 + 1) * 3
+
+
 def test_coefficients_first_keeps_its_order_through_inductor() -> None:
     """What the pass is for: in the compiled code, both chunks' opaque scalar calls come
     before the first element loop (without it, chunk 2's comes after chunk 1's loop)."""
