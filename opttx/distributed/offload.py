@@ -547,6 +547,9 @@ class _Offloader:
         self._stepped: set[int] = set()       # host chunks whose step has compiled (compile)
         self.master_params = master_params
         self._masters: dict[int, torch.Tensor] = {}   # host chunk -> its flat master copy
+        # flat layout: (chunk, state position) -> (its flat buffer, the whole state's views of
+        # it, the buffer's address), as `_scatter_flat` last made them
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, tuple, int]] = {}
         self.host_group_mb = host_group_mb    # compiled host steps sharing one call (MiB)
         self.stats = stats if stats is not None else OffloadStats()
 
@@ -815,12 +818,35 @@ class _Offloader:
         return tree_unflatten(s_leaves, spec)
 
     def _scatter_flat(self, k: int, chunk_leaves: list[Any], s_leaves: list[Any]) -> None:
-        """Write views of chunk ``k``'s flat state tensors into the whole state's leaves."""
+        """Write views of chunk ``k``'s flat state tensors into the whole state's leaves. A
+        buffer that is the one `_views` recorded for its place (a step that wrote it in place)
+        gets the same view objects back, so the next `_chunk_state` finds it without looking
+        at the views' storage."""
         c = self.plan.chunks[k]
         for pos, parts in self.maps[k].flat:
             buf = chunk_leaves[pos]
-            for j, off, n, i in zip(parts, c.offsets, c.sizes, c.leaves):
-                s_leaves[j] = buf[off:off + n].view(self.shapes[i])
+            known = self._views.get((k, pos))
+            if known is not None and known[0] is buf:
+                views = known[1]
+            else:
+                views = tuple(buf[off:off + n].view(self.shapes[i])
+                              for off, n, i in zip(c.offsets, c.sizes, c.leaves))
+                self._views[(k, pos)] = (buf, views, buf.data_ptr())
+            for j, view in zip(parts, views):
+                s_leaves[j] = view
+
+    def _flat_state(self, k: int, pos: int, parts: list[int], s_leaves: list[Any]
+                    ) -> torch.Tensor:
+        """The flat state tensor at ``pos`` of chunk ``k`` from the whole state's leaves
+        ``parts``: the buffer `_scatter_flat` made them views of when they are those very
+        view objects and the buffer is where it was (a few identity tests), else
+        `_flat_view` (which checks the storage of every part, or concatenates)."""
+        known = self._views.get((k, pos))
+        if known is not None:
+            buf, views, ptr = known
+            if all(s_leaves[j] is v for j, v in zip(parts, views)) and buf.data_ptr() == ptr:
+                return buf
+        return _flat_view([s_leaves[j] for j in parts], self.plan.chunks[k].numel)
 
     def _check_head(self, state: Any) -> None:
         """The links run on the device before the chunks must keep no state."""
@@ -861,10 +887,11 @@ class _Offloader:
         place = self._host_memory if device == _HOST else lambda x: x.to(device)
         for _, j in m.take:
             s_leaves[j] = place(s_leaves[j])
-        for pos, parts in m.flat:
-            buf = place(_flat_view([s_leaves[j] for j in parts], c.numel))
-            for j, off, n, i in zip(parts, c.offsets, c.sizes, c.leaves):
-                s_leaves[j] = buf[off:off + n].view(self.shapes[i])
+        if m.flat:
+            moved = list(m.template)
+            for pos, parts in m.flat:
+                moved[pos] = place(_flat_view([s_leaves[j] for j in parts], c.numel))
+            self._scatter_flat(k, moved, s_leaves)
         if device != _HOST:
             self._masters.pop(k, None)        # a chunk on the device steps its parameters there
 
@@ -1149,7 +1176,7 @@ class _Offloader:
         for pos, j in m.take:
             leaves[pos] = s_leaves[j]
         for pos, parts in m.flat:
-            leaves[pos] = _flat_view([s_leaves[j] for j in parts], c.numel)
+            leaves[pos] = self._flat_state(k, pos, parts, s_leaves)
         for n, (pos, j) in enumerate(m.shared):
             # each chunk its own copy: a step that writes one in place (donated, or compiled)
             # must not advance the count that the next chunk reads
