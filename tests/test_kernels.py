@@ -114,6 +114,38 @@ def test_grouped_helpers_equal_the_plain_ops() -> None:
     assert coefficient(scale, xs, "mul") is scale            # eager: passed through
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_an_in_place_grouped_multiply_rounds_as_the_out_of_place_one(dtype) -> None:
+    """torch's CPU ``_foreach_mul_`` by a Python number rounds the number to a 16-bit
+    tensor's dtype first (``_foreach_mul`` and ``x.mul_`` do not); `foreach_` and
+    `foreach_op_` pass it as a 0-dim tensor instead, so the donating path of a chain (in
+    place on the updates) equals the functional one."""
+    from opttx.kernels import foreach_op_
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(6, 5, generator=gen).to(dtype), torch.randn(1000, generator=gen).to(dtype),
+          torch.randn((), generator=gen).to(dtype)]
+    for factor in (0.3337, -1e-3, [0.3337, -1e-3, 7.1]):
+        expected = foreach("mul", xs, factor)
+        for inplace in (foreach_, foreach_op_):
+            got = inplace("mul", [x.clone() for x in xs], factor)
+            assert all(torch.equal(a, b) and a.dtype == dtype for a, b in zip(got, expected))
+    if dtype != torch.float32 and torch.__version__.startswith("2.13"):
+        raw = [x.clone() for x in xs]                    # torch's own in-place op differs
+        torch._foreach_mul_(raw, 0.3337)
+        assert not all(torch.equal(a, b) for a, b in zip(raw, foreach("mul", xs, 0.3337)))
+    # AdamW on bfloat16 updates of float32 parameters, donated and not: bitwise the same
+    params = {"s": torch.tensor(1.5), "w": torch.randn(6, 5, generator=gen).abs() + 1}
+    grads = [{k: torch.randn(v.shape, generator=gen).to(dtype) for k, v in params.items()}
+             for _ in range(3)]
+    tx = opttx.adamw(1e-3, weight_decay=0.1)
+    functional, donated = tx.init(params), tx.init(params)
+    for g in grads:
+        u, functional = tx.update(g, functional, params)
+        with donating():
+            v, donated = tx.update({k: x.clone() for k, x in g.items()}, donated, params)
+        assert all(torch.equal(u[k], v[k]) for k in params)
+
+
 def _two_chunks(c1: torch.Tensor, x1: torch.Tensor, c2: torch.Tensor,
                 x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Two chunks' steps traced one after the other, as offload's host groups are: each
