@@ -25,9 +25,9 @@ from .aliases import soap
 from .backward import FusedBackward
 from .base import (ELEMENTWISE, LEAFWISE, PRECONDITIONER, EmptyState, GradientTransformation,
                    Role, Traits, apply_updates, apply_updates_, check_init_params,
-                   combine_traits, declare_roles, identity, leafwise, round_stochastic_,
-                   set_to_zero, state_roles, stateless, stateless_with_tree_map, traits_of,
-                   zero_count)
+                   combine_traits, declare_optional, declare_roles, identity, leafwise,
+                   round_stochastic_, set_to_zero, state_roles, stateless,
+                   stateless_with_tree_map, traits_of, zero_count)
 from .combine import (MaskedState, PartitionState, chain, chain_links, freeze, masked,
                       multi_transform, named_chain, partition)
 from .layout import FlatParams, FlattenState, flatten
@@ -77,7 +77,8 @@ __all__ = [
     "warmup_cosine_decay_schedule", "warmup_stable_decay_schedule", *_transforms_all,
     # the vocabulary for writing a transform (docs/guide/writing.md)
     "ELEMENTWISE", "LEAFWISE", "PRECONDITIONER", "Role", "Traits", "check_init_params",
-    "combine_traits", "declare_roles", "leafwise", "state_roles", "traits_of", "zero_count",
+    "combine_traits", "declare_optional", "declare_roles", "leafwise", "state_roles",
+    "traits_of", "zero_count",
     # declarations: hyperparameters, configuration and the identity of states (issue 26)
     "HyperRole", "Recipe", "Static", "declare", "describe_transform", "hyperparameter_roles",
     "inject_all_hyperparams", "leaf_roles", "recipe_of",

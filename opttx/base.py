@@ -48,8 +48,11 @@ __all__ = [
     "GradientTransformation",
     "Role",
     "Traits",
+    "declare_optional",
     "declare_roles",
     "fields_with_role",
+    "is_optional_entry",
+    "optional_fields",
     "leaf_roles",
     "leafwise",
     "state_roles",
@@ -143,6 +146,11 @@ class Role(str, enum.Enum):
     PER_LEAF_SCALAR = "per_leaf_scalar"
     """One 0-dim value per leaf, in a tree like the params (a flag or a norm of each leaf):
     under `opttx.stacked` one value per slice, in a checkpoint one entry per parameter."""
+    SAME_STATE = "same_state"
+    """The whole state of the transform a wrapper keeps as its own (the argument its factory
+    declares ``same_state_as``, `Declaration`; `opttx.distributed.offload` with
+    ``master_params``): its checkpoint entries are named as that transform's alone (this
+    field's name is not part of their keys), so a checkpoint moves between the two."""
 
     @property
     def like_updates(self) -> bool:
@@ -171,6 +179,57 @@ def declare_roles(**roles: Role) -> Mapping[str, Role]:
         if not isinstance(role, Role):
             raise TypeError(f"declare_roles({name}=...) takes an opttx.Role, got {role!r}.")
     return dict(roles)
+
+
+OPTIONAL_MARK = "~"
+"""The first character of the key segment of a field declared optional (`declare_optional`)
+in checkpoint field paths (``"~master"``): a loader recognizes such entries by their keys
+alone, also where its own state has no such field."""
+
+
+def declare_optional(*fields: str) -> frozenset[str]:
+    """The ``__optional__`` of a state class: fields that a checkpoint may lack, and that a
+    run without them may skip (a copy kept beside what the state means: offload's float32
+    master copy of the parameters). Their entries are keyed with `OPTIONAL_MARK` in front
+    of the field's name; a loader ignores such entries its state does not have, and fills
+    its own that the checkpoint lacks with zeros, so the state must read zeros in them as
+    "absent" (a 0-dim boolean ``started`` flag among them says whether the others hold
+    values).
+
+    Example:
+      >>> class MasterState(NamedTuple):
+      ...     inner: Any                  # the wrapped transform's state
+      ...     master: Any                 # like params: the master copy
+      ...     started: torch.Tensor       # (), bool: whether master holds values
+      ...     __roles__ = opttx.declare_roles(inner=opttx.Role.SAME_STATE,
+      ...                                     master=opttx.Role.PARAMS_LIKE,
+      ...                                     started=opttx.Role.SCALAR)
+      ...     __optional__ = opttx.declare_optional("master", "started")
+    """
+    for name in fields:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise TypeError(f"declare_optional takes field names, got {name!r}.")
+    return frozenset(fields)
+
+
+def optional_fields(state: Any) -> frozenset[str]:
+    """The fields of ``state`` (an instance or a class) declared optional in checkpoints
+    (`declare_optional`); empty when none is."""
+    cls = state if isinstance(state, type) else type(state)
+    declared = getattr(cls, "__optional__", None)
+    if not declared:
+        return frozenset()
+    unknown = set(declared) - set(getattr(cls, "_fields", declared))
+    if unknown:
+        raise TypeError(f"{cls.__name__}.__optional__ names {sorted(unknown)}, which are not "
+                        f"fields of it.")
+    return frozenset(declared)
+
+
+def is_optional_entry(field_path: str) -> bool:
+    """Whether a checkpoint entry's field path (``"~master"``, ``"shared.~started"``) is in a
+    field declared optional (`declare_optional`)."""
+    return any(part.startswith(OPTIONAL_MARK) for part in field_path.split("."))
 
 
 def state_roles(state: Any) -> Mapping[str, Role]:

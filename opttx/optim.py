@@ -10,7 +10,7 @@ import torch
 
 from ._tracing import is_tracing
 from .base import (GradientTransformation, HyperRole, _foreach_add, _kind, _stochastic_pairs,
-                   describe_transform, recipe_of, round_stochastic_)
+                   describe_transform, is_optional_entry, recipe_of, round_stochastic_)
 from .distributed.checkpoint_keys import (dtensor_placement, keyed_state,
                                           local_entries_as_dtensors, param_paths)
 from .kernels import donating, foreach
@@ -829,7 +829,10 @@ class Optimizer(torch.optim.Optimizer):
         by any other key listed in the groups' ``"params"`` (DCP's fully qualified names).
 
         Everything is checked before anything is written: a state dict that does not match
-        (any group) leaves this optimizer as it was.
+        (any group) leaves this optimizer as it was. Entries of fields a state declares
+        optional (`opttx.declare_optional`: offload's master copy, ``"~master"``) may be
+        absent on either side: ignored where this optimizer's state has none, set to zeros
+        (read as absent) where the state dict lacks them.
 
         Raises:
           ValueError: not a state dict, another number of groups or parameters, or entries
@@ -893,14 +896,20 @@ class Optimizer(torch.optim.Optimizer):
         names = list(saved["params"])
         have = {(j, k) for j, e in enumerate(current) for k in e}
         got = {(j, k) for j, e in enumerate(given) for k in e}
-        if have != got:
-            missing = sorted(f"{names[j]}: {k}" for j, k in have - got)[:3]
-            extra = sorted(f"{names[j]}: {k}" for j, k in got - have)[:3]
+        # entries of fields declared optional (opttx.declare_optional: offload's master copy)
+        # may be absent on either side; _write_group zeroes this state's that are absent
+        missing_keys = {(j, k) for j, k in have - got if not is_optional_entry(k)}
+        extra_keys = {(j, k) for j, k in got - have if not is_optional_entry(k)}
+        if missing_keys or extra_keys:
+            missing = sorted(f"{names[j]}: {k}" for j, k in missing_keys)[:3]
+            extra = sorted(f"{names[j]}: {k}" for j, k in extra_keys)[:3]
             raise ValueError(f"state_dict of param group {index} does not match this "
                              f"optimizer's transform: missing {missing}, unexpected "
                              f"{extra}.")
         for j, (mine, theirs) in enumerate(zip(current, given)):
             for key, leaf in mine.items():
+                if key not in theirs:             # an optional entry (checked above)
+                    continue
                 value = theirs[key]
                 if not isinstance(value, torch.Tensor):
                     raise ValueError(f"state {names[j]}: {key} of param group {index} is "
@@ -920,8 +929,11 @@ class Optimizer(torch.optim.Optimizer):
         into the group."""
         for mine, theirs in zip(current, given):
             for key, leaf in mine.items():
-                value = theirs[key]
                 dst = leaf.to_local() if hasattr(leaf, "to_local") else leaf
+                if key not in theirs:             # optional, absent: zeros read as absent
+                    dst.zero_()
+                    continue
+                value = theirs[key]
                 src = value.to_local() if hasattr(value, "to_local") else value
                 if src is not dst:
                     dst.copy_(src)

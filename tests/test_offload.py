@@ -681,7 +681,15 @@ def test_master_params_reach_the_parameters_of_the_transform(name: str) -> None:
                 new_ref = opttx.apply_updates(p_ref, u_ref)
                 p = opttx.apply_updates(p, u)
                 _check_reached(p, p_ref, new_ref, f"{name} {fraction} step {step}")
-                assert_trees_close(state, s_ref, rtol=0.0, what=f"{name} state, step {step}")
+                assert_trees_close(state.inner, s_ref, rtol=0.0,
+                                   what=f"{name} state, step {step}")
+                # the state's master copy of the host chunks' leaves: their new values
+                masters = dict(opttx.tree.tree_flatten_with_path(state.master)[0])
+                host = {k for k, x in state.master.items() if isinstance(x, torch.Tensor)}
+                assert host and (fraction == 1.0) == (host == set(params)), host
+                for k in host:
+                    assert torch.equal(state.master[k], new_ref[k]), (name, k, step)
+                assert _all_started(state) and masters
                 p, p_ref = new_ref, new_ref     # the next step from the same parameters
 
 
@@ -700,9 +708,10 @@ def test_master_params_keep_bfloat16_updates_below_half_an_ulp() -> None:
     got = run_transform(tx, params, grads)
     wide = {k: v.float() for k, v in params.items()}
     reference = run_transform(make(), wide, grads, state=make().init(params))
-    assert_trees_close(got[1], reference[1], rtol=0.0)
+    assert_trees_close(got[1].inner, reference[1], rtol=0.0)
     for k in params:
         assert torch.equal(got[0][k], reference[0][k].bfloat16()), k
+        assert torch.equal(got[1].master[k], reference[0][k]), k     # the float32 values
     plain = run_transform(make(), params, grads)[0]
     assert all(torch.equal(plain[k], params[k]) for k in params)    # every step rounded away
     assert all(not torch.equal(got[0][k], params[k]) for k in params)
@@ -719,25 +728,150 @@ def test_master_params_keep_bfloat16_updates_below_half_an_ulp() -> None:
         assert torch.equal(model[k].detach(), got[0][k]), k
 
 
-def test_master_params_start_afresh_from_a_restored_state() -> None:
-    """A state the master run did not return last (a checkpoint restored into it, a step
-    dropped by apply_if_finite) starts the master copy again from the parameters: resumed
-    and skipping runs equal the plain transform's."""
-    params = leaves_0d_to_4d()
-    grads = gradient_stream(params, STEPS, seed=16)
-    make = lambda: opttx.adamw(1e-2, weight_decay=0.1)     # noqa: E731
-    expected = run_transform(make(), params, grads)
-    tx = offload(make(), 0.5, chunk_size_mb=CHUNK_MB, master_params=True)
-    mid_params, mid_state = run_transform(tx, params, grads[:3])
-    resumed = load_state_dict(make().init(params), _through_bytes(
-        state_dict(mid_state, mid_params)), mid_params)
-    got = run_transform(tx, mid_params, grads[3:], state=resumed)
-    assert_trees_close(got, expected, rtol=0.0)
-    grads[2] = dict(grads[2], w=torch.full((6, 5), float("nan")))
-    expected = run_transform(opttx.apply_if_finite(make(), 3), params, grads)
-    got = run_transform(opttx.apply_if_finite(offload(make(), 0.5, chunk_size_mb=CHUNK_MB,
-                                                      master_params=True), 3), params, grads)
-    assert_trees_close(got, expected, rtol=0.0)
+def _all_started(state) -> bool:
+    """Whether every host leaf's master in an OffloadMasterState holds its value."""
+    flags = [x for x in tree_leaves(state.started) if isinstance(x, torch.Tensor)]
+    return bool(flags) and all(bool(x) for x in flags)
+
+
+def _none_started(state) -> bool:
+    flags = [x for x in tree_leaves(state.started) if isinstance(x, torch.Tensor)]
+    return bool(flags) and not any(bool(x) for x in flags)
+
+
+def _bf16_leaves() -> dict[str, torch.Tensor]:
+    """bfloat16 parameters of magnitude 1 to 2 (a step of 1e-3 is below half an ulp)."""
+    return {k: (1 + v.abs()).bfloat16() for k, v in leaves_0d_to_4d().items()}
+
+
+def test_the_master_copy_is_in_checkpoints_and_optional() -> None:
+    """The master copy travels in checkpoints (``"~master"`` entries of the host chunks'
+    parameters, ``"~started"``): a bfloat16 run resumed from one equals the run never
+    interrupted bit for bit. A checkpoint without it (a run without offload or without the
+    master) loads, and the master starts from the parameters; a checkpoint with it loads
+    into a run without it (entries skipped)."""
+    params = _bf16_leaves()
+    grads = gradient_stream(params, 2 * STEPS, seed=16)
+    make = lambda: opttx.adamw(1e-3, weight_decay=0.1)     # noqa: E731
+
+    def mastered():           # 50-byte chunks of bfloat16 parameters: some on the device
+        return offload(make(), 0.5, chunk_size_mb=CHUNK_MB / 4, master_params=True)
+    expected = run_transform(mastered(), params, grads)
+    mid_params, mid_state = run_transform(mastered(), params, grads[:STEPS])
+    saved = _through_bytes(state_dict(mid_state, mid_params))
+    host = {k for k, x in mid_state.master.items() if isinstance(x, torch.Tensor)}
+    assert 0 < len(host) < len(params)
+    assert {k for k, v in saved["state"].items() if "~master" in v} == host
+    assert {k for k, v in saved["state"].items() if "~started" in v} == host
+    plain_keys = state_dict(make().init(params), params)
+    assert {k: set(v) - {"~master", "~started"} for k, v in saved["state"].items()} == \
+        {k: set(v) for k, v in plain_keys["state"].items()}
+    tx = mastered()
+    resumed = load_state_dict(tx.init(params), saved, mid_params)
+    assert_trees_close(run_transform(tx, mid_params, grads[STEPS:], state=resumed), expected,
+                       rtol=0.0, what="resumed with the master")
+    # without the master: zeros, not started; the master starts from the bf16 parameters
+    without = _through_bytes(state_dict(mid_state.inner, mid_params))
+    tx = mastered()
+    resumed = load_state_dict(tx.init(params), without, mid_params)
+    assert _none_started(resumed)
+    got = run_transform(tx, mid_params, grads[STEPS:], state=resumed)
+    restarted = run_transform(mastered(), mid_params, grads[STEPS:], state=mid_state.inner)
+    assert_trees_close(got, restarted, rtol=0.0, what="resumed without the master")
+    assert any(not torch.equal(got[0][k], expected[0][k]) for k in host)    # bits dropped
+    # into a run without the master (strict: the optional entries are skipped)
+    plain = load_state_dict(make().init(params), saved, mid_params)
+    assert_trees_close(plain, mid_state.inner, rtol=0.0, what="loaded without the master")
+    # into a run with every chunk on the host: the leaves saved with a master go on from it,
+    # the others start theirs from the parameters (each leaf's own "~started")
+    def everything():
+        return offload(make(), 1.0, chunk_size_mb=CHUNK_MB / 4, master_params=True)
+    tx = everything()
+    resumed = load_state_dict(tx.init(params), saved, mid_params)
+    got = run_transform(tx, mid_params, grads[STEPS:], state=resumed)
+    restarted = run_transform(everything(), mid_params, grads[STEPS:], state=mid_state.inner)
+    for k in params:
+        assert torch.equal(got[0][k], (expected if k in host else restarted)[0][k]), k
+
+
+def test_a_state_given_back_keeps_its_own_master() -> None:
+    """The master is part of the state: a state given to update again (a step dropped by
+    apply_if_finite, a functional caller going back) steps from its own master, which the
+    functional update left intact; the donating one steps it in place."""
+    params = _bf16_leaves()
+    grads = gradient_stream(params, 3, seed=17)
+    tx = offload(opttx.adamw(1e-3), 1.0, chunk_size_mb=CHUNK_MB, master_params=True)
+    state = tx.init(params)
+    _, state = tx.update(grads[0], state, params)
+    before = {k: v.clone() for k, v in state.master.items()}
+    u1, s1 = tx.update(grads[1], state, params)
+    assert all(torch.equal(state.master[k], before[k]) for k in params)   # intact
+    u2, s2 = tx.update(grads[1], state, params)                          # the same step again
+    assert_trees_close((u1, s1), (u2, s2), rtol=0.0)
+    with opttx.donating():
+        u3, s3 = tx.update(grads[1], state, params)
+    assert_trees_close((u3, s3), (u1, s1), rtol=0.0)
+    assert all(s3.master[k].data_ptr() == state.master[k].data_ptr()     # stepped in place
+               for k in params)
+    grads[1] = dict(grads[1], w=torch.full((6, 5), float("nan")))
+    make = lambda: opttx.adamw(1e-3, weight_decay=0.1)     # noqa: E731
+    skipped = opttx.apply_if_finite(offload(make(), 0.5, chunk_size_mb=CHUNK_MB,
+                                            master_params=True), 3)
+    wide = {k: v.float() for k, v in params.items()}
+    reference = run_transform(opttx.apply_if_finite(make(), 3), wide, grads,
+                              state=opttx.apply_if_finite(make(), 3).init(params))
+    got = run_transform(skipped, params, grads)
+    for k in params:
+        assert torch.equal(got[0][k], reference[0][k].bfloat16()), k
+
+
+def test_an_optimizer_rolled_back_to_a_checkpoint_resumes_from_its_master() -> None:
+    """opttx.Optimizer loads a state dict into its live buffers: the master copy comes back
+    with the rest (it once kept stepping from the master of the run it replaced), and a
+    state dict without one restarts it from the parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    opt = opttx.Optimizer(model.parameters(), offload(opttx.adamw(1e-2), 1.0,
+                                                      master_params=True))
+
+    def step():
+        opt.zero_grad()
+        model(torch.ones(2, 8, dtype=torch.bfloat16)).float().square().sum().backward()
+        opt.step()
+    for _ in range(3):
+        step()
+    model_sd = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_sd = _through_bytes(opt.state_dict())
+    assert "~master" in opt_sd["state"][0] and "~started" in opt_sd["state"][0]
+    step()
+    first = [p.detach().clone() for p in model.parameters()]
+    for _ in range(2):
+        step()
+    model.load_state_dict(model_sd)
+    opt.load_state_dict(opt_sd)
+    step()
+    assert all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), first))
+    # a state dict without the master (an optimizer without offload): started afresh
+    plain = opttx.Optimizer(model.parameters(), opttx.adamw(1e-2))
+    model.load_state_dict(model_sd)
+    plain.load_state_dict({"state": {i: {k: v for k, v in e.items() if "~" not in k}
+                                     for i, e in opt_sd["state"].items()},
+                           "param_groups": opt_sd["param_groups"]})
+    without = plain.state_dict()
+    model.load_state_dict(model_sd)
+    opt.load_state_dict(without)
+    assert _none_started(opt.tx_states[0])
+    step()
+    restarted = opttx.Optimizer(model.parameters(), offload(opttx.adamw(1e-2), 1.0,
+                                                            master_params=True))
+    restarted.load_state_dict(without)
+    after = [p.detach().clone() for p in model.parameters()]
+    model.load_state_dict(model_sd)
+    opt = restarted
+    step()
+    assert all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), after))
+    # and the optimizer without offload loads the one with the master (entries skipped)
+    plain.load_state_dict(opt_sd)
 
 
 def test_master_params_under_clipping_and_multi_steps() -> None:
@@ -752,12 +886,14 @@ def test_master_params_under_clipping_and_multi_steps() -> None:
     expected = run_transform(clipped(), params, grads)
     got = run_transform(offload(clipped(), 0.5, chunk_size_mb=CHUNK_MB, master_params=True),
                         params, grads)
-    assert_trees_close(got, expected, rtol=0.0)
+    assert_trees_close((got[0], got[1].inner), expected, rtol=0.0)
     expected = run_transform(opttx.MultiSteps(opttx.adamw(1e-2), 3).gradient_transformation(),
                              params, grads)
     around = opttx.MultiSteps(offload(opttx.adamw(1e-2), 0.5, chunk_size_mb=CHUNK_MB,
                                       master_params=True), 3).gradient_transformation()
-    assert_trees_close(run_transform(around, params, grads), expected, rtol=0.0)
+    got = run_transform(around, params, grads)
+    assert_trees_close(got[0], expected[0], rtol=0.0)
+    assert_trees_close(got[1].inner_opt_state.inner, expected[1].inner_opt_state, rtol=0.0)
 
 
 def test_master_params_refusals_and_bytes() -> None:
@@ -809,7 +945,13 @@ def test_compiled_flat_host_step_is_close_and_writes_in_place() -> None:
                  layout="flat", compile=True, master_params=True)
     with opttx.donating():
         got = run_transform(tx, params, grads)
-    assert_trees_close(got, expected, rtol=1e-6, atol=1e-7)
+    assert_trees_close((got[0], got[1].inner), expected, rtol=1e-6, atol=1e-7)
+    # functionally (a new master buffer each step, written by the same compiled loop): the
+    # same numbers as in place
+    functional = run_transform(offload(opttx.adamw(1e-2, weight_decay=0.1), 1.0,
+                                       chunk_size_mb=CHUNK_MB, layout="flat", compile=True,
+                                       master_params=True), params, grads)
+    assert_trees_close(functional, got, rtol=0.0)
 
 
 def test_more_compiled_host_chunks_than_dynamos_recompile_limit(
@@ -837,6 +979,8 @@ def test_more_compiled_host_chunks_than_dynamos_recompile_limit(
                      master_params=master, stats=stats)
         got = run_transform(tx, params, grads)
         assert len(stats.plan.chunks) == 10
+        if master:
+            got = (got[0], got[1].inner)
         assert_trees_close(got, expected, rtol=1e-6, atol=1e-7, what=f"master {master}")
 
 

@@ -22,7 +22,7 @@ from opttx.testing import assert_trees_close, gradient_stream, run_transform
 from opttx.tree import tree_map
 
 from registry import CASES
-from test_offload import REFUSED_AT_INIT, leaves_0d_to_4d
+from test_offload import REFUSED_AT_INIT, _all_started, _none_started, leaves_0d_to_4d
 
 RUN = [c for c in CASES if c.distributed is None]
 CHUNK_MB = 96 / (1 << 20)       # 96-byte chunks: a leaf or two per rank in each chunk
@@ -40,6 +40,15 @@ def _checkpoint_grads() -> list[dict[str, torch.Tensor]]:
 
 def _adamw() -> opttx.GradientTransformation:
     return opttx.adamw(1e-2, weight_decay=0.1)
+
+
+def _bf16(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """bfloat16 parameters of magnitude 1 to 2, where the master copy keeps what they lose."""
+    return {k: (1 + v.abs()).bfloat16() for k, v in params.items()}
+
+
+def _bf16_grads() -> list[dict[str, torch.Tensor]]:
+    return [{k: v.bfloat16() for k, v in g.items()} for g in _checkpoint_grads()]
 
 
 def _compare(rank: int, world: int, errors: dict[str, str]) -> None:
@@ -100,7 +109,8 @@ def _extras(rank: int, world: int, errors: dict[str, str]) -> None:
         expected = run_transform(zero(_adamw(), chunk_size_mb=CHUNK_MB), params, grads)
         got = run_transform(zero(_adamw(), chunk_size_mb=CHUNK_MB, offload=0.5,
                                  offload_master_params=True), params, grads)
-        assert_trees_close(got[1], expected[1], rtol=0.0, what=f"rank {rank} master state")
+        assert_trees_close(got[1].inner, expected[1], rtol=0.0,
+                           what=f"rank {rank} master state")
         assert_trees_close(got[0], expected[0], rtol=1e-6, atol=0.0,
                            what=f"rank {rank} master params")
     except Exception:  # noqa: BLE001
@@ -126,6 +136,11 @@ def _checkpoints(rank: int, world: int, root: str, errors: dict[str, str]) -> No
         p, s = run_transform(tx, params, grads[:K])
         dcp.save({"params": p, "optim": state_dict(s, p)},
                  checkpoint_id=str(Path(root) / "offloaded"))
+        # bfloat16 parameters, each rank's owned state and master copy on its host
+        tx = zero(_adamw(), chunk_size_mb=CHUNK_MB, offload=True, offload_master_params=True)
+        p, s = run_transform(tx, _bf16(params), _bf16_grads()[:K])
+        dcp.save({"params": p, "optim": state_dict(s, p)},
+                 checkpoint_id=str(Path(root) / "offloaded_master"))
     except Exception:  # noqa: BLE001
         errors["checkpoints"] = traceback.format_exc(limit=4)
 
@@ -184,3 +199,49 @@ def test_checkpoints_move_between_offloaded_zero_and_one_device(world2) -> None:
     state = load_state_dict(state, sd["optim"], mid)
     got = run_transform(_adamw(), mid, grads[K:], state=state)
     assert_trees_close(got, expected, rtol=0.0, what="2 -> 1")
+
+
+@pytest.mark.timeout(1000)
+def test_the_master_copy_moves_from_world_two_to_one_device(world2) -> None:
+    """2 -> 1 with the master copy: a world-2 zero run with all owned state and the float32
+    master of bfloat16 parameters on each rank's host resumes on one device
+    (`load_checkpoint`: the ranks' ``"~master"`` entries, resharded) bitwise as the
+    single-device run with the master never interrupted. And a checkpoint without a master
+    (the single-device one) loads into a run with it: the master starts from the parameters
+    (``"~started"`` zero), as for a state without one."""
+    from opttx.distributed import check_checkpoint, load_checkpoint, offload
+    results, root = world2
+    for rank, errors in enumerate(results):
+        assert "checkpoints" not in errors, f"rank {rank}: {errors['checkpoints']}"
+    params, grads = _bf16(_checkpoint_params()), _bf16_grads()
+
+    def mastered():
+        return offload(_adamw(), 1.0, chunk_size_mb=CHUNK_MB, master_params=True)
+    expected = run_transform(mastered(), params, grads)
+    tx = mastered()
+    mid = tree_map(torch.zeros_like, params)
+    state = tx.init(mid)
+    sd = {"params": mid, "optim": state_dict(state, mid)}
+    path = str(root / "offloaded_master")
+    check_checkpoint(sd["optim"], dcp.FileSystemReader(path).read_metadata(), "optim")
+    load_checkpoint(sd, checkpoint_id=path)
+    state = load_state_dict(state, sd["optim"], mid)
+    assert _all_started(state)
+    without = run_transform(mastered(), mid, grads[K:], state=state.inner)[0]
+    got = run_transform(tx, mid, grads[K:], state=state)
+    assert_trees_close(got, expected, rtol=0.0, what="2 -> 1 with the master")
+    assert any(not torch.equal(without[k], got[0][k]) for k in params)   # the master mattered
+    # no master in the checkpoint: started afresh from the (float32) parameters
+    params, grads = _checkpoint_params(), _checkpoint_grads()
+    tx = mastered()
+    mid = tree_map(torch.zeros_like, params)
+    state = tx.init(mid)
+    sd = {"params": mid, "optim": state_dict(state, mid)}
+    path = str(root / "single")
+    check_checkpoint(sd["optim"], dcp.FileSystemReader(path).read_metadata(), "optim")
+    load_checkpoint(sd, checkpoint_id=path)
+    state = load_state_dict(state, sd["optim"], mid)
+    assert _none_started(state)
+    got = run_transform(tx, mid, grads[K:], state=state)
+    assert_trees_close(got[0], run_transform(_adamw(), params, grads)[0], rtol=0.0,
+                       what="1 -> 1 into the master")

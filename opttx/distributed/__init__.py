@@ -26,14 +26,15 @@ from .sharded import sharded
 from .specs import (LeafSpec, Replicated, Shard, flatten_specs, local_shard, shard_groups,
                     specs_from_dtensors)
 from .zero import ZeroChunk, ZeroPlan, state_costs, zero, zero_plan
-from .offload import (OffloadChunk, OffloadPlan, OffloadStats, check_offloadable, offload,
-                      offload_plan, place_chunks)
+from .offload import (OffloadChunk, OffloadMasterState, OffloadPlan, OffloadStats,
+                      check_offloadable, offload, offload_plan, place_chunks)
 
 __all__ = [
     "BackwardLaunches",
     "CollectiveStats",
     "LeafSpec",
     "OffloadChunk",
+    "OffloadMasterState",
     "OffloadPlan",
     "OffloadStats",
     "OwnerPlan",

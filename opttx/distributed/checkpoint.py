@@ -56,7 +56,7 @@ from .checkpoint_keys import (
     local_entries_as_dtensors,
     param_paths,
 )
-from ..base import format_identity
+from ..base import format_identity, is_optional_entry
 from ..tree import PyTree, Static, tree_flatten
 from .shapes import is_dtensor, raise_on_every_rank
 
@@ -272,6 +272,16 @@ def _flat(sd: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _optional_keys(sd: Mapping[str, Any]) -> set[str]:
+    """The flat keys (as `_flat` makes them) of the entries of fields declared optional
+    (`opttx.declare_optional`): read from their field paths, so also for entries of a state
+    this run does not have."""
+    out = {f"{STATE}.{p}.{f}" for p, fields in sd.get(STATE, {}).items() for f in fields
+           if is_optional_entry(f)}
+    out.update(f"{SHARED}.{f}" for f in sd.get(SHARED, {}) if is_optional_entry(f))
+    return out
+
+
 def _made_by(sd: Mapping[str, Any]) -> dict[str, str] | None:
     """The ``made_by`` entries of a state dict (None for one saved before they existed)."""
     return dict(sd[MADE_BY]) if isinstance(sd, Mapping) and MADE_BY in sd else None
@@ -307,8 +317,12 @@ def load_state_dict(state: Any, state_dict: Mapping[str, Any], params: PyTree, *
     ``state_dict`` holds the entries this rank needs (after ``dcp.load`` into the
     `state_dict` of this very state it holds the state's own tensors, and the copy is
     skipped); extra entries are ignored unless ``strict``, where every entry must belong to
-    this rank's state. Use `check_checkpoint` before ``dcp.load`` to compare the whole
-    checkpoint with the whole run.
+    this rank's state. Entries of fields a state declares optional (`opttx.declare_optional`:
+    offload's master copy of the parameters, keyed ``"~master"``) may be absent on either
+    side: the checkpoint's are ignored where this state has none, and this state's that the
+    checkpoint lacks are set to zeros, which such a state reads as absent (offload then
+    starts its master copy from the parameters). Use `check_checkpoint` before ``dcp.load``
+    to compare the whole checkpoint with the whole run.
 
     Args:
       state: the template: ``tx.init(params)`` at the current world size.
@@ -328,16 +342,23 @@ def load_state_dict(state: Any, state_dict: Mapping[str, Any], params: PyTree, *
     _check_stamps(_made_by(built) or {}, _made_by(state_dict), "load_state_dict")
     template = _flat(built)
     given = _flat(state_dict)
-    missing = set(template) - set(given)
-    extra = set(given) - set(template)
+    optional = _optional_keys(built) | _optional_keys(state_dict)
+    absent = {k for k in set(template) - set(given) if k in optional}
+    missing = set(template) - set(given) - absent
+    extra = set(given) - set(template) - optional
     _raise_mismatch(missing, extra if strict else set())
     for key, dst in template.items():
+        if key in absent:
+            continue
         src = given[key]
         if tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
             raise ValueError(f"Checkpoint entry {key} is "
                              f"{tuple(src.shape)} {src.dtype}, this run's state has "
                              f"{tuple(dst.shape)} {dst.dtype}.")
     for key, dst in template.items():
+        if key in absent:       # declared optional, not in the checkpoint: zeros ("absent")
+            (dst.to_local() if is_dtensor(dst) else dst).zero_()
+            continue
         src = given[key]
         if src is dst:
             continue
@@ -404,8 +425,10 @@ def check_checkpoint(state_dict: Mapping[str, Any], metadata: Any, prefix: str =
             "build the transform that saved it.")
     saved = {k: tuple(getattr(v, "size", ())) for k, v in table.items()
              if k.startswith((lead + STATE + ".", lead + SHARED + "."))}
-    missing = set(expected) - set(saved)
-    extra = set(saved) - set(expected)
+    # entries of fields declared optional may be absent on either side (load_checkpoint
+    # zeroes this run's that the checkpoint lacks)
+    missing = {k for k in set(expected) - set(saved) if not is_optional_entry(k[len(lead):])}
+    extra = {k for k in set(saved) - set(expected) if not is_optional_entry(k[len(lead):])}
     per_rank = sorted({k.rsplit("@rank", 1)[1] for k in saved if "@rank" in k},
                       key=lambda r: int(r) if r.isdigit() else 0)
     if per_rank and (missing or extra):
@@ -418,7 +441,7 @@ def check_checkpoint(state_dict: Mapping[str, Any], metadata: Any, prefix: str =
             "reshard).")
     _raise_mismatch(missing, extra)
     for k, shape in sorted(expected.items()):
-        if saved[k] != shape:
+        if k in saved and saved[k] != shape:
             raise ValueError(f"Checkpoint entry {k} has shape {saved[k]}, this run's state "
                              f"has {shape}.")
 
@@ -440,6 +463,8 @@ def _copy_back(live: Any, loaded: Any) -> None:
     dicts and lists are replaced, as ``dcp.load`` does."""
     items = live.items() if isinstance(live, Mapping) else enumerate(live)
     for k, dst in list(items):
+        if isinstance(live, Mapping) and k not in loaded:
+            continue                  # an optional entry the checkpoint lacks (_absent_optional)
         src = loaded[k]
         if isinstance(dst, torch.Tensor):
             d = dst.to_local() if is_dtensor(dst) else dst
@@ -496,6 +521,7 @@ def load_checkpoint(state_dict: dict[str, Any], checkpoint_id: Any = None, *,
                                       "by another transform (see its error); nothing was "
                                       "loaded.")
     fresh = _fresh(state_dict)
+    absent = _absent_optional(state_dict, fresh, checkpoint_id, storage_reader)
     try:
         dcp.load(fresh, checkpoint_id=checkpoint_id, storage_reader=storage_reader,
                  planner=planner, process_group=group)
@@ -505,6 +531,36 @@ def load_checkpoint(state_dict: dict[str, Any], checkpoint_id: Any = None, *,
     raise_on_every_rank(error, group, "load_checkpoint: rank {rank} failed to read the "
                                       "checkpoint (see its error); nothing was loaded.")
     _copy_back(state_dict, fresh)
+    for x in absent:             # optional entries the checkpoint lacks: zeros (absent)
+        (x.to_local() if is_dtensor(x) else x).zero_()
+
+
+def _absent_optional(live: Any, fresh: Any, checkpoint_id: Any, storage_reader: Any
+                     ) -> list[torch.Tensor]:
+    """The entries of fields declared optional (`opttx.declare_optional`) in the opttx state
+    dicts of ``live`` that the checkpoint lacks: taken out of ``fresh`` (``dcp.load`` would
+    refuse them) and returned (``live``'s tensors, to zero once the load succeeded)."""
+    tables = list(zip(_opttx_state_dicts(live), _opttx_state_dicts(fresh)))
+    if not any(_optional_keys(sd) for (_, sd), _ in tables):
+        return []
+    import torch.distributed.checkpoint as dcp
+    reader = storage_reader if storage_reader is not None else (
+        dcp.FileSystemReader(checkpoint_id) if checkpoint_id is not None else None)
+    if reader is None:
+        return []
+    saved = set(reader.read_metadata().state_dict_metadata)
+    out = []
+    for (prefix, sd), (_, fresh_sd) in tables:
+        for where in (STATE, SHARED):
+            items = ([(p, fields, fresh_sd[STATE][p]) for p, fields in sd[STATE].items()]
+                     if where == STATE else [(None, sd[SHARED], fresh_sd[SHARED])])
+            for p, fields, fresh_fields in items:
+                for f in list(fields):
+                    key = f"{prefix}{where}.{p}.{f}" if p is not None else f"{prefix}{where}.{f}"
+                    if is_optional_entry(f) and key not in saved:
+                        out.append(fields[f])
+                        del fresh_fields[f]
+    return out
 
 
 def _opttx_state_dicts(tree: Any, prefix: str = "") -> Iterator[tuple[str, Mapping]]:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from ..base import EmptyState, Role, fields_with_role, state_roles
+from ..base import (OPTIONAL_MARK, EmptyState, Role, fields_with_role, optional_fields,
+                    state_roles)
 from ..tree import (MaskedNode, PyTree, _is_leaf, tree_flatten, tree_flatten_with_path,
                     tree_structure)
 
@@ -135,9 +136,18 @@ def _walk(node: Any, path: tuple, view: _View, out_state: dict, out_shared: dict
             _put(out_shared, _join(path) or "state", node)
         return
     named = isinstance(node, tuple) and hasattr(node, "_fields")
+    roles = state_roles(node) if named else {}
+    optional = optional_fields(node) if named else frozenset()
     for key, child in children:
-        _walk(child, path + (key,), view, out_state, out_shared,
-              (node, _entry(key)) if named else None, layouts)
+        name = _entry(key)
+        if roles.get(name) is Role.SAME_STATE:      # keyed as the wrapped transform's own
+            below = path
+        elif name in optional:                      # a loader may skip it (declare_optional)
+            below = path + (OPTIONAL_MARK + name,)
+        else:
+            below = path + (key,)
+        _walk(child, below, view, out_state, out_shared, (node, name) if named else None,
+              layouts)
 
 
 def _declared_dims(owner: tuple[Any, str] | None, k: int) -> tuple[int, ...] | None:

@@ -31,7 +31,7 @@ import dataclasses
 import time
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -39,15 +39,15 @@ from .._checks import check_nonnegative, check_positive
 from .._tracing import is_tracing
 from ..base import (EmptyState, GradientTransformation, Params, REDUCER_KEY, Role, State,
                     TOTALS_KEY, Updates, apply_updates, apply_updates_, combine_traits,
-                    declare, fields_with_role, traits_of)
+                    declare, declare_optional, declare_roles, fields_with_role, traits_of)
 from ..combine import chain_links
 from ..kernels import CoefficientsFirst, is_donating
 from ..tree import (MaskedNode, PyTree, tree_copy_, tree_flatten, tree_map, tree_paths,
                     tree_unflatten)
 from .checkpoint_keys import keyed_state
 
-__all__ = ["OffloadChunk", "OffloadPlan", "OffloadStats", "check_offloadable", "offload",
-           "offload_plan", "place_chunks"]
+__all__ = ["OffloadChunk", "OffloadMasterState", "OffloadPlan", "OffloadStats",
+           "check_offloadable", "offload", "offload_plan", "place_chunks"]
 
 _MIB = 1 << 20
 DEFAULT_CHUNK_MB = 32.0  # parameters per chunk: fine placement, host steps starting early
@@ -498,6 +498,27 @@ def _flat_view(parts: list[torch.Tensor], numel: int) -> torch.Tensor:
     return torch.cat([x.reshape(-1) for x in parts])
 
 
+class OffloadMasterState(NamedTuple):
+    """The state of `offload` with ``master_params`` (and of `zero` with
+    ``offload_master_params``): the transform's state and the master copy of the host chunks'
+    parameters. In a checkpoint the transform's entries are named as without offload
+    (`Role.SAME_STATE`) and the master's are optional (`opttx.declare_optional`): keyed
+    ``"~master"`` and ``"~started"`` on each parameter, skipped by a run without them, and
+    set to zeros (not started) in a run that loads a checkpoint without them (or with them for
+    fewer parameters: one saved at another fraction)."""
+    inner: State            # the transform's state, laid out as without offload
+    master: Params          # like params: each host chunk's leaf's master copy (float32 for
+    #                         16-bit parameters; views of the chunk's flat buffer), MaskedNode
+    #                         for the leaves of device chunks
+    started: Params         # like master: a 0-dim bool per leaf, whether its master holds the
+    #                         parameter's value (False after init, or after loading a
+    #                         checkpoint without it: the next update starts it from the
+    #                         parameter)
+    __roles__ = declare_roles(inner=Role.SAME_STATE, master=Role.PARAMS_LIKE,
+                              started=Role.PER_LEAF_SCALAR)
+    __optional__ = declare_optional("master", "started")
+
+
 @dataclass
 class _ChunkMap:
     """How one chunk's state is gathered from the whole state and written back."""
@@ -547,6 +568,10 @@ class _Offloader:
         self._stepped: set[int] = set()       # host chunks whose step has compiled (compile)
         self.master_params = master_params
         self._masters: dict[int, torch.Tensor] = {}   # host chunk -> its flat master copy
+        self._stale: set[int] = set()         # leaves whose master restarts from the params
+        self._master_views: dict[int, tuple[torch.Tensor, tuple, int]] = {}  # as _views
+        self._flag_views: tuple[torch.Tensor, tuple] | None = None  # started: buffer, views
+        self._live_outer: Any = None          # master_params: the last state, with its master
         # flat layout: (chunk, state position) -> (its flat buffer, the whole state's views of
         # it, the buffer's address), as `_scatter_flat` last made them
         self._views: dict[tuple[int, int], tuple[torch.Tensor, tuple, int]] = {}
@@ -607,10 +632,12 @@ class _Offloader:
         # functional: if update does not take this result (other gradients, another state),
         # the state it started from must be intact
         if self.master_params:
-            self._master(k, self._params)
+            if self._live_outer is not None:  # a checkpoint without a master was loaded?
+                self._stale.update(self._unstarted(self._live_outer, self.plan.chunks[k].leaves))
+            master = self._master(k, self._params)
             staged = self._stage(k, full, None, s_leaves)
             future = self._submit(k, self._job_master, k, staged, s_leaves,
-                                  dict(self._extra))
+                                  dict(self._extra), master)
         else:
             staged = self._stage(k, full, self._params, s_leaves)
             future = self._submit(k, self._job, k, staged, s_leaves, dict(self._extra),
@@ -618,18 +645,19 @@ class _Offloader:
         return future.result
 
     def _job_master(self, k: int, staged: tuple[Any, ...], s_leaves: list[Any],
-                    extra: dict[str, Any]) -> tuple[torch.Tensor, Any, torch.Tensor]:
+                    extra: dict[str, Any], master: torch.Tensor
+                    ) -> tuple[torch.Tensor, Any, torch.Tensor]:
         """master_params with overlap: host chunk ``k``'s step from backward, functionally:
         the new master into the chunk's second master buffer (swapped in when ``update``
         takes the result), its values sent to the device. Returns (the values on the device,
         the new state, the new master)."""
         from ..kernels import donating
         g, _, shared = self._wait_staged(k, staged)
-        nxt = self._buffer(k, "master", self._masters[k].dtype)
+        nxt = self._buffer(k, "master", master.dtype)
         start = time.perf_counter()
         with donating(False):
             values, new = self._master_step(k, g, self._chunk_state(k, s_leaves, shared),
-                                            self._params, extra, into=nxt)
+                                            self._params, extra, into=nxt, master=master)
         self.stats.host_seconds += time.perf_counter() - start
         return self._send_values(k, values), new, nxt
 
@@ -774,7 +802,7 @@ class _Offloader:
             state = self.tx.init(tree)
             self._check_head(state)
             self.state_spec = tree_flatten(state)[1]
-            return state
+            return self._outer(state, self._flags(False))
         if self.layout == "flat":
             state = self._init_flat(leaves)
         else:
@@ -794,7 +822,12 @@ class _Offloader:
                         s_leaves[j] = self._host_memory(s_leaves[j])
         self._place_shared(s_leaves)
         self._live = tree_unflatten(s_leaves, self.state_spec)
-        return self._live
+        if self.master_params:                # allocated now, started at the first update
+            for k, c in enumerate(self.plan.chunks):
+                if c.on_host:
+                    self._masters[k] = self._new_master(k)
+                    self._stale.update(c.leaves)
+        return self._outer(self._live, self._flags(False))
 
     def _init_flat(self, leaves: list[torch.Tensor]) -> State:
         """Flat layout: each chunk's state built over its flat vector, the whole state's
@@ -868,11 +901,16 @@ class _Offloader:
     def adopt(self, state: State) -> State:
         """Take a state made elsewhere (a restored checkpoint, a state of the transform
         without offload): build the maps from it and move each chunk's tensors where the
-        plan puts them."""
+        plan puts them. With ``master_params`` the master copy comes along (to host memory)
+        when the state has one (an `OffloadMasterState`), else starts from the parameters at
+        the next update; without, a master the state has is dropped."""
+        outer = state if isinstance(state, OffloadMasterState) else None
+        if outer is not None:
+            state = outer.inner
         if not self.plan.chunks:
             self._check_head(state)
             self.state_spec = tree_flatten(state)[1]
-            return state
+            return self._outer(state, self._flags(False))
         self._build_maps(state)
         self._check_head(state)
         s_leaves = tree_flatten(state)[0]
@@ -880,7 +918,10 @@ class _Offloader:
             self._move_chunk(k, s_leaves, _HOST if c.on_host else self.device)
         self._place_shared(s_leaves)
         self._live = tree_unflatten(s_leaves, self.state_spec)
-        return self._live
+        if not self.master_params:
+            return self._live
+        self._take_master(outer)              # started: the leaves with a master given
+        return self._outer(self._live, self._flags(True, keep=self._stale))
 
     def _move_chunk(self, k: int, s_leaves: list[Any], device: torch.device) -> None:
         m, c = self.maps[k], self.plan.chunks[k]
@@ -1062,41 +1103,171 @@ class _Offloader:
 
     # --- master_params: the host chunks' parameters kept and stepped on the host ---------
 
+    def _new_master(self, k: int, zeros: bool = True) -> torch.Tensor:
+        """A master buffer for host chunk ``k``: its parameters back to back, float32 for
+        16-bit parameters, in (pinned) host memory; zeros (what a checkpoint holds before the
+        first step) or uninitialized."""
+        c = self.plan.chunks[k]
+        dtype = torch.float32 if c.dtype in (torch.float16, torch.bfloat16) else c.dtype
+        make = torch.zeros if zeros else torch.empty
+        return make(c.numel, dtype=dtype, device=_HOST, pin_memory=self.device.type == "cuda")
+
     def _master(self, k: int, p_leaves: list[torch.Tensor]) -> torch.Tensor:
-        """Host chunk ``k``'s master copy: its parameters back to back, float32 for 16-bit
-        parameters, in (pinned) host memory; started from ``p_leaves`` when there is none."""
+        """Host chunk ``k``'s master copy, started from ``p_leaves`` when the state had none
+        (after init, or from a checkpoint without it: `_stale`)."""
+        c = self.plan.chunks[k]
         master = self._masters.get(k)
         if master is None:
-            c = self.plan.chunks[k]
-            dtype = torch.float32 if c.dtype in (torch.float16, torch.bfloat16) else c.dtype
-            master = torch.empty(c.numel, dtype=dtype, device=_HOST,
-                                 pin_memory=self.device.type == "cuda")
+            master = self._masters[k] = self._new_master(k, zeros=False)
+            self._stale.update(c.leaves)
+        if self._stale:
             for i, off, n in zip(c.leaves, c.offsets, c.sizes):
-                master[off:off + n].copy_(p_leaves[i].detach().reshape(-1))
-            self._masters[k] = master
+                if i in self._stale:
+                    master[off:off + n].copy_(p_leaves[i].detach().reshape(-1))
+                    self._stale.discard(i)
         return master
 
+    def _master_leaves(self, k: int, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Views of host chunk ``k``'s master buffer shaped like its leaves: the same view
+        objects as last time for the same buffer (so `_take_master` finds it by identity)."""
+        known = self._master_views.get(k)
+        if known is not None and known[0] is buf:
+            return known[1]
+        c = self.plan.chunks[k]
+        views = tuple(buf[off:off + n].view(self.shapes[i])
+                      for i, off, n in zip(c.leaves, c.offsets, c.sizes))
+        self._master_views[k] = (buf, views, buf.data_ptr())
+        return views
+
+    def _flags(self, value: bool, keep: set[int] | None = None) -> torch.Tensor:
+        """A new buffer of the per-leaf ``started`` flags (one bool per leaf, in host
+        memory), all ``value``; the leaves in ``keep`` the opposite."""
+        flags = torch.full((len(self.shapes),), value, dtype=torch.bool)
+        if keep:
+            flags[sorted(keep)] = not value
+        return flags
+
+    def _outer(self, inner: Any, flags: torch.Tensor) -> Any:
+        """The state ``update`` and ``init`` return: ``inner`` (tx's state) alone, or with
+        ``master_params`` an `OffloadMasterState` with the host chunks' master buffers as
+        views shaped like their leaves, and their ``started`` flags as views of ``flags``
+        (the same view objects as last time for the same buffers)."""
+        if not self.master_params:
+            return inner
+        known = self._flag_views
+        if known is None or known[0] is not flags:
+            known = self._flag_views = (flags, tuple(flags[i] for i in range(len(self.shapes))))
+        master: list[Any] = [MaskedNode()] * len(self.shapes)
+        started: list[Any] = [MaskedNode()] * len(self.shapes)
+        for k, c in enumerate(self.plan.chunks if self.plan is not None else ()):
+            buf = self._masters.get(k)
+            if c.on_host and buf is not None:
+                for i, v in zip(c.leaves, self._master_leaves(k, buf)):
+                    master[i], started[i] = v, known[1][i]
+        outer = OffloadMasterState(inner, self.spec.unflatten(master),
+                                   self.spec.unflatten(started))
+        self._live_outer = outer
+        return outer
+
+    def _flags_buffer_of(self, outer: "OffloadMasterState | None") -> torch.Tensor | None:
+        """The flags buffer whose views are ``outer``'s ``started`` flags (as `_outer` made
+        them), else None."""
+        known = self._flag_views
+        if outer is None or known is None:
+            return None
+        given = self.spec.flatten_up_to(outer.started)
+        if all(x is v for x, v in zip(given, known[1]) if isinstance(x, torch.Tensor)):
+            return known[0]
+        return None
+
+    def _unstarted(self, outer: "OffloadMasterState", leaves: Sequence[int]) -> list[int]:
+        """The ``leaves`` whose master in ``outer`` is absent or not started: one test of the
+        flags buffer when ``outer``'s flags are the views `_outer` made of it (a load writes
+        into them in place), else one per leaf."""
+        given = self.spec.flatten_up_to(outer.started)
+        known = self._flag_views
+        if known is not None and all(given[i] is known[1][i] for i in leaves):
+            if bool(known[0][list(leaves)].all()):
+                return []
+        return [i for i in leaves if not isinstance(given[i], torch.Tensor)
+                or not bool(given[i])]
+
+    def _take_master(self, outer: "OffloadMasterState | None") -> None:
+        """The master copy of ``outer`` (None: a state without one) as the host chunks'
+        master buffers: the views' own buffer when they are the views `_master_leaves` made
+        (identity tests), else gathered into one (in host memory). The leaves whose master
+        is missing or not started (``outer.started``) start from the parameters at their
+        chunk's next step (`_stale`)."""
+        masters: dict[int, torch.Tensor] = {}
+        given = self.spec.flatten_up_to(outer.master) if outer is not None else None
+        host = [i for c in self.plan.chunks if c.on_host for i in c.leaves]
+        stale = set(host if outer is None else self._unstarted(outer, host))
+        for k, c in enumerate(self.plan.chunks):
+            if not c.on_host:
+                continue
+            parts = None if given is None else [given[i] for i in c.leaves]
+            buf = None
+            if parts is not None and all(isinstance(x, torch.Tensor) for x in parts):
+                known = self._master_views.get(k)
+                if known is not None and known[2] == known[0].data_ptr() and \
+                        all(x is v for x, v in zip(parts, known[1])):
+                    buf = known[0]
+                else:
+                    dtype = torch.float32 if c.dtype in (torch.float16, torch.bfloat16) \
+                        else c.dtype
+                    if any(x.dtype != dtype or tuple(x.shape) != self.shapes[i]
+                           for x, i in zip(parts, c.leaves)):
+                        raise ValueError(
+                            f"{self.where}(master_params=True): the state's master copy "
+                            f"of chunk {k} is not {dtype} shaped like its parameters.")
+                    buf = _flat_view(parts, c.numel)
+                    if buf.device != _HOST or (self.device.type == "cuda"
+                                               and not buf.is_pinned()):
+                        buf = self._host_memory(buf)
+            elif parts is not None:               # some of its leaves have no master given
+                zeros = self._new_master(k)
+                for x, i, off, n in zip(parts, c.leaves, c.offsets, c.sizes):
+                    if isinstance(x, torch.Tensor):
+                        zeros[off:off + n].copy_(x.reshape(-1))
+                    else:
+                        stale.add(i)
+                buf = zeros
+            if buf is None:
+                buf = self._new_master(k)
+                stale.update(c.leaves)
+            masters[k] = buf
+        # whole, at once: a step started in backward (overlap) runs on the worker thread
+        self._masters, self._stale = masters, stale
+
     def _master_step(self, k: int, grads: PyTree, state: Any, p_leaves: list[torch.Tensor],
-                     extra: dict[str, Any], into: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, Any]:
-        """Host chunk ``k``'s update added to its master copy, in place, or into ``into`` (the
-        chunk's second master buffer: the master itself is only read), in the same compiled
-        loop with ``compile``; returns the chunk's new parameter values (the new master, or
-        its cast to the parameters' dtype in a staging buffer) and new state."""
-        args, values = self._master_args(k, grads, state, p_leaves, into)
+                     extra: dict[str, Any], into: torch.Tensor | None = None,
+                     master: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        """Host chunk ``k``'s update added to its master copy (``master``, else `_master`),
+        in place, or into ``into`` (the chunk's second master buffer: the master itself is
+        only read), in the same compiled loop with ``compile``; returns the chunk's new
+        parameter values (the new master, or its cast to the parameters' dtype in a staging
+        buffer) and new state."""
+        args, values = self._master_args(k, grads, state, p_leaves, into, master)
         if self.compile:
             self._compiled_step(k, self._master_update)(*args[:3], extra, *args[3:], True)
             return values, args[1]
         return values, self._master_update(*args[:3], extra, *args[3:], False)
 
     def _master_args(self, k: int, grads: PyTree, state: Any, p_leaves: list[torch.Tensor],
-                     into: torch.Tensor | None) -> tuple[tuple[Any, ...], torch.Tensor]:
+                     into: torch.Tensor | None, master: torch.Tensor | None = None
+                     ) -> tuple[tuple[Any, ...], torch.Tensor]:
         """Host chunk ``k``'s master step, prepared: the arguments of `_master_update` but
         ``extra`` and ``state_in_place`` (gradients, state, master, into, out; with
-        ``compile`` a state it may write), and the buffer its new values land in."""
+        ``compile`` a state it may write), and the buffer its new values land in. From
+        ``master`` when given (a step on the worker thread, which must not read the
+        engine's dicts that ``update`` rebuilds meanwhile), else from `_master`."""
         self.stats.host_chunk_steps += 1
         c = self.plan.chunks[k]
-        master = self._master(k, p_leaves)
+        if master is None:
+            master = self._master(k, p_leaves)
+        if into is None and not is_donating():
+            # functional: the state given keeps its master; the new one is a new buffer
+            into = self._masters[k] = self._new_master(k, zeros=False)
         self._await_sent(k)                   # the last step's values have left the buffers
         params = self._as_chunk(k, master)
         target = None if into is None else self._as_chunk(k, into)
@@ -1227,8 +1398,15 @@ class _Offloader:
             raise ValueError(f"{self.where}: offload inside opttx.distributed.sharded is not "
                              "supported (the chunks' statistics would need the sharded "
                              "groups on the host).")
+        # master_params: the state with its master copy, or the transform's alone (a state
+        # of a run without offload: the master starts from the parameters); without, a
+        # master copy given along is dropped
+        outer = state if isinstance(state, OffloadMasterState) else None
+        if outer is not None:
+            state = outer.inner
         if not self.plan.chunks:              # no leaf here: only the counters move
-            return self.tx.update(updates, state, params, **extra_args)
+            u, new = self.tx.update(updates, state, params, **extra_args)
+            return u, self._outer(new, self._flags(False))
         s_leaves, spec = tree_flatten(state)
         if spec != self.state_spec:
             raise ValueError(f"{self.where}: the state given to update is not laid out as the "
@@ -1243,8 +1421,7 @@ class _Offloader:
                 raise ValueError(f"{self.where}(master_params=True): update needs the "
                                  "parameters (params=...), to start the master copy from "
                                  "them and to return the updates that reach its values.")
-            if state is not self._live:       # a restored (or another) state: start afresh
-                self._masters.clear()
+            self._take_master(outer)          # its master, or a restart from the params
         if not self.warmed_up:
             self._warm_up(s_leaves)
         extra = {k: v for k, v in extra_args.items() if k not in (TOTALS_KEY, REDUCER_KEY)}
@@ -1281,7 +1458,14 @@ class _Offloader:
             if k in launched and self.master_params:
                 values[k], new_states[k], nxt = launched[k]
                 # the chunk's two master buffers trade places: the new one is the master now
-                self._staging[(k, "master")], self._masters[k] = self._masters[k], nxt
+                # (the old one is the next step's second buffer, unless the caller keeps the
+                # state it gave: then the next step writes a new one)
+                old, self._masters[k] = self._masters[k], nxt
+                if is_donating():
+                    self._staging[(k, "master")] = old
+                else:
+                    self._staging.pop((k, "master"), None)
+                self._stale.difference_update(chunks[k].leaves)
                 continue
             if k in launched:
                 u, new_states[k] = launched[k]
@@ -1318,6 +1502,13 @@ class _Offloader:
                 out[i] = u
         new_state = tree_unflatten(s_leaves, self.state_spec)
         self._live, self._extra = new_state, extra
+        if self.master_params:                # every host leaf's master holds its value
+            flags = self._flags_buffer_of(outer) if is_donating() else None
+            if flags is not None:
+                flags.fill_(True)             # donated: the buffer the flags given view
+            else:
+                flags = self._flags(True)
+            new_state = self._outer(new_state, flags)
         return tree_unflatten(out, self.spec), new_state
 
     def _take_launched(self, host: list[int], grads: list[torch.Tensor], state: Any
@@ -1556,8 +1747,8 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
         :math:`t-1` (a checkpoint drops the step in flight). Not with ``overlap``.
       master_params: keep the host chunks' parameters on the host too, as ZeRO-Offload does:
         a master copy (float32 for 16-bit parameters, their own dtype otherwise; pinned on
-        CUDA), started from the parameters at the first ``update`` and stepped there in
-        place, :math:`x_C \leftarrow x_C + u_C` in the same loop as the update (with
+        CUDA), allocated by ``init``, started from the parameters at the first ``update``
+        and stepped there, :math:`x_C \leftarrow x_C + u_C` in the same loop as the update (with
         ``compile``, one pass over gradient, state and master: what DeepSpeed's CPU Adam
         reads and writes). The parameters are then not copied to the host each step; the
         new values go to the device instead of the updates (in the parameters' dtype), and
@@ -1568,14 +1759,19 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
         starts again from the master). For 16-bit parameters this is the float32 master
         copy of mixed-precision training: updates below half a bf16 ulp accumulate instead
         of vanishing (`opttx.Optimizer`'s ``stochastic_rounding`` is the alternative
-        without a copy). The master lives with the transform, not in its state: a state
-        other than the one the last ``update`` returned (a restored checkpoint) starts it
-        afresh from the parameters, which for 16-bit parameters drops its extra bits; write
-        parameters through the optimizer while it runs (the master overwrites other
-        changes). With ``overlap`` a step started in backward writes the chunk's second
-        master buffer (4 more bytes per parameter on the host), which ``update`` swaps in
-        when it takes the step, so a step it drops leaves the master as it was. Not with
-        ``delayed``.
+        without a copy). The master is part of the state (`OffloadMasterState`): in place
+        inside `opttx.donating` (`opttx.Optimizer`), else into a new buffer, so a state
+        given again (a step `opttx.apply_if_finite` dropped) steps from its own master. In
+        checkpoints its entries are optional (``"~master"``, ``"~started"``,
+        `opttx.declare_optional`): a run resumed from one continues bit for bit, a run
+        without the master skips them, and a checkpoint without them (or a state of ``tx``
+        alone given to ``update``) starts the master from the parameters, which for 16-bit
+        parameters drops its extra bits. Write parameters through the optimizer while it
+        runs (the master overwrites other changes; a checkpoint loaded into both the model
+        and the optimizer is such a write). With ``overlap`` a step started in backward
+        writes the chunk's second master buffer (4 more bytes per parameter on the host),
+        which ``update`` swaps in when it takes the step, so a step it drops leaves the
+        master as it was. Not with ``delayed``.
       host_group_mb: with ``compile``, the host chunks whose step ``update`` runs itself
         (not those ``overlap`` started in backward) go in groups of consecutive chunks of at
         most this many MiB of parameters, each group one compiled call: the chunks' loops
@@ -1594,7 +1790,9 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
     Returns:
       A `GradientTransformation` whose state is ``tx``'s state, laid out as without offload
       (checkpoints move between offloaded runs and runs without offload), its host chunks'
-      tensors in host memory. The plan is resolved by ``init`` (or by the first ``update``
+      tensors in host memory; with ``master_params`` an `OffloadMasterState` holding it and
+      the master copy (keyed in checkpoints as ``tx``'s state alone, plus the master's
+      optional entries). The plan is resolved by ``init`` (or by the first ``update``
       after a restore) and kept: one ``offload`` transform per parameter tree.
 
     Example:

@@ -594,6 +594,9 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
       offload_master_params: the ``master_params`` of `opttx.distributed.offload`: each rank
         keeps its host chunks' parameters on the host (float32 for 16-bit parameters) and
         steps them there; the updates it gathers to the other ranks reach the master's values.
+        The rank's state is then an `opttx.distributed.OffloadMasterState`; its master copy
+        is in checkpoints (optional entries, keyed by parameter: it reshards to another world
+        size, and loads into a single-device ``offload(..., master_params=True)``).
       offload_host_group_mb: the ``host_group_mb`` of `opttx.distributed.offload` (with
         ``offload_compile``): consecutive host chunks of a rank in one compiled call.
 
