@@ -572,6 +572,44 @@ def test_the_delayed_update_applies_each_host_step_one_step_late() -> None:
         sorted(host)[0]])
 
 
+def test_the_delayed_update_drops_its_step_in_flight_when_a_checkpoint_is_loaded() -> None:
+    """opttx.Optimizer loads a state dict into its live buffers, so the state object stays
+    the same: the step in flight (started before the load, from the replaced state) is
+    dropped all the same (the state's tensors were written since: their version counters
+    moved), and the next step equals that of an optimizer built afresh from the checkpoint
+    (it once applied the stale step and wrote its moments over the loaded ones)."""
+    def build(model):
+        return opttx.Optimizer(model.parameters(), offload(opttx.adamw(1e-1), 1.0,
+                                                          delayed=True))
+
+    def step(model, opt):
+        opt.zero_grad()
+        model(torch.ones(2, 8)).square().sum().backward()
+        opt.step()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = build(model)
+    for _ in range(3):
+        step(model, opt)
+    model_sd = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_sd = _through_bytes(opt.state_dict())
+    for _ in range(3):
+        step(model, opt)
+    model.load_state_dict(model_sd)
+    opt.load_state_dict(opt_sd)
+    step(model, opt)
+    step(model, opt)
+    fresh_model = torch.nn.Linear(8, 4)
+    fresh_model.load_state_dict(model_sd)
+    fresh = build(fresh_model)
+    fresh.load_state_dict(opt_sd)
+    step(fresh_model, fresh)
+    step(fresh_model, fresh)
+    for a, b in zip(model.parameters(), fresh_model.parameters()):
+        assert torch.equal(a, b)
+    assert_trees_close(opt.tx_states, fresh.tx_states, rtol=0.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # checkpoints
 # ---------------------------------------------------------------------------------------------

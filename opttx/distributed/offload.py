@@ -474,6 +474,16 @@ def _init_on_meta(tx: GradientTransformation, tree: PyTree, fallback: Callable[[
         return tx.init(fallback())
 
 
+def _versions(leaves: list[Any]) -> list[int]:
+    """The version counters of the tensors among ``leaves`` (-1 for an inference tensor,
+    which has none and cannot be written in place outside inference mode)."""
+    out = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            out.append(-1 if x.is_inference() else x._version)
+    return out
+
+
 def _flat_view(parts: list[torch.Tensor], numel: int) -> torch.Tensor:
     """One flat tensor of ``parts`` (tensors laid back to back): a view of their storage when
     they are already contiguous there (the state of the flat layout), else a concatenation."""
@@ -562,6 +572,7 @@ class _Offloader:
         self._worker: Any = None              # the thread running host steps in background
         self._launches: Any = None            # overlap: the host chunks started in backward
         self._pending: dict[int, Any] = {}    # delayed: each host chunk's step in flight
+        self._versions: list[int] | None = None   # delayed: the last state's tensor versions
         self._live: Any = None                # the state the last update returned
         self._extra: dict[str, Any] = {}      # the extra args of the last update
         self._compiled: dict[tuple[Any, str], Callable] = {}   # (chunk(s), step) -> compiled
@@ -1428,7 +1439,7 @@ class _Offloader:
         chunks = self.plan.chunks
         host = [k for k, c in enumerate(chunks) if c.on_host]
         launched = self._take_launched(host, grads, state)
-        if self.delayed and state is not self._live:
+        if self.delayed and (state is not self._live or self._written_since(s_leaves)):
             self._drop_pending()              # another state than ours: start afresh from it
         # delayed: the steps started last time are done before their buffers are refilled
         joined = {k: self._pending.pop(k).result() for k in host if k in self._pending}
@@ -1502,6 +1513,8 @@ class _Offloader:
                 out[i] = u
         new_state = tree_unflatten(s_leaves, self.state_spec)
         self._live, self._extra = new_state, extra
+        if self.delayed:
+            self._versions = _versions(s_leaves)
         if self.master_params:                # every host leaf's master holds its value
             flags = self._flags_buffer_of(outer) if is_donating() else None
             if flags is not None:
@@ -1542,6 +1555,13 @@ class _Offloader:
         self._pending[k] = self._submit(k, self._job, k, staged, s_leaves, dict(extra), False,
                                         base)
         return u, state
+
+    def _written_since(self, s_leaves: list[Any]) -> bool:
+        """Whether a tensor of the state the last ``update`` returned was written in place
+        since (`opttx.Optimizer.load_state_dict` copies a checkpoint into the live state):
+        its version counter moved. The steps then in flight were started from another
+        state, and are dropped as for a state that is not ours."""
+        return self._versions is None or _versions(s_leaves) != self._versions
 
     def _drop_pending(self) -> None:
         for future in self._pending.values():
@@ -1744,7 +1764,10 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
         move by :math:`u(g_{t-1}, x_{t-1})` at step :math:`t`, one step late (check it for
         your model; the paper starts the delay after a few dozen warm-up steps, this option
         from the first). The state ``update`` returns has the host chunks as of step
-        :math:`t-1` (a checkpoint drops the step in flight). Not with ``overlap``.
+        :math:`t-1` (a checkpoint drops the step in flight; a run resumed from it moves
+        the host chunks by zero at its first step, and so does a run whose live state a
+        checkpoint was loaded into, `opttx.Optimizer.load_state_dict`: the steps in flight
+        then came from the replaced state and are dropped). Not with ``overlap``.
       master_params: keep the host chunks' parameters on the host too, as ZeRO-Offload does:
         a master copy (float32 for 16-bit parameters, their own dtype otherwise; pinned on
         CUDA), allocated by ``init``, started from the parameters at the first ``update``
