@@ -201,6 +201,18 @@ def test_checkpoints_move_between_offloaded_zero_and_one_device(world2) -> None:
     assert_trees_close(got, expected, rtol=0.0, what="2 -> 1")
 
 
+def _loaded(tx: opttx.GradientTransformation, like: dict, path: str) -> tuple[dict, object]:
+    """``tx``'s state for parameters shaped like ``like``, and those parameters, read from
+    the DCP checkpoint at ``path`` after `check_checkpoint` compared it with the run."""
+    from opttx.distributed import check_checkpoint, load_checkpoint
+    mid = tree_map(torch.zeros_like, like)
+    state = tx.init(mid)
+    sd = {"params": mid, "optim": state_dict(state, mid)}
+    check_checkpoint(sd["optim"], dcp.FileSystemReader(path).read_metadata(), "optim")
+    load_checkpoint(sd, checkpoint_id=path)
+    return mid, load_state_dict(state, sd["optim"], mid)
+
+
 @pytest.mark.timeout(1000)
 def test_the_master_copy_moves_from_world_two_to_one_device(world2) -> None:
     """2 -> 1 with the master copy: a world-2 zero run with all owned state and the float32
@@ -209,7 +221,7 @@ def test_the_master_copy_moves_from_world_two_to_one_device(world2) -> None:
     single-device run with the master never interrupted. And a checkpoint without a master
     (the single-device one) loads into a run with it: the master starts from the parameters
     (``"~started"`` zero), as for a state without one."""
-    from opttx.distributed import check_checkpoint, load_checkpoint, offload
+    from opttx.distributed import offload
     results, root = world2
     for rank, errors in enumerate(results):
         assert "checkpoints" not in errors, f"rank {rank}: {errors['checkpoints']}"
@@ -219,13 +231,7 @@ def test_the_master_copy_moves_from_world_two_to_one_device(world2) -> None:
         return offload(_adamw(), 1.0, chunk_size_mb=CHUNK_MB, master_params=True)
     expected = run_transform(mastered(), params, grads)
     tx = mastered()
-    mid = tree_map(torch.zeros_like, params)
-    state = tx.init(mid)
-    sd = {"params": mid, "optim": state_dict(state, mid)}
-    path = str(root / "offloaded_master")
-    check_checkpoint(sd["optim"], dcp.FileSystemReader(path).read_metadata(), "optim")
-    load_checkpoint(sd, checkpoint_id=path)
-    state = load_state_dict(state, sd["optim"], mid)
+    mid, state = _loaded(tx, params, str(root / "offloaded_master"))
     assert _all_started(state)
     without = run_transform(mastered(), mid, grads[K:], state=state.inner)[0]
     got = run_transform(tx, mid, grads[K:], state=state)
@@ -234,13 +240,7 @@ def test_the_master_copy_moves_from_world_two_to_one_device(world2) -> None:
     # no master in the checkpoint: started afresh from the (float32) parameters
     params, grads = _checkpoint_params(), _checkpoint_grads()
     tx = mastered()
-    mid = tree_map(torch.zeros_like, params)
-    state = tx.init(mid)
-    sd = {"params": mid, "optim": state_dict(state, mid)}
-    path = str(root / "single")
-    check_checkpoint(sd["optim"], dcp.FileSystemReader(path).read_metadata(), "optim")
-    load_checkpoint(sd, checkpoint_id=path)
-    state = load_state_dict(state, sd["optim"], mid)
+    mid, state = _loaded(tx, params, str(root / "single"))
     assert _none_started(state)
     got = run_transform(tx, mid, grads[K:], state=state)
     assert_trees_close(got[0], run_transform(_adamw(), params, grads)[0], rtol=0.0,
