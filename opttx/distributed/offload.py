@@ -583,6 +583,7 @@ class _Offloader:
         self._master_views: dict[int, tuple[torch.Tensor, tuple, int]] = {}  # as _views
         self._flag_views: tuple[torch.Tensor, tuple] | None = None  # started: buffer, views
         self._live_outer: Any = None          # master_params: the last state, with its master
+        self._live_started: Any = None        # and its tree of flags (as _outer made them)
         # flat layout: (chunk, state position) -> (its flat buffer, the whole state's views of
         # it, the buffer's address), as `_scatter_flat` last made them
         self._views: dict[tuple[int, int], tuple[torch.Tensor, tuple, int]] = {}
@@ -1177,7 +1178,7 @@ class _Offloader:
                     master[i], started[i] = v, known[1][i]
         outer = OffloadMasterState(inner, self.spec.unflatten(master),
                                    self.spec.unflatten(started))
-        self._live_outer = outer
+        self._live_outer, self._live_started = outer, outer.started
         return outer
 
     def _flags_buffer_of(self, outer: "OffloadMasterState | None") -> torch.Tensor | None:
@@ -1208,7 +1209,13 @@ class _Offloader:
         master buffers: the views' own buffer when they are the views `_master_leaves` made
         (identity tests), else gathered into one (in host memory). The leaves whose master
         is missing or not started (``outer.started``) start from the parameters at their
-        chunk's next step (`_stale`)."""
+        chunk's next step (`_stale`). The state the last ``update`` returned, every flag
+        still set (no checkpoint loaded into it since), takes two identity tests and one
+        test of the flags buffer."""
+        if outer is not None and outer is self._live_outer and self._flag_views is not None \
+                and outer.started is self._live_started and bool(self._flag_views[0].all()):
+            self._stale = set()               # the state the last update (or init) returned,
+            return                            # its masters those buffers, every leaf started
         masters: dict[int, torch.Tensor] = {}
         given = self.spec.flatten_up_to(outer.master) if outer is not None else None
         host = [i for c in self.plan.chunks if c.on_host for i in c.leaves]
