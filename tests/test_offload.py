@@ -733,7 +733,8 @@ def test_master_params_reach_the_parameters_of_the_transform(name: str) -> None:
 
 def test_master_params_keep_bfloat16_updates_below_half_an_ulp() -> None:
     """bfloat16 parameters: the master is float32, so the parameters are the float32 run's
-    rounded to bfloat16 (AdamW from the same bfloat16 gradients), and steps of 1e-3 on
+    rounded to bfloat16 (AdamW from the same bfloat16 gradients, widened to float32: the
+    update is not rounded to bfloat16 before the master takes it), and steps of 1e-3 on
     parameters of magnitude 1 to 2 (half a bf16 ulp: 3.9e-3) add up to moves that the
     parameters updated in bfloat16 lose."""
     gen = torch.Generator().manual_seed(15)
@@ -745,7 +746,8 @@ def test_master_params_keep_bfloat16_updates_below_half_an_ulp() -> None:
     tx = offload(make(), 1.0, master_params=True, stats=stats)
     got = run_transform(tx, params, grads)
     wide = {k: v.float() for k, v in params.items()}
-    reference = run_transform(make(), wide, grads, state=make().init(params))
+    wide_grads = [{k: v.float() for k, v in g.items()} for g in grads]
+    reference = run_transform(make(), wide, wide_grads, state=make().init(params))
     assert_trees_close(got[1].inner, reference[1], rtol=0.0)
     for k in params:
         assert torch.equal(got[0][k], reference[0][k].bfloat16()), k
@@ -856,7 +858,8 @@ def test_a_state_given_back_keeps_its_own_master() -> None:
     skipped = opttx.apply_if_finite(offload(make(), 0.5, chunk_size_mb=CHUNK_MB,
                                             master_params=True), 3)
     wide = {k: v.float() for k, v in params.items()}
-    reference = run_transform(opttx.apply_if_finite(make(), 3), wide, grads,
+    wide_grads = [{k: v.float() for k, v in g.items()} for g in grads]
+    reference = run_transform(opttx.apply_if_finite(make(), 3), wide, wide_grads,
                               state=opttx.apply_if_finite(make(), 3).init(params))
     got = run_transform(skipped, params, grads)
     for k in params:

@@ -1302,7 +1302,13 @@ class _Offloader:
         """The master step: the updates added to the master copy (``params``) in place, or
         into ``into``; the new master cast into ``out`` (16-bit parameters). The new state
         is written into the old buffers with ``state_in_place`` (compiled: one loop that
-        reads and writes each byte once, as DeepSpeed's CPU Adam), else returned."""
+        reads and writes each byte once, as DeepSpeed's CPU Adam), else returned. 16-bit
+        gradients of a float32 master are widened first (in the compiled loop, as they are
+        read), so the update the master takes is computed and added in float32, as in
+        mixed-precision training, not rounded to the gradients' dtype on the way."""
+        wide = tree_flatten(params)[0][0].dtype
+        grads = tree_map(lambda g: g.to(wide) if isinstance(g, torch.Tensor)
+                         and g.dtype != wide and g.is_floating_point() else g, grads)
         u, new = self._run(grads, state, params, extra)
         if state_in_place:
             tree_copy_(state, new)
