@@ -497,6 +497,46 @@ def test_overlap_starts_the_host_steps_in_backward_with_the_same_numbers() -> No
     assert stats.host_chunk_steps == 2 * host * 6      # started in backward, then again
 
 
+def test_overlap_drops_the_steps_started_before_a_checkpoint_was_loaded_into_the_state(
+        ) -> None:
+    """A checkpoint loaded into the live state in place after backward started the host
+    chunks' steps (from the values it replaced): ``update`` drops those steps (the state's
+    version counters moved) and runs the chunks itself, from the loaded values, equal to the
+    transform without overlap on them."""
+    model = _mlp()
+    params = dict(model.named_parameters())
+    gen = torch.Generator().manual_seed(3)
+    data = [(torch.randn(5, 8, generator=gen), torch.randn(5, 4, generator=gen))
+            for _ in range(4)]
+    stats = OffloadStats()
+
+    def make(**kw):
+        return offload(opttx.adamw(1e-2, weight_decay=0.1), 0.5, chunk_size_mb=300 / MIB,
+                       **kw)
+    tx = make(overlap=True, stats=stats)
+    state, saved = tx.init(params), None
+    for step, (x, y) in enumerate(data):
+        for p in params.values():
+            p.grad = None
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        grads = {k: p.grad for k, p in params.items()}
+        if step == 3:                  # the steps started; now the checkpoint goes in
+            load_state_dict(state, saved, params)
+            plain = make()
+            expected = plain.update({k: g.clone() for k, g in grads.items()},
+                                    load_state_dict(plain.init(params), saved, params),
+                                    {k: p.detach() for k, p in params.items()})
+        with torch.no_grad(), opttx.donating():
+            updates, state = tx.update(grads, state, params)
+            if step == 3:
+                assert_trees_close((updates, state), expected, rtol=0.0)
+            opttx.apply_updates_(params, updates)
+        if step == 1:
+            saved = _through_bytes(state_dict(state, params))
+    host = sum(c.on_host for c in stats.plan.chunks)
+    assert host >= 2 and stats.started_in_backward == host * 4   # step 3's too, then dropped
+
+
 def test_overlap_with_the_master_copy_equals_the_master_copy_alone() -> None:
     """overlap=True with master_params=True: the steps started in backward write the chunk's
     second master buffer, which ``update`` swaps in when it takes them; the parameters equal

@@ -572,7 +572,7 @@ class _Offloader:
         self._worker: Any = None              # the thread running host steps in background
         self._launches: Any = None            # overlap: the host chunks started in backward
         self._pending: dict[int, Any] = {}    # delayed: each host chunk's step in flight
-        self._versions: list[int] | None = None   # delayed: the last state's tensor versions
+        self._versions: list[int] | None = None   # delayed, overlap: the last state's versions
         self._live: Any = None                # the state the last update returned
         self._extra: dict[str, Any] = {}      # the extra args of the last update
         self._compiled: dict[tuple[Any, str], Callable] = {}   # (chunk(s), step) -> compiled
@@ -1451,7 +1451,7 @@ class _Offloader:
         extra = {k: v for k, v in extra_args.items() if k not in (TOTALS_KEY, REDUCER_KEY)}
         chunks = self.plan.chunks
         host = [k for k, c in enumerate(chunks) if c.on_host]
-        launched = self._take_launched(host, grads, state)
+        launched = self._take_launched(host, grads, state, s_leaves)
         if self.delayed and (state is not self._live or self._written_since(s_leaves)):
             self._drop_pending()              # another state than ours: start afresh from it
         # delayed: the steps started last time are done before their buffers are refilled
@@ -1526,7 +1526,7 @@ class _Offloader:
                 out[i] = u
         new_state = tree_unflatten(s_leaves, self.state_spec)
         self._live, self._extra = new_state, extra
-        if self.delayed:
+        if self.delayed or self.overlap:
             self._versions = _versions(s_leaves)
         if self.master_params:                # every host leaf's master holds its value
             flags = self._flags_buffer_of(outer) if is_donating() else None
@@ -1537,12 +1537,15 @@ class _Offloader:
             new_state = self._outer(new_state, flags)
         return tree_unflatten(out, self.spec), new_state
 
-    def _take_launched(self, host: list[int], grads: list[torch.Tensor], state: Any
-                       ) -> dict[int, tuple[PyTree, Any]]:
-        """overlap: the results of the host chunks started in backward on this state."""
+    def _take_launched(self, host: list[int], grads: list[torch.Tensor], state: Any,
+                       s_leaves: list[Any]) -> dict[int, tuple[PyTree, Any]]:
+        """overlap: the results of the host chunks started in backward on this state. None
+        when the state is another, or was written in place since the last ``update`` (a
+        checkpoint loaded into it: the steps may have started from the replaced values;
+        ``update`` then runs those chunks itself)."""
         if self._launches is None:
             return {}
-        if state is not self._live:           # steps started on another state: dropped
+        if state is not self._live or self._written_since(s_leaves):   # dropped
             self._launches.drain()
             return {}
         out = {}
@@ -1573,8 +1576,9 @@ class _Offloader:
         """Whether a tensor of the state the last ``update`` returned was written in place
         since (`opttx.Optimizer.load_state_dict` copies a checkpoint into the live state):
         its version counter moved. The steps then in flight were started from another
-        state, and are dropped as for a state that is not ours."""
-        return self._versions is None or _versions(s_leaves) != self._versions
+        state, and are dropped as for a state that is not ours. (Before the first update
+        nothing is recorded: the steps started then read the state as it is.)"""
+        return self._versions is not None and _versions(s_leaves) != self._versions
 
     def _drop_pending(self) -> None:
         for future in self._pending.values():
@@ -1768,7 +1772,10 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
         are refused with it; in gradient accumulation, run the micro-batches before the last
         inside `opttx.distributed.no_sync`. A step started in backward runs functionally
         (its starting state stays intact until ``update`` takes the result): with
-        ``compile=True`` one more pass over the chunk's state, eagerly new buffers.
+        ``compile=True`` one more pass over the chunk's state, eagerly new buffers. A
+        checkpoint loaded into the state in place since the last ``update``
+        (`opttx.Optimizer.load_state_dict`) makes ``update`` drop the steps started and run
+        those chunks itself (the state's version counters moved).
       delayed: the one-step delayed parameter update of ZeRO-Offload (DPU): ``update`` at step
         :math:`t` starts the host chunks' step on step :math:`t`'s gradients in the
         background and returns, for those chunks, the updates computed from step
