@@ -193,17 +193,18 @@ def declare_optional(*fields: str) -> frozenset[str]:
     master copy of the parameters). Their entries are keyed with `OPTIONAL_MARK` in front
     of the field's name; a loader ignores such entries its state does not have, and fills
     its own that the checkpoint lacks with zeros, so the state must read zeros in them as
-    "absent" (a 0-dim boolean ``started`` flag among them says whether the others hold
-    values).
+    "absent" (a boolean ``started`` flag per leaf among them says whether the others hold
+    values: per leaf, since a checkpoint may hold them for some parameters only, as one
+    saved with fewer offloaded).
 
     Example:
       >>> class MasterState(NamedTuple):
       ...     inner: Any                  # the wrapped transform's state
       ...     master: Any                 # like params: the master copy
-      ...     started: torch.Tensor       # (), bool: whether master holds values
+      ...     started: Any                # like params: (), bool, whether master holds values
       ...     __roles__ = opttx.declare_roles(inner=opttx.Role.SAME_STATE,
       ...                                     master=opttx.Role.PARAMS_LIKE,
-      ...                                     started=opttx.Role.SCALAR)
+      ...                                     started=opttx.Role.PER_LEAF_SCALAR)
       ...     __optional__ = opttx.declare_optional("master", "started")
     """
     for name in fields:
@@ -227,7 +228,7 @@ def optional_fields(state: Any) -> frozenset[str]:
 
 
 def is_optional_entry(field_path: str) -> bool:
-    """Whether a checkpoint entry's field path (``"~master"``, ``"shared.~started"``) is in a
+    """Whether a checkpoint entry's field path (``"~master"``, ``"1.~started"``) is in a
     field declared optional (`declare_optional`)."""
     return any(part.startswith(OPTIONAL_MARK) for part in field_path.split("."))
 

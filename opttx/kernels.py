@@ -314,30 +314,30 @@ def _grouped(name: str, tensors: list[torch.Tensor], args: tuple, kwargs: dict) 
         if base in _LIST_OVERLOADS:
             args = tuple([a] * len(tensors) if isinstance(a, torch.Tensor) and a.dim() == 0
                          else a for a in args)
-    elif name == "mul_" and args and _rounds_scalar_first(tensors):
-        args = (_scalar_tensors(args[0]),) + tuple(args[1:])
+    elif name == "mul_" and args and tensors[0].device.type == "cpu" \
+            and tensors[0].is_floating_point():
+        # torch 2.13's CPU _foreach_mul_(xs, s) rounds a Python number s to a 16-bit
+        # tensor's dtype before multiplying (0.0039 apart for bfloat16 values of magnitude 1
+        # times 0.3337), where _foreach_mul, x.mul_ and the Tensor overloads multiply by s in
+        # float32: the in-place (donating) path must equal the functional one bit for bit.
+        # Passed as a 0-dim tensor of the op's compute dtype (float64 for a float64 list,
+        # else float32: a 0-dim leaf times a 0-dim float64 tensor would compute in float64),
+        # the Tensor overload equals the out-of-place op for every floating dtype, so every
+        # CPU list takes it (no scan of the list's dtypes on this hot path; a list is on one
+        # device).
+        wide = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
+        args = (_scalar_tensors(args[0], wide),) + tuple(args[1:])
     return getattr(torch, f"_foreach_{name}")(tensors, *args, **kwargs)
 
 
-def _rounds_scalar_first(tensors: list[torch.Tensor]) -> bool:
-    """Whether torch's in-place grouped multiply by a Python number would round differently
-    from the out-of-place one: on the CPU, for 16-bit tensors, ``_foreach_mul_(xs, s)``
-    rounds ``s`` to the tensors' dtype before multiplying (torch 2.13: 0.0039 apart for
-    bfloat16 values of magnitude 1 times 0.3337), while ``_foreach_mul(xs, s)``,
-    ``x.mul_(s)`` and the Tensor overloads multiply by ``s`` in float32. The in-place
-    (donating) path must equal the functional one bit for bit."""
-    return any(x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
-               for x in tensors)
-
-
-def _scalar_tensors(arg: Any) -> Any:
-    """A Python number (or list of them) as 0-dim float64 tensors, for the Tensor (List)
+def _scalar_tensors(arg: Any, dtype: torch.dtype) -> Any:
+    """A Python number (or list of them) as 0-dim ``dtype`` tensors, for the Tensor (List)
     overload of a grouped op; anything else as it is."""
     if isinstance(arg, (int, float)) and not isinstance(arg, bool):
-        return torch.tensor(arg, dtype=torch.float64)
+        return torch.tensor(arg, dtype=dtype)
     if isinstance(arg, (list, tuple)) and arg and all(
             isinstance(a, (int, float)) and not isinstance(a, bool) for a in arg):
-        return [torch.tensor(a, dtype=torch.float64) for a in arg]
+        return [torch.tensor(a, dtype=dtype) for a in arg]
     return arg
 
 

@@ -1187,6 +1187,8 @@ class _Offloader:
         known = self._flag_views
         if outer is None or known is None:
             return None
+        if outer.started is self._live_started:   # the tree `_outer` made last: its views
+            return known[0]
         given = self.spec.flatten_up_to(outer.started)
         if all(x is v for x, v in zip(given, known[1]) if isinstance(x, torch.Tensor)):
             return known[0]
@@ -1196,8 +1198,11 @@ class _Offloader:
         """The ``leaves`` whose master in ``outer`` is absent or not started: one test of the
         flags buffer when ``outer``'s flags are the views `_outer` made of it (a load writes
         into them in place), else one per leaf."""
-        given = self.spec.flatten_up_to(outer.started)
         known = self._flag_views
+        if known is not None and outer.started is self._live_started and \
+                bool(known[0].all()):
+            return []                         # the flags tree `_outer` made last, all set
+        given = self.spec.flatten_up_to(outer.started)
         if known is not None and all(given[i] is known[1][i] for i in leaves):
             if bool(known[0][list(leaves)].all()):
                 return []
@@ -1212,8 +1217,9 @@ class _Offloader:
         chunk's next step (`_stale`). The state the last ``update`` returned, every flag
         still set (no checkpoint loaded into it since), takes two identity tests and one
         test of the flags buffer."""
-        if outer is not None and outer is self._live_outer and self._flag_views is not None \
-                and outer.started is self._live_started and bool(self._flag_views[0].all()):
+        known = self._flag_views
+        if outer is not None and outer is self._live_outer and known is not None and \
+                outer.started is self._live_started and bool(known[0].all()):
             self._stale = set()               # the state the last update (or init) returned,
             return                            # its masters those buffers, every leaf started
         masters: dict[int, torch.Tensor] = {}
