@@ -183,16 +183,22 @@ def coefficient(value: Any, tensors: Sequence[torch.Tensor], op: str | None = No
     return value
 
 
-@torch.library.custom_op("opttx::computed_once", mutates_args=())
-def _computed_once(value: torch.Tensor) -> torch.Tensor:
-    """A copy of ``value`` that Inductor cannot fuse into its consumers (an opaque op): the
-    scalar's arithmetic (a bias correction's ``pow``) runs once, into a 0-dim buffer that the
-    element loops read, instead of once per element. Traced as one node, with or without
-    ``fullgraph`` (an ``.item()`` would break the graph without it)."""
+# Defined with `torch.library.Library`, not `torch.library.custom_op`: the op is called by
+# every compiled step that has a bias correction (offload's grouped host step: twice per
+# chunk), and custom_op's Python wrapper costs 10 us a call where this one costs 2.9 us
+# (aten's clone on a 0-dim tensor: 2.4 us), timed warm on the 2-core Xeon VM.
+_LIBRARY = torch.library.Library("opttx", "DEF")
+_LIBRARY.define("computed_once(Tensor value) -> Tensor")
+
+
+def _computed_once_impl(value: torch.Tensor) -> torch.Tensor:
     return value.clone()
 
 
-@_computed_once.register_fake
+_LIBRARY.impl("computed_once", _computed_once_impl, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("opttx::computed_once", lib=_LIBRARY)
 def _(value: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(value)
 
@@ -201,7 +207,15 @@ def _computed_once_batched(info: Any, in_dims: tuple, value: torch.Tensor) -> tu
     return _computed_once(value), in_dims[0]     # under vmap (opttx.stacked): elementwise
 
 
-_computed_once.register_vmap(_computed_once_batched)
+torch.library.register_vmap("opttx::computed_once", _computed_once_batched, lib=_LIBRARY)
+
+
+def _computed_once(value: torch.Tensor) -> torch.Tensor:
+    """A copy of ``value`` that Inductor cannot fuse into its consumers (an opaque op): the
+    scalar's arithmetic (a bias correction's ``pow``) runs once, into a 0-dim buffer that the
+    element loops read, instead of once per element. Traced as one node, with or without
+    ``fullgraph`` (an ``.item()`` would break the graph without it)."""
+    return torch.ops.opttx.computed_once.default(value)
 
 
 def coefficients_first(graph: torch.fx.Graph) -> int:
@@ -218,23 +232,10 @@ def coefficients_first(graph: torch.fx.Graph) -> int:
     That Python call then runs with the caches full of the loop's data: 195 us instead of
     15 us (benchmarks/offload_host_loop.py, part 5). Moved first, all of them run before any
     loop. The values are unchanged: the moved nodes read only inputs and each other."""
-    target = torch.ops.opttx.computed_once.default
+    needed = _coefficient_work(graph)
+    if not needed:
+        return 0
     order = {n: i for i, n in enumerate(graph.nodes)}
-    needed: set[torch.fx.Node] = set()
-    stack = [n for n in graph.nodes if n.target is target]
-    while stack:
-        n = stack.pop()
-        if n not in needed:
-            needed.add(n)
-            stack.extend(n.all_input_nodes)
-    for n in needed:
-        if n.op in ("placeholder", "get_attr") or \
-                getattr(n.target, "__module__", None) == "_operator":
-            continue          # (inputs, constants, getitem, arithmetic on symbolic sizes)
-        op = n.target
-        if (n.op != "call_function" or not isinstance(op, torch._ops.OpOverload)
-                or op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags):
-            return 0
     first = next((n for n in graph.nodes
                   if n.op not in ("placeholder", "get_attr") and n not in needed), None)
     if first is None:
@@ -250,6 +251,89 @@ def coefficients_first(graph: torch.fx.Graph) -> int:
     for n in moved:
         first.prepend(n)
     return len(moved)
+
+
+def _coefficient_work(graph: torch.fx.Graph) -> set[torch.fx.Node] | None:
+    """Every `_computed_once` node of ``graph`` with the nodes it depends on; None when one
+    of them is not a pure, unseeded op (a mutation, a random draw) or there is none."""
+    target = torch.ops.opttx.computed_once.default
+    needed: set[torch.fx.Node] = set()
+    stack = [n for n in graph.nodes if n.target is target]
+    while stack:
+        n = stack.pop()
+        if n not in needed:
+            needed.add(n)
+            stack.extend(n.all_input_nodes)
+    for n in needed:
+        if n.op in ("placeholder", "get_attr") or \
+                getattr(n.target, "__module__", None) == "_operator":
+            continue          # (inputs, constants, getitem, arithmetic on symbolic sizes)
+        op = n.target
+        if (n.op != "call_function" or not isinstance(op, torch._ops.OpOverload)
+                or op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags):
+            return None
+    return needed or None
+
+
+def merge_coefficients(graph: torch.fx.Graph) -> int:
+    """Merge the repeated scalar work of a post-grad graph: of the `_computed_once` nodes
+    and the nodes they depend on (all pure and unseeded, as `coefficients_first` requires,
+    else nothing is merged), each node that applies the same op to the same arguments as
+    an earlier one is replaced by it. Returns how many nodes were removed.
+
+    Why: offload's grouped host step (``host_group_mb``) gives every chunk of a group the
+    same step count; each chunk's transform then computes the same bias corrections, two
+    opaque calls per chunk that run one after another before the loops. Merged, a group of
+    12 chunks makes 2 calls instead of 24. A node whose output some op writes in place is
+    never merged (two writers would share one buffer)."""
+    needed = _coefficient_work(graph)
+    if not needed:
+        return 0
+    seen: dict[Any, torch.fx.Node] = {}
+    removed = 0
+    for n in list(graph.nodes):
+        if n not in needed or n.op != "call_function" or _written_in_place(n):
+            continue
+        try:
+            key = (n.target, _hashable(n.args), _hashable(n.kwargs))
+            hash(key)
+        except TypeError:
+            continue
+        earlier = seen.get(key)
+        if earlier is None:
+            seen[key] = n
+            continue
+        n.replace_all_uses_with(earlier)
+        graph.erase_node(n)
+        removed += 1
+    return removed
+
+
+def _hashable(x: Any) -> Any:
+    """``x`` (a node's arguments) with its lists and dicts as tuples, to key a node by."""
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, *(_hashable(v) for v in x))
+    if isinstance(x, dict):
+        return ("dict", *((k, _hashable(v)) for k, v in x.items()))
+    return x
+
+
+def _written_in_place(node: torch.fx.Node) -> bool:
+    """Whether some user of ``node`` writes into it in place (or is a call whose schema
+    cannot say it does not)."""
+    for user in node.users:
+        op = user.target
+        if user.op != "call_function" or getattr(op, "__module__", None) == "_operator":
+            continue
+        if not isinstance(op, torch._ops.OpOverload):
+            return True
+        for i, arg in enumerate(op._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            target = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
+            if target is node or (isinstance(target, (list, tuple)) and node in target):
+                return True
+    return False
 
 
 def _writes_before_a_reader(node: torch.fx.Node, needed: set, moving: set,
@@ -271,11 +355,13 @@ def _writes_before_a_reader(node: torch.fx.Node, needed: set, moving: set,
 
 
 class CoefficientsFirst(CustomGraphPass):
-    """`coefficients_first` as an Inductor custom pass, for
-    ``torch.compile(..., options={"post_grad_custom_pre_pass": CoefficientsFirst()})``.
-    Its ``uuid`` is this file's hash, so Inductor's graph cache keys on it."""
+    """`merge_coefficients`, then `coefficients_first`, as an Inductor custom pass, for
+    ``torch.compile(..., options={"post_grad_custom_pre_pass": CoefficientsFirst()})``:
+    the repeated scalar work computed once, and all of it ahead of the element loops. Its
+    ``uuid`` is this file's hash, so Inductor's graph cache keys on it."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        merge_coefficients(graph)
         coefficients_first(graph)
 
     def uuid(self) -> Any:

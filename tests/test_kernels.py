@@ -220,6 +220,64 @@ def test_coefficients_first_leaves_a_graph_alone_where_an_input_is_written_befor
     assert float(gm(torch.tensor(1.0), torch.ones(2))[1]) == 6.0     # (1 + 1) * 3
 
 
+def test_merge_coefficients_computes_the_work_of_one_shared_count_once() -> None:
+    """Offload's grouped step gives its chunks one step count: their scalar work is the same
+    ops on the same input, and is merged into one chain ending in one opaque call, with the
+    same values. The count's write at the end (a ``copy_`` reading the new count) does not
+    keep its source from being merged."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from opttx.kernels import coefficients_first, merge_coefficients
+
+    from opttx.kernels import _computed_once
+
+    def chunk(c: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        count = torch.where(c < 100, c + 1, c)           # the count advanced
+        return x * 2.0 + _computed_once(1 - 0.9 ** count), count
+
+    def f(c: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y1, count = chunk(c, x1)
+        y2, _ = chunk(c, x2)
+        c.copy_(count)                                    # written once, at the end
+        return y1, y2
+
+    def once(graph: torch.fx.Graph) -> int:
+        return sum(n.target is torch.ops.opttx.computed_once.default for n in graph.nodes)
+
+    args = (torch.tensor(3.0), torch.randn(64), torch.randn(32))
+    gm = make_fx(f)(*(a.clone() for a in args))
+    expected = gm(*(a.clone() for a in args))
+    assert once(gm.graph) == 2
+    assert merge_coefficients(gm.graph) > 0
+    assert coefficients_first(gm.graph) > 0
+    gm.graph.lint()
+    gm.recompile()
+    assert once(gm.graph) == 1
+    inputs = [a.clone() for a in args]
+    for a, b in zip(gm(*inputs), expected):
+        assert torch.equal(a, b)
+    assert float(inputs[0]) == 4.0
+    assert merge_coefficients(gm.graph) == 0          # nothing left to merge
+
+
+def test_merge_coefficients_leaves_a_node_written_in_place_alone() -> None:
+    """Two equal scalar computations, one of them then written in place: merged, the other
+    would read the write (built by hand, as a functionalized graph has no such write)."""
+    from opttx.kernels import merge_coefficients
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    c = graph.placeholder("c")
+    a = graph.call_function(aten.mul.Tensor, (c, 3.0))
+    b = graph.call_function(aten.mul.Tensor, (c, 3.0))
+    graph.call_function(aten.add_.Tensor, (b, 1.0))             # b written in place
+    once_a = graph.call_function(torch.ops.opttx.computed_once.default, (a,))
+    once_b = graph.call_function(torch.ops.opttx.computed_once.default, (b,))
+    graph.output((once_a, once_b))
+    assert merge_coefficients(graph) == 0
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert [float(x) for x in gm(torch.tensor(1.0))] == [3.0, 4.0]
+
+
 def test_coefficients_first_keeps_its_order_through_inductor() -> None:
     """What the pass is for: in the compiled code, both chunks' opaque scalar calls come
     before the first element loop (without it, chunk 2's comes after chunk 1's loop)."""
