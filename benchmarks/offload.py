@@ -15,8 +15,9 @@ GPT-like shape set (an embedding and transformer layers of width 1024):
                         chunks' steps in groups, one compiled call per group (no Python
                         between their loops; on CUDA a group waits for all its copies)
     ... in trace order  the same without opttx.kernels.CoefficientsFirst (the ablation): each
-                        chunk's scalar work (bias corrections) stays after the previous
-                        chunk's loop, as traced, and its opaque call runs with cold caches
+                        chunk's scalar work (bias corrections) is computed again for each
+                        chunk (not merged) and stays after the previous chunk's loop, as
+                        traced, where its opaque calls run with cold caches
   opttx flat eager      offload(adamw, 1.0, layout="flat"): torch's eager grouped kernels,
                         one pass per op and chunk
   torch fused           torch.optim.AdamW(fused=True) on CPU: one fused kernel per tensor

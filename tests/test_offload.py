@@ -1068,12 +1068,16 @@ def test_host_groups_step_several_chunks_in_one_compiled_call() -> None:
     """``host_group_mb``: consecutive host chunks (four here, under 1 MiB) go through one
     compiled call per group (one graph each: 1 for the group, 4 without), with the numbers
     of the chunks stepped one call each, bit for bit: with and without the master copy, in
-    both layouts, at fraction 0.5 (device chunks beside the group), the steps donated."""
+    both layouts, at fraction 0.5 (device chunks beside the group), the steps donated, and
+    not donated."""
+    import contextlib
+
     from torch._dynamo.utils import counters
     params = leaves_0d_to_4d(zero_dim=False)
     grads = gradient_stream(params, STEPS, seed=21)
-    for master, layout, fraction in [(False, "flat", 1.0), (True, "flat", 0.5),
-                                     (True, "leaves", 1.0), (False, "leaves", 0.5)]:
+    for master, layout, fraction, donate in [
+            (False, "flat", 1.0, True), (True, "flat", 0.5, True), (True, "leaves", 1.0, True),
+            (False, "leaves", 0.5, True), (False, "flat", 1.0, False), (True, "flat", 1.0, False)]:
         got, graphs = [], []
         for group in (None, 1.0):
             stats = OffloadStats()
@@ -1081,16 +1085,39 @@ def test_host_groups_step_several_chunks_in_one_compiled_call() -> None:
                          chunk_size_mb=CHUNK_MB, layout=layout, compile=True,
                          master_params=master, host_group_mb=group, stats=stats)
             counters.clear()
-            with opttx.donating():
+            with opttx.donating() if donate else contextlib.nullcontext():
                 got.append(run_transform(tx, params, grads))
             graphs.append(counters["stats"]["unique_graphs"])
         host = sum(c.on_host for c in stats.plan.chunks)
-        what = f"master {master}, {layout}, fraction {fraction}"
+        what = f"master {master}, {layout}, fraction {fraction}, donated {donate}"
         assert host >= 2, what
         assert graphs == [host, 1], (what, graphs)
         assert stats.host_chunk_steps == host * STEPS, what
         assert all(torch.equal(a, b) for a, b in
                    zip(tree_leaves(got[0]), tree_leaves(got[1]))), what
+
+
+def test_host_group_computes_its_shared_scalar_work_once() -> None:
+    """A group's chunks share one step count, so their bias corrections are computed once
+    per group: AdamW's two opaque coefficient calls per step, whatever the number of chunks
+    in the group (two per chunk before), counted by the profiler on a compiled step; and
+    the count advances once per step."""
+    from torch.profiler import ProfilerActivity, profile
+    params = leaves_0d_to_4d(zero_dim=False)
+    grads = gradient_stream(params, 3, seed=22)
+    stats = OffloadStats()
+    tx = offload(opttx.adamw(1e-2, weight_decay=0.1), 1.0, chunk_size_mb=CHUNK_MB,
+                 layout="flat", compile=True, host_group_mb=1.0, stats=stats)
+    state = tx.init(params)
+    with opttx.donating():
+        for g in grads[:2]:
+            _, state = tx.update(g, state, params)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _, state = tx.update(grads[2], state, params)
+    assert sum(c.on_host for c in stats.plan.chunks) >= 3
+    calls = sum(e.count for e in prof.key_averages() if e.key == "opttx::computed_once")
+    assert calls == 2
+    assert int(state[0].count) == 3
 
 
 def test_host_groups_refusals() -> None:

@@ -41,7 +41,7 @@ from ..base import (EmptyState, GradientTransformation, Params, REDUCER_KEY, Rol
                     TOTALS_KEY, Updates, apply_updates, apply_updates_, combine_traits,
                     declare, declare_optional, declare_roles, fields_with_role, traits_of)
 from ..combine import chain_links
-from ..kernels import CoefficientsFirst, is_donating
+from ..kernels import CoefficientsFirst, donating, is_donating
 from ..tree import (MaskedNode, PyTree, tree_copy_, tree_flatten, tree_map, tree_paths,
                     tree_unflatten)
 from .checkpoint_keys import keyed_state
@@ -66,8 +66,9 @@ def _host_compile_options() -> dict[str, Any]:
     * `opttx.kernels.CoefficientsFirst` moves every chunk's scalar work (step counts, bias
       corrections) ahead of the element loops, so that with ``host_group_mb`` no Python call
       runs between two chunks' loops with cold caches (benchmarks/offload.py: the grouped
-      step 1.063x -> 1.015x DeepSpeed's time, paired round by round). It changes no
-      value."""
+      step 1.063x -> 1.015x DeepSpeed's time, paired round by round), and computes the work
+      that a group's chunks repeat on their shared step count once (1.011x -> 0.98x). It
+      changes no value."""
     from torch._inductor import config
     options: dict[str, Any] = {"post_grad_custom_pre_pass": CoefficientsFirst()}
     current = getattr(config.cpp, "enable_floating_point_contract_flag", None)
@@ -508,6 +509,29 @@ def _flat_view(parts: list[torch.Tensor], numel: int) -> torch.Tensor:
     return torch.cat([x.reshape(-1) for x in parts])
 
 
+# Which leaves to write travel into compiled steps as tuples of bools, one per flat leaf:
+# Dynamo takes bools as constants, where a tuple of positions (ints) would become symbolic
+# sizes under dynamic=True, and a test like ``i in positions`` on them is not what it reads.
+
+
+def _copy_leaves(dst: PyTree, src: PyTree, which: Sequence[bool]) -> None:
+    """The leaves of ``src`` copied into those of ``dst`` where ``which`` (a bool per flat
+    leaf) is True."""
+    if any(which):
+        d, s = tree_flatten(dst)[0], tree_flatten(src)[0]
+        tree_copy_([x for x, w in zip(d, which) if w], [x for x, w in zip(s, which) if w])
+
+
+def _copy_state(dst: PyTree, src: PyTree, keep: Sequence[bool]) -> None:
+    """``tree_copy_(dst, src)`` but for the leaves where ``keep`` (a bool per flat leaf, or
+    empty: none) is True."""
+    if not any(keep):
+        tree_copy_(dst, src)
+        return
+    d, s = tree_flatten(dst)[0], tree_flatten(src)[0]
+    tree_copy_([x for x, k in zip(d, keep) if not k], [x for x, k in zip(s, keep) if not k])
+
+
 class OffloadMasterState(NamedTuple):
     """The state of `offload` with ``master_params`` (and of `zero` with
     ``offload_master_params``): the transform's state and the master copy of the host chunks'
@@ -663,7 +687,6 @@ class _Offloader:
         the new master into the chunk's second master buffer (swapped in when ``update``
         takes the result), its values sent to the device. Returns (the values on the device,
         the new state, the new master)."""
-        from ..kernels import donating
         g, _, shared = self._wait_staged(k, staged)
         nxt = self._buffer(k, "master", master.dtype)
         start = time.perf_counter()
@@ -679,7 +702,6 @@ class _Offloader:
         ``base`` (delayed: the chunk's state from its last step, with its own step counts and
         the other shared tensors, injected hyperparameters, of the state given to update)
         or from the chunk's part of ``s_leaves``."""
-        from ..kernels import donating
         g, p, shared = self._wait_staged(k, staged)
         if base is None:
             state = self._chunk_state(k, s_leaves, shared)
@@ -1000,12 +1022,15 @@ class _Offloader:
         return grads, tuple(new)
 
     def _in_place(self, grads: PyTree, state: Any, params: PyTree | None,
-                  extra: dict[str, Any], out: PyTree) -> None:
+                  extra: dict[str, Any], out: PyTree, keep: tuple[bool, ...] = ()) -> Any:
         """The compiled host step: the new state into the old buffers and the updates into
-        ``out`` (the chunk's staging buffer), so nothing is allocated per step."""
+        ``out`` (the chunk's staging buffer), so nothing is allocated per step. The state's
+        leaves where ``keep`` (a bool per leaf) is True are not written; the new state is
+        then returned (for the caller to write them)."""
         u, new = self._run(grads, state, params, extra)
-        tree_copy_(state, new)
+        _copy_state(state, new, keep)
         tree_copy_(out, u)
+        return new if any(keep) else None
 
     def _host_run(self, k: int, grads: PyTree, state: Any, params: PyTree | None,
                   extra: dict[str, Any]) -> tuple[PyTree, Any]:
@@ -1019,13 +1044,14 @@ class _Offloader:
         self._compiled_step(k, self._in_place)(*args[:3], extra, args[3])
         return out, args[1]
 
-    def _in_place_args(self, k: int, grads: PyTree, state: Any, params: PyTree | None
+    def _in_place_args(self, k: int, grads: PyTree, state: Any, params: PyTree | None,
+                       clones: dict[int, torch.Tensor] | None = None
                        ) -> tuple[tuple[Any, ...], PyTree]:
         """Host chunk ``k``'s compiled step, prepared: the arguments of `_in_place` but
         ``extra`` (gradients, a state it may write, parameters, out), and ``out``: the
-        chunk's staging buffer its updates land in."""
+        chunk's staging buffer its updates land in. ``clones``: as `_writable`'s."""
         self.stats.host_chunk_steps += 1
-        state = self._writable(state)
+        state = self._writable(state, clones)
         dtype = tree_flatten(grads)[0][0].dtype
         out = self._as_chunk(k, self._updates_buffer(k, dtype))
         return (grads, state, params, out), out
@@ -1058,21 +1084,41 @@ class _Offloader:
         benchmarks/offload_host_loop.py.) Each chunk's step is the one it takes alone. The
         chunks' scalar work (their bias corrections, through `opttx.kernels.coefficient`'s
         opaque op) would follow the previous chunk's loop, as traced: the compile options'
-        `opttx.kernels.CoefficientsFirst` moves all of it ahead of the first loop."""
+        `opttx.kernels.CoefficientsFirst` moves all of it ahead of the first loop.
+
+        The group's chunks share one copy of each shared tensor (a step count), which every
+        chunk's step reads as it was and which the first chunk holding it writes after all
+        of them (`_master_updates`): what each chunk's step alone reads and the write-back
+        keeps. The steps run functionally inside the call (their new state then copied into
+        the buffers, which Inductor folds into the loops), so no step writes that copy.
+        Their scalar work then reads one input, and the same compile pass computes it once
+        for the group (`opttx.kernels.merge_coefficients`: AdamW's 2 opaque calls per group
+        instead of 2 per chunk; the grouped step of benchmarks/offload.py went from 1.011x
+        to 0.98x DeepSpeed's time, paired)."""
         waited = {k: self._wait_staged(k, staged[k]) for k in group}
         start = time.perf_counter()
         items, results = [], []
+        copies: dict[int, torch.Tensor] = {}       # whole-state position -> the group's copy
+        clones: dict[int, torch.Tensor] = {}       # _writable's, by the tensor's id
         for k in group:
             g, p, shared = waited[k]
-            state = self._chunk_state(k, s_leaves, shared)
+            m = self.maps[k]
+            keep, first = [False] * len(m.template), [False] * len(m.template)
+            for n, (pos, j) in enumerate(m.shared):
+                if j not in copies:
+                    copies[j] = s_leaves[j].clone() if shared is None else shared[n]
+                    first[pos] = True
+                keep[pos] = True
+            state = self._chunk_state(k, s_leaves, [copies[j] for _, j in m.shared])
             if self.master_params:
-                args, result = self._master_args(k, g, state, p_leaves, None)
+                args, result = self._master_args(k, g, state, p_leaves, None, clones=clones)
             else:
-                args, result = self._in_place_args(k, g, state, p)
-            items.append(args)
+                args, result = self._in_place_args(k, g, state, p, clones=clones)
+            items.append((*args, tuple(keep), tuple(first)))
             results.append(result)
         method = self._master_updates if self.master_params else self._in_places
-        self._compiled_step(tuple(group), method)(items, extra)
+        with donating(False):       # no chunk's step writes the copies the next one reads
+            self._compiled_step(tuple(group), method)(items, extra)
         self.stats.host_seconds += time.perf_counter() - start
         for k, args, result in zip(group, items, results):
             new_states[k] = args[1]
@@ -1082,14 +1128,22 @@ class _Offloader:
                 self._scatter_updates(k, self._send(k, result), out)
 
     def _master_updates(self, items: list[tuple[Any, ...]], extra: dict[str, Any]) -> None:
-        """`_master_update` of several host chunks, in place (one compiled call)."""
-        for grads, state, params, into, out in items:
-            self._master_update(grads, state, params, extra, into, out, True)
+        """`_master_update` of several host chunks, in place (one compiled call). Each item
+        ends with two bools per leaf of the chunk's state: whether it is a shared tensor
+        (one per group, not written by the chunk's step), and whether the chunk writes it
+        once all the steps have read it (`_group_step`)."""
+        news = [self._master_update(grads, state, params, extra, into, out, True, shared)
+                for grads, state, params, into, out, shared, _ in items]
+        for item, new in zip(items, news):
+            _copy_leaves(item[1], new, item[-1])
 
     def _in_places(self, items: list[tuple[Any, ...]], extra: dict[str, Any]) -> None:
-        """`_in_place` of several host chunks (one compiled call)."""
-        for grads, state, params, out in items:
-            self._in_place(grads, state, params, extra, out)
+        """`_in_place` of several host chunks (one compiled call); the shared tensors as in
+        `_master_updates`."""
+        news = [self._in_place(grads, state, params, extra, out, shared)
+                for grads, state, params, out, shared, _ in items]
+        for item, new in zip(items, news):
+            _copy_leaves(item[1], new, item[-1])
 
     def _as_chunk(self, k: int, buf: torch.Tensor) -> PyTree:
         """A staging buffer of chunk ``k`` as the chunk's tree (views shaped like its leaves,
@@ -1278,13 +1332,15 @@ class _Offloader:
         return values, self._master_update(*args[:3], extra, *args[3:], False)
 
     def _master_args(self, k: int, grads: PyTree, state: Any, p_leaves: list[torch.Tensor],
-                     into: torch.Tensor | None, master: torch.Tensor | None = None
+                     into: torch.Tensor | None, master: torch.Tensor | None = None,
+                     clones: dict[int, torch.Tensor] | None = None
                      ) -> tuple[tuple[Any, ...], torch.Tensor]:
         """Host chunk ``k``'s master step, prepared: the arguments of `_master_update` but
         ``extra`` and ``state_in_place`` (gradients, state, master, into, out; with
         ``compile`` a state it may write), and the buffer its new values land in. From
         ``master`` when given (a step on the worker thread, which must not read the
-        engine's dicts that ``update`` rebuilds meanwhile), else from `_master`."""
+        engine's dicts that ``update`` rebuilds meanwhile), else from `_master`.
+        ``clones``: as `_writable`'s."""
         self.stats.host_chunk_steps += 1
         c = self.plan.chunks[k]
         if master is None:
@@ -1298,26 +1354,28 @@ class _Offloader:
         cast = self._buffer(k, "values", c.dtype) if master.dtype != c.dtype else None
         out = None if cast is None else self._as_chunk(k, cast)
         if self.compile:
-            state = self._writable(state)
+            state = self._writable(state, clones)
         values = cast if cast is not None else (master if into is None else into)
         return (grads, state, params, target, out), values
 
     def _master_update(self, grads: PyTree, state: Any, params: PyTree,
                        extra: dict[str, Any], into: PyTree | None, out: PyTree | None,
-                       state_in_place: bool) -> Any:
+                       state_in_place: bool, keep: tuple[bool, ...] = ()) -> Any:
         """The master step: the updates added to the master copy (``params``) in place, or
         into ``into``; the new master cast into ``out`` (16-bit parameters). The new state
         is written into the old buffers with ``state_in_place`` (compiled: one loop that
         reads and writes each byte once, as DeepSpeed's CPU Adam), else returned. 16-bit
         gradients of a float32 master are widened first (in the compiled loop, as they are
         read), so the update the master takes is computed and added in float32, as in
-        mixed-precision training, not rounded to the gradients' dtype on the way."""
+        mixed-precision training, not rounded to the gradients' dtype on the way. With
+        ``state_in_place``, the state's leaves where ``keep`` (a bool per leaf) is True are
+        not written, and the new state is returned (for the caller to write them)."""
         wide = tree_flatten(params)[0][0].dtype
         grads = tree_map(lambda g: g.to(wide) if isinstance(g, torch.Tensor)
                          and g.dtype != wide and g.is_floating_point() else g, grads)
         u, new = self._run(grads, state, params, extra)
         if state_in_place:
-            tree_copy_(state, new)
+            _copy_state(state, new, keep)
         if into is None:
             apply_updates_(params, u)
             into = params
@@ -1327,7 +1385,7 @@ class _Offloader:
             tree_copy_(out, into)
         # compiled, nothing is returned: a graph output would be one more buffer written
         # per state tensor (the state is already in place)
-        return None if state_in_place else new
+        return None if state_in_place and not any(keep) else new
 
     def _compiled_step(self, k: int | tuple[int, ...], method: Callable) -> Callable:
         """``method`` compiled for host chunk ``k`` alone, or for a group of them (a tuple;
@@ -1345,12 +1403,21 @@ class _Offloader:
                                                 dynamic=True, options=_host_compile_options())
         return self._compiled[key]
 
-    def _writable(self, state: Any) -> Any:
+    def _writable(self, state: Any, clones: dict[int, torch.Tensor] | None = None) -> Any:
         """``state`` for a compiled step that writes it in place: itself when the caller
-        donates it, else a copy."""
+        donates it, else a copy. ``clones`` (by the tensor's id): a tensor that several
+        states share is copied once, and the copies share that copy."""
         if is_donating():
             return state
-        return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+        clones = {} if clones is None else clones
+
+        def copy(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            if id(x) not in clones:
+                clones[id(x)] = x.clone()
+            return clones[id(x)]
+        return tree_map(copy, state)
 
     def _send_values(self, k: int, flat: torch.Tensor) -> torch.Tensor:
         """Host chunk ``k``'s flat buffer (new parameter values, or updates) on the device: on
