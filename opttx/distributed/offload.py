@@ -1895,9 +1895,11 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
         caches hold its data, not the interpreter's, and each compiled call's Python takes
         about 0.3 ms instead of 0.04 (2-core Xeon; benchmarks/offload_host_loop.py): with
         32 MiB chunks, about a tenth of the host step (benchmarks/offload.py, AdamW on
-        96 M parameters: one call per chunk 1.12x DeepSpeedCPUAdam's time, grouped 1.02x,
-        1.011x paired round by round over 100 rounds). The group's scalar work (step counts, bias
-        corrections) runs first, ahead of all its loops (`opttx.kernels.CoefficientsFirst`).
+        96 M parameters: one call per chunk 1.11x DeepSpeedCPUAdam's time, grouped 0.98x,
+        0.983x paired round by round over 100 rounds). The group's chunks share one copy of
+        the step count (written once, after all their steps), so their scalar work (bias
+        corrections) is computed once, ahead of all the loops
+        (`opttx.kernels.CoefficientsFirst`).
         On CUDA a group starts when the copies of all its chunks have landed (a larger
         group overlaps less of the copies to the host with the steps). Each chunk's numbers
         are those of its step alone.
