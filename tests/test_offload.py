@@ -228,6 +228,35 @@ def test_offloaded_equals_not_offloaded_bitwise(case: Case) -> None:
                            what=f"{case.name} offloaded {fraction}, donated")
 
 
+# per-leaf transforms that read their leaves' sizes in Python: sorted by size (adafactor,
+# kron), blocks of quantized states (adamw_8bit), projections and eigenbases of matrices
+COMPILED_PER_LEAF = ["adafactor", "adamw_8bit", "galore_adamw", "kron", "soap"]
+
+
+@pytest.mark.parametrize("name", COMPILED_PER_LEAF)
+def test_compiled_host_step_of_per_leaf_transforms(name: str, monkeypatch) -> None:
+    """``compile=True`` with ``layout="leaves"`` traces these transforms' steps in one graph
+    per chunk (``fullgraph``): their shapes are static there (with symbolic sizes Dynamo
+    refused to sort Adafactor's axes and failed on the others' fake-tensor calls). Traced
+    with Dynamo's eager backend (Inductor's builds are not what this checks), the numbers are
+    those of the eager host step."""
+    compile_ = torch.compile
+
+    def eager_backend(fn, **kwargs):
+        kwargs.pop("options", None)
+        return compile_(fn, **kwargs, backend="eager")
+    monkeypatch.setattr(torch, "compile", eager_backend)
+    case = next(c for c in CASES if c.name == name)
+    params = leaves_0d_to_4d(case)
+    grads = gradient_stream(params, 3, seed=5)
+    expected = run_transform(offload(case.make(), 1.0, chunk_size_mb=CHUNK_MB), params, grads)
+    stats = OffloadStats()
+    tx = offload(case.make(), 1.0, chunk_size_mb=CHUNK_MB, compile=True, stats=stats)
+    got = run_transform(tx, params, grads)
+    assert stats.host_chunk_steps == len(stats.plan.chunks) * 3
+    assert_trees_close(got, expected, rtol=1e-5, atol=1e-6, what=f"{name} compiled")
+
+
 def test_orthogonalized_one_matrix_at_a_time_offloads_bitwise() -> None:
     """The Muon family orthogonalizes every matrix of one shape in one batched product, across
     leaves: a chunk batches fewer matrices than the whole tree, and a batched product rounds

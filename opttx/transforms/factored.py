@@ -59,11 +59,25 @@ def _axes_for_shape(shape: Sequence[int], rule: str, min_dim_size_to_factor: int
     if rule == "last":
         d0, d1 = len(shape) - 2, len(shape) - 1
     else:  # "largest": the two largest dims, (second largest, largest), as optax
-        order = sorted(range(len(shape)), key=lambda i: shape[i])
+        order = _ascending(shape)
         d0, d1 = order[-2], order[-1]
     if min(shape[d0], shape[d1]) < min_dim_size_to_factor:
         return None
     return d0, d1
+
+
+def _ascending(shape: Sequence[int]) -> list[int]:
+    """The dims of ``shape`` by size, smallest first, ties in dim order: what
+    ``sorted(range(len(shape)), key=shape.__getitem__)`` gives, by comparisons alone. Traced
+    with dynamic shapes (offload's compiled host step) the sizes are symbolic, which Dynamo
+    compares (guarding on the outcome) but refuses as sort keys."""
+    order: list[int] = []
+    for d in range(len(shape)):
+        at = len(order)
+        while at > 0 and shape[order[at - 1]] > shape[d]:
+            at -= 1
+        order.insert(at, d)
+    return order
 
 
 def _is_axes(x: Any) -> bool:
