@@ -282,3 +282,13 @@ def test_factoring_a_0d_tensor_raises() -> None:
         tx.init(params)
     with pytest.raises(ValueError, match="factor_axes must be"):
         opttx.scale_by_factored_rms(factor_axes="first").init(params)
+
+
+def test_axes_order_by_comparisons_equals_a_stable_sort() -> None:
+    """Adafactor's "largest" axes come from an order built by comparisons alone (Dynamo
+    refuses symbolic sizes as sort keys): the order of a stable sort by size, ties in dim
+    order, on every shape of up to 5 dims with sizes 1 to 3."""
+    from opttx.transforms.factored import _ascending
+    for n in range(6):
+        for shape in itertools.product((1, 2, 3), repeat=n):
+            assert _ascending(shape) == sorted(range(n), key=lambda i: shape[i]), shape
