@@ -187,7 +187,7 @@ def coefficient(value: Any, tensors: Sequence[torch.Tensor], op: str | None = No
 # every compiled step that has a bias correction (offload's grouped host step: twice per
 # chunk), and custom_op's Python wrapper costs 10 us a call where this one costs 2.9 us
 # (aten's clone on a 0-dim tensor: 2.4 us), timed warm on the 2-core Xeon VM.
-_LIBRARY = torch.library.Library("opttx", "DEF")
+_LIBRARY = torch.library.Library("opttx", "FRAGMENT")
 _LIBRARY.define("computed_once(Tensor value) -> Tensor")
 
 
