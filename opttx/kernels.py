@@ -327,31 +327,31 @@ def _written_in_place(node: torch.fx.Node) -> bool:
             continue
         if not isinstance(op, torch._ops.OpOverload):
             return True
-        for i, arg in enumerate(op._schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            target = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
+        for target in _written_arguments(user):
             if target is node or (isinstance(target, (list, tuple)) and node in target):
                 return True
     return False
+
+
+def _written_arguments(node: torch.fx.Node) -> list[Any]:
+    """The arguments that ``node`` (a call of an op overload) writes in place, by its
+    schema's alias annotations."""
+    op = node.target
+    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) \
+            or not op._schema.is_mutable:
+        return []
+    return [node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            for i, arg in enumerate(op._schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write]
 
 
 def _writes_before_a_reader(node: torch.fx.Node, needed: set, moving: set,
                             order: dict) -> bool:
     """Whether ``node`` writes in place into a node of ``needed`` that a node of ``moving``
     placed after it reads."""
-    op = node.target
-    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) \
-            or not op._schema.is_mutable:
-        return False
-    for i, arg in enumerate(op._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        target = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        if isinstance(target, torch.fx.Node) and target in needed and any(
-                user in moving and order[user] > order[node] for user in target.users):
-            return True
-    return False
+    return any(isinstance(target, torch.fx.Node) and target in needed and any(
+        user in moving and order[user] > order[node] for user in target.users)
+        for target in _written_arguments(node))
 
 
 class CoefficientsFirst(CustomGraphPass):

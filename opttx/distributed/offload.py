@@ -525,11 +525,18 @@ def _copy_leaves(dst: PyTree, src: PyTree, which: Sequence[bool]) -> None:
 def _copy_state(dst: PyTree, src: PyTree, keep: Sequence[bool]) -> None:
     """``tree_copy_(dst, src)`` but for the leaves where ``keep`` (a bool per flat leaf, or
     empty: none) is True."""
-    if not any(keep):
+    if any(keep):
+        _copy_leaves(dst, src, [not k for k in keep])
+    else:
         tree_copy_(dst, src)
-        return
-    d, s = tree_flatten(dst)[0], tree_flatten(src)[0]
-    tree_copy_([x for x, k in zip(d, keep) if not k], [x for x, k in zip(s, keep) if not k])
+
+
+def _write_shared_once(items: list[tuple[Any, ...]], news: list[Any]) -> None:
+    """After a group's steps (`_Offloader._group_step`): each item's state (its second
+    element) takes the new values of the shared tensors it writes (its last element: a bool
+    per leaf) from that chunk's new state."""
+    for item, new in zip(items, news):
+        _copy_leaves(item[1], new, item[-1])
 
 
 class OffloadMasterState(NamedTuple):
@@ -1132,18 +1139,15 @@ class _Offloader:
         ends with two bools per leaf of the chunk's state: whether it is a shared tensor
         (one per group, not written by the chunk's step), and whether the chunk writes it
         once all the steps have read it (`_group_step`)."""
-        news = [self._master_update(grads, state, params, extra, into, out, True, shared)
-                for grads, state, params, into, out, shared, _ in items]
-        for item, new in zip(items, news):
-            _copy_leaves(item[1], new, item[-1])
+        _write_shared_once(items, [
+            self._master_update(grads, state, params, extra, into, out, True, shared)
+            for grads, state, params, into, out, shared, _ in items])
 
     def _in_places(self, items: list[tuple[Any, ...]], extra: dict[str, Any]) -> None:
         """`_in_place` of several host chunks (one compiled call); the shared tensors as in
         `_master_updates`."""
-        news = [self._in_place(grads, state, params, extra, out, shared)
-                for grads, state, params, out, shared, _ in items]
-        for item, new in zip(items, news):
-            _copy_leaves(item[1], new, item[-1])
+        _write_shared_once(items, [self._in_place(grads, state, params, extra, out, shared)
+                                   for grads, state, params, out, shared, _ in items])
 
     def _as_chunk(self, k: int, buf: torch.Tensor) -> PyTree:
         """A staging buffer of chunk ``k`` as the chunk's tree (views shaped like its leaves,
