@@ -50,7 +50,7 @@ import torch
 from torch.nn import Parameter
 
 import opttx
-from opttx.optim import _torch_arguments
+from opttx.optim.optimizer import _torch_arguments
 
 common = pytest.importorskip("torch.testing._internal.common_optimizers",
                              reason="torch's OptimizerInfo database (needs expecttest)")

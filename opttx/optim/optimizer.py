@@ -8,15 +8,15 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from ._tracing import is_tracing
-from .base import (GradientTransformation, HyperRole, _foreach_add, _kind, _stochastic_pairs,
+from .._tracing import is_tracing
+from ..base import (GradientTransformation, HyperRole, _foreach_add, _kind, _stochastic_pairs,
                    describe_transform, is_optional_entry, recipe_of, round_stochastic_)
-from .distributed.checkpoint_keys import (dtensor_placement, keyed_state,
+from ..distributed.checkpoint_keys import (dtensor_placement, keyed_state,
                                           local_entries_as_dtensors, param_paths)
-from .kernels import donating, foreach
-from .tree import PyTree, tree_leaves
-from .transforms.schedule_free import find_schedule_free_states, schedule_free_params_
-from .wrappers import find_injected_states, hyperparameter_roles, inject_all_hyperparams
+from ..kernels import donating, foreach
+from ..tree import PyTree, tree_leaves
+from ..transforms.schedule_free import find_schedule_free_states, schedule_free_params_
+from ..wrappers import find_injected_states, hyperparameter_roles, inject_all_hyperparams
 
 __all__ = ["Optimizer"]
 
