@@ -12,7 +12,8 @@ from the tensors' shapes.
 The formats (bytes per element of one statistic):
 
 * ``"8bit"``: a uint8 index into the dynamic map (signed or unsigned), an fp32 absmax per
-  block of 256: 1.016.
+  block of 256: 1.016. A positive non-negative statistic never takes the unsigned map's 0
+  (`_never_zero`): below the first step it is stored as the smallest positive value.
 * ``"4bit"``: 4-bit indices, two per byte; first moments on the signed 4-bit dynamic map with
   a bfloat16 absmax per block of 128 (0.516); second moments on the linear map without zero
   ``{1/16, ..., 1}`` with bfloat16 rank-1 scales, the maxima of every row and column (about
@@ -79,7 +80,11 @@ def dynamic_map(signed: bool = True, bits: int = 8) -> torch.Tensor:
     :math:`n_i = 2^i` values of each sign (signed map) or :math:`n_i = 2^{i+1}` non-negative
     values (unsigned map); then 0 and 1. Small magnitudes get fine steps and large ones
     coarse steps, so values far below their block's absmax (down to about 1e-6 of it at 8
-    bits) keep a few significant digits instead of rounding to 0.
+    bits) keep a few significant digits instead of rounding to 0. The unsigned map keeps 0
+    (bitsandbytes' values) but encoding a non-negative statistic gives 0 to exact zeros
+    only: a positive value under half the first step (``1.6e-7`` of the absmax at 8 bits)
+    takes the smallest positive value, ``3.25e-7`` (a second moment next to an outlier of its
+    block would otherwise round to 0 and blow up Adam's update).
 
     At 8 bits this equals ``bitsandbytes.functional.create_dynamic_map(signed)`` value for
     value (the same float32 arithmetic); at fewer bits it is bitsandbytes'
@@ -371,6 +376,8 @@ def _trim(flat: torch.Tensor, n: int) -> torch.Tensor:
 def _rank1_maxima(x: torch.Tensor) -> torch.Tensor:
     """max |x| along every dim of ``x`` (over all the other dims), concatenated."""
     a = x.abs()
+    if a.numel() == 0:     # an empty statistic: no element, every max over nothing is 0
+        return a.new_zeros(sum(a.shape))
     return torch.cat([a.amax(dim=tuple(d for d in range(x.dim()) if d != i))
                       for i in range(x.dim())])
 
@@ -424,9 +431,27 @@ def _encode_map(x: torch.Tensor, layout: StateLayout, qmap: QuantizationMap) -> 
         absmax = blocks.abs().amax(dim=1)
         absmax = absmax.to(torch.bfloat16) if low else absmax
         normed = (blocks / _nonzero(absmax.to(torch.float32)).unsqueeze(1)).reshape(-1)
-    codes = _trim(_round_to_map(normed, _on(qmap, x.device)), n)
+    qmap = _on(qmap, x.device)
+    codes = _round_to_map(normed, qmap)
+    if not layout.signed:
+        codes = _never_zero(codes, normed, qmap)
+    codes = _trim(codes, n)
     codes = _pack4(codes) if layout.format == "4bit" else codes.view(layout.shape)
     return QuantizedTensor(codes=codes, absmax=absmax, layout=layout)
+
+
+def _never_zero(codes: torch.Tensor, normed: torch.Tensor, qmap: QuantizationMap
+                ) -> torch.Tensor:
+    """Codes of a non-negative statistic where no positive value decodes to 0: a positive
+    element that rounds to a code of a value <= 0 (the 0 of the unsigned dynamic map, for an
+    element under half the map's smallest step, ``1.6e-7`` of its block's absmax at 8 bits)
+    takes the code of the smallest positive value instead. A second moment next to an outlier
+    in its block would otherwise round to 0 and make Adam's update :math:`m / (\sqrt v +
+    \epsilon)` explode; rounded up, it is over-estimated and the update can only shrink. Exact
+    zeros (and negative values, clamped) keep the code of 0. A no-op on maps without 0 (the
+    4-bit linear map). Applied when encoding, so codes written before it decode unchanged."""
+    first_positive = (qmap.values <= 0).sum().to(codes.dtype)
+    return torch.where(normed.view(codes.shape) > 0, torch.maximum(codes, first_positive), codes)
 
 
 def _decode_map(q: QuantizedTensor, qmap: QuantizationMap) -> torch.Tensor:
@@ -458,7 +483,9 @@ def quantize_blockwise(x: torch.Tensor, qmap: QuantizationMap, block_size: int =
     (round to nearest: the same codes as ``torch.bucketize`` on the midpoints of the map,
     ties to the lower value; a block of zeros has :math:`a_j = 0` and the codes of the map's
     0). Values beyond the map's range are clamped to its ends (negative values on the
-    unsigned map become its lowest value).
+    unsigned map become its lowest value). On a map without negative values (an unsigned map:
+    ``qmap.values[0] >= 0``) a positive value never takes a code of a value <= 0: one that
+    rounds there takes the smallest positive value's code instead (`_never_zero`).
 
     Returns:
       `QuantizedTensor` with uint8 codes of ``x``'s shape and fp32 ``absmax`` per block.
