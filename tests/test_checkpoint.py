@@ -813,3 +813,136 @@ def test_quantized_state_inside_project_lowrank_is_keyed_by_the_projected_shapes
     buffer.seek(0)
     loaded = load_state_dict(tx.init(params), torch.load(buffer, weights_only=True), params)
     assert _equal(loaded, state)
+
+
+# ---------------------------------------------------------------------------------------------
+# nothing in a checkpoint runs code: the metadata allowlist, entries with weights_only
+# ---------------------------------------------------------------------------------------------
+
+_PLANTED = Path("/nonexistent")       # replaced per test by a file under tmp_path
+
+
+class _Payload:
+    """A pickled object whose unpickling writes a file (what a planted .metadata can do)."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.target), "ran"))
+
+
+def _small_checkpoint(tmp_path: Path, with_checksums: bool = False):
+    params = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(4)}
+    tx = opttx.adamw(1e-2)
+    state = tx.init(params)
+    state = tx.update(tree_map(torch.ones_like, params), state, params)[1]
+    sd = {"params": params, "optim": state_dict(state, params), "step": 7}
+    path = tmp_path / "ckpt"
+    if with_checksums:
+        opttx.distributed.save_checkpoint(sd, path)
+    else:
+        dcp.save(sd, checkpoint_id=str(path))
+    live_params = {k: torch.zeros_like(v) for k, v in params.items()}
+    live = {"params": live_params, "optim": state_dict(tx.init(live_params), live_params),
+            "step": 0}
+    return path, live, sd
+
+
+def _leaves(tree) -> list[torch.Tensor]:
+    return [x.clone() for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
+def _plant(path: Path, target: Path, wrap: bool) -> None:
+    """Replace the checkpoint's .metadata by a pickle that writes ``target`` when loaded:
+    alone, or inside the real Metadata (its storage_meta), as an attacker who keeps the
+    checkpoint loadable would."""
+    import pickle
+    payload = _Payload(str(target))
+    if wrap:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()    # trusted: ours
+        metadata.planner_data = {"x": payload}
+        payload = metadata
+    (path / ".metadata").write_bytes(pickle.dumps(payload))
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_a_planted_metadata_payload_is_refused_and_does_not_run(tmp_path: Path,
+                                                                wrap: bool) -> None:
+    """A .metadata whose unpickling calls Path.write_text (alone, or inside a real Metadata):
+    load_checkpoint, check_checkpoint given the directory and read_metadata refuse it with a
+    ValueError naming the file and the global, the file is never written and nothing of the
+    live state changes. Torch itself runs it (the control)."""
+    path, live, _ = _small_checkpoint(tmp_path)
+    target = tmp_path / "pwned"
+    _plant(path, target, wrap)
+    before = _leaves(live)
+    text = r"\.metadata: refused .* names the global pathlib.Path.write_text"
+    with pytest.raises(ValueError, match=text):
+        load_checkpoint(live, checkpoint_id=str(path))
+    with pytest.raises(ValueError, match=text):
+        opttx.distributed.read_metadata(path)
+    with pytest.raises(ValueError, match=text):
+        check_checkpoint(live["optim"], str(path), "optim")
+    with pytest.raises(ValueError, match=text):      # a plain FileSystemReader is replaced
+        load_checkpoint(live, storage_reader=dcp.FileSystemReader(str(path)))
+    assert not target.exists()
+    assert all(torch.equal(a, b) for a, b in zip(_leaves(live), before))
+    if wrap:                                                 # the control: torch runs it
+        dcp.FileSystemReader(str(path)).read_metadata()
+    else:            # (then fails on the payload's result, the int write_text returns)
+        with pytest.raises(AttributeError):
+            dcp.FileSystemReader(str(path)).read_metadata()
+    assert target.read_text() == "ran"
+
+
+def test_a_planted_non_tensor_entry_is_refused_and_does_not_run(tmp_path: Path) -> None:
+    """DCP reads non-tensor entries with torch.load(weights_only=False); load_checkpoint reads
+    them with weights_only=True: an entry holding a payload raises a ValueError naming the
+    entry, and nothing runs."""
+    target = tmp_path / "pwned"
+    path = tmp_path / "ckpt"
+    dcp.save({"w": torch.ones(3), "extra": _Payload(str(target))}, checkpoint_id=str(path))
+    assert not target.exists()
+    live = {"w": torch.zeros(3), "extra": None}
+    with pytest.raises(ValueError, match=r"entry 'extra' .*weights_only=True.* refuses.*"
+                                         r"Unsupported global: GLOBAL getattr"):
+        load_checkpoint(live, checkpoint_id=str(path))
+    assert not target.exists() and float(live["w"].sum()) == 0.0
+
+
+@pytest.mark.parametrize("garbage", [b"not a pickle at all", b"\x80\x04\x95", b"\x80\x04K\x07."])
+def test_a_garbage_metadata_is_an_error_naming_the_file(tmp_path: Path, garbage: bytes) -> None:
+    """Garbage, a truncated pickle, or a pickle of something else (the int 7) as .metadata:
+    a ValueError naming the file (before: pickle's 'invalid load key' out of DCP), nothing
+    loaded. Without checksums (with them the SHA-256 check names the file first)."""
+    path, live, _ = _small_checkpoint(tmp_path)
+    (path / ".metadata").write_bytes(garbage)
+    before = _leaves(live)
+    with pytest.raises(ValueError, match=r"ckpt/\.metadata (is not DCP checkpoint metadata|"
+                                         r"holds a int)"):
+        load_checkpoint(live, checkpoint_id=str(path))
+    with pytest.raises(ValueError, match=r"\.metadata"):
+        check_checkpoint(live["optim"], str(path), "optim")
+    assert all(torch.equal(a, b) for a, b in zip(_leaves(live), before))
+
+
+@pytest.mark.parametrize("with_checksums", [False, True])
+def test_real_checkpoints_load_through_the_allowlist(tmp_path: Path,
+                                                     with_checksums: bool) -> None:
+    """A checkpoint DCP wrote (tensors of several dtypes, an int entry, opttx's made_by
+    strings) loads through the allowlisted reader and the weights_only planner, equal to what
+    was saved; the metadata read here equals torch's."""
+    path, live, sd = _small_checkpoint(tmp_path, with_checksums)
+    load_checkpoint(live, checkpoint_id=str(path))
+    assert all(torch.equal(a, b) for a, b in zip(_leaves(live), _leaves(sd)))
+    assert live["step"] == 7
+    mine = opttx.distributed.read_metadata(path)
+    theirs = dcp.FileSystemReader(str(path)).read_metadata()
+    assert mine.state_dict_metadata == theirs.state_dict_metadata
+    assert mine.storage_data == theirs.storage_data
+    check_checkpoint(live["optim"], str(path), "optim")
+    check_checkpoint(live["optim"], mine, "optim")
+    other = {"w": torch.ones(5)}
+    with pytest.raises(ValueError):
+        check_checkpoint(state_dict(opttx.adamw(1e-2).init(other), other), str(path), "optim")

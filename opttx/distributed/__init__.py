@@ -13,7 +13,7 @@ Example:
 """
 
 from .checkpoint import (check_checkpoint, load_checkpoint, load_state_dict, param_paths,
-                         save_checkpoint, state_dict, verify_checkpoint)
+                         read_metadata, save_checkpoint, state_dict, verify_checkpoint)
 from .consistency import consistency_checks, set_consistency_checks
 from .data_parallel import all_reduce_gradients, plan_buckets
 from .eval_params import schedule_free_eval_params
@@ -65,6 +65,7 @@ __all__ = [
     "plan_buckets",
     "plan_owners",
     "raise_on_every_rank",
+    "read_metadata",
     "shard_groups",
     "save_checkpoint",
     "schedule_free_eval_params",

@@ -43,6 +43,7 @@ the save free of communication and the memory at that of the shards.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -50,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint_files import save_checkpoint, verify_checkpoint
+from .checkpoint_metadata import SafeLoadPlanner, read_metadata, safe_reader, unwrap_refusal
 from .checkpoint_keys import (
     dtensor_placement,
     keyed_state,
@@ -61,7 +63,7 @@ from ..tree import PyTree, Static, tree_flatten
 from .shapes import is_dtensor, raise_on_every_rank
 
 __all__ = ["check_checkpoint", "load_checkpoint", "load_state_dict", "param_paths",
-           "save_checkpoint", "state_dict", "verify_checkpoint"]
+           "read_metadata", "save_checkpoint", "state_dict", "verify_checkpoint"]
 
 STATE, SHARED, MADE_BY = "state", "shared", "made_by"
 
@@ -379,13 +381,15 @@ def check_checkpoint(state_dict: Mapping[str, Any], metadata: Any, prefix: str =
     first missing or unexpected entries, or a shape mismatch, named on every rank, instead of
     DCP's error on one rank (or a silent partial load).
 
-    DCP's metadata is unpickled by torch when read (``read_metadata()``): load checkpoints
-    only from sources you trust.
+    Give the checkpoint's directory and its metadata is read here without running code
+    from it (`opttx.distributed.read_metadata`: an allowlist of DCP's metadata classes; a
+    planted payload raises ``ValueError`` naming the file). ``dcp.FileSystemReader(path)
+    .read_metadata()`` unpickles it with ``pickle``, which runs whatever the file names.
 
     Args:
       state_dict: this rank's `state_dict` of the template state.
-      metadata: the checkpoint's ``Metadata`` (``dcp.FileSystemReader(path).read_metadata()``)
-        or its ``state_dict_metadata``.
+      metadata: the checkpoint directory (a ``str`` or path), its ``Metadata``
+        (`opttx.distributed.read_metadata`) or its ``state_dict_metadata``.
       prefix: where the optimizer state sits in the saved dict (``"optim"`` for
         ``{"optim": state_dict(...)}``).
       group: the ranks taking part (None: the default group, or this process alone when no
@@ -394,6 +398,8 @@ def check_checkpoint(state_dict: Mapping[str, Any], metadata: Any, prefix: str =
     Raises:
       ValueError: on every rank, naming the mismatch.
     """
+    if isinstance(metadata, (str, os.PathLike)):
+        metadata = read_metadata(metadata)
     table = getattr(metadata, "state_dict_metadata", metadata)
     lead = f"{prefix}." if prefix else ""
     mine = {}
@@ -498,6 +504,14 @@ def load_checkpoint(state_dict: dict[str, Any], checkpoint_id: Any = None, *,
     checksums (`verify_checkpoint`: every file's size and SHA-256; ``torch``'s formats detect
     no flipped bit); any directory is refused if one of its files is empty.
 
+    Nothing in the checkpoint runs code: its ``.metadata`` is read through an allowlist of
+    the classes DCP's metadata is made of (`opttx.distributed.read_metadata`), and its
+    non-tensor entries with ``torch.load(weights_only=True)`` (where DCP would unpickle both
+    in full). A ``.metadata`` naming anything else, or no pickle at all, raises a
+    ``ValueError`` naming the file on every rank before any tensor is read. A ``planner`` or
+    a ``storage_reader`` of your own (other than a plain ``dcp.FileSystemReader``, which is
+    replaced by the allowlisted one) reads the checkpoint its own way.
+
     Raises:
       the read's own error on the rank that failed, a ``ValueError`` naming that rank on the
       others, or a ``ValueError`` on every rank naming a file that fails verification;
@@ -512,21 +526,27 @@ def load_checkpoint(state_dict: dict[str, Any], checkpoint_id: Any = None, *,
     if checkpoint_id is not None and storage_reader is None:
         # the bits as saved (save_checkpoint's checksums, when present; no empty file)
         verify_checkpoint(checkpoint_id, group=group, required=False)
+    # the metadata through the allowlist, and entries with weights_only (nothing runs code)
+    reader = safe_reader(checkpoint_id, storage_reader)
+    planner = SafeLoadPlanner() if planner is None else planner
     error = None
-    try:       # what made the saved optimizer states, against this run's, before any read
-        _check_saved_makers(state_dict, checkpoint_id, storage_reader)
+    saved = None
+    try:       # the metadata (named errors), then what made the saved optimizer states,
+        # against this run's, before any read
+        saved = set(reader.read_metadata().state_dict_metadata) if reader is not None \
+            else None
+        _check_saved_makers(state_dict, saved, checkpoint_id, reader)
     except ValueError as e:
         error = e
-    raise_on_every_rank(error, group, "load_checkpoint: rank {rank} found the checkpoint made "
-                                      "by another transform (see its error); nothing was "
-                                      "loaded.")
+    raise_on_every_rank(error, group, "load_checkpoint: rank {rank} refused the checkpoint "
+                                      "(see its error); nothing was loaded.")
     fresh = _fresh(state_dict)
-    absent = _absent_optional(state_dict, fresh, checkpoint_id, storage_reader)
+    absent = _absent_optional(state_dict, fresh, saved)
     try:
-        dcp.load(fresh, checkpoint_id=checkpoint_id, storage_reader=storage_reader,
+        dcp.load(fresh, checkpoint_id=checkpoint_id, storage_reader=reader,
                  planner=planner, process_group=group)
     except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - re-raised here,
-        error = e                                             # agreed on by the others
+        error = unwrap_refusal(e)                             # agreed on by the others
         # (DCP's CheckpointException derives from BaseException)
     raise_on_every_rank(error, group, "load_checkpoint: rank {rank} failed to read the "
                                       "checkpoint (see its error); nothing was loaded.")
@@ -535,20 +555,15 @@ def load_checkpoint(state_dict: dict[str, Any], checkpoint_id: Any = None, *,
         (x.to_local() if is_dtensor(x) else x).zero_()
 
 
-def _absent_optional(live: Any, fresh: Any, checkpoint_id: Any, storage_reader: Any
+def _absent_optional(live: Any, fresh: Any, saved: set[str] | None
                      ) -> list[torch.Tensor]:
     """The entries of fields declared optional (`opttx.declare_optional`) in the opttx state
-    dicts of ``live`` that the checkpoint lacks: taken out of ``fresh`` (``dcp.load`` would
-    refuse them) and returned (``live``'s tensors, to zero once the load succeeded)."""
+    dicts of ``live`` that the checkpoint lacks (``saved``: its entries, from its metadata;
+    None: unknown): taken out of ``fresh`` (``dcp.load`` would refuse them) and returned
+    (``live``'s tensors, to zero once the load succeeded)."""
     tables = list(zip(_opttx_state_dicts(live), _opttx_state_dicts(fresh)))
-    if not any(_optional_keys(sd) for (_, sd), _ in tables):
+    if saved is None or not any(_optional_keys(sd) for (_, sd), _ in tables):
         return []
-    import torch.distributed.checkpoint as dcp
-    reader = storage_reader if storage_reader is not None else (
-        dcp.FileSystemReader(checkpoint_id) if checkpoint_id is not None else None)
-    if reader is None:
-        return []
-    saved = set(reader.read_metadata().state_dict_metadata)
     out = []
     for (prefix, sd), (_, fresh_sd) in tables:
         for where in (STATE, SHARED):
@@ -576,19 +591,16 @@ def _opttx_state_dicts(tree: Any, prefix: str = "") -> Iterator[tuple[str, Mappi
             yield from _opttx_state_dicts(v, f"{prefix}{i}.")
 
 
-def _check_saved_makers(state_dict: Any, checkpoint_id: Any, storage_reader: Any) -> None:
-    """Compare the ``made_by`` entries of the checkpoint (read from its metadata, and their
-    values read alone when they differ) with this run's, for every opttx state dict in
-    ``state_dict``; raise naming both. Checkpoints saved without them pass."""
+def _check_saved_makers(state_dict: Any, saved: set[str] | None, checkpoint_id: Any,
+                        reader: Any) -> None:
+    """Compare the ``made_by`` entries of the checkpoint (``saved``: its entries, from its
+    metadata; None: unknown, nothing compared; their values read alone, through ``reader``,
+    when they differ) with this run's, for every opttx state dict in ``state_dict``; raise
+    naming both. Checkpoints saved without them pass."""
     import torch.distributed.checkpoint as dcp
     tables = list(_opttx_state_dicts(state_dict))
-    if not tables:
+    if not tables or saved is None:
         return
-    reader = storage_reader if storage_reader is not None else (
-        dcp.FileSystemReader(checkpoint_id) if checkpoint_id is not None else None)
-    if reader is None:
-        return
-    saved = set(reader.read_metadata().state_dict_metadata)
     for prefix, sd in tables:
         lead = f"{prefix}{MADE_BY}."
         theirs = {k[len(lead):] for k in saved if k.startswith(lead)}
@@ -599,7 +611,6 @@ def _check_saved_makers(state_dict: Any, checkpoint_id: Any, storage_reader: Any
         wanted: dict[str, Any] = {MADE_BY: values}
         for part in reversed(prefix.rstrip(".").split(".") if prefix else []):
             wanted = {part: wanted}
-        dcp.load(wanted, checkpoint_id=checkpoint_id,
-                 storage_reader=None if checkpoint_id is not None else storage_reader,
-                 no_dist=True)
+        dcp.load(wanted, checkpoint_id=checkpoint_id, storage_reader=reader,
+                 planner=SafeLoadPlanner(), no_dist=True)
         _check_stamps(mine, values, "load_checkpoint")
