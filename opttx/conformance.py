@@ -29,7 +29,8 @@ __all__ = ["CHECKS", "check_transform", "check_purity", "check_tree_without_leav
            "check_state_structure_and_dtypes", "check_float64_determinism",
            "check_one_compiled_graph", "check_injected_hyperparameters",
            "check_stacked", "check_checkpoint_round_trip", "check_errors",
-           "check_donation", "check_compile_on_another_thread", "standard_params",
+           "check_donation", "check_compile_on_another_thread", "check_optimizer_resume",
+           "standard_params",
            "leaves_0d_to_4d"]
 
 Make = Callable[[], GradientTransformation]
@@ -372,6 +373,98 @@ def check_compile_on_another_thread(make: Make, params: PyTree | None = None, st
     _close(donated, expected, 0.0, f"{name}: donating, while another thread compiles")
 
 
+def _same_state_dict(actual: dict, expected: dict, what: str) -> None:
+    """Two `opttx.Optimizer` state dicts are equal: the same entries, tensors bitwise (and of
+    one dtype), the same param groups with the same values."""
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
+                a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and a == b
+    assert actual["state"].keys() == expected["state"].keys(), f"{what}: other entries"
+    for key, entries in expected["state"].items():
+        mine = actual["state"][key]
+        assert mine.keys() == entries.keys(), \
+            f"{what}: param {key}: entries {sorted(mine)} != {sorted(entries)}"
+        for field, value in entries.items():
+            assert same(mine[field], value), f"{what}: param {key}: {field} differs"
+    assert len(actual["param_groups"]) == len(expected["param_groups"]), what
+    for i, (mine, theirs) in enumerate(zip(actual["param_groups"], expected["param_groups"])):
+        assert mine.keys() == theirs.keys(), \
+            f"{what}: param group {i}: keys {sorted(mine)} != {sorted(theirs)}"
+        for key in theirs:
+            assert same(mine[key], theirs[key]), \
+                f"{what}: param group {i}: {key!r} is {mine[key]!r}, saved {theirs[key]!r}"
+
+
+def check_optimizer_resume(make: Make, params: PyTree | None = None, steps: int = 3,
+                           after: int | None = None, name: str = "transform") -> None:
+    """`opttx.Optimizer` resumes exactly: after ``steps`` steps with a scheduler history (a
+    torch ``LambdaLR`` on ``lr`` when the group has a writable one, and every other
+    hyperparameter key written by hand once), its state dict, saved with ``torch.save``
+    and loaded with ``weights_only=True`` into a fresh Optimizer (and scheduler), gives
+    ``state_dict()`` equal to the one saved, ``load_state_dict(state_dict())`` changes
+    nothing, and ``after`` more steps (default ``steps``) with their scheduler steps equal
+    the uninterrupted run bit for bit (parameters, state, param groups)."""
+    from .optim import Optimizer
+    params = standard_params() if params is None else params
+    if not isinstance(params, dict):
+        params = {str(i): p for i, p in enumerate(tree_leaves(params))}
+    after = steps if after is None else after
+    grads = _gradients(params, steps + after, 17)
+
+    def build(values: dict[str, torch.Tensor]) -> tuple[Any, Any, dict]:
+        model = {k: torch.nn.Parameter(v.clone()) for k, v in values.items()}
+        opt = Optimizer(list(model.items()), make())
+        group = opt.param_groups[0]
+        sched = None
+        if "lr" in group and "lr" not in group._scheduled:
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s + 0.25)
+        return opt, sched, model
+
+    def train(opt: Any, sched: Any, model: dict, gs: list) -> None:
+        for g in gs:
+            for k, p in model.items():
+                p.grad = g[k].clone()
+            opt.step()
+            if sched is not None:
+                sched.step()
+
+    opt, sched, model = build(params)
+    train(opt, sched, model, grads[:1])
+    group = opt.param_groups[0]
+    for key in opt._keys[0].places:        # every other key written once, by hand
+        value = group[key]
+        if key == "lr" or key in group._scheduled:
+            continue
+        scaled = tuple(v * 0.96875 for v in value) if isinstance(value, tuple) \
+            else value * 0.96875
+        group[key] = scaled
+    train(opt, sched, model, grads[1:steps])
+    buffer = io.BytesIO()
+    torch.save({"opt": opt.state_dict(), "sched": sched.state_dict() if sched else None,
+                "params": {k: p.detach().clone() for k, p in model.items()}}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed, resumed_sched, resumed_model = build(saved["params"])
+    if resumed_sched is not None:
+        resumed_sched.load_state_dict(saved["sched"])
+    resumed.load_state_dict(saved["opt"])
+    _same_state_dict(resumed.state_dict(), saved["opt"], f"{name}: state_dict after loading")
+    resumed.load_state_dict(resumed.state_dict())
+    _same_state_dict(resumed.state_dict(), saved["opt"],
+                     f"{name}: load_state_dict(state_dict()) after loading")
+    train(opt, sched, model, grads[steps:])
+    train(resumed, resumed_sched, resumed_model, grads[steps:])
+    _close({k: p.detach() for k, p in resumed_model.items()},
+           {k: p.detach() for k, p in model.items()}, 0.0, f"{name}: resumed parameters")
+    _same_state_dict(resumed.state_dict(), opt.state_dict(), f"{name}: resumed run")
+
+
 CHECKS: dict[str, Callable[..., Any]] = {
     "purity": check_purity,
     "tree_without_leaves": check_tree_without_leaves,
@@ -383,6 +476,7 @@ CHECKS: dict[str, Callable[..., Any]] = {
     "errors": check_errors,
     "donation": check_donation,
     "compile_on_another_thread": check_compile_on_another_thread,
+    "optimizer_resume": check_optimizer_resume,
 }
 """The single-process checks of `check_transform`, by name (``injected_hyperparameters``
 runs too when a factory is given)."""
@@ -424,6 +518,7 @@ def check_transform(make: Make, *, factory: Callable[..., GradientTransformation
         "donation": lambda: check_donation(make, leaves_0d_to_4d(matrices_only=matrices_only)),
         "compile_on_another_thread": lambda: check_compile_on_another_thread(
             make, leaves_0d_to_4d(matrices_only=matrices_only)),
+        "optimizer_resume": lambda: check_optimizer_resume(make, params()),
     }
     if factory is not None:
         runs["injected_hyperparameters"] = lambda: check_injected_hyperparameters(
