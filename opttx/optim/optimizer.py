@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Iterable, NamedTuple
@@ -125,38 +126,68 @@ def _places(state: Any) -> list[_Place]:
     return out
 
 
-_ROLE_NAMES = {HyperRole.LEARNING_RATE: "learning_rate", HyperRole.B1: "b1",
-               HyperRole.B2: "b2"}   # shown under the role's key only
+LR_RATIOS = "lr_ratios"   # param-group key: each other learning rate's ratio to ``lr``
 
 
-def _group_keys(places: list[_Place]) -> dict[str, tuple[tuple[int, ...], ...]]:
-    """Param-group key -> per component of its value (two for ``"betas"``), the indices of
-    the places it sets: torch's key for each declared role (``lr``, ``betas`` when both betas
-    are declared, ``momentum``, ``weight_decay``, ``eps``, ``alpha``), and each hyperparameter
-    under its own name too (all places of that name), except a learning rate and the two
-    betas, which torch shows only as ``lr`` and ``betas``."""
+class _Keys(NamedTuple):
+    """The param-group keys of one group's hyperparameters (see `_group_keys`)."""
+    places: dict[str, tuple[tuple[int, ...], ...]]   # key -> per component, the places it sets
+    roles: frozenset[str]     # the keys of roles (torch's names), written before own keys
+    first_lr: int | None      # the place of the first learning rate (``lr``'s own)
+    other_lrs: dict[str, int]  # own key -> place, of every other learning rate
+
+
+def _place_paths(state: Any, tree: PyTree, places: list[_Place]) -> list[str]:
+    """The field path of each place in the group's state, as `Optimizer.state_dict` names
+    it less ``"shared."`` (``"hyperparams.weight_decay"``, ``"1.hyperparams.decay"``)."""
+    _, shared = keyed_state(state, tree, None)
+    where = {id(t): k for k, t in shared.items()}
+    out = []
+    for i, place in enumerate(places):
+        path = where.get(id(place.hyperparams[place.name]))
+        out.append(path if path is not None else f"hyperparams[{i}].{place.name}")
+    return out
+
+
+def _group_keys(places: list[_Place], paths: list[str]) -> _Keys:
+    """The param-group keys of a group whose injected hyperparameters are ``places``.
+
+    *Role keys*, torch.optim's names (``lr``, ``betas`` when both betas are declared,
+    ``momentum``, ``weight_decay``, ``eps``, ``alpha``): each names every hyperparameter of
+    its role (``lr``: every learning rate, the others at their ratios). *Own keys*: every
+    hyperparameter that no role key names alone (no role, or a role that several hold) has
+    one, except the first learning rate, whose key is ``lr``; it is the hyperparameter's name
+    when no other hyperparameter of the group has that name and no role key is that name, its
+    field path in the state (`_place_paths`) otherwise. So every key names a fixed set of
+    places and no two own keys name the same place."""
     by_role: dict[HyperRole, list[int]] = {}
-    by_name: dict[str, list[int]] = {}
     for i, place in enumerate(places):
         if place.role is not None:
             by_role.setdefault(place.role, []).append(i)
-        by_name.setdefault(place.name, []).append(i)
     keys: dict[str, tuple[tuple[int, ...], ...]] = {}
     for role, idx in by_role.items():
-        if role in (HyperRole.B1, HyperRole.B2):
-            continue
-        keys[role.group_key] = (tuple(idx),)
+        if role not in (HyperRole.B1, HyperRole.B2):
+            keys[role.group_key] = (tuple(idx),)
     if HyperRole.B1 in by_role and HyperRole.B2 in by_role:
         keys["betas"] = (tuple(by_role[HyperRole.B1]), tuple(by_role[HyperRole.B2]))
-    shown_as = {HyperRole.LEARNING_RATE: "lr", HyperRole.B1: "betas", HyperRole.B2: "betas"}
-    for name, idx in by_name.items():
-        if name in keys:
+    roles = frozenset(keys)
+    alone = {comp[0] for comps in keys.values() for comp in comps if len(comp) == 1}
+    lrs = by_role.get(HyperRole.LEARNING_RATE, [])
+    first_lr = lrs[0] if lrs else None
+    if first_lr is not None:
+        alone.add(first_lr)
+    names: dict[str, int] = {}
+    for place in places:
+        names[place.name] = names.get(place.name, 0) + 1
+    other_lrs: dict[str, int] = {}
+    for i, place in enumerate(places):
+        if i in alone:
             continue
-        if all(_ROLE_NAMES.get(places[i].role) == name and shown_as[places[i].role] in keys
-               for i in idx):
-            continue            # learning_rate, b1, b2: torch shows them as lr and betas
-        keys[name] = (tuple(idx),)
-    return keys
+        key = place.name if names[place.name] == 1 and place.name not in roles else paths[i]
+        keys[key] = ((i,),)
+        if place.role is HyperRole.LEARNING_RATE:
+            other_lrs[key] = i
+    return _Keys(keys, roles, first_lr, other_lrs)
 
 
 def _place_value(place: _Place) -> Any:
@@ -231,6 +262,7 @@ class _Group(dict):
 
     _owner: Any = None     # the Optimizer, once the group's state exists
     _slot: int = 0         # index of the group's transform state
+    _scheduled: frozenset = frozenset()   # keys of hyperparameters that follow a schedule
 
     def __setitem__(self, key: str, value: Any) -> None:
         if self._owner is not None:
@@ -238,6 +270,14 @@ class _Group(dict):
                 return        # an opttx name shown under torch's key (b1 -> betas)
             self._owner._write_hyperparameter(self._slot, key, value)
         super().__setitem__(key, value)
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self._scheduled and self._owner is not None:
+            self._owner._show_scheduled(self._slot)    # the value the state holds now
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         for key, value in dict(*args, **kwargs).items():
@@ -334,24 +374,50 @@ class Optimizer(torch.optim.Optimizer):
     lr=1e-3, betas=(0.9, 0.95))``; the two are the same optimizer. The transform is rebuilt
     from its recipe with every hyperparameter its factories *declare* injected
     (`opttx.inject_all_hyperparams`; float32 0-dim tensors, float64 for a model with float64
-    parameters), and each param group shows them under torch's keys, read from their declared
-    roles (`opttx.HyperRole`): ``"lr"``, ``"betas"``, ``"momentum"``, ``"weight_decay"``,
-    ``"eps"``, ``"alpha"``, and every other hyperparameter under its own name
-    (``"eps_root"``, ``"adam_learning_rate"``, ``"max_norm"`` of a ``clip_by_global_norm``
-    link). A key shows the value given at construction. Writing a group key (a torch or HF LR
-    scheduler, a hand-written warm-up, OneCycleLR or CyclicLR cycling ``betas`` /
-    ``momentum``) writes the value into the state at once; a per-group value in a
-    param-group dict applies to that group.
+    parameters), and each param group shows them under keys read from their declared roles
+    (`opttx.HyperRole`). Writing a group key (a torch or HF LR scheduler, a hand-written
+    warm-up, OneCycleLR or CyclicLR cycling ``betas`` / ``momentum``) writes the value into
+    the state at once; a per-group value in a param-group dict applies to that group.
 
-    *Several learning rates* (muon's ``adam_learning_rate``, a partition's links, a chain
-    with two scaled links): ``"lr"`` shows the first in the transform's order (a chain's first
-    link that has one, a partition's first label) and writing it sets every learning rate,
-    each keeping its ratio to the first as given at construction (all of them to the value
-    when the first was 0); each also has its own key. Writing another role key
-    (``weight_decay`` of two links) sets every hyperparameter of that role to the value. A
-    0-dim tensor ``lr`` is shared with the state, so a scheduler's in-place ``fill_`` applies
-    too (refused when the group has several learning rates: they could not follow it). A
-    hyperparameter given as a schedule shows its current value and cannot be written.
+    *Group keys: one key, one set of hyperparameters.* Each key names a fixed set of the
+    group's injected hyperparameters, a write reaches exactly those, and every key that names
+    one of them shows its new value at once (a key never shows a number another key moved):
+
+    - *Role keys*, torch's names: ``"lr"``, ``"betas"`` (when both betas are declared),
+      ``"momentum"``, ``"weight_decay"``, ``"eps"``, ``"alpha"``. Each names every
+      hyperparameter of its role and shows the first one's value (the transform's order: a
+      chain's first link that has one, a partition's first label).
+    - *Own keys*: a hyperparameter that no role key names alone (no role, as ``eps_root``;
+      or a role several links hold, as muon's ``adam_weight_decay`` or adamuon's ``adam_b1``)
+      has one key of its own: its name, when no other hyperparameter of the group has that
+      name and no role key is called so; otherwise its field path in the state, as
+      `state_dict` names it less ``"shared."``: ``"0.hyperparams.max_norm"`` and
+      ``"2.hyperparams.max_norm"`` for two ``clip_by_global_norm`` links,
+      ``"hyperparams.weight_decay"`` for muon's own ``weight_decay`` (``"weight_decay"``
+      names both), ``"inner_states.s.inner_state.hyperparams.learning_rate"`` for a
+      partition's second learning rate. Two links that both call a hyperparameter ``decay``
+      (``scale_by_rms`` and ``trace``) show as ``"alpha"`` and ``"momentum"``; a ``"decay"``
+      key would name both, and writing it is refused.
+    - *Several learning rates* (muon's ``adam_learning_rate``, a partition's links, a chain
+      with two scaled links): ``"lr"`` is the first one's key. Writing it sets the first to
+      the value and every other to the value times its ratio, ``group["lr_ratios"]`` (own
+      key -> ratio; from the values given at construction, 1 where the first was 0), so a
+      scheduler scales them all. Writing another learning rate's own key sets it alone and
+      makes its ratio the one it now has to ``lr`` (kept when ``lr`` is 0, as at the start of
+      a warm-up). ``"lr_ratios"`` is saved in the state dict and may be set (a ratio for each
+      other learning rate).
+    - An opttx name that a role key shows (``b1`` in ``betas``, ``decay`` as ``alpha``,
+      ``learning_rate`` as ``lr``), given in a param-group dict or an older state dict, is
+      written through that key, and not kept, when exactly one hyperparameter has it.
+
+    A 0-dim tensor ``lr`` is shared with the state, so a scheduler's in-place ``fill_``
+    applies too (refused when the group has several learning rates: they could not follow
+    it). A hyperparameter given as a schedule shows the value its state holds (the value
+    the last step used; before any step, the first step's) and cannot be written.
+    `load_state_dict` takes a saved group's values in that order (role keys, own keys,
+    ``lr_ratios``) and leaves scheduled ones to the loaded state: ``load_state_dict(
+    state_dict())`` is the identity, and a run resumed from a state dict equals the
+    uninterrupted one bit for bit (`opttx.conformance.check_optimizer_resume`).
 
     *Other group keys.* A key that is an argument of the transform's factory but not a
     hyperparameter (``nesterov``, ``amsgrad``, ``centered``) rebuilds that group's transform
@@ -470,8 +536,9 @@ class Optimizer(torch.optim.Optimizer):
         self._state_extras: dict[Any, Any] = {}   # ``state`` entries not keyed by a parameter
         self._tree_names: list[list[str] | None] = []   # per state: its tree's names, if any
         self._slot_groups: list[_Group] = []       # the group of each transform state
-        self._keys: list[dict[str, tuple[tuple[int, ...], ...]]] = []   # live group keys
-        self._ratios: list[dict[int, float]] = []  # per learning rate: its ratio to the first
+        self._keys: list[_Keys] = []               # per state: its group's keys
+        self._shown: list[list[Any]] = []          # per state: each place's value, as written
+        self._ratios: list[dict[str, float]] = []  # per state: other learning rates' ratios
         self._honoured: list[frozenset[str]] = []  # group keys built into the transform
         params = list(params)     # None: torch's TypeError
         if _is_named(params):
@@ -547,47 +614,105 @@ class Optimizer(torch.optim.Optimizer):
             tree = self._tree(group, [p.detach() for p in group["params"]])
             state = tx.init(tree)
         places = _places(state)
-        keys = _group_keys(places)
-        initial = {key: (tuple(_place_value(places[c[0]]) for c in comps) if len(comps) > 1
-                         else _place_value(places[comps[0][0]]))
-                   for key, comps in keys.items()}
+        keys = _group_keys(places, _place_paths(state, tree, places))
+        shown = [None if p.schedule else _place_value(p) for p in places]
         for key in given:
-            if key not in keys and key not in honoured:
+            if key not in keys.places and key not in honoured and key != LR_RATIOS and \
+                    not self._is_legacy_name(places, keys, key):
                 _check_unhonoured_key(key, group[key], tx)
         for key in set(group) - given - {"params", "param_names", "tx", TRANSFORM_KEY}:
-            if key not in initial:
-                dict.pop(group, key)           # a default of another group's transform
-        for key, value in initial.items():
-            if key not in given:
-                dict.__setitem__(group, key, value)
-        dict.__setitem__(group, TRANSFORM_KEY, describe_transform(tx, values=False))
-        if not self.defaults:
-            self.defaults.update(initial)
-        lr_places = keys.get("lr", ((),))[0]
-        first = _place_value(places[lr_places[0]]) if lr_places else 0.0
+            dict.pop(group, key)                # a default of another group's transform
+        first = shown[keys.first_lr] if keys.first_lr is not None else None
+        ratios = {key: (shown[i] / first if first and shown[i] is not None else 1.0)
+                  for key, i in keys.other_lrs.items()}
         slot = len(self._tx_states)
         self._tx_states.append(state)
         self._slot_groups.append(group)
         self._tree_names.append(list(group["param_names"]) if "param_names" in group else None)
         self._keys.append(keys)
-        self._ratios.append({i: (_place_value(places[i]) / first if first else 1.0)
-                             for i in lr_places})
+        self._shown.append(shown)
+        self._ratios.append(ratios)
         self._honoured.append(frozenset(honoured))
         group._owner, group._slot = self, slot
+        group._scheduled = frozenset(key for key, comps in keys.places.items()
+                                     if any(places[i].schedule for c in comps for i in c))
+        written = {key: group[key] for key in given
+                   if key in keys.places or key == LR_RATIOS or
+                   self._is_legacy_name(places, keys, key)}
+        for key in written:
+            dict.pop(group, key)
+        self._show(slot)
+        dict.__setitem__(group, TRANSFORM_KEY, describe_transform(tx, values=False))
+        if not self.defaults:
+            self.defaults.update({k: v for k, v in group.items()
+                                  if k in keys.places or k == LR_RATIOS})
         if find_schedule_free_states(state):
             dict.__setitem__(group, "train_mode", True)    # see `train` and `eval`
-        for key in given & set(keys):
-            self._write_hyperparameter(slot, key, group[key])
+        for key in self._write_order(slot, written):
+            group[key] = written[key]
+
+    # -- param-group keys of the hyperparameters ------------------------------------------------
+
+    @staticmethod
+    def _is_legacy_name(places: list[_Place], keys: _Keys, name: str) -> bool:
+        """Whether ``name`` is the name of exactly one hyperparameter that has no key of that
+        name (``b1`` shown in ``betas``, ``decay`` shown as ``alpha``): accepted as that
+        hyperparameter's key, as older state dicts and opttx's own names have it."""
+        return name not in keys.places and sum(p.name == name for p in places) == 1
+
+    def _write_order(self, slot: int, items: Iterable[str]) -> list[str]:
+        """``items`` in the order to write them: role keys, then the hyperparameters' own keys
+        (more specific: a ``weight_decay`` of two links, then one link's own), then the rest,
+        ``lr_ratios`` last (writing an own learning rate sets its ratio)."""
+        keys = self._keys[slot]
+
+        def rank(key: str) -> int:
+            if key in keys.roles:
+                return 0
+            if key == LR_RATIOS:
+                return 3
+            return 1 if key in keys.places else 2
+        return sorted(items, key=rank)
+
+    def _show(self, slot: int, changed: set[int] | None = None, skip: str | None = None
+              ) -> None:
+        """Show in the group the current value of every key (of those naming a place in
+        ``changed``; all when None), except ``skip`` (the key being written, stored as given)."""
+        group, keys, shown = self._slot_groups[slot], self._keys[slot], self._shown[slot]
+        if group._scheduled:
+            self._show_scheduled(slot)
+        for key, comps in keys.places.items():
+            if key == skip or key in group._scheduled:
+                continue
+            if changed is None or any(i in changed for c in comps for i in c):
+                values = tuple(shown[c[0]] for c in comps)
+                dict.__setitem__(group, key, values if len(values) > 1 else values[0])
+        if keys.other_lrs:
+            dict.__setitem__(group, LR_RATIOS, dict(self._ratios[slot]))
+
+    def _show_scheduled(self, slot: int) -> None:
+        """Show the keys of hyperparameters that follow a schedule with the values the state
+        holds (the value the last step used; before any step, the first step's)."""
+        group, keys = self._slot_groups[slot], self._keys[slot]
+        places = _places(self._tx_states[slot])
+        for key in group._scheduled:
+            values = tuple(places[c[0]].hyperparams[places[c[0]].name].item()
+                           if places[c[0]].schedule else self._shown[slot][c[0]]
+                           for c in keys.places[key])
+            dict.__setitem__(group, key, values if len(values) > 1 else values[0])
 
     @torch.no_grad()
-    def _check_hyperparameter(self, slot: int, key: str, value: Any) -> None:
+    def _check_hyperparameter(self, slot: int, key: str, value: Any, loading: bool = False
+                              ) -> None:
         """Refuse a value of a group key that this group cannot take, naming the key: a live
         hyperparameter that is not a number or a real 0-dim tensor (or that follows a
-        schedule), a configuration key changed after the group was built, a key of
-        torch.optim that the transform cannot honour."""
+        schedule, unless ``loading``: a state dict shows its value, which the loaded state
+        holds), ``lr_ratios`` that do not name this group's other learning rates, a
+        configuration key changed after the group was built, a key of torch.optim that the
+        transform cannot honour."""
         keys = self._keys[slot]
-        if key in keys:
-            comps = keys[key]
+        if key in keys.places:
+            comps = keys.places[key]
             values = tuple(value) if len(comps) > 1 and isinstance(value, (tuple, list)) \
                 else (value,)
             if len(values) != len(comps):
@@ -603,18 +728,35 @@ class Optimizer(torch.optim.Optimizer):
             places = _places(self._tx_states[slot])
             for comp in comps:
                 for i in comp:
-                    if places[i].schedule:
+                    if places[i].schedule and not loading:
                         raise ValueError(
                             f"param group {key!r}: {places[i].name} follows the schedule "
                             "it was given at construction, so it cannot also be set (by a "
                             "torch LR scheduler or by hand); give it as a number instead.")
-            if key == "lr" and len(comps[0]) > 1 and isinstance(value, torch.Tensor):
+            if key == "lr" and keys.other_lrs and isinstance(value, torch.Tensor):
                 raise ValueError(
                     "param group 'lr': this group has several learning rates "
                     f"({', '.join(places[i].name for i in comps[0])}) that follow 'lr' at "
                     "their ratios; a tensor lr would be shared with the first only (an "
                     "in-place change would leave the others behind). Give lr as a number, or "
                     "set each learning rate by its own key.")
+        elif key == LR_RATIOS:
+            if not keys.other_lrs:
+                raise ValueError(f"param group {LR_RATIOS!r}: this group has one learning "
+                                 "rate (or none), so there are no ratios to set.")
+            if not isinstance(value, Mapping) or set(value) != set(keys.other_lrs) or \
+                    not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                            for v in value.values()):
+                raise ValueError(f"param group {LR_RATIOS!r} must map each other learning "
+                                 f"rate's key ({sorted(keys.other_lrs)}) to a number, got "
+                                 f"{value!r:.80}.")
+        elif sum(p.name == key for p in _places(self._tx_states[slot])) > 1:
+            places = _places(self._tx_states[slot])
+            named = [k for k, comps in keys.places.items()
+                     if any(places[c[0]].name == key and (len(c) == 1 or k == "lr")
+                            for c in comps)]
+            raise ValueError(f"param group {key!r}: several hyperparameters of this group's "
+                             f"transform have that name; set each by its own key: {named}.")
         elif key in self._honoured[slot]:
             if value != self._slot_groups[slot].get(key, value):
                 raise ValueError(
@@ -625,44 +767,63 @@ class Optimizer(torch.optim.Optimizer):
             _check_unhonoured_key(key, value, self._slot_groups[slot]["tx"])
 
     def _write_by_name(self, slot: int, name: str, value: Any) -> bool:
-        """``group[name] = value`` for a hyperparameter that the group shows under torch's key
-        only (``learning_rate`` as ``lr``, ``b1``/``b2`` in ``betas``; as older state dicts
-        name them): set it by name, show the new value under torch's key. False when ``name``
-        is not such a hyperparameter."""
+        """``group[name] = value`` where ``name`` is not a key but the name of exactly one
+        hyperparameter (``b1`` shown in ``betas``, ``decay`` as ``alpha``, ``learning_rate``
+        as ``lr``; as older state dicts and opttx's arguments name them): written through
+        the key that names it, ``name`` itself not kept. False when ``name`` is not such a
+        name."""
         keys = self._keys[slot]
-        if name in keys:
-            return False
         places = _places(self._tx_states[slot])
-        hidden = [i for i, p in enumerate(places) if p.name == name]
-        if not hidden:
+        if name == LR_RATIOS or not self._is_legacy_name(places, keys, name):
             return False
-        for key, comps in keys.items():
+        i = next(j for j, p in enumerate(places) if p.name == name)
+        group = self._slot_groups[slot]
+        for key, comps in keys.places.items():
+            if comps == ((i,),):
+                group[key] = value              # its own key
+                return True
+        for key, comps in keys.places.items():
             for c, comp in enumerate(comps):
-                if any(i in comp for i in hidden):
-                    shown = self._slot_groups[slot][key]
+                if comp[0] == i and (len(comp) == 1 or key == "lr"):
+                    shown = group[key]
                     values = list(shown) if len(comps) > 1 else [shown]
                     values[c] = value
-                    self._check_hyperparameter(slot, key,
-                                               tuple(values) if len(comps) > 1 else value)
-                    dict.__setitem__(self._slot_groups[slot], key,
-                                     tuple(values) if len(comps) > 1 else value)
-        for i in hidden:
-            _write_place(places[i], value, 1.0, share=False)
-        return True
+                    group[key] = tuple(values) if len(comps) > 1 else value
+                    return True
+        return False                            # not reached: every place has a key
 
-    def _write_hyperparameter(self, slot: int, key: str, value: Any) -> None:
+    def _write_hyperparameter(self, slot: int, key: str, value: Any, loading: bool = False
+                              ) -> None:
         """Apply ``group[key] = value`` to the transform state of group ``slot`` (called by
-        the group as it is written)."""
-        self._check_hyperparameter(slot, key, value)
-        comps = self._keys[slot].get(key)
+        the group as it is written) and show the new values under every other key that names
+        a place it moved."""
+        self._check_hyperparameter(slot, key, value, loading)
+        keys = self._keys[slot]
+        if key == LR_RATIOS:
+            self._ratios[slot] = {k: float(value[k]) for k in keys.other_lrs}
+            return
+        comps = keys.places.get(key)
         if comps is None:
             return
-        places = _places(self._tx_states[slot])
+        places, shown = _places(self._tx_states[slot]), self._shown[slot]
+        lr_keys = {i: k for k, i in keys.other_lrs.items()}
         values = tuple(value) if len(comps) > 1 else (value,)
+        changed: set[int] = set()
         for comp, v in zip(comps, values):
             for i in comp:
-                ratio = self._ratios[slot].get(i, 1.0) if key == "lr" else 1.0
+                if places[i].schedule:          # loading: the loaded state holds it
+                    continue
+                ratio = self._ratios[slot][lr_keys[i]] if key == "lr" and i in lr_keys \
+                    else 1.0
                 _write_place(places[i], v, ratio, share=len(comp) == 1)
+                shown[i] = v if ratio == 1.0 else v * ratio
+                changed.add(i)
+        if key in keys.other_lrs:
+            # an own learning rate written: its ratio to lr is the one it now has
+            first = shown[keys.first_lr] if keys.first_lr is not None else None
+            if first is not None and float(first) != 0.0:
+                self._ratios[slot][key] = float(value) / float(first)
+        self._show(slot, changed, skip=key)
 
     # -- Schedule-Free: train() and eval() ------------------------------------------------------
 
@@ -795,6 +956,9 @@ class Optimizer(torch.optim.Optimizer):
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        for slot, group in enumerate(self._slot_groups):
+            if group._scheduled:
+                self._show_scheduled(slot)     # the values the state holds now
         state: dict[int, dict[str, torch.Tensor]] = {}
         groups = []
         index_of: dict[int, int] = {}     # id(param) -> its index (a repeated one keeps its first)
@@ -919,9 +1083,17 @@ class Optimizer(torch.optim.Optimizer):
                     raise ValueError(f"state {names[j]}: {key} of param group {index} is "
                                      f"{tuple(value.shape)} {value.dtype}, expected "
                                      f"{tuple(leaf.shape)} {leaf.dtype}.")
+        places = _places(self._tx_states[group._slot])
         for key, value in saved.items():
-            if key not in ("params", "tx", "param_names", TRANSFORM_KEY):
-                self._check_hyperparameter(group._slot, key, value)
+            if key in ("params", "tx", "param_names", TRANSFORM_KEY):
+                continue
+            if self._is_legacy_name(places, self._keys[group._slot], key):
+                if not (isinstance(value, (int, float, torch.Tensor)) and
+                        not isinstance(value, bool)):
+                    raise TypeError(f"param group {key!r} must be a number or a 0-dim "
+                                    f"tensor, got {type(value).__name__} {value!r:.40}.")
+                continue
+            self._check_hyperparameter(group._slot, key, value, loading=True)
         return group, saved, current, given
 
     def _write_group(self, group: Any, saved: dict, current: list, given: list) -> None:
@@ -937,18 +1109,27 @@ class Optimizer(torch.optim.Optimizer):
                 src = value.to_local() if hasattr(value, "to_local") else value
                 if src is not dst:
                     dst.copy_(src)
-        keys = self._keys[group._slot]
-        for key, value in saved.items():
-            if key in ("params", "tx", "param_names", TRANSFORM_KEY):
-                continue
-            if key not in saved or not self._write_by_name(group._slot, key, value):
+        slot = group._slot
+        keys, shown = self._keys[slot], self._shown[slot]
+        # what the state just loaded holds, for the keys the saved group lacks
+        places = _places(self._tx_states[slot])
+        for i, place in enumerate(places):
+            if not place.schedule:
+                shown[i] = place.hyperparams[place.name].item()
+        self._show(slot)
+        # then the saved group's values, as torch.optim takes them (copies: a tensor lr is not
+        # shared with the optimizer that saved it); role keys before the hyperparameters' own
+        # keys, the learning rates' ratios last: the identity for a state dict of this group
+        values = {k: copy.deepcopy(v) for k, v in saved.items()
+                  if k not in ("params", "tx", "param_names", TRANSFORM_KEY)}
+        for key in self._write_order(slot, values):
+            value = values[key]
+            if key in keys.places or key == LR_RATIOS:
+                self._write_hyperparameter(slot, key, value, loading=True)
+                if key not in group._scheduled:
+                    dict.__setitem__(group, key, value)
+            elif not self._write_by_name(slot, key, value):
                 group[key] = value
-        places = _places(self._tx_states[group._slot])
-        for key, comps in keys.items():
-            if key not in saved:        # the state just loaded holds its value
-                values = tuple(places[c[0]].hyperparams[places[c[0]].name].item()
-                               for c in comps)
-                dict.__setitem__(group, key, values if len(values) > 1 else values[0])
         if "param_names" in saved and "param_names" not in group:
             group["param_names"] = list(saved["param_names"])   # as torch keeps them
 
