@@ -292,3 +292,24 @@ def test_every_entry_resumes_through_the_optimizer_bitwise(case: Case) -> None:
         params = opttx.StackedParams({"w": params["w"], "v": params["v"]}).buffers
     conformance.check_optimizer_resume(case.make, params, steps=2, after=1,
                                        name=case.name)
+
+
+def test_a_copied_optimizer_keeps_its_keys_and_schedules() -> None:
+    """A deep copy shows a scheduled learning rate from its own state and moves its other
+    learning rates at the ratios it had."""
+    params = matrix_and_vector()
+    opt = opttx.Optimizer(params, opttx.chain(opttx.adam(opttx.linear_schedule(1e-3, 0.0, 4)),
+                                              opttx.clip_by_global_norm(1.0)))
+    train(opt, params, grads_for(params, 2))
+    twin = copy.deepcopy(opt)
+    twin_params = twin.param_groups[0]["params"]
+    train(twin, twin_params, grads_for(params, 1, seed=3))
+    assert twin.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.5)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.75)
+    muon = opttx.Optimizer(matrix_and_vector(), opttx.muon(1e-2, adam_learning_rate=1e-3))
+    muon.param_groups[0]["adam_learning_rate"] = 4e-3
+    copied = copy.deepcopy(muon)
+    copied.param_groups[0]["lr"] = 2e-2
+    assert copied.param_groups[0]["adam_learning_rate"] == pytest.approx(8e-3)
+    assert live(copied)[0]["adam_learning_rate"] == pytest.approx(8e-3)
+    assert live(muon)[0]["adam_learning_rate"] == pytest.approx(4e-3)

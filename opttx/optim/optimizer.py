@@ -561,6 +561,7 @@ class Optimizer(torch.optim.Optimizer):
         self.__dict__.update(state)
         for slot, group in enumerate(self._slot_groups):
             group._owner, group._slot = self, slot
+            group._scheduled = self._scheduled_keys(slot)
         self.state = _ParamStates(self)
 
     @property
@@ -623,7 +624,8 @@ class Optimizer(torch.optim.Optimizer):
         for key in set(group) - given - {"params", "param_names", "tx", TRANSFORM_KEY}:
             dict.pop(group, key)                # a default of another group's transform
         first = shown[keys.first_lr] if keys.first_lr is not None else None
-        ratios = {key: (shown[i] / first if first and shown[i] is not None else 1.0)
+        ratios = {key: (float(shown[i]) / float(first) if first and shown[i] is not None
+                        else 1.0)
                   for key, i in keys.other_lrs.items()}
         slot = len(self._tx_states)
         self._tx_states.append(state)
@@ -634,8 +636,7 @@ class Optimizer(torch.optim.Optimizer):
         self._ratios.append(ratios)
         self._honoured.append(frozenset(honoured))
         group._owner, group._slot = self, slot
-        group._scheduled = frozenset(key for key, comps in keys.places.items()
-                                     if any(places[i].schedule for c in comps for i in c))
+        group._scheduled = self._scheduled_keys(slot)
         written = {key: group[key] for key in given
                    if key in keys.places or key == LR_RATIOS or
                    self._is_legacy_name(places, keys, key)}
@@ -652,6 +653,12 @@ class Optimizer(torch.optim.Optimizer):
             group[key] = written[key]
 
     # -- param-group keys of the hyperparameters ------------------------------------------------
+
+    def _scheduled_keys(self, slot: int) -> frozenset[str]:
+        """The keys of group ``slot`` that name a hyperparameter given as a schedule."""
+        places = _places(self._tx_states[slot])
+        return frozenset(key for key, comps in self._keys[slot].places.items()
+                         if any(places[i].schedule for c in comps for i in c))
 
     @staticmethod
     def _is_legacy_name(places: list[_Place], keys: _Keys, name: str) -> bool:
