@@ -46,7 +46,7 @@ from .wrappers import (ApplyIfFiniteState, InjectHyperparamsState, MultiSteps, M
                        apply_if_finite, hyperparameter_roles, inject_all_hyperparams,
                        inject_hyperparams, set_hyperparams_)
 from .base import (HyperRole, Recipe, declare, describe_transform, leaf_roles, recipe_of)
-from .base import (reduce_across_leaves, reduce_leaf_statistics, reduce_statistics,
+from .base import (keep_copy, reduce_across_leaves, reduce_leaf_statistics, reduce_statistics,
                    replace_state, stateless_with_extra_args)
 from . import checks
 from .checks import check_nonnegative, check_number, check_positive, check_unit_interval
@@ -84,8 +84,8 @@ __all__ = [
     "inject_all_hyperparams", "leaf_roles", "recipe_of",
     # what a transform of your own needs (docs/guide/writing.md)
     "checks", "check_nonnegative", "check_number", "check_positive", "check_unit_interval",
-    "reduce_across_leaves", "reduce_leaf_statistics", "reduce_statistics", "replace_state",
-    "stateless_with_extra_args", "stats_like",
+    "keep_copy", "reduce_across_leaves", "reduce_leaf_statistics", "reduce_statistics",
+    "replace_state", "stateless_with_extra_args", "stats_like",
     # torch.optim's remaining first-order set (issue 17)
     "adabelief", "adamax", "radam",
     # ADOPT and AdEMAMix (issue 17)

@@ -17,7 +17,7 @@ import torch
 
 from ._checks import check_floating, check_gradient_leaves
 from ._tracing import is_tracing
-from .kernels import foreach, foreach_
+from .kernels import foreach, foreach_, foreach_copy_, is_donating
 from .tree import (MaskedNode, PyTree, Static, assert_same_structure, tree_flatten, tree_leaves,
                    tree_map, tree_paths, tree_unflatten)
 
@@ -72,6 +72,7 @@ __all__ = [
     "apply_updates",
     "apply_updates_",
     "identity",
+    "keep_copy",
     "reduce_across_leaves",
     "reduce_leaf_statistics",
     "reduce_statistics",
@@ -1201,6 +1202,35 @@ def zero_count(params: Params) -> torch.Tensor:
     leaves = [x for x in tree_leaves(params) if isinstance(x, torch.Tensor)]
     device = leaves[0].device if leaves else torch.device("cpu")
     return torch.zeros((), dtype=torch.int32, device=device)
+
+
+def keep_copy(values: PyTree, buffers: PyTree | None = None) -> PyTree:
+    """A copy of ``values`` for the state to keep: tensors read from the caller's updates,
+    params or gradients (a previous gradient, a starting point) must not be stored as they
+    are, since the caller may overwrite them after the step (``zero_grad(set_to_none=False)``,
+    an in-place step, a reused gradient buffer) and the state would change with them.
+
+    ``values`` is a list of tensors (a `leafwise` step's) or a tree; the result has its
+    structure. ``buffers``, the state's buffers that the copy replaces, give the dtype of the
+    copy, and inside `opttx.donating` the copy is written into them in place (no new memory);
+    without ``buffers`` each tensor is cloned in its own dtype.
+    `opttx.testing.check_transform` checks that no state shares memory with its inputs.
+
+    Example (a transform that keeps the previous gradient):
+      >>> prev = opttx.keep_copy(g, state.prev)       # in a leafwise step
+      >>> return out, opttx.replace_state(state, prev=prev)
+    """
+    leaves, spec = tree_flatten(values)
+    if buffers is None:
+        return tree_unflatten([x.clone() for x in leaves], spec)
+    olds = tree_flatten(buffers)[0]
+    if len(olds) != len(leaves):
+        raise ValueError(f"keep_copy: {len(leaves)} values but {len(olds)} buffers; pass the "
+                         "state's buffers that the values replace, one per value.")
+    if is_donating():
+        foreach_copy_(olds, leaves)
+        return tree_unflatten(list(olds), spec)
+    return tree_unflatten([x.to(o.dtype, copy=True) for x, o in zip(leaves, olds)], spec)
 
 
 def safe_increment(count: torch.Tensor) -> torch.Tensor:

@@ -29,9 +29,10 @@ __all__ = ["CHECKS", "check_transform", "check_purity", "check_tree_without_leav
            "check_state_structure_and_dtypes", "check_float64_determinism",
            "check_one_compiled_graph", "check_injected_hyperparameters",
            "check_stacked", "check_checkpoint_round_trip", "check_errors",
-           "check_donation", "check_compile_on_another_thread", "check_optimizer_resume",
-           "standard_params",
-           "leaves_0d_to_4d"]
+           "check_donation", "check_compile_on_another_thread", "check_degenerate_shapes",
+           "check_nonfinite_gradients", "check_no_aliasing", "NONFINITE_BEHAVIOURS",
+           "check_optimizer_resume",
+           "standard_params", "leaves_0d_to_4d", "degenerate_params"]
 
 Make = Callable[[], GradientTransformation]
 STEPS = 3
@@ -373,6 +374,160 @@ def check_compile_on_another_thread(make: Make, params: PyTree | None = None, st
     _close(donated, expected, 0.0, f"{name}: donating, while another thread compiles")
 
 
+# the properties of degenerate inputs: shapes with a zero, a one or no dimension, a NaN in a
+# gradient, and a state that keeps an input
+
+
+def degenerate_params(matrices_only: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A matrix beside zero-size matrices ((0, 5), (6, 0)), a row (1×N) and a column (N×1);
+    without ``matrices_only`` also a 0-D leaf, an empty vector and a vector."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"w": (6, 4), "e": (0, 5), "z": (6, 0), "row": (1, 5), "col": (5, 1),
+              "s": (), "n": (0,), "b": (4,)}
+    if matrices_only:
+        del shapes["s"], shapes["n"], shapes["b"]
+    return {k: torch.randn(s, generator=gen, dtype=torch.float64).float()
+            for k, s in shapes.items()}
+
+
+def check_degenerate_shapes(make: Make, params: PyTree | None = None,
+                            name: str = "transform") -> None:
+    """On a tree with zero-size, 1×N and N×1 matrices and 0-D leaves (`degenerate_params`),
+    every step gives finite updates of the params' shapes and dtypes (empty for empty
+    leaves), and the state round-trips through a checkpoint (`check_checkpoint_round_trip`
+    on the same tree)."""
+    from .base import apply_updates
+    from .tree import keystr, tree_flatten_with_path
+    params = degenerate_params() if params is None else params
+    tx = make()
+    state = tx.init(params)
+    for i, g in enumerate(_gradients(params, STEPS, 11)):
+        updates, state = tx.update(g, state, params)
+        paths = tree_flatten_with_path(params)[0]
+        for (path, p), u in zip(paths, tree_leaves(updates)):
+            where = f"{name}: step {i}, leaf {keystr(path)} {tuple(p.shape)}"
+            assert u.shape == p.shape and u.dtype == p.dtype, \
+                f"{where}: an update of shape {tuple(u.shape)}, {u.dtype}"
+            assert bool(torch.isfinite(u).all()), f"{where}: a non-finite update"
+        params = apply_updates(params, updates)
+    check_checkpoint_round_trip(make, params, name)
+
+
+NONFINITE_BEHAVIOURS = {
+    "propagates": "the leaf's update of that step holds a NaN (a later step may raise)",
+    "raises": "the step raises an error",
+    "skips": "the whole step is skipped: every update is zero, and later steps are finite",
+    "zeroes": "the NaN element's update is zero, every other one finite",
+    "at_boundary": "the leaf's update holds a NaN at the next step that applies the "
+                   "accumulated gradient",
+    "ignores": "the leaf's gradient is not used: its updates stay finite",
+}
+"""How a transform answers one NaN element in one leaf's gradient (the classes of
+docs/guide/faults.md); `check_nonfinite_gradients` checks the declared one."""
+
+
+def check_nonfinite_gradients(make: Make, params: PyTree | None = None,
+                              behaviour: str = "propagates", name: str = "transform") -> None:
+    """A NaN in one element of one leaf's gradient (the first matrix, at the second step) is
+    never hidden: with ``behaviour="propagates"`` (every transform that computes with its
+    gradients) that leaf's update of the step holds a NaN; a wrapper that deals with it
+    declares another behaviour of `NONFINITE_BEHAVIOURS` and is checked for that one."""
+    from .base import apply_updates
+    if behaviour not in NONFINITE_BEHAVIOURS:
+        raise ValueError(f"behaviour must be one of {sorted(NONFINITE_BEHAVIOURS)}, got "
+                         f"{behaviour!r}")
+    params = standard_params() if params is None else params
+    key = next(k for k, v in params.items() if v.ndim >= 2)
+    bad = 1       # the steps after it only matter to the behaviours that act later
+    steps = bad + 1 if behaviour in ("propagates", "raises") else STEPS + 2
+    grads = _gradients(params, steps, 12)
+    grads[bad] = {**grads[bad], key: grads[bad][key].clone()}
+    grads[bad][key].view(-1)[1] = float("nan")
+    tx = make()
+    state = tx.init(params)
+    seen = []               # per step from the NaN on: (leaf has a NaN, all finite, all zero)
+    raised: Exception | None = None
+    for i, g in enumerate(grads):
+        try:
+            updates, state = tx.update(g, state, params)
+        except Exception as e:  # an error from the NaN step on is an answer
+            if i < bad:
+                raise
+            raised = e
+            break
+        if i >= bad:
+            u = updates[key]
+            seen.append((bool(u.isnan().any()),
+                         all(bool(torch.isfinite(x).all()) for x in tree_leaves(updates)),
+                         all(not bool(x.any()) for x in tree_leaves(updates)), u))
+        params = apply_updates(params, updates)
+    what = f"{name}: one NaN in {key!r}'s gradient at step {bad}"
+    if behaviour == "raises":
+        assert raised is not None and not seen, f"{what}: no error at that step"
+        return
+    if raised is not None and (behaviour != "propagates" or not seen):
+        raise AssertionError(f"{what}: raised {type(raised).__name__}: {raised} (its "
+                             f"behaviour: {behaviour})") from raised
+    if behaviour == "propagates":
+        assert seen[0][0], f"{what}: no NaN in its update of that step (it hid the NaN)"
+    elif behaviour == "skips":
+        assert seen[0][2] and seen[0][1], f"{what}: the step was not skipped (updates not zero)"
+        assert all(s[1] for s in seen[1:]), f"{what}: a later step is not finite"
+    elif behaviour == "zeroes":
+        u = seen[0][3]
+        assert seen[0][1] and u.view(-1)[1] == 0, f"{what}: the element's update is not zero"
+    elif behaviour == "at_boundary":
+        assert any(s[0] for s in seen), f"{what}: no NaN in its updates of the next steps"
+    else:
+        assert all(s[1] for s in seen) and not any(s[0] for s in seen), \
+            f"{what}: a non-finite update"
+
+
+def _storages(tree: Any) -> dict[int, str]:
+    """data_ptr of the storage of every non-empty tensor leaf -> a description."""
+    from .tree import keystr, tree_flatten_with_path
+    out = {}
+    for path, x in tree_flatten_with_path(tree)[0]:
+        if isinstance(x, torch.Tensor) and x.numel() and x.untyped_storage().nbytes():
+            out.setdefault(x.untyped_storage().data_ptr(), keystr(path))
+    return out
+
+
+def _assert_no_shared(state: Any, given: dict[str, Any], what: str) -> None:
+    held = _storages(state)
+    for role, tree in given.items():
+        shared = sorted((path, held[ptr]) for ptr, path in _storages(tree).items()
+                        if ptr in held)
+        assert not shared, (f"{what}: the state (at {shared[0][1]}) shares memory with the "
+                            f"{role} it was given (at {shared[0][0]}): keep a copy "
+                            "(opttx.copy_for_state)")
+
+
+def check_no_aliasing(make: Make, params: PyTree | None = None,
+                      name: str = "transform") -> None:
+    """A state never shares memory with the params ``init`` was given, nor with the updates
+    (gradients) or params ``update`` was given, functional and inside `opttx.donating`: the
+    caller may overwrite those (``zero_grad(set_to_none=False)``, an in-place step) and the
+    state must not change with them."""
+    from .base import apply_updates, apply_updates_
+    params = standard_params() if params is None else params
+    for donate in (False, True):
+        tx = make()
+        p = _clone(params)
+        state = tx.init(p)
+        what = f"{name}{' (donating)' if donate else ''}"
+        _assert_no_shared(state, {"params": p}, f"{what}: init")
+        for i, g in enumerate(_gradients(p, 2, 13)):
+            with donating(donate):
+                updates, state = tx.update(g, state, p)
+            _assert_no_shared(state, {"updates": g, "params": p}, f"{what}: step {i}")
+            if donate:
+                apply_updates_(p, updates)
+            else:
+                p = apply_updates(p, updates)
+
+
+
 def _same_state_dict(actual: dict, expected: dict, what: str) -> None:
     """Two `opttx.Optimizer` state dicts are equal: the same entries, tensors bitwise (and of
     one dtype), the same param groups with the same values."""
@@ -476,6 +631,9 @@ CHECKS: dict[str, Callable[..., Any]] = {
     "errors": check_errors,
     "donation": check_donation,
     "compile_on_another_thread": check_compile_on_another_thread,
+    "degenerate_shapes": check_degenerate_shapes,
+    "nonfinite_gradients": check_nonfinite_gradients,
+    "no_aliasing": check_no_aliasing,
     "optimizer_resume": check_optimizer_resume,
 }
 """The single-process checks of `check_transform`, by name (``injected_hyperparameters``
@@ -484,7 +642,8 @@ runs too when a factory is given)."""
 
 def check_transform(make: Make, *, factory: Callable[..., GradientTransformation] | None = None,
                     kwargs: dict | None = None, matrices_only: bool = False,
-                    stacked_refused: bool = False, skip: tuple[str, ...] = ()) -> None:
+                    stacked_refused: bool = False, skip: tuple[str, ...] = (),
+                    nonfinite: str = "propagates") -> None:
     """Run every single-process check of the transform contract on a transform of yours.
 
     Args:
@@ -494,6 +653,9 @@ def check_transform(make: Make, *, factory: Callable[..., GradientTransformation
       matrices_only: the transform takes matrices only (no 0-D or 1-D leaf in the trees).
       stacked_refused: the transform does not run under vmap (`opttx.stacked` must raise).
       skip: names of `CHECKS` not to run.
+      nonfinite: how the transform answers a NaN in a gradient (`NONFINITE_BEHAVIOURS`):
+        ``"propagates"`` for every transform that computes with its gradients; a wrapper
+        that skips or zeroes non-finite steps says so.
 
     Raises:
       AssertionError: listing every check that failed and why.
@@ -518,6 +680,10 @@ def check_transform(make: Make, *, factory: Callable[..., GradientTransformation
         "donation": lambda: check_donation(make, leaves_0d_to_4d(matrices_only=matrices_only)),
         "compile_on_another_thread": lambda: check_compile_on_another_thread(
             make, leaves_0d_to_4d(matrices_only=matrices_only)),
+        "degenerate_shapes": lambda: check_degenerate_shapes(
+            make, degenerate_params(matrices_only)),
+        "nonfinite_gradients": lambda: check_nonfinite_gradients(make, params(), nonfinite),
+        "no_aliasing": lambda: check_no_aliasing(make, params()),
         "optimizer_resume": lambda: check_optimizer_resume(make, params()),
     }
     if factory is not None:

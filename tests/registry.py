@@ -321,6 +321,8 @@ CASES: list[Case] = [
          guide()["scale_by_sign_momentum"], {"b": 0.9}),
     Case("guide/scale_to_global_rms", lambda: guide()["scale_to_global_rms"](2.0),
          guide()["scale_to_global_rms"], {"rms": 2.0}, covers=("stateless_with_extra_args",)),
+    Case("guide/scale_by_adan", lambda: guide()["scale_by_adan"](b1=0.9),
+         guide()["scale_by_adan"], {"b1": 0.9}),
 ]
 
 # --- the Muon family (issue 28) -----------------------------------------------------------
@@ -352,7 +354,8 @@ CASES += [
     # function of one argument named split for a schedule
     built("orthogonalize/gram_split", lambda: opttx.orthogonalize(
         method="gram_newton_schulz", split=lambda p: opttx.tree.tree_map(
-            lambda x: (2, x.shape[-2] - 2) if x.ndim == 2 else None, p)), matrices_only=True),
+            lambda x: (2, x.shape[-2] - 2) if x.ndim == 2 and x.shape[-2] > 2 else None, p)),
+        matrices_only=True),
     built("muon/polar_express_split", lambda: opttx.muon(
         LR, method="polar_express", muon_mask=_is_2d, split=lambda p: opttx.tree.tree_map(
             lambda x: 2 if x.shape[-2] % 2 == 0 else None, p))),

@@ -309,3 +309,77 @@ def test_whole_leaf_transforms_are_refused_on_local_shards(
     for rank, errors in enumerate(distributed_errors):
         assert f"{case.name}/refused" not in errors, \
             f"rank {rank}: {errors[f'{case.name}/refused']}"
+
+
+# ---------------------------------------------------------------------------------------------
+# degenerate shapes, a NaN in a gradient, and states that keep an input
+# ---------------------------------------------------------------------------------------------
+
+
+def degenerate_params_of(case: Case) -> dict[str, torch.Tensor]:
+    """Zero-size, 1×N and N×1 matrices beside a matrix, and (unless the case takes matrices
+    only) a 0-D leaf, an empty vector and a vector; for `stacked`, stacks of two of each
+    matrix (its leaves are stacks)."""
+    params = conformance.degenerate_params(case.matrices_only)
+    if case.name == "stacked":
+        return opttx.StackedParams({f"{k}{i}": v.clone() for k, v in params.items()
+                                    if v.ndim == 2 for i in (0, 1)}).buffers
+    return params
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_degenerate_shapes_give_finite_updates_of_their_shapes(case: Case) -> None:
+    """Zero-size matrices ((0, 5), (6, 0)), a row, a column, a 0-D leaf and an empty vector:
+    every step gives finite updates of the params' shapes (empty for empty leaves), and the
+    state round-trips through a checkpoint (muon's orthogonalization, dion, dion2 and kron
+    crashed on a zero-size matrix)."""
+    conformance.check_degenerate_shapes(case.make, degenerate_params_of(case), case.name)
+
+
+def nonfinite_behaviours() -> dict[str, str]:
+    """docs/guide/faults.md's table of how each registry entry answers a NaN gradient:
+    {entry: behaviour}."""
+    import pathlib
+    import re
+    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "guide" / "faults.md"
+    text = page.read_text().split("### Non-finite gradients, entry by entry")[1]
+    table = text.split("\n\n")[2]
+    out: dict[str, str] = {}
+    for row in table.splitlines()[2:]:          # | `behaviour` | meaning | `entry`, ... |
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        behaviour = cells[0].strip("`")
+        for name in re.findall(r"`([^`]+)`", cells[-1]):
+            assert name not in out, f"faults.md lists {name} twice"
+            out[name] = behaviour
+    return out
+
+
+def test_faults_guide_lists_every_entry_with_one_nonfinite_behaviour() -> None:
+    listed = nonfinite_behaviours()
+    assert set(listed.values()) <= set(conformance.NONFINITE_BEHAVIOURS), listed
+    missing = sorted(set(IDS) - set(listed))
+    unknown = sorted(set(listed) - set(IDS))
+    assert not missing and not unknown, (
+        f"docs/guide/faults.md, 'Non-finite gradients, entry by entry': add {missing}, "
+        f"remove {unknown}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_a_nan_gradient_is_never_hidden(case: Case) -> None:
+    """One NaN element in a matrix's gradient: the entry's update holds a NaN at that step,
+    or the entry does what docs/guide/faults.md lists for it (apply_if_finite skips the
+    step, zero_nans zeroes the element, MultiSteps shows it at its boundary, an SVD
+    raises)."""
+    behaviour = nonfinite_behaviours().get(case.name, "propagates")
+    params = params_of(case)
+    if case.name == "stacked":
+        params = opttx.StackedParams({"w": params["w"], "v": params["v"]}).buffers
+    conformance.check_nonfinite_gradients(case.make, params, behaviour, case.name)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_a_state_never_shares_memory_with_its_inputs(case: Case) -> None:
+    """No state tensor shares storage with the params given to ``init``, nor with the
+    gradients or params given to ``update`` (functional and donating): the caller may
+    overwrite those after the step."""
+    conformance.check_no_aliasing(case.make, params_of(case), case.name)

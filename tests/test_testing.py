@@ -338,3 +338,128 @@ def test_run_transform_continues_from_a_given_state() -> None:
     half_params, half_state = run_transform(tx, params, grads[:2])
     rest = run_transform(tx, half_params, grads[2:], half_state)
     assert torch.equal(rest[0]["w"], whole[0]["w"])
+
+
+# ---------------------------------------------------------------------------------------------
+# the registry properties of degenerate inputs catch transforms planted to break them
+# ---------------------------------------------------------------------------------------------
+
+
+def _guide_adan(keeps_a_copy: bool) -> dict:
+    """docs/guide/writing.md's Adan, executed as written, or with its state storing the
+    caller's gradient itself (``prev=g``, what the guide warns against)."""
+    import pathlib
+    import re
+    import sys
+    import types
+    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "guide" / "writing.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    block = next(b for b in blocks if "class AdanState" in b).split("\nadan = ")[0]
+    if not keeps_a_copy:
+        assert "opttx.keep_copy(g, state.prev)" in block
+        block = block.replace("opttx.keep_copy(g, state.prev)", "g")
+    first = next(b for b in blocks if "class SignumState" in b)      # the imports
+    module = types.ModuleType(f"guide_adan_{keeps_a_copy}")
+    sys.modules[module.__name__] = module
+    exec(first, module.__dict__)
+    exec(block, module.__dict__)
+    return module.__dict__
+
+
+def test_no_aliasing_catches_the_guide_adan_storing_the_callers_gradient() -> None:
+    from opttx.conformance import check_no_aliasing
+    from opttx.testing import check_transform
+    aliasing = _guide_adan(keeps_a_copy=False)["scale_by_adan"]
+    with pytest.raises(AssertionError, match=r"shares memory with the updates"):
+        check_no_aliasing(lambda: aliasing())
+    with pytest.raises(AssertionError, match=r"no_aliasing: AssertionError"):
+        check_transform(lambda: aliasing(), skip=tuple(set(opttx.conformance.CHECKS)
+                                                      - {"no_aliasing"}))
+    check_no_aliasing(lambda: _guide_adan(keeps_a_copy=True)["scale_by_adan"]())
+
+
+def _optimizer_drift(scale_by_adan) -> float:
+    """Largest parameter difference after 5 steps of `opttx.Optimizer` whose gradients are
+    written into the same ``.grad`` buffers every step (``zero_grad(set_to_none=False)``, as
+    torch's default before 2.0 and many trainers do), against the functional path of the
+    same transform on the same gradients."""
+    make = lambda: opttx.chain(scale_by_adan(), opttx.scale_by_learning_rate(1e-2))
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(6, 5, generator=gen), "b": torch.randn(5, generator=gen)}
+    grads = gradient_stream(params, 5, seed=1)
+    tx, expected = make(), params
+    state = tx.init(params)
+    for g in grads:
+        updates, state = tx.update(g, state, expected)
+        expected = opttx.apply_updates(expected, updates)
+    model = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    optimizer = opttx.Optimizer(list(model.items()), make())
+    for g in grads:
+        optimizer.zero_grad(set_to_none=False)
+        for k, p in model.items():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.add_(g[k])
+        optimizer.step()
+    return max(float((model[k].detach() - expected[k]).abs().max()) for k in params)
+
+
+def test_a_state_aliasing_the_gradient_drifts_under_the_optimizer_and_keep_copy_does_not(
+        ) -> None:
+    """The guide's Adan storing ``g`` itself: through `opttx.Optimizer` with reused gradient
+    buffers its previous gradient is zeroed before it is read, and the parameters drift from
+    the functional path; with `opttx.keep_copy` they do not."""
+    drift = _optimizer_drift(_guide_adan(keeps_a_copy=False)["scale_by_adan"])
+    kept = _optimizer_drift(_guide_adan(keeps_a_copy=True)["scale_by_adan"])
+    print(f"drift after 5 steps: aliasing {drift:.3g}, keep_copy {kept:.3g}")
+    assert drift > 1e-4
+    assert kept <= 1e-6
+
+
+def _nan_to_num_then_adam() -> opttx.GradientTransformation:
+    """Adam behind a `nan_to_num` of the gradients: a NaN becomes 0, unseen."""
+    return opttx.chain(opttx.stateless_with_tree_map(lambda g, p: torch.nan_to_num(g)),
+                       opttx.adam(1e-2))
+
+
+def test_nonfinite_property_catches_a_transform_that_swallows_a_nan() -> None:
+    from opttx.conformance import check_nonfinite_gradients
+    from opttx.testing import check_transform
+    with pytest.raises(AssertionError, match="it hid the NaN"):
+        check_nonfinite_gradients(_nan_to_num_then_adam)
+    with pytest.raises(AssertionError, match="nonfinite_gradients: AssertionError"):
+        check_transform(_nan_to_num_then_adam, skip=tuple(set(opttx.conformance.CHECKS)
+                                                          - {"nonfinite_gradients"}))
+    check_nonfinite_gradients(lambda: opttx.adam(1e-2))
+    # a declared behaviour is checked too: Adam does not skip, zero_nans does not propagate
+    with pytest.raises(AssertionError, match="not skipped"):
+        check_nonfinite_gradients(lambda: opttx.adam(1e-2), behaviour="skips")
+    with pytest.raises(AssertionError, match="it hid the NaN"):
+        check_nonfinite_gradients(opttx.zero_nans)
+    check_nonfinite_gradients(opttx.zero_nans, behaviour="zeroes")
+    check_nonfinite_gradients(lambda: opttx.apply_if_finite(opttx.adam(1e-2), 3), None, "skips")
+    with pytest.raises(ValueError, match="behaviour must be one of"):
+        check_nonfinite_gradients(opttx.zero_nans, behaviour="hides")
+
+
+def _scaled_by_its_max() -> opttx.GradientTransformation:
+    """Each leaf divided by its largest magnitude: ``amax`` fails on a zero-size leaf."""
+    return opttx.stateless_with_tree_map(lambda g, p: g / g.abs().amax())
+
+
+def _scaled_by_its_size_minus_one() -> opttx.GradientTransformation:
+    """Each leaf divided by (number of elements - 1): inf for a 0-D leaf."""
+    return opttx.stateless_with_tree_map(lambda g, p: g / (g.numel() - 1))
+
+
+def test_degenerate_shapes_property_catches_crashes_and_non_finite_updates() -> None:
+    from opttx.conformance import check_degenerate_shapes
+    from opttx.testing import check_transform
+    with pytest.raises(RuntimeError, match="amax"):
+        check_degenerate_shapes(_scaled_by_its_max)
+    with pytest.raises(AssertionError, match=r"leaf \['s'\] \(\): a non-finite update"):
+        check_degenerate_shapes(_scaled_by_its_size_minus_one)
+    with pytest.raises(AssertionError, match="degenerate_shapes: RuntimeError"):
+        check_transform(_scaled_by_its_max, skip=tuple(set(opttx.conformance.CHECKS)
+                                                       - {"degenerate_shapes"}))
+    check_degenerate_shapes(lambda: opttx.muon(0.02))

@@ -250,9 +250,11 @@ def scale_by_dion(rank_fraction: float = 1.0, mu: float = 0.95, eps: float = 1e-
             P = [p.to(m.dtype) for p, m in zip(P, M)]
             Q = reduce([[b.mT @ p for b, p in zip(B, P)]], [rows])[0]
         R = Q
+        # an all-zero M (whose Cholesky passes divide by zero) gives P = 0 and keeps Q; a
+        # non-finite M is not zero and its NaN reaches the update (as the dion package's)
         zero = [s == 0 for s in absum]
-        P = [torch.where(z, 0.0, p.nan_to_num()) for p, z in zip(P, zero)]
-        R = [torch.where(z, q, r.nan_to_num()) for r, q, z in zip(R, Q0, zero)]
+        P = [torch.where(z, 0.0, p) for p, z in zip(P, zero)]
+        R = [torch.where(z, q, r) for r, q, z in zip(R, Q0, zero)]
         # error feedback, in M's orientation
         M = [m - (1 - mu) * ((r @ p.mT) if lay.transposed else (p @ r.mT))
              for m, p, r, lay in zip(M, P, R, lays)]
@@ -361,8 +363,10 @@ def scale_by_dion2(fraction: float = 0.25, ef_decay: float = 0.95, eps: float = 
 
     def step(g, state, params, extra_args):
         M = [m + u.to(m.dtype) for m, u in zip(state.momentum, g)]
-        selected, index, dims = {}, [], []
+        selected, index, dims = {}, {}, {}
         for i, m in enumerate(M):
+            if m.numel() == 0:      # an empty matrix: an empty update (below), nothing kept
+                continue
             rows, cols = m.shape[-2:]
             dim = -2 if rows <= cols else -1
             k = max(1, math.ceil(fraction * m.shape[dim]))
@@ -371,11 +375,14 @@ def scale_by_dion2(fraction: float = 0.25, ef_decay: float = 0.95, eps: float = 
             idx = idx.unsqueeze(-1).expand(*idx.shape, cols) if dim == -2 else \
                 idx.unsqueeze(-2).expand(*idx.shape[:-1], rows, k)
             selected[i] = torch.gather(m, dim, idx)
-            index.append(idx)
-            dims.append(dim)
+            index[i], dims[i] = idx, dim
         orth = ortho.update(selected, EmptyState())[0]
         out, new_m = [], []
         for i, (m, u) in enumerate(zip(M, g)):
+            if i not in selected:
+                new_m.append(m)
+                out.append(torch.zeros_like(u))
+                continue
             new_m.append(m.scatter(dims[i], index[i], selected[i] * ef_decay))
             out.append(torch.zeros_like(m).scatter(dims[i], index[i], orth[i]).to(u.dtype))
         mark_scratch(out)

@@ -256,6 +256,10 @@ def scale_by_kron(b1: float = 0.9, preconditioner_update_probability: float |
             shape = layout(u)[0]
             m = b1 * m + (1 - b1) * u.to(m.dtype)
             new_mu.append(m)
+            if u.numel() == 0:      # an empty leaf: an empty update, its factors kept
+                out.append(torch.zeros_like(u))
+                new_q.extend(q)
+                continue
             dtype = q[0].dtype
             debiased = (m / (1 - b1 ** count.to(torch.float64)).to(m.dtype)).to(dtype)
             gm = debiased.reshape(shape)

@@ -19,9 +19,9 @@ import torch
 from .._checks import (check_gradient_leaves, check_nonnegative, check_positive,
                        check_unit_interval)
 from ..base import (ELEMENTWISE, GradientTransformation, HyperRole, LEAFWISE, Params, Role,
-                    Updates, check_init_params, declare, declare_roles, reduce_leaf_statistics)
-from ..kernels import (cast_like, foreach, foreach_op_, foreach_sum_of_squares, is_donating,
-                       mark_scratch, new_buffers)
+                    Updates, check_init_params, declare, declare_roles, keep_copy,
+                    reduce_leaf_statistics)
+from ..kernels import cast_like, foreach, foreach_op_, foreach_sum_of_squares, mark_scratch
 from ..tree import Static, flatten_matching, stats_like, tree_unflatten
 
 __all__ = ["ScaleByMarsState", "scale_by_mars"]
@@ -101,10 +101,7 @@ def scale_by_mars(gamma: float = 0.025, b1: float = 0.95, max_norm: float | None
         c = foreach_op_("add", foreach_op_("mul", foreach("sub", gs, prev), coef), gs)
         if max_norm is not None:
             c = _clip_per_leaf(c, max_norm, spec, extra_args)
-        if is_donating():
-            new_prev = new_buffers(prev, gs)
-        else:       # a copy: the state must not alias the caller's gradient
-            new_prev = [x.clone() if x is y else x for x, y in zip(gs, g)]
+        new_prev = keep_copy(g, prev)       # the state must not alias the caller's gradient
         return (tree_unflatten(mark_scratch(cast_like(c, g)), spec),
                 ScaleByMarsState(prev_grad=tree_unflatten(new_prev, spec),
                                  made_by=state.made_by))

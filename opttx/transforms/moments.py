@@ -23,6 +23,7 @@ from ..kernels import (Scalar, cast_like, foreach, foreach_, foreach_accumulate_
                        foreach_ema_sq, foreach_op_, foreach_scale_add, mark_scratch,
                        new_buffers)
 from ..tree import Static, stats_like
+from .scaling import signs
 
 __all__ = [
     "DampedTraceState",
@@ -860,7 +861,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99,
 
     def step(g, state, params, extra_args):
         g_mu = cast_like(g, state.mu)
-        direction = foreach_op_("sign", foreach("lerp", state.mu, g_mu, 1 - b1))
+        direction = signs(foreach("lerp", state.mu, g_mu, 1 - b1))    # NaN stays NaN
         return _fresh(direction, g), replace_state(state, mu=foreach_ema(state.mu, g_mu, b2))
 
     return GradientTransformation(init, leafwise(ScaleByLionState, step), ELEMENTWISE)

@@ -146,15 +146,21 @@ def clip_qk(roles: PyTree | Callable[[Params], PyTree], threshold: float = 100.0
                                  f"params {tuple(p.shape)}: pass the params of these updates.")
         logits = extra_args.get(LOGITS_KEY)
         out = list(leaves)
-        for i, (u, p, v) in enumerate(zip(leaves, p_leaves, values)):
+        for i, (u, p, v, path) in enumerate(zip(leaves, p_leaves, values, tree_paths(updates))):
             if v is None:
                 continue
             if logits is None or v.layer not in logits:
                 raise ValueError(f"clip_qk: no maximum attention logits for layer {v.layer!r}; "
                                  f"pass tx.update(..., {LOGITS_KEY}={{layer: tensor of shape "
                                  "(num_heads,)}}), e.g. from opttx.MaxAttentionLogits.")
+            s = torch.as_tensor(logits[v.layer])
+            if tuple(s.shape) != (v.num_heads,):
+                raise ValueError(f"clip_qk: {LOGITS_KEY}[{v.layer!r}] has shape "
+                                 f"{tuple(s.shape)}; layer {v.layer!r} has {v.num_heads} query "
+                                 f"heads ({path} is {v}): pass one maximum logit per query "
+                                 f"head, shape ({v.num_heads},).")
             work = torch.promote_types(u.dtype, torch.float32)
-            s = logits[v.layer].to(work)
+            s = s.to(work)
             gamma = torch.clamp(threshold / s.clamp(min=1e-30), max=1.0)
             f = row_factors(v, gamma, u.shape[0], work).unsqueeze(-1)
             pw = p.to(work)

@@ -614,7 +614,7 @@ def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: f
         groups: dict[tuple, list[tuple[int, int]]] = {}
         pieces: dict[int, list[torch.Tensor]] = {}
         for i, (x, ax, blocks) in enumerate(zip(leaves, axes, splits)):
-            if ax is None:
+            if ax is None or x.numel() == 0:     # an empty matrix is its own polar factor
                 continue
             pieces[i] = _pieces(x, ax, blocks)
             for j, p in enumerate(pieces[i]):
@@ -644,7 +644,10 @@ def shape_factor(rows: int, cols: int, consistent_rms: float | None = None,
     r"""The step-size factor of a ``rows`` × ``cols`` matrix: :math:`\sqrt{\max(1,
     \text{rows}/\text{cols})}` (``convention="muon"``) or :math:`\sqrt{\text{rows}/
     \text{cols}}` (``"spectral"``) when ``consistent_rms`` is None, else
-    :math:`\text{consistent\_rms} \cdot \sqrt{\max(\text{rows}, \text{cols})}`."""
+    :math:`\text{consistent\_rms} \cdot \sqrt{\max(\text{rows}, \text{cols})}`. An empty
+    matrix (a zero side) has nothing to scale: 1."""
+    if rows == 0 or cols == 0:
+        return 1.0
     if consistent_rms is not None:
         return consistent_rms * math.sqrt(max(rows, cols))
     if convention == "spectral":

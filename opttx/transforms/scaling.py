@@ -11,7 +11,7 @@ from .._checks import (check_gradient_leaves, check_learning_rate, check_nonnega
 from ..base import (ELEMENTWISE, EmptyState, GradientTransformation, HyperRole, Params, Role,
                     Updates, check_init_params, declare, declare_roles, require_params,
                     safe_increment, stateless, zero_count)
-from ..kernels import Scalar, cast_like, foreach, foreach_axpy, foreach_scale
+from ..kernels import Scalar, cast_like, foreach, foreach_axpy, foreach_op_, foreach_scale
 from ..schedules import Schedule
 from ..tree import PyTree, Static, flatten_matching, mask_leaves, tree_unflatten
 
@@ -25,9 +25,21 @@ __all__ = [
 ]
 
 
+def signs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``sign(x)`` of every tensor as new tensors, a NaN kept NaN (``torch.sign`` maps NaN to
+    0, which would hide a NaN gradient; ``jnp.sign`` keeps it): ``max(s, min(s, x))`` with
+    ``s = sign(x)`` is ``s`` for every number and NaN for NaN (``minimum`` and ``maximum``
+    propagate NaN)."""
+    if not tensors:
+        return []
+    s = foreach("sign", tensors)
+    return foreach_op_("maximum", s, foreach("minimum", s, tensors))
+
+
 def _scaled(updates: Updates, factor: Scalar) -> Updates:
     spec, g = flatten_matching(updates)
-    return tree_unflatten(foreach_scale(g, factor), spec)
+    # cast back: a 0-D leaf times a float64 0-dim factor (a schedule's value) promotes
+    return tree_unflatten(cast_like(foreach_scale(g, factor), g), spec)
 
 
 @declare(hyperparams={"step_size": None})
@@ -151,6 +163,6 @@ def scale_by_sign() -> GradientTransformation:
 
     def sign(updates: Updates, params: Params | None) -> Updates:
         spec, g = flatten_matching(updates)
-        return tree_unflatten(foreach("sign", g) if g else [], spec)
+        return tree_unflatten(signs(g), spec)
 
     return stateless(sign, ELEMENTWISE)
