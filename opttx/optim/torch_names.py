@@ -37,13 +37,13 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..aliases import adam, adamax, adamw, radam
+from ..aliases import adam, adamax, adamw
 from ..base import (GradientTransformation, HyperRole, combine_traits, declare,
                     require_params, safe_increment, zero_count)
 from ..combine import chain
 from ..transforms.factored import clip_by_rms_and_scale_by_param_rms, scale_by_factored_rms
-from ..transforms.moments import ema, scale_by_nadam, scale_by_rms, scale_by_rss, \
-    scale_by_stddev, trace
+from ..transforms.moments import (ema, scale_by_nadam, scale_by_radam, scale_by_rms,
+                                 scale_by_rss, scale_by_stddev, trace)
 from ..transforms.orthogonalize import orthogonalize, scale_by_shape
 from ..transforms.scaling import add_decayed_weights, scale, scale_by_learning_rate, \
     scale_by_schedule
@@ -137,8 +137,7 @@ def _nonzero(value: Any) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-@declare(hyperparams={"learning_rate": LR, "momentum": MOM, "dampening": None,
-                      "weight_decay": WD})
+@declare(hyperparams={"learning_rate": LR, "momentum": MOM, "weight_decay": WD})
 def torch_sgd(learning_rate: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
               weight_decay: float = 0.0, nesterov: bool = False,
               maximize: bool = False) -> GradientTransformation:
@@ -148,6 +147,8 @@ def torch_sgd(learning_rate: float = 1e-3, momentum: float = 0.0, dampening: flo
 
     The momentum link is always there (a buffer like the parameters, also with momentum 0,
     where it holds :math:`d_t`), so a scheduler may cycle ``momentum`` as torch allows.
+    ``dampening`` is a configuration argument (with a nonzero one the buffer's first step
+    is counted, `opttx.trace`), fixed once a group is built.
     """
     links = _maximized([add_decayed_weights(weight_decay),
                         trace(decay=momentum, nesterov=nesterov, dampening=dampening),
@@ -242,9 +243,17 @@ def torch_radam(learning_rate: float = 1e-3, b1: float = 0.9, b2: float = 0.999,
                 eps: float = 1e-8, weight_decay: float = 0.0,
                 decoupled_weight_decay: bool = False, maximize: bool = False
                 ) -> GradientTransformation:
-    r"""``torch.optim.RAdam``: `opttx.radam` with ``eps_before_debias=True``."""
-    links = [radam(learning_rate, b1, b2, eps, weight_decay=weight_decay,
-                   decoupled_weight_decay=decoupled_weight_decay, eps_before_debias=True)]
+    r"""``torch.optim.RAdam``: `opttx.scale_by_radam` with ``eps_before_debias=True``, L2 or
+    decoupled weight decay (as `opttx.radam`)."""
+    # the decay link is always there (opttx.radam drops it for a weight decay of 0, which
+    # would give the groups of one optimizer different structures)
+    direction = scale_by_radam(b1, b2, eps, eps_before_debias=True)
+    if decoupled_weight_decay:
+        links = [direction, add_decayed_weights(weight_decay),
+                 scale_by_learning_rate(learning_rate)]
+    else:
+        links = [add_decayed_weights(weight_decay), direction,
+                 scale_by_learning_rate(learning_rate)]
     return torch_inputs(chain(*_maximized(links, maximize)), "RAdam")
 
 
