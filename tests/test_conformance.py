@@ -383,3 +383,67 @@ def test_a_state_never_shares_memory_with_its_inputs(case: Case) -> None:
     gradients or params given to ``update`` (functional and donating): the caller may
     overwrite those after the step."""
     conformance.check_no_aliasing(case.make, params_of(case), case.name)
+
+
+DEGENERATE_DISTRIBUTED = ["muon", "adamw", "adafactor", "shampoo", "dion2"]
+
+
+def _degenerate_specs(params: dict) -> dict:
+    """Matrices on dim 0 (the row (1, 5) and the (0, 5) matrix leave a rank an empty piece),
+    the column on dim 1 (a (5, 0) piece), the rest replicated."""
+    from opttx.distributed import Replicated, Shard
+    return {k: Shard(1) if k == "col" else Shard(0) if v.ndim == 2 else Replicated()
+            for k, v in params.items()}
+
+
+def _degenerate_distributed_worker(rank: int, world: int) -> dict[str, str]:
+    """``sharded`` (on this rank's pieces, ``on_owners`` where the traits need whole leaves)
+    and ``zero`` of a few entries on the degenerate tree, each against one device: finite,
+    of the right shapes, equal (rtol 1e-5). Returns ``{entry/mode: error}``."""
+    from opttx.distributed import local_shard, sharded, zero
+    from registry import BY_NAME
+    errors: dict[str, str] = {}
+    for name in DEGENERATE_DISTRIBUTED:
+        case = BY_NAME[name]
+        params = degenerate_params_of(case)
+        specs = _degenerate_specs(params)
+        grads = gradient_stream(params, STEPS, seed=14)
+        try:
+            expected, _ = run(case.make(), params, grads)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            errors[f"{name}/sharded"] = errors[f"{name}/zero"] = \
+                f"the single-device run failed: {type(e).__name__}: {e}"
+            continue
+        on_owners = opttx.base.traits_of(case.make()).whole_leaves
+        local = {k: local_shard(v, specs[k]) for k, v in params.items()}
+        local_grads = [{k: local_shard(v, specs[k]) for k, v in g.items()} for g in grads]
+        try:
+            got, _ = run(sharded(case.make(), specs, on_owners=on_owners), local, local_grads)
+            want = {k: local_shard(v, specs[k]) for k, v in expected.items()}
+            assert_trees_close(got, want, rtol=1e-5, atol=1e-7, what=f"rank {rank} params")
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            errors[f"{name}/sharded"] = f"{type(e).__name__}: {e}"
+        try:
+            got, _ = run(zero(case.make()), params, grads)
+            assert_trees_close(got, expected, rtol=1e-5, atol=1e-7, what=f"rank {rank} params")
+        except Exception as e:  # noqa: BLE001
+            errors[f"{name}/zero"] = f"{type(e).__name__}: {e}"
+    return errors
+
+
+@pytest.fixture(scope="module")
+def degenerate_distributed_errors() -> list[dict[str, str]]:
+    from opttx.testing import spawn_ranks
+    return spawn_ranks(_degenerate_distributed_worker, world_size=2, timeout=300)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", ["sharded", "zero"])
+@pytest.mark.parametrize("name", DEGENERATE_DISTRIBUTED)
+def test_degenerate_shapes_sharded_and_zero_equal_one_device(
+        name: str, mode: str, degenerate_distributed_errors: list[dict[str, str]]) -> None:
+    """On 2 gloo ranks, the degenerate tree (zero-size matrices, a row whose dim-0 split
+    leaves one rank an empty piece, a column split on dim 1, a 0-D leaf): ``sharded`` and
+    ``zero`` give every rank the single-device result (finite, since that one is)."""
+    for rank, errors in enumerate(degenerate_distributed_errors):
+        assert f"{name}/{mode}" not in errors, f"rank {rank}: {errors[f'{name}/{mode}']}"

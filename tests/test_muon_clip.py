@@ -140,3 +140,17 @@ def test_muon_clip_step_compiles_to_one_graph() -> None:
     assert counter.frame_count == 1
     assert_trees_close(pc, pe, rtol=1e-5)
     torch._dynamo.reset()
+
+
+def test_logits_of_the_wrong_shape_are_a_value_error_naming_the_argument() -> None:
+    """Logits of shape (3,) for a layer of 4 query heads: a ValueError naming
+    ``max_attention_logits``, the layer and the shape expected (was torch's reshape error)."""
+    tx = opttx.clip_qk(lambda p: {"w": opttx.QKWeight("attn", "q", 4)})
+    params = {"w": torch.randn(8, 3)}
+    with pytest.raises(ValueError, match=r"max_attention_logits\['attn'\] has shape \(3,\); "
+                                         r"layer 'attn' has 4 query heads.*shape \(4,\)"):
+        tx.update(params, tx.init(params), params,
+                  max_attention_logits={"attn": torch.ones(3)})
+    updates, _ = tx.update(params, tx.init(params), params,
+                           max_attention_logits={"attn": torch.full((4,), 50.0)})
+    assert updates["w"].shape == (8, 3)

@@ -300,3 +300,40 @@ def test_adamuon_sign_orthogonalizes_the_sign_of_the_momentum() -> None:
     # the update's RMS is 0.2 times the learning rate (AdaMuon's RMS alignment)
     rms = float(signed["w"].pow(2).mean().sqrt())
     assert math.isclose(rms, 0.2 * 0.1, rel_tol=1e-6)
+
+
+def test_dion_turns_a_matrix_with_a_nan_gradient_element_nan(eager_dion) -> None:
+    """One NaN element in a matrix's gradient: our update of that matrix is NaN, every
+    element, at that step and after. The dion package (its ``fix_all_zero_or_nan`` applies
+    ``nan_to_num`` to the factors, meant for an all-zero momentum) keeps the parameters
+    finite with the NaN held in the momentum for good: the matrix stops moving, unseen, as
+    ours did. The vector (AdamW) is untouched by it in both."""
+    gen = torch.Generator().manual_seed(0)
+    tree = {"w": torch.randn(8, 6, generator=gen), "b": torch.randn(6, generator=gen)}
+    grads = gradient_stream(tree, 3, seed=1)
+    grads[1]["w"][2, 3] = float("nan")
+    ours = opttx.dion(0.01, rank_fraction=1.0, muon_mask=matrices)
+    state = ours.init(tree)
+    q0 = state.inner_states["dion"].inner_state[0].q
+
+    def reference(p):
+        opt = eager_dion.DionReference(groups(p, {}, {"algorithm": "adamw"}), lr=0.01,
+                                       rank_fraction=1.0)
+        opt.state[p["w"]]["momentum"] = torch.zeros_like(p["w"])
+        opt.state[p["w"]]["Q"] = q0["w"].clone()
+        return opt
+
+    ref = {k: torch.nn.Parameter(v.clone()) for k, v in tree.items()}
+    opt = reference(ref)
+    for g in grads:
+        for k, p in ref.items():
+            p.grad = g[k].clone()
+        opt.step()
+    assert torch.isfinite(ref["w"]).all() and opt.state[ref["w"]]["momentum"].isnan().any()
+    actual, _ = run_transform(ours, tree, grads, state=state)
+    assert torch.isnan(actual["w"]).all()
+    assert torch.isfinite(actual["b"]).all() and torch.isfinite(ref["b"]).all()
+    _, state = ours.update(grads[0], ours.init(tree), tree)
+    for g in grads[1:]:
+        updates, state = ours.update(g, state, tree)
+        assert torch.isnan(updates["w"]).all()

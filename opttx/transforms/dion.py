@@ -251,7 +251,8 @@ def scale_by_dion(rank_fraction: float = 1.0, mu: float = 0.95, eps: float = 1e-
             Q = reduce([[b.mT @ p for b, p in zip(B, P)]], [rows])[0]
         R = Q
         # an all-zero M (whose Cholesky passes divide by zero) gives P = 0 and keeps Q; a
-        # non-finite M is not zero and its NaN reaches the update (as the dion package's)
+        # non-finite M is not zero and its NaN reaches the update (the dion package's
+        # fix_all_zero_or_nan also zeroes NaN factors, which hides a NaN gradient for good)
         zero = [s == 0 for s in absum]
         P = [torch.where(z, 0.0, p) for p, z in zip(P, zero)]
         R = [torch.where(z, q, r) for r, q, z in zip(R, Q0, zero)]
