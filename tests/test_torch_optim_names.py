@@ -75,7 +75,7 @@ def test_numbers_are_torchs(name: str) -> None:
                 s.step()
         for p, q in zip(ps, qs):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{name} {kwargs}: {m}")
+                                       msg=lambda m, k=kwargs: f"{name} {k}: {m}")
 
 
 def test_muon_errors_are_torchs() -> None:

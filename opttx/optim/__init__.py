@@ -6,8 +6,29 @@ defaults, errors and numbers, built on opttx transforms (`opttx.optim.torch_name
 """
 
 from .optimizer import Optimizer
-from .torch_names import (SGD, Adafactor, Adagrad, Adam, Adamax, AdamW, Muon, NAdam, RAdam,
-                          RMSprop)
+from .torch_names import (
+                          SGD,
+                          Adafactor,
+                          Adagrad,
+                          Adam,
+                          Adamax,
+                          AdamW,
+                          Muon,
+                          NAdam,
+                          RAdam,
+                          RMSprop,
+)
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "NAdam", "RAdam",
-           "Adamax", "Adafactor", "Muon"]
+__all__ = [
+                          "SGD",
+                          "Adafactor",
+                          "Adagrad",
+                          "Adam",
+                          "AdamW",
+                          "Adamax",
+                          "Muon",
+                          "NAdam",
+                          "Optimizer",
+                          "RAdam",
+                          "RMSprop",
+]

@@ -33,25 +33,57 @@ intermediate products separately where torch fuses them into one ``addcdiv_``); 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
 from ..aliases import adam, adamax, adamw
-from ..base import (GradientTransformation, HyperRole, combine_traits, declare,
-                    require_params, safe_increment, zero_count)
+from ..base import (
+    GradientTransformation,
+    HyperRole,
+    combine_traits,
+    declare,
+    require_params,
+    safe_increment,
+    zero_count,
+)
 from ..combine import chain
-from ..transforms.factored import clip_by_rms_and_scale_by_param_rms, scale_by_factored_rms
-from ..transforms.moments import (ema, scale_by_nadam, scale_by_radam, scale_by_rms,
-                                 scale_by_rss, scale_by_stddev, trace)
+from ..transforms.factored import (
+    clip_by_rms_and_scale_by_param_rms,
+    scale_by_factored_rms,
+)
+from ..transforms.moments import (
+    ema,
+    scale_by_nadam,
+    scale_by_radam,
+    scale_by_rms,
+    scale_by_rss,
+    scale_by_stddev,
+    trace,
+)
 from ..transforms.orthogonalize import orthogonalize, scale_by_shape
-from ..transforms.scaling import add_decayed_weights, scale, scale_by_learning_rate, \
-    scale_by_schedule
+from ..transforms.scaling import (
+    add_decayed_weights,
+    scale,
+    scale_by_learning_rate,
+    scale_by_schedule,
+)
 from ..tree import flatten_matching, tree_flatten, tree_unflatten
 from .optimizer import Optimizer
 
-__all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "NAdam", "RAdam", "Adamax",
-           "Adafactor", "Muon"]
+__all__ = [
+    "SGD",
+    "Adafactor",
+    "Adagrad",
+    "Adam",
+    "AdamW",
+    "Adamax",
+    "Muon",
+    "NAdam",
+    "RAdam",
+    "RMSprop",
+]
 
 LR, B1, B2 = HyperRole.LEARNING_RATE, HyperRole.B1, HyperRole.B2
 MOM, WD, EPS = HyperRole.MOMENTUM, HyperRole.WEIGHT_DECAY, HyperRole.EPS
@@ -458,7 +490,7 @@ def _adam_checks(lr: Any, betas: Any, eps: float, weight_decay: float, foreach: 
     _check(0.0 <= weight_decay, f"Invalid weight_decay value: {weight_decay}")
     if not ((isinstance(betas[0], float) and isinstance(betas[1], float))
             or (isinstance(betas[0], torch.Tensor) and isinstance(betas[1], torch.Tensor))):
-        raise ValueError("betas must be either both floats or both Tensors")
+        raise ValueError("betas must be either both floats or both Tensors")  # noqa: TRY004 - torch's type
     for i in (0, 1):
         if isinstance(betas[i], torch.Tensor):
             if not capturable and foreach:
@@ -695,7 +727,8 @@ class Muon(TorchOptimizer):
     ``ValueError`` otherwise), Newton–Schulz in bfloat16 as torch, ``adjust_lr_fn``.
 
     Example:
-      >>> opt = opttx.optim.Muon(hidden_matrices, lr=2e-2, weight_decay=0.01)
+      >>> hidden = [p for p in model.parameters() if p.ndim == 2]
+      >>> opt = opttx.optim.Muon(hidden, lr=2e-2, weight_decay=0.01)
     """
 
     factory = staticmethod(torch_muon)
