@@ -28,6 +28,7 @@ offload (a host chunk's tensors simply live in host memory), so checkpoints
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import types
 from dataclasses import dataclass
@@ -278,6 +279,16 @@ def _check_host_group_mb(host_group_mb: float | None, compile: bool, delayed: bo
                          "chunk's delayed step is a job of its own).")
 
 
+def _check_chunk_size_mb(chunk_size_mb: Any) -> None:
+    """A finite number of MiB > 0 (inf and NaN name the argument instead of failing inside
+    the chunk plan)."""
+    check_positive("chunk_size_mb", chunk_size_mb)
+    if not math.isfinite(float(chunk_size_mb)):
+        raise ValueError(f"chunk_size_mb must be a finite number of MiB > 0, got "
+                         f"{chunk_size_mb!r}: a chunk holds at most that many MiB of "
+                         "parameters (a size above the model's puts it all in one chunk).")
+
+
 def _validated_fraction(fraction: Any, where: str) -> float | str:
     if isinstance(fraction, str):
         if fraction != "auto":
@@ -329,7 +340,7 @@ def offload_plan(params: Params, tx: GradientTransformation | None = None,
         if fraction != "auto":
             raise ValueError("offload_plan: device_budget_mb goes with fraction='auto'.")
     leaves = tree_flatten(params)[0]
-    check_positive("chunk_size_mb", chunk_size_mb)
+    _check_chunk_size_mb(chunk_size_mb)
     plan = zero_plan(params, 1, chunk_size_mb)
     costs = state_costs(tx, params) if tx is not None else None
     chunks = _chunks_of(leaves, [c.leaves for c in plan.chunks], costs)
@@ -1944,7 +1955,7 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
         raise TypeError(f"offload needs a GradientTransformation, got a {type(tx).__name__} "
                         "(did you forget to call the factory?).")
     fraction = _validated_fraction(fraction, "offload")
-    check_positive("chunk_size_mb", chunk_size_mb)
+    _check_chunk_size_mb(chunk_size_mb)
     if overlap and delayed:
         raise ValueError("offload: overlap and delayed do not go together: delayed already "
                          "runs each host step behind the next forward and backward.")
