@@ -557,3 +557,61 @@ def test_optimizer_load_state_dict_refuses_a_str_lr_before_writing() -> None:
     with pytest.raises(TypeError, match="param group 'lr' must be a number"):
         opt.load_state_dict(bad)
     assert _same(opt.state_dict(), sd)
+
+
+# ---------------------------------------------------------------------------------------------
+# named errors instead of torch's (shapes of another state, configurations, arguments)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, make", [
+    ("ProdigyState", lambda: opttx.prodigy()),
+    ("ScheduleFreeState.z", lambda: opttx.schedule_free_sgd(1.0)),
+    ("ScheduleFreeState.z", lambda: opttx.schedule_free_adamw(1e-3)),
+])
+def test_a_state_of_other_shapes_is_refused_naming_the_leaf(name, make) -> None:
+    """Prodigy and Schedule-Free given the state of parameters of other shapes: the named
+    ValueError of the other moment transforms (before: torch's broadcasting RuntimeError in
+    the kernels), also for a broadcastable (1, 3) state against (4, 3)."""
+    tx = make()
+    grads = {"w": torch.ones(4, 3)}
+    for other in ({"w": torch.ones(5, 3)}, {"w": torch.ones(1, 3)}):
+        state = tx.init(other)
+        with pytest.raises(ValueError, match=rf"{name}.*gradient\['w'\] has shape \(4, 3\), "
+                                             rf"expected \({other['w'].shape[0]}, 3\)"):
+            tx.update(grads, state, {"w": torch.ones(4, 3)})
+
+
+@pytest.mark.parametrize("make", [
+    lambda dim: opttx.shampoo(1e-3, max_preconditioner_dim=dim),
+    lambda dim: opttx.block_by_dims(opttx.precondition_eigenvalue_corrected(0.95, 1e-8, 10),
+                                    max_preconditioner_dim=dim),
+])
+def test_a_state_of_another_block_configuration_is_refused_naming_it(make) -> None:
+    """shampoo(max_preconditioner_dim=4).update with shampoo(max_preconditioner_dim=8)'s
+    state (and the reverse; block_by_dims over SOAP's preconditioner alike; opttx.soap's own
+    max_precond_dim is in its preconditioner's stamp, refused by identity): a ValueError
+    naming this configuration and the blocks it cuts (before: "structures differ ... tuple
+    vs tuple"); a state of the right configuration still steps."""
+    p = {"w": torch.randn(8, 8)}
+    g = {"w": torch.randn(8, 8)}
+    with pytest.raises(ValueError, match=r"block_by_dims\(max_preconditioner_dim=4, .*does not "
+                                         r"hold this configuration's blocks \(it cuts \['w'\] "
+                                         r"\(8, 8\) into 4 blocks.*another block configuration"):
+        make(4).update(g, make(8).init(p), p)
+    with pytest.raises(ValueError, match=r"max_preconditioner_dim=8, .*it cuts every leaf "
+                                         r"into one block"):
+        make(8).update(g, make(4).init(p), p)
+    u, _ = make(4).update(g, make(4).init(p), p)
+    assert torch.isfinite(u["w"]).all()
+
+
+@pytest.mark.parametrize("size", [float("inf"), float("nan"), -1.0, 0])
+def test_offload_chunk_size_must_be_a_finite_positive_number(size) -> None:
+    """offload(..., chunk_size_mb=inf) gave OverflowError from int(inf) in the chunk plan;
+    now a ValueError naming the argument (NaN, 0 and negative sizes as before)."""
+    from opttx.distributed import offload, offload_plan
+    with pytest.raises(ValueError, match="chunk_size_mb must be"):
+        offload(opttx.adamw(1e-3), chunk_size_mb=size)
+    with pytest.raises(ValueError, match="chunk_size_mb must be"):
+        offload_plan({"w": torch.ones(4)}, opttx.adamw(1e-3), chunk_size_mb=size)

@@ -137,6 +137,11 @@ def scale_by_prodigy(learning_rate: float | Schedule = 1.0,
         spec, g, m, v, s, p0, p = flatten_matching(
             updates, state.exp_avg, state.exp_avg_sq, state.grad_sum, state.params0, params)
         check_gradient_leaves(g, p, updates, "scale_by_prodigy")
+        # a state made by init on other params: refused naming the leaf and the field, before
+        # torch's broadcasting error (or a silent broadcast of a 1-row state)
+        for field, leaves in (("exp_avg", m), ("exp_avg_sq", v), ("grad_sum", s),
+                              ("params0", p0)):
+            check_gradient_leaves(g, leaves, updates, f"ProdigyState.{field}")
         d = state.estim_lr
         dtype = d.dtype
         count = safe_increment(state.count)

@@ -17,7 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._checks import check_learning_rate, check_nonnegative, check_number
+from .._checks import (check_gradient_leaves, check_learning_rate, check_nonnegative,
+                       check_number)
 from ..base import (GradientTransformation, HyperRole, Params, Role, State, Updates,
                     check_init_params, combine_traits, declare, declare_roles, require_params,
                     safe_increment, zero_count)
@@ -168,6 +169,10 @@ def schedule_free(inner: GradientTransformation, learning_rate: float | Schedule
         if not isinstance(state, ScheduleFreeState):
             raise TypeError(f"schedule_free.update got a state of type {type(state).__name__}, "
                             "expected ScheduleFreeState: pass the state made by its init.")
+        # a state made by init on other params: refused naming the leaf, before torch's
+        # broadcasting error in the z update (or a silent broadcast of a 1-row z)
+        _, g, z = flatten_matching(updates, state.z, what="updates and z")
+        check_gradient_leaves(g, z, updates, "ScheduleFreeState.z")
         count = safe_increment(state.count)
         t = count.to(torch.float64)
         # the averaging weight of this step, from scalars only (also on a rank with no leaf)

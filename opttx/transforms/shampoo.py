@@ -193,6 +193,8 @@ def block_by_dims(inner: GradientTransformation, max_preconditioner_dim: int | f
     # whole row blocks of a leaf split by rows are its blocks only when dims merge as usual
     rows = None if max_preconditioner_dim == math.inf or target != 1 \
         else int(max_preconditioner_dim)
+    config = (f"block_by_dims(max_preconditioner_dim={max_preconditioner_dim}, "
+              f"target_parameter_dimensionality={target})")
     max_preconditioner_dim = _limit(max_preconditioner_dim)
 
     def blocked(tree: PyTree) -> PyTree:
@@ -220,8 +222,14 @@ def block_by_dims(inner: GradientTransformation, max_preconditioner_dim: int | f
         extra = {k: v for k, v in extra_args.items() if k != REDUCER_KEY}
         if PRECONDITION_INPUT in extra:
             extra[PRECONDITION_INPUT] = blocked(extra[PRECONDITION_INPUT])
-        out, state = inner.update(blocked(updates), state,
-                                  None if params is None else blocked(params), **extra)
+        try:
+            out, state = inner.update(blocked(updates), state,
+                                      None if params is None else blocked(params), **extra)
+        except (ValueError, TypeError) as err:
+            _refuse_other_blocks(err, inner, state, leaves, spec, updates, config, blocked,
+                                 lambda shape: block_shapes(shape, max_preconditioner_dim,
+                                                            target))
+            raise
         counts = [len(block_shapes(x.shape, max_preconditioner_dim, target)) for x in leaves]
         merged = [_merge(bs, x.shape, max_preconditioner_dim, target).to(x.dtype)
                   for bs, x in zip(_chunks(tree_flatten(out)[0], counts, "block_by_dims"),
@@ -231,6 +239,48 @@ def block_by_dims(inner: GradientTransformation, max_preconditioner_dim: int | f
     return GradientTransformation(init, update, combine_traits(
         (inner,), elementwise=False, per_leaf=traits_of(inner).per_leaf, whole_leaves=True,
         takes_precondition_input=traits_of(inner).takes_precondition_input, block_rows=rows))
+
+
+def _refuse_other_blocks(err: Exception, inner: GradientTransformation, state: Any,
+                         leaves: list[torch.Tensor], spec: Any, updates: Updates,
+                         config: str, blocked: Any, cut: Any) -> None:
+    """After ``inner.update`` failed inside `block_by_dims`: when ``state`` does not have the
+    structure ``inner.init`` gives on this configuration's blocks (computed on "meta" tensors:
+    no memory, no numbers), raise a ``ValueError`` saying so, naming this configuration and
+    the blocks it cuts, instead of the inner's structure error ("tuple vs tuple"). The state
+    of `block_by_dims` is its inner's, with no stamp of its own (a root of its own would
+    rename every checkpoint key of Shampoo), so the configuration that made it is
+    not recorded; `opttx.Optimizer.load_state_dict` and `opttx.distributed.load_checkpoint`
+    compare the whole configuration by identity. Otherwise (the same structure: another
+    problem, or while tracing) returns, and the caller re-raises ``err``."""
+    if is_tracing():
+        return
+    try:
+        template = tree_unflatten([torch.empty(x.shape, dtype=x.dtype, device="meta")
+                                   for x in leaves], spec)
+        with reducer_during_init(None):
+            expected = inner.init(blocked(template))
+    except Exception:   # noqa: BLE001 - no diagnosis possible: the inner's own error stands
+        return
+    if tree_structure(expected) == tree_structure(state):
+        return
+    paths = tree_paths(updates)
+    shown = []
+    for path, x in zip(paths, leaves):
+        blocks = cut(x.shape)
+        if len(blocks) > 1 or tuple(blocks[0]) != tuple(x.shape):
+            shown.append(f"{path or 'the leaf'} {tuple(x.shape)} into {len(blocks)} blocks "
+                         f"{[tuple(b) for b in blocks[:3]]}{' ...' if len(blocks) > 3 else ''}")
+    cuts = "; ".join(shown[:3]) if shown else "every leaf into one block (itself)"
+    raise ValueError(
+        f"{config}.update got a state that does not hold this configuration's blocks (it cuts "
+        f"{cuts}): the state was made by another block configuration (another "
+        "max_preconditioner_dim or target_parameter_dimensionality, which opttx.shampoo "
+        "passes to block_by_dims) or for other parameters. A state of "
+        "another configuration cannot be used: build it with this transform's init (or load "
+        "a checkpoint made by the same configuration: opttx.Optimizer.load_state_dict and "
+        f"opttx.distributed.load_checkpoint name both configurations). Inner error: {err}"
+    ) from err
 
 
 def _check_row_blocks(tree: PyTree, reducer: Any, max_dim: int) -> None:

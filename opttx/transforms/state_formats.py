@@ -442,7 +442,7 @@ def _encode_map(x: torch.Tensor, layout: StateLayout, qmap: QuantizationMap) -> 
 
 def _never_zero(codes: torch.Tensor, normed: torch.Tensor, qmap: QuantizationMap
                 ) -> torch.Tensor:
-    """Codes of a non-negative statistic where no positive value decodes to 0: a positive
+    r"""Codes of a non-negative statistic where no positive value decodes to 0: a positive
     element that rounds to a code of a value <= 0 (the 0 of the unsigned dynamic map, for an
     element under half the map's smallest step, ``1.6e-7`` of its block's absmax at 8 bits)
     takes the code of the smallest positive value instead. A second moment next to an outlier
