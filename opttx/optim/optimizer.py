@@ -241,13 +241,23 @@ def _check_unhonoured_key(key: str, value: Any, tx: GradientTransformation) -> N
                      f"opttx.declare). Drop the key, or use a transform that has it.")
 
 
+def _check_ambiguous_name(places: list[_Place], keys: _Keys, name: str) -> None:
+    """Refuse ``name`` as a key when it is not one but several hyperparameters have that name
+    (``decay`` of ``scale_by_rms`` and of ``trace``), naming the key of each."""
+    if name in keys.places or sum(p.name == name for p in places) < 2:
+        return
+    named = [k for k, comps in keys.places.items()
+             if any(places[c[0]].name == name and (len(c) == 1 or k == "lr") for c in comps)]
+    raise ValueError(f"param group {name!r}: several hyperparameters of this group's "
+                     f"transform have that name; set each by its own key: {named}.")
+
+
 def _write_place(place: _Place, value: Any, ratio: float, share: bool) -> None:
     """Set one injected hyperparameter to ``value * ratio``."""
     h, name = place.hyperparams, place.name
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and share and ratio == 1.0 and \
-            value.device == h[name].device:
-        # the state holds the group's tensor itself: a scheduler's in-place
-        # ``group["lr"].fill_(x)`` is the state's value at once
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and share and ratio == 1.0:
+        # the state holds the group's tensor itself, on its device (numbers are held on the
+        # CPU): a scheduler's in-place ``group["lr"].fill_(x)`` is the state's value at once
         h[name] = value
     elif isinstance(value, torch.Tensor):
         h[name].copy_(value * ratio)
@@ -373,9 +383,8 @@ class Optimizer(torch.optim.Optimizer):
     ``betas`` for ``(b1, b2)``, ``alpha`` for ``decay``): ``Optimizer(params, opttx.adamw,
     lr=1e-3, betas=(0.9, 0.95))``; the two are the same optimizer. The transform is rebuilt
     from its recipe with every hyperparameter its factories *declare* injected
-    (`opttx.inject_all_hyperparams`; float32 0-dim tensors, float64 for a model with float64
-    parameters), and each param group shows them under keys read from their declared roles
-    (`opttx.HyperRole`). Writing a group key (a torch or HF LR scheduler, a hand-written
+    (`opttx.inject_all_hyperparams`), and each param group shows them under keys read from
+    their declared roles (`opttx.HyperRole`). Writing a group key (a torch or HF LR scheduler, a hand-written
     warm-up, OneCycleLR or CyclicLR cycling ``betas`` / ``momentum``) writes the value into
     the state at once; a per-group value in a param-group dict applies to that group.
 
@@ -425,10 +434,24 @@ class Optimizer(torch.optim.Optimizer):
     ``capturable`` change no number and are accepted; any other key of torch.optim that the
     transform cannot honour raises instead of being ignored. Keys of your own are kept.
 
+    *Precision.* The state holds each hyperparameter as a float64 0-dim tensor on the CPU,
+    exactly the number given (a tensor ``lr`` shared with a param group keeps its own dtype
+    and device). An eager `step` reads them as Python floats (`opttx.kernels.LiveFloat`;
+    free on the CPU, no device sync) and calls the factories with them, so it *is* the
+    functional step of the transform you gave, bit for bit and at its speed (Adam's
+    ``eps_root == 0`` fast path, grouped kernels with Python scalars), whatever the
+    parameters' dtype or device: ``1 - b2`` is formed from 0.95, not from float32(0.95).
+    A tensor off the CPU (a shared GPU ``lr``) is passed to the factory as a tensor, not read.
+
     **torch.compile.** ``torch.compile(opt.step)`` is one graph (also without
-    ``fullgraph=True``, and with an LR scheduler attached); the hyperparameters are tensor
-    inputs, so a scheduler changing them recompiles nothing. Donation (`opttx.donating`) is
-    an eager-mode saving and is off in the compiled step.
+    ``fullgraph=True``, and with an LR scheduler attached); the hyperparameters are float64
+    tensor inputs (complements and products formed in float64 in the graph, read by the
+    element loops as scalars), so a scheduler changing them recompiles nothing. On torch
+    2.13 Dynamo restarts its analysis once on the first compile through AOT autograd (a
+    float64 0-dim CPU input gets a symbolic float that is never used): one graph is kept,
+    but a compile counter backend is called twice. On a GPU the CPU scalars are kernel
+    arguments read at launch, which keeps such a graph out of CUDA graphs. Donation
+    (`opttx.donating`) is an eager-mode saving and is off in the compiled step.
 
     **torch.optim's contract.** State-dict and load-state-dict hooks and step hooks run; a
     state dict saved from ``named_parameters()`` loads into one built from ``parameters()``
@@ -620,6 +643,7 @@ class Optimizer(torch.optim.Optimizer):
         for key in given:
             if key not in keys.places and key not in honoured and key != LR_RATIOS and \
                     not self._is_legacy_name(places, keys, key):
+                _check_ambiguous_name(places, keys, key)
                 _check_unhonoured_key(key, group[key], tx)
         for key in set(group) - given - {"params", "param_names", "tx", TRANSFORM_KEY}:
             dict.pop(group, key)                # a default of another group's transform
@@ -757,21 +781,16 @@ class Optimizer(torch.optim.Optimizer):
                 raise ValueError(f"param group {LR_RATIOS!r} must map each other learning "
                                  f"rate's key ({sorted(keys.other_lrs)}) to a number, got "
                                  f"{value!r:.80}.")
-        elif sum(p.name == key for p in _places(self._tx_states[slot])) > 1:
-            places = _places(self._tx_states[slot])
-            named = [k for k, comps in keys.places.items()
-                     if any(places[c[0]].name == key and (len(c) == 1 or k == "lr")
-                            for c in comps)]
-            raise ValueError(f"param group {key!r}: several hyperparameters of this group's "
-                             f"transform have that name; set each by its own key: {named}.")
         elif key in self._honoured[slot]:
             if value != self._slot_groups[slot].get(key, value):
                 raise ValueError(
                     f"param group {key!r} is a configuration argument of this group's "
                     "transform, built into it when the group was added; it cannot change "
                     "afterwards. Add a new param group, or build a new Optimizer.")
-        elif key in _NUMERIC_KEYS:
-            _check_unhonoured_key(key, value, self._slot_groups[slot]["tx"])
+        else:
+            _check_ambiguous_name(_places(self._tx_states[slot]), keys, key)
+            if key in _NUMERIC_KEYS:
+                _check_unhonoured_key(key, value, self._slot_groups[slot]["tx"])
 
     def _write_by_name(self, slot: int, name: str, value: Any) -> bool:
         """``group[name] = value`` where ``name`` is not a key but the name of exactly one
