@@ -615,3 +615,50 @@ def test_offload_chunk_size_must_be_a_finite_positive_number(size) -> None:
         offload(opttx.adamw(1e-3), chunk_size_mb=size)
     with pytest.raises(ValueError, match="chunk_size_mb must be"):
         offload_plan({"w": torch.ones(4)}, opttx.adamw(1e-3), chunk_size_mb=size)
+
+
+def test_a_user_factory_configuration_is_checked_where_it_reaches_the_state() -> None:
+    """A declared factory of a user over opttx's chain (as in `opttx.declare`'s docstring,
+    with ``decay`` left as configuration): functionally, ``update`` checks the stamps of the
+    transforms that built the state, so ``nesterov`` (trace's configuration) is refused
+    naming both values, while ``decay`` (trace's hyperparameter) is accepted: the state fits
+    either. `Optimizer.load_state_dict` compares the factory's whole configuration and
+    refuses both. A user transform whose state has ``made_by`` is checked on its own
+    configuration functionally too. The documented behaviour (declare's docstring,
+    docs/design.md section 3)."""
+    from typing import NamedTuple
+
+    @opttx.declare(hyperparams={"learning_rate": opttx.HyperRole.LEARNING_RATE})
+    def my_momentum(learning_rate: float, decay: float = 0.9, nesterov: bool = False):
+        return opttx.chain(opttx.trace(decay, nesterov),
+                           opttx.scale_by_learning_rate(learning_rate))
+
+    p = {"w": torch.ones(3)}
+    with pytest.raises(TypeError, match=r"trace\(nesterov=False.*nesterov: False vs True"):
+        my_momentum(0.1, nesterov=True).update(p, my_momentum(0.1).init(p), p)
+    my_momentum(0.1, decay=0.5).update(p, my_momentum(0.1).init(p), p)       # accepted
+    for other in ({"nesterov": True}, {"decay": 0.5}):
+        w = torch.nn.Parameter(torch.ones(3))
+        w.grad = torch.ones(3)
+        saved = opttx.Optimizer([w], my_momentum(0.1))
+        saved.step()
+        with pytest.raises(ValueError, match="was made by .*my_momentum"):
+            opttx.Optimizer([w], my_momentum(0.1, **other)).load_state_dict(saved.state_dict())
+
+    class ScaledState(NamedTuple):
+        count: torch.Tensor
+        made_by: opttx.Static = opttx.Static()
+        __roles__ = opttx.declare_roles(count=opttx.Role.COUNT)
+
+    @opttx.declare()
+    def my_scale(factor: float = 2.0) -> opttx.GradientTransformation:
+        def init(params):
+            return ScaledState(count=torch.zeros((), dtype=torch.int32))
+
+        def update(updates, state, params=None):
+            return ({k: v * factor for k, v in updates.items()},
+                    state._replace(count=state.count + 1))
+        return opttx.GradientTransformation(init, update)
+
+    with pytest.raises(TypeError, match=r"my_scale\(factor=3.0\).*factor: 3.0 vs 2.0"):
+        my_scale(2.0).update(p, my_scale(3.0).init(p), p)

@@ -121,7 +121,12 @@ def read_metadata(checkpoint_id: str | os.PathLike) -> Any:
       FileNotFoundError: there is no ``.metadata`` file.
 
     Example:
-      >>> check_checkpoint(sd, opttx.distributed.read_metadata(path))
+      >>> import tempfile, torch.distributed.checkpoint as dcp
+      >>> path = tempfile.mkdtemp()
+      >>> dcp.save({"optim": opttx.distributed.state_dict(state, params)}, checkpoint_id=path)
+      >>> metadata = read_metadata(path)          # nothing the file names is called
+      >>> opttx.distributed.check_checkpoint(opttx.distributed.state_dict(state, params),
+      ...                                    metadata, "optim")
     """
     return SafeFileSystemReader(checkpoint_id).read_metadata()
 
