@@ -782,6 +782,17 @@ def declare(*, hyperparams: Mapping[str, "HyperRole | None"] | None = None,
     factory that builds the transform (not by a declared factory that returns another declared
     factory's transform: the state belongs to that one).
 
+    So ``update`` checks the configuration of the factories that built the state. A factory
+    of yours that returns opttx's transforms (a chain of them) adds its configuration to the
+    recipe, which ``Optimizer.load_state_dict`` compares (the group key ``"transform"``) and
+    ``opttx.distributed``'s ranks agree on, but not to the state: its stamps are those of the
+    transforms it returns (and a chain's state is a tuple, with no field to stamp). An
+    argument of yours that reaches one of them as configuration is checked by ``update``
+    (``nesterov`` given to `opttx.trace`); one that reaches them only as a hyperparameter
+    (``decay``), or that picks numbers in your own code, is not: the state fits either value.
+    To have ``update`` check your whole configuration, return a transform whose state
+    NamedTuple has the ``made_by`` field (it is then stamped with your factory's identity).
+
     Args:
       hyperparams: argument name -> `HyperRole` (or None: a hyperparameter without a torch.optim
         name). Only these are injected and shown in param groups.
