@@ -79,6 +79,11 @@ def test_two_links_with_one_name_keep_their_own_values_through_a_round_trip() ->
     with pytest.raises(ValueError, match=r"'decay': several .* \['alpha', 'momentum'\]"):
         opttx.Optimizer([{"params": [p], "decay": 0.9}], opttx.chain(
             opttx.scale_by_rms(0.99), opttx.trace(decay=0.0), opttx.scale_by_learning_rate(1.)))
+    older = copy.deepcopy(before)           # saved when "decay" named both: it loads
+    older["param_groups"][0]["decay"] = 0.99
+    opt.load_state_dict(older)
+    assert [h["decay"] for h in live(opt)[:2]] == [pytest.approx(0.99), 0.0]
+    assert "decay" not in opt.param_groups[0]
 
 
 def test_repeated_names_get_their_field_paths_as_keys() -> None:

@@ -241,10 +241,15 @@ def _check_unhonoured_key(key: str, value: Any, tx: GradientTransformation) -> N
                      f"opttx.declare). Drop the key, or use a transform that has it.")
 
 
+def _is_ambiguous_name(places: list[_Place], keys: _Keys, name: str) -> bool:
+    """Whether ``name`` is not a key but the name of several hyperparameters."""
+    return name not in keys.places and sum(p.name == name for p in places) > 1
+
+
 def _check_ambiguous_name(places: list[_Place], keys: _Keys, name: str) -> None:
     """Refuse ``name`` as a key when it is not one but several hyperparameters have that name
     (``decay`` of ``scale_by_rms`` and of ``trace``), naming the key of each."""
-    if name in keys.places or sum(p.name == name for p in places) < 2:
+    if not _is_ambiguous_name(places, keys, name):
         return
     named = [k for k, comps in keys.places.items()
              if any(places[c[0]].name == name and (len(c) == 1 or k == "lr") for c in comps)]
@@ -417,7 +422,9 @@ class Optimizer(torch.optim.Optimizer):
       other learning rate).
     - An opttx name that a role key shows (``b1`` in ``betas``, ``decay`` as ``alpha``,
       ``learning_rate`` as ``lr``), given in a param-group dict or an older state dict, is
-      written through that key, and not kept, when exactly one hyperparameter has it.
+      written through that key, and not kept, when exactly one hyperparameter has it; a
+      name several share is refused (`load_state_dict` skips it: an older state dict showed
+      one of them under it, and saved each under its role key too).
 
     A 0-dim tensor ``lr`` is shared with the state, so a scheduler's in-place ``fill_``
     applies too (refused when the group has several learning rates: they could not follow
@@ -1119,6 +1126,8 @@ class Optimizer(torch.optim.Optimizer):
                     raise TypeError(f"param group {key!r} must be a number or a 0-dim "
                                     f"tensor, got {type(value).__name__} {value!r:.40}.")
                 continue
+            if _is_ambiguous_name(places, self._keys[group._slot], key):
+                continue        # an older state dict's shared name: see _write_group
             self._check_hyperparameter(group._slot, key, value, loading=True)
         return group, saved, current, given
 
@@ -1154,6 +1163,8 @@ class Optimizer(torch.optim.Optimizer):
                 self._write_hyperparameter(slot, key, value, loading=True)
                 if key not in group._scheduled:
                     dict.__setitem__(group, key, value)
+            elif _is_ambiguous_name(places, keys, key):
+                continue    # an older state dict showed one of them under it: each has a key
             elif not self._write_by_name(slot, key, value):
                 group[key] = value
         if "param_names" in saved and "param_names" not in group:
