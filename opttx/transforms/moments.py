@@ -861,7 +861,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99,
 
     def step(g, state, params, extra_args):
         g_mu = cast_like(g, state.mu)
-        direction = signs(foreach("lerp", state.mu, g_mu, 1 - b1))    # NaN stays NaN
+        direction = signs(foreach("lerp", state.mu, g_mu, 1 - b1))   # non-finite: NaN
         return _fresh(direction, g), replace_state(state, mu=foreach_ema(state.mu, g_mu, b2))
 
     return GradientTransformation(init, leafwise(ScaleByLionState, step), ELEMENTWISE)

@@ -11,7 +11,8 @@ from .._checks import (check_gradient_leaves, check_learning_rate, check_nonnega
 from ..base import (ELEMENTWISE, EmptyState, GradientTransformation, HyperRole, Params, Role,
                     Updates, check_init_params, declare, declare_roles, require_params,
                     safe_increment, stateless, zero_count)
-from ..kernels import Scalar, cast_like, foreach, foreach_axpy, foreach_op_, foreach_scale
+from .._tracing import is_tracing
+from ..kernels import Scalar, cast_like, foreach, foreach_, foreach_axpy, foreach_scale
 from ..schedules import Schedule
 from ..tree import PyTree, Static, flatten_matching, mask_leaves, tree_unflatten
 
@@ -26,14 +27,16 @@ __all__ = [
 
 
 def signs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``sign(x)`` of every tensor as new tensors, a NaN kept NaN (``torch.sign`` maps NaN to
-    0, which would hide a NaN gradient; ``jnp.sign`` keeps it): ``max(s, min(s, x))`` with
-    ``s = sign(x)`` is ``s`` for every number and NaN for NaN (``minimum`` and ``maximum``
-    propagate NaN)."""
+    """``sign(x)`` of every tensor as new tensors, a non-finite ``x`` (NaN, ±inf) giving NaN:
+    ``torch.sign`` maps NaN to 0 (and ±inf to ±1), which would hide a non-finite gradient.
+    Computed as ``sign(x) + 0·x`` (IEEE: ``0·NaN`` and ``0·inf`` are NaN, ``0·x`` is 0
+    otherwise), one more grouped pass in place."""
     if not tensors:
         return []
     s = foreach("sign", tensors)
-    return foreach_op_("maximum", s, foreach("minimum", s, tensors))
+    if is_tracing():
+        return foreach("add", s, tensors, alpha=0)
+    return foreach_("add", s, tensors, alpha=0)
 
 
 def _scaled(updates: Updates, factor: Scalar) -> Updates:
