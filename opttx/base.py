@@ -319,6 +319,12 @@ class Traits:
     (Shampoo's blocks of ``max_preconditioner_dim``): a leaf split by rows at multiples of it
     (`opttx.distributed.zero`'s ``split_above_mb``) may run on its local rows although
     ``whole_leaves`` is set."""
+    collective_groups: tuple = ()
+    """The process groups its ``update`` issues collectives over, on inputs that differ per
+    rank (None: the default group): `opttx.distributed.zero`, ``sharded``, ``on_owners``,
+    ``all_reduce_gradients``. A wrapper that decides from its own inputs whether to call it
+    (`opttx.apply_if_finite`'s skip, `opttx.MultiSteps`' boundary) agrees on the decision
+    over these groups first, so that every rank calls it alike."""
 
 
 LEAFWISE = Traits(elementwise=False, per_leaf=True)
@@ -340,8 +346,19 @@ def combine_traits(transforms: "tuple[GradientTransformation, ...]", **changes: 
                       whole_leaves=any(t.whole_leaves for t in traits),
                       across_leaves=any(t.across_leaves for t in traits),
                       batched_across_leaves=any(t.batched_across_leaves for t in traits),
-                      block_rows=math.lcm(*rows) if rows else None)
+                      block_rows=math.lcm(*rows) if rows else None,
+                      collective_groups=_union_of_groups(t.collective_groups for t in traits))
     return dataclasses.replace(combined, **changes)
+
+
+def _union_of_groups(groups: Any) -> tuple:
+    """The process groups of several transforms, each once (by identity), in order."""
+    out: list[Any] = []
+    for gs in groups:
+        for g in gs:
+            if not any(g is h for h in out):
+                out.append(g)
+    return tuple(out)
 
 
 class GradientTransformation(NamedTuple):
@@ -437,6 +454,12 @@ class Declaration:
     """The argument holding the transform whose state this one keeps as its own (a
     distributed layout of it: `opttx.distributed.sharded`, ``zero``, ``on_owners``): the
     identity is that transform's, so a checkpoint moves between layouts."""
+    wraps: str | None = None
+    """The argument holding the transform this wrapper calls from its ``update`` on the whole
+    updates, keeping that transform's state whole inside its own (`opttx.apply_if_finite`,
+    `opttx.multi_steps`): the wrapper may be rebuilt (`Recipe.rebuild`) around another way of
+    running that transform with the same state, as `opttx.distributed.offload` does to run
+    its chunks inside the wrapper."""
 
 
 def _rebuild(factory: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -759,8 +782,8 @@ def _step_local_block() -> Iterator[None]:
 
 
 def declare(*, hyperparams: Mapping[str, "HyperRole | None"] | None = None,
-            runtime: tuple[str, ...] = (), same_state_as: str | None = None
-            ) -> Callable[[Callable[..., GradientTransformation]],
+            runtime: tuple[str, ...] = (), same_state_as: str | None = None,
+            wraps: str | None = None) -> Callable[[Callable[..., GradientTransformation]],
                           Callable[..., GradientTransformation]]:
     """Declare a transform factory: which arguments are hyperparameters (and their roles),
     and which may change on resume; every other argument is configuration.
@@ -801,6 +824,8 @@ def declare(*, hyperparams: Mapping[str, "HyperRole | None"] | None = None,
       same_state_as: for a wrapper that keeps the state of the transform it is given (a
         distributed layout of it), the name of that argument: the identity is that
         transform's.
+      wraps: for a wrapper that calls the transform it is given on the whole updates and
+        keeps its state whole (`Declaration.wraps`), the name of that argument.
 
     Example:
       >>> @opttx.declare(hyperparams={"learning_rate": opttx.HyperRole.LEARNING_RATE,
@@ -818,13 +843,13 @@ def declare(*, hyperparams: Mapping[str, "HyperRole | None"] | None = None,
     def decorate(factory: Callable[..., GradientTransformation]
                  ) -> Callable[..., GradientTransformation]:
         signature = inspect.signature(factory)
-        unknown = (set(hyperparams) | set(runtime) | {same_state_as} - {None}) - \
+        unknown = (set(hyperparams) | set(runtime) | {same_state_as, wraps} - {None}) - \
             set(signature.parameters)
         if unknown:
             raise TypeError(f"declare: {getattr(factory, '__name__', factory)} has no "
                             f"argument(s) {sorted(unknown)}.")
         declaration = Declaration(signature, dict(hyperparams), frozenset(runtime),
-                                  same_state_as)
+                                  same_state_as, wraps)
 
         positional = [n for n, p in signature.parameters.items()
                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

@@ -386,52 +386,87 @@ def all_finite(tree: PyTree) -> torch.Tensor:
     return torch.stack([torch.isfinite(x).all() for x in leaves]).all()
 
 
-def _all_finite_everywhere(updates: Updates, extra_args: dict[str, Any]) -> torch.Tensor:
+def _all_finite_everywhere(updates: Updates, extra_args: dict[str, Any],
+                           groups: tuple = ()) -> torch.Tensor:
     """`all_finite` over the whole tree even when it is spread over ranks, so that every rank
     takes the same decision (and the same branch, with the same collectives inside it).
 
-    On local shards (`opttx.distributed.sharded`, whose reducer is in ``extra_args``) a leaf
-    replicated over some ranks (`Replicated`, or a leaf sharded over one group and replicated
-    over another) may hold a NaN on one rank only, and a statistic of the leaf would not be
-    reduced over those ranks: the count of non-finite elements is summed over every rank that
-    runs the chain (``sharded`` runs on all ranks of the default group), one collective. With
-    whole leaves spread over owner ranks (``zero``, ``on_owners``) the per-rank counts are
-    combined by `reduce_across_leaves`."""
+    The count of non-finite elements is summed over every rank that takes part (see
+    `_across_ranks`): on local shards (`opttx.distributed.sharded`, whose reducer is in
+    ``extra_args``) over every rank of the default group, since a leaf replicated over some
+    ranks may hold a NaN on one rank only; with whole leaves spread over owner ranks
+    (``zero``, ``on_owners``) through `reduce_across_leaves`; and around a transform that
+    runs collectives on rank-local inputs (``groups``: ``apply_if_finite(zero(...))``) over
+    its groups. One collective each."""
     spec, leaves = flatten_matching(updates)
-    counts = [(~torch.isfinite(x)).sum().to(torch.float32) for x in leaves]
+    counts = [(~torch.isfinite(_local(x))).sum().to(torch.float32) for x in leaves]
     total = torch.stack(counts).sum() if counts else torch.zeros(())
+    return _across_ranks(total, extra_args, groups, on_leaf_device=bool(leaves)) == 0
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (FSDP2's gradients), any other tensor as it is: the counts
+    are summed over the ranks explicitly."""
+    return x.to_local() if hasattr(x, "to_local") else x
+
+
+def _across_ranks(total: torch.Tensor, extra_args: dict[str, Any], groups: tuple,
+                  op: str = "sum", on_leaf_device: bool = True) -> torch.Tensor:
+    """``total`` (this rank's part of a decision's statistic) combined over every rank that
+    must take the same decision: under `opttx.distributed.sharded` (a reducer in
+    ``extra_args``) over the default group (which holds every other group), else over the
+    owner ranks of `reduce_across_leaves` and then over each process group of ``groups``
+    (the `Traits.collective_groups` of the wrapped transform). The identity on one
+    process."""
     reducer = current_reducer(extra_args)
-    if reducer is not None:
-        return _sum_over_every_rank(total, len(leaves) > 0, reducer) == 0
-    return reduce_across_leaves(total, extra_args) == 0
+    if reducer is not None:     # every rank of the default group: the groups are within it
+        return _reduce_over_group(total, op, None, on_leaf_device,
+                                  getattr(reducer, "stats", None))
+    total = reduce_across_leaves(total, extra_args, op)
+    for group in groups:
+        total = _reduce_over_group(total, op, group, on_leaf_device, None)
+    return total
 
 
-def _sum_over_every_rank(total: torch.Tensor, on_leaf_device: bool, reducer: Any
-                         ) -> torch.Tensor:
-    """``total`` summed over all ranks of the default group (one functional all-reduce,
-    traced by ``torch.compile`` without a graph break); the identity on one process."""
+def _reduce_over_group(total: torch.Tensor, op: str, group: Any, on_leaf_device: bool,
+                       stats: Any) -> torch.Tensor:
+    """``total`` reduced (``op``) over the ranks of ``group`` (None: the default group): one
+    functional all-reduce, traced by ``torch.compile`` without a graph break; the identity
+    on one process."""
     import torch.distributed as dist
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_available() or not dist.is_initialized():
+        return total
+    group = dist.group.WORLD if group is None else group
+    if dist.get_world_size(group) == 1:
         return total
     import torch.distributed._functional_collectives as funcol
-    if not on_leaf_device and dist.get_backend() == "nccl":
+    device = total.device
+    if dist.get_backend(group) == "nccl" and (not on_leaf_device or device.type != "cuda"):
         total = total.to(torch.device("cuda", torch.cuda.current_device()))
-    stats = getattr(reducer, "stats", None)
     if stats is not None:
-        stats.record(dist.group.WORLD, total)
-    return funcol.wait_tensor(funcol.all_reduce(total, "sum", dist.group.WORLD))
+        stats.record(group, total)
+    return funcol.wait_tensor(funcol.all_reduce(total, op, group)).to(device)
 
 
-@declare(runtime=("max_consecutive_errors",))
+@declare(runtime=("max_consecutive_errors",), wraps="inner")
 def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, *,
                     check_state: bool = False) -> GradientTransformation:
     """Skip steps whose incoming updates hold an inf or NaN: zero updates, state kept.
 
     After more than ``max_consecutive_errors`` consecutive bad steps the update is applied
     anyway (so a run that has truly diverged is not silently frozen). Counts of skipped steps
-    are in the state. Under ``torch.compile`` the skip is a ``torch.cond`` in one graph. Under
-    `opttx.distributed.sharded`, ``zero`` or ``on_owners`` the decision is global: one
-    non-finite element on any rank skips the step on every rank (one collective).
+    are in the state. Under ``torch.compile`` the skip is a ``torch.cond`` in one graph.
+
+    In a distributed run the decision is global, wherever the wrapper is placed: one
+    non-finite element on any rank skips the step on every rank (one small all-reduce of
+    the count of non-finite elements, traced without a graph break). Inside
+    `opttx.distributed.sharded`, ``zero`` or ``on_owners`` it goes over the ranks holding the
+    other shards or leaves; around them (``apply_if_finite(zero(adamw(...)), 3)``, and
+    around ``all_reduce_gradients`` in a chain) over the process groups the wrapped
+    transform declares (`opttx.Traits.collective_groups`), since the local gradients it sees
+    differ per rank. Inside or around `opttx.distributed.offload` (and ``zero(...,
+    offload=...)``) the skip is decided once over every chunk (offload runs its chunks
+    inside the wrapper).
 
     What the default cannot see: only the *incoming* updates are tested. Finite gradients
     can still overflow inside the inner transform's statistics: squares of gradients above
@@ -456,6 +491,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, 
     if not isinstance(max_consecutive_errors, int) or max_consecutive_errors < 0:
         raise ValueError("max_consecutive_errors must be an integer >= 0, got "
                          f"{max_consecutive_errors!r}.")
+    groups = traits_of(inner).collective_groups     # the ranks that must decide alike
 
     def init(params: Params) -> ApplyIfFiniteState:
         zero = zero_count(params)
@@ -479,7 +515,8 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, 
                                                       **extra_args)
             floating = [x for x in tree_leaves(new_inner)
                         if isinstance(x, torch.Tensor) and x.is_floating_point()]
-            finite = _all_finite_everywhere((updates, new_updates, floating), extra_args)
+            finite = _all_finite_everywhere((updates, new_updates, floating), extra_args,
+                                            groups)
             finite = finite.to(state.last_finite.device)
             notfinite_count, apply = decide(finite, state)
             # both branches return the operands' structure (tree_cond's contract)
@@ -488,7 +525,8 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, 
                 lambda u, new, old: (tree_map(torch.zeros_like, u), old, old),
                 (new_updates, new_inner, state.inner_state))
         else:
-            finite = _all_finite_everywhere(updates, extra_args).to(state.last_finite.device)
+            finite = _all_finite_everywhere(updates, extra_args, groups).to(
+                state.last_finite.device)
             notfinite_count, apply = decide(finite, state)
 
             def do_update(u: Updates, s: State) -> tuple[Updates, State]:
@@ -531,12 +569,21 @@ class MultiSteps:
     transform on the accumulated gradient and resets it. So ``MultiSteps(tx, k)`` over k
     mini-batches equals one step of ``tx`` on the mean of their gradients, with the memory of
     one accumulator. Under ``torch.compile`` the branch is a ``torch.cond`` (one graph).
+    In a distributed run (inside `opttx.distributed.sharded` or ``zero``, or around a
+    transform declaring `opttx.Traits.collective_groups` such as ``zero`` itself) the ranks
+    agree on the boundary with one small all-reduce per call, and a rank whose count differs
+    (it skipped or repeated a call) makes every rank raise the same ``ValueError`` (eager
+    code reads the agreed value: a host sync per call). ``agree_across_ranks=False`` leaves
+    that out, for accumulation without any communication before the k-th call, when every
+    rank is known to call ``update`` alike.
 
     Args:
       opt: the inner transform.
       every_k_schedule: k, an int >= 1, or a function of the number of inner updates so far
         returning k as a 0-dim tensor.
       use_grad_mean: average (default) rather than sum the mini-batch gradients.
+      agree_across_ranks: in a distributed run, agree on the boundary across the ranks
+        (default; see above).
 
     Example:
       >>> tx = opttx.MultiSteps(opttx.adamw(1e-3), every_k_schedule=4)
@@ -544,12 +591,13 @@ class MultiSteps:
     """
 
     def __init__(self, opt: GradientTransformation, every_k_schedule: int | Callable,
-                 use_grad_mean: bool = True) -> None:
+                 use_grad_mean: bool = True, agree_across_ranks: bool = True) -> None:
         if not callable(every_k_schedule):
             check_positive_int("every_k_schedule", every_k_schedule)
         self.inner = opt
         self.every_k_schedule = every_k_schedule
         self.use_grad_mean = use_grad_mean
+        self.agree_across_ranks = bool(agree_across_ranks)
 
     def _k(self, gradient_step: torch.Tensor) -> torch.Tensor | int:
         if callable(self.every_k_schedule):
@@ -574,6 +622,9 @@ class MultiSteps:
         else:
             acc = foreach_axpy(1.0, [x.to(a.dtype) for x, a in zip(g, acc)], acc)
         emit = state.mini_step + 1 >= self._k(state.gradient_step)
+        if self.agree_across_ranks:
+            emit = _agreed_boundary(emit, state, extra_args,
+                                    traits_of(self.inner).collective_groups)
 
         zeros = tree_unflatten([torch.zeros_like(x) for x in g], spec)
 
@@ -602,14 +653,44 @@ class MultiSteps:
     def gradient_transformation(self) -> GradientTransformation:
         """This accumulator as a plain `GradientTransformation`, for `chain` and friends
         (declared: it pickles, and `opttx.Optimizer` injects the inner hyperparameters)."""
-        return multi_steps(self.inner, self.every_k_schedule, self.use_grad_mean)
+        return multi_steps(self.inner, self.every_k_schedule, self.use_grad_mean,
+                           self.agree_across_ranks)
 
 
-@declare(runtime=("every_k_schedule",))
+def _agreed_boundary(emit: torch.Tensor, state: MultiStepsState, extra_args: dict[str, Any],
+                     groups: tuple) -> torch.Tensor:
+    """Whether this call ends an accumulation, the same on every rank: in a distributed run
+    (inside `opttx.distributed.sharded`, ``zero`` or ``on_owners``, or around a transform that
+    declares `Traits.collective_groups`) the ranks' decisions are combined with one small
+    all-reduce (max of ``[emit, -emit]``), so the inner update and its collectives run on
+    every rank or on none. Ranks that disagree (a rank skipped or repeated a call, and so
+    counts other mini-steps) raise the same ``ValueError`` on every rank in eager code; a
+    compiled step, which cannot raise without a host sync, ends the accumulation on every
+    rank when one does."""
+    from ._tracing import is_tracing
+    from .base import TOTALS_KEY
+    if current_reducer(extra_args) is None and extra_args.get(TOTALS_KEY) is None \
+            and not groups:
+        return emit
+    e = torch.as_tensor(emit).to(torch.float32).reshape(1)
+    both = _across_ranks(torch.cat([e, -e]), extra_args, groups, op="max")
+    if not is_tracing() and float(both[0]) != -float(both[1]):
+        raise ValueError(
+            "MultiSteps: the ranks disagree on whether this call ends an accumulation (this "
+            f"rank had accumulated {int(state.mini_step)} mini-steps since its last update, "
+            f"after {int(state.gradient_step)} updates): a rank skipped or repeated a call of "
+            "update (a step left out after a local check, say), or every_k_schedule gave "
+            "another k on another rank. Every rank must call update once per micro-batch; "
+            "skip bad steps together with opttx.apply_if_finite.")
+    return both[0] > 0
+
+
+@declare(runtime=("every_k_schedule", "agree_across_ranks"), wraps="opt")
 def multi_steps(opt: GradientTransformation, every_k_schedule: int | Callable,
-                use_grad_mean: bool = True) -> GradientTransformation:
-    """``MultiSteps(opt, every_k_schedule, use_grad_mean).gradient_transformation()``: gradient
-    accumulation as a transform (see `MultiSteps`)."""
-    accumulator = MultiSteps(opt, every_k_schedule, use_grad_mean)
+                use_grad_mean: bool = True, agree_across_ranks: bool = True
+                ) -> GradientTransformation:
+    """``MultiSteps(opt, every_k_schedule, use_grad_mean, agree_across_ranks)
+    .gradient_transformation()``: gradient accumulation as a transform (see `MultiSteps`)."""
+    accumulator = MultiSteps(opt, every_k_schedule, use_grad_mean, agree_across_ranks)
     return GradientTransformation(accumulator.init, accumulator.update,
                                   combine_traits((opt,)))

@@ -138,7 +138,8 @@ def _initoutcome(make: Callable[[], opttx.GradientTransformation], params: dict)
 
 def _replicated_differs(rank: int) -> dict:
     """A Replicated leaf (and, under zero, any parameter) holding different values on the two
-    ranks: refused at init with the checking mode on, accepted without it."""
+    ranks: refused at init with the checking mode on, and by sharded's own check without
+    it."""
     params = {"w": torch.ones(2, 3), "b": torch.full((3,), float(rank))}
     specs = {"w": Shard(0), "b": Replicated()}
     out = {}
@@ -324,10 +325,14 @@ def test_checking_mode_refuses_replicated_leaves_that_differ_on_every_rank(resul
     assert all(r["replicated"]["same"]["error"] is None for r in _case(results, "checking"))
 
 
-def test_without_the_checking_mode_differing_replicated_leaves_pass_silently(results) -> None:
-    """What the mode is for: off (the default outside tests), nothing notices."""
-    assert all(r["replicated"]["unchecked"]["error"] is None
-               for r in _case(results, "checking"))
+def test_without_the_checking_mode_differing_replicated_leaves_are_refused_too(results) -> None:
+    """With the mode off (the default outside tests) sharded's init still compares a
+    checksum of every replicated leaf across the ranks (one all-gather) and raises on every
+    rank (tests/test_faults_ranks_agree_distributed.py); it passed silently before."""
+    for r in _case(results, "checking"):
+        error = r["replicated"]["unchecked"]["error"]
+        assert error is not None and "the replicated leaf ['b'] holds different values" \
+            in error, r["replicated"]
 
 
 @pytest.mark.parametrize("every", [1, 2])

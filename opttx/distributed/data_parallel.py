@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from .._checks import check_positive
 from .._tracing import is_tracing
-from ..base import (EmptyState, GradientTransformation, Params, Updates, _describe,
+from ..base import (EmptyState, GradientTransformation, Params, Traits, Updates, _describe,
                     check_init_params, declare)
 from ..tree import tree_flatten, tree_leaves, tree_paths, tree_unflatten
 from .overlap import BackwardLaunches
@@ -161,7 +161,9 @@ def all_reduce_gradients(group: Any = None, bucket_size_mb: float = 25, *,
                 out[i] = r.to(leaves[i].dtype) / world
         return tree_unflatten(out, treespec), state
 
-    return GradientTransformation(init, update)
+    # its collectives take each rank's own gradients: a wrapper deciding from them (a skip)
+    # agrees on the decision over the group first
+    return GradientTransformation(init, update, Traits(collective_groups=(group,)))
 
 
 def _bucket_launcher(group: Any, dtype: torch.dtype | None, stats: CollectiveStats | None

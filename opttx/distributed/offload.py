@@ -397,14 +397,65 @@ def check_offloadable(tx: GradientTransformation, layout: str = "leaves") -> int
     return head
 
 
+def peel_wrappers(tx: GradientTransformation, layout: str = "leaves"
+                  ) -> tuple[list[tuple[Any, str]], GradientTransformation]:
+    """``(wrappers, core)``: ``tx`` as declared wrappers around a transform that runs chunk by
+    chunk. A transform that cannot run by chunks but wraps another on the whole updates,
+    keeping its state whole (`opttx.declare`'s ``wraps``: `opttx.apply_if_finite`,
+    `opttx.multi_steps`), is peeled off, outermost first, as ``(recipe, argument)``; the
+    offloaded run of ``core`` then goes inside it (`_around`), so ``offload(apply_if_finite(
+    adamw(...), 5))`` is ``apply_if_finite(offload(adamw(...)), 5)`` with the same state.
+
+    Raises:
+      ValueError: `check_offloadable`'s, for ``core``.
+    """
+    wrappers: list[tuple[Any, str]] = []
+    core = tx
+    while not _chunkable(traits_of(core), layout):
+        recipe = getattr(core, "recipe", None)
+        name = recipe.declaration.wraps if recipe is not None else None
+        if name is None or not isinstance(recipe.arguments.get(name), GradientTransformation):
+            break
+        wrappers.append((recipe, name))
+        core = recipe.arguments[name]
+    check_offloadable(core, layout)
+    return wrappers, core
+
+
+def _around(wrappers: list[tuple[Any, str]], core: GradientTransformation,
+            engine_of: Callable[[], "_Offloader"], adopt: list[bool]
+            ) -> GradientTransformation:
+    """The offloaded run of ``core`` (by ``engine_of()``) as a transform with ``core``'s
+    traits and recipe (so the wrappers' identities, and their states' ``made_by``, are those
+    without offload), inside the ``wrappers`` of `peel_wrappers`, rebuilt around it. A
+    restored state (``adopt[0]``) is adopted by the engine at its first run."""
+    def init(params: Params) -> State:
+        return engine_of().init(params)
+
+    def update(updates: Updates, state: State, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, State]:
+        engine = engine_of()
+        if adopt[0]:
+            state = engine.adopt(state)
+            adopt[0] = False
+        return engine.update(updates, state, params, extra_args)
+
+    tx = GradientTransformation(init, update, traits_of(core), core.recipe)
+    for recipe, name in reversed(wrappers):
+        tx = recipe.rebuild(**{name: tx})
+    return tx
+
+
 def _why(t: Any, layout: str) -> str:
     if t.across_leaves:
         return ("its traits say it takes a statistic across leaves (Traits.across_leaves: a "
                 "global norm, a finiteness test, Prodigy's estimate), so no chunk could be "
                 "updated before every gradient is in. A stateless one may lead the chain "
-                "(chain(clip_by_global_norm(1.0), adamw(...)): it runs on the device first); "
-                "wrap stateful ones around the offloaded transform instead "
-                "(apply_if_finite(offload(adamw(...)), 5))")
+                "(chain(clip_by_global_norm(1.0), adamw(...)): it runs on the device first), "
+                "and a wrapper declared to call its inner transform on the whole updates runs "
+                "around the chunks (offload(apply_if_finite(adamw(...), 5)) runs as "
+                "apply_if_finite(offload(adamw(...)), 5)); wrap other stateful ones around the "
+                "offloaded transform")
     if layout == "flat" and t.per_leaf:
         return ("layout='flat' needs an element-wise chain (Traits.elementwise) and this one "
                 "takes statistics of whole leaves (factored moments, norms, blocks); use "
@@ -1971,14 +2022,15 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
             raise ValueError("offload: device_budget_mb goes with fraction='auto'.")
     if memory_probe is not None and fraction != "auto":
         raise ValueError("offload: memory_probe goes with fraction='auto'.")
-    if check_offloadable(tx, layout) and overlap:
+    wrappers, core = peel_wrappers(tx, layout)
+    if check_offloadable(core, layout) and overlap:
         raise ValueError("offload(overlap=True): the chain starts with a statistic across "
                          "leaves (global-norm clipping), which needs every gradient before "
                          "any chunk's step; clip inside backward's reach is impossible, so "
                          "use overlap=False (or clip per leaf: clip_by_block_rms).")
 
     def make() -> _Offloader:
-        return _Offloader(tx, fraction, layout=layout, compile=compile,
+        return _Offloader(core, fraction, layout=layout, compile=compile,
                           budget_mb=device_budget_mb, memory_probe=memory_probe,
                           where="offload", stats=stats, overlap=overlap, delayed=delayed,
                           master_params=master_params, host_group_mb=host_group_mb)
@@ -1988,15 +2040,21 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
     def resolve(tree: PyTree) -> _Offloader:
         from .zero import state_costs
         engine = make()
-        engine.resolve(tree, costs=state_costs(tx, tree), chunk_size_mb=chunk_size_mb)
+        engine.resolve(tree, costs=state_costs(core, tree), chunk_size_mb=chunk_size_mb)
         resolved[:] = [engine]
         return engine
+
+    adopt = [False]
+    # the chunks' run, inside the wrappers peeled off tx (apply_if_finite: one decision over
+    # every chunk)
+    running = _around(wrappers, core, lambda: resolved[0], adopt)
 
     def init(params: Params) -> State:
         from ..base import check_init_params
         check_init_params(params)
         engine = resolve(params)
-        state = engine.init(params)
+        adopt[0] = False
+        state = running.init(params)
         if overlap:
             engine.hook(params)
         return state
@@ -2004,7 +2062,8 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
     def update(updates: Updates, state: State, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, State]:
         if not resolved:              # a restored state: planned from the updates, adopted
-            state = resolve(updates).adopt(state)
+            resolve(updates)          # by the engine at its first run
+            adopt[0] = True
         engine = resolved[0]
         leaves, spec = tree_flatten(updates)
         if spec != engine.spec or any(tuple(x.shape) != s for x, s in zip(leaves, engine.shapes)):
@@ -2013,6 +2072,6 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
             assert_same_structure(updates, template, "updates and the params given to init")
             raise ValueError("offload: the updates' shapes differ from the params given to "
                              f"init: {[tuple(x.shape) for x in leaves]} vs {engine.shapes}.")
-        return engine.update(updates, state, params, extra_args)
+        return running.update(updates, state, params, **extra_args)
 
     return GradientTransformation(init, update, combine_traits((tx,)))

@@ -10,7 +10,7 @@ issues one functional all-reduce per (group, op) per call.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,18 +48,24 @@ def collective_device(group: Any) -> torch.device:
 
 
 def pack_all_reduce(tensors: Sequence[torch.Tensor], op: str, group: Any,
-                    stats: CollectiveStats | None = None, dtype: torch.dtype | None = None
+                    stats: CollectiveStats | None = None, dtype: torch.dtype | None = None,
+                    tail: Callable[[torch.dtype, torch.device], torch.Tensor] | None = None
                     ) -> list[torch.Tensor]:
     """All-reduce ``tensors`` over ``group`` with one collective: flatten them into one buffer
     (in ``dtype``, default their promoted dtype), reduce, and split back into their shapes and
-    dtypes."""
+    dtypes. ``tail(dtype, device)``: a vector to reduce along in the same buffer, returned,
+    reduced, after the others (the step counters of `StepCounters.reduction_tail`)."""
     if not tensors:
         return []
     if dtype is None:
         dtype = tensors[0].dtype
         for t in tensors[1:]:
             dtype = torch.promote_types(dtype, t.dtype)
-    buffer = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+    parts = [t.reshape(-1).to(dtype) for t in tensors]
+    if tail is not None:
+        tensors = list(tensors) + [tail(dtype, parts[0].device)]
+        parts.append(tensors[-1])
+    buffer = torch.cat(parts)
     if stats is not None:
         stats.record(group, buffer)
     reduced = funcol.all_reduce(buffer, op, group)
@@ -111,7 +117,16 @@ class ShardedReducer:
         # per leaf split by rows over one group (`zero`'s split_above_mb), this rank's first
         # row (None elsewhere): row-aligned blocks are whole (see `require_whole`)
         self.row_starts: list[int | None] | None = None
+        # the state's step counters, to travel with the next reduction (see carry_counters)
+        self._counters: Any = None
 
+    def carry_counters(self, counters: Any) -> None:
+        """Send ``counters`` (a `StepCounters`; None: none) along with the first all-reduce
+        of the next call, where they are compared (`StepCounters.check_reduced`): `sharded`
+        hands it the state's step counters before each eager update and takes them back
+        after it, so the ranks' steps are compared without a collective of their own (a
+        chain without statistics, Adam's, carries nothing)."""
+        self._counters = counters if counters else None
     def global_shapes_of(self, tree: PyTree) -> list[tuple[int, ...]] | None:
         """The global shapes of the leaves present in ``tree`` (a tree like the params,
         `MaskedNode` where absent), in its leaf order; None when unknown or when ``tree`` has
@@ -271,7 +286,16 @@ class ShardedReducer:
                 self._check_lengths(group, [values[t][i] for t, i in members or ()])
             if not members:
                 continue
-            reduced = pack_all_reduce([values[t][i] for t, i in members], op, group, self.stats)
+            counters, tail = self._counters, None
+            if counters is not None:          # the first collective carries them, then none
+                self._counters = None
+                world = dist.get_world_size(group)
+                tail = (lambda dtype, device: counters.reduction_tail(op, dtype, world, device))
+            reduced = pack_all_reduce([values[t][i] for t, i in members], op, group, self.stats,
+                                      tail=tail)
+            if counters is not None:
+                sent = reduced.pop()
+                counters.check_reduced(op, sent, sent.dtype, world)
             for (t, i), r in zip(members, reduced):
                 values[t][i] = r
         outs = [self.treespec.unflatten(v) for v in values]

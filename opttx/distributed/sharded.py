@@ -6,11 +6,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..base import (GradientTransformation, Params, REDUCER_KEY, State, Updates, _describe,
-                    configuration_items, declare, reducer_during_init)
+from .._tracing import is_tracing
+from ..base import (GradientTransformation, Params, REDUCER_KEY, State, Traits, Updates,
+                    _describe, configuration_items, declare, reducer_during_init)
 from ..tree import PyTree, tree_flatten, tree_paths
 from .owners import on_owners as _on_owners
-from .consistency import ConsistencyCheck
+from .consistency import (ConsistencyCheck, StepCounters, check_replicated_leaves,
+                          common_counter_paths)
 from .reducer import CollectiveStats, ShardedReducer, collective_device
 from .shapes import (agree_on_configuration, agree_on_state_structure, global_shapes, is_dtensor,
                      raise_on_every_rank)
@@ -163,6 +165,7 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
     # Resolved once (at init, or at the first update after a restore): static config, so a
     # compiled step reads it as a constant.
     resolved: list[ShardedReducer] = []
+    counter_paths: list[tuple[str, ...]] = [()]   # the step counters every rank's state holds
     check = ConsistencyCheck("opttx.distributed.sharded")   # off unless the mode is on
 
     def build(tree: PyTree) -> ShardedReducer:
@@ -206,7 +209,12 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
         if dist.is_initialized() and dist.get_world_size() > 1:
             agree_on_state_structure(state, None, collective_device(None),
                                      "opttx.distributed.sharded")
+        counter_paths[0] = common_counter_paths(state)
         check(params, lambda: [not shards for shards in reducer.flat_specs], state, at_init=True)
+        # always: a replicated leaf that differs per rank would get other updates on every
+        # rank (one all-gather of a checksum of each)
+        check_replicated_leaves("opttx.distributed.sharded", params,
+                                [not shards for shards in reducer.flat_specs])
         return state
 
     def update(updates: Updates, state: State, params: Params | None = None,
@@ -214,14 +222,24 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
         if not resolved:                  # a restored state: resolved once, here (eagerly)
             agree()
             resolved[:] = [resolve_shapes(build(updates), updates)]
+            counter_paths[0] = common_counter_paths(state)
         reducer = resolved[0]
         check(params, lambda: [not shards for shards in reducer.flat_specs], state)
         local_updates, templates = _to_local(updates)
         local_params = _to_local(params)[0] if params is not None else None
-        out, new_state = tx.update(local_updates, state, local_params,
-                                   **{**extra_args, REDUCER_KEY: reducer})
+        # eager: the state's step counters travel with the step's first statistic's
+        # all-reduce, so a rank whose state is at another step raises on every rank
+        reducer.carry_counters(StepCounters("opttx.distributed.sharded", state,
+                                            counter_paths[0]) if not is_tracing() else None)
+        try:
+            out, new_state = tx.update(local_updates, state, local_params,
+                                       **{**extra_args, REDUCER_KEY: reducer})
+        finally:
+            reducer.carry_counters(None)
         if templates is not None:
             out = _like_dtensors(out, templates)
         return out, new_state
 
-    return GradientTransformation(init, update)
+    # it runs on every rank of the default group, on each rank's own shards: a wrapper
+    # deciding from them (apply_if_finite's skip) agrees on the decision over that group
+    return GradientTransformation(init, update, Traits(collective_groups=(None,)))

@@ -21,12 +21,13 @@ import torch.distributed._functional_collectives as funcol
 
 from .._checks import check_floating, check_nonnegative, check_positive
 from .._tracing import is_tracing
-from ..base import (GradientTransformation, Params, REDUCER_KEY, State, TOTALS_KEY, Updates,
-                    _describe, configuration_items, current_reducer, declare, reducer_during_init,
-                    traits_of)
+from ..base import (GradientTransformation, Params, REDUCER_KEY, State, TOTALS_KEY, Traits,
+                    Updates, _describe, configuration_items, current_reducer, declare,
+                    reducer_during_init, traits_of)
 from ..tree import (MaskedNode, PyTree, assert_same_structure, tree_flatten, tree_leaves,
                     tree_paths, tree_unflatten)
-from .consistency import ConsistencyCheck
+from .consistency import (ConsistencyCheck, StepCounters, check_replicated_leaves,
+                          common_counter_paths)
 from .overlap import BackwardLaunches
 from .reducer import CollectiveStats, ShardedReducer, collective_device
 from .specs import Shard
@@ -459,6 +460,8 @@ class _Resolved:
     leaf_paths: tuple[str, ...] = ()
     split_reducer: Any = None     # split_above_mb: the reducer over the split leaves' rows
     offloader: Any = None         # offload: this rank's chunks of state on the host
+    offload_tx: Any = None        # offload: tx run by the offloader (inside tx's wrappers)
+    counter_paths: tuple[str, ...] = ()   # the state's step counters every rank holds
 
     def unit_of_leaf(self) -> list[int]:
         """For every leaf, the unit this rank holds of it: its own row segment of a split
@@ -668,7 +671,7 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
         if res.offloader is not None:
             error, state = None, None
             try:
-                state = res.offloader.init(_mask(params, res))
+                state = res.offload_tx.init(_mask(params, res))
             except (ValueError, TypeError) as e:   # a chain refused: on every rank
                 error = e
             raise_on_every_rank(error, res.group, "opttx.distributed.zero: rank {rank} "
@@ -680,7 +683,13 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
                 state = cfg.tx.init(_mask(params, res))
         agree_on_state_structure(state, res.group, res.control_device,
                                  "opttx.distributed.zero")
+        resolved[:] = [dataclasses.replace(res, counter_paths=common_counter_paths(
+            state, res.group))]
         check(params, None, state, res.group, at_init=True)
+        # always: every parameter is replicated over the group; one that differs per rank
+        # would take the same updates from other values (one all-gather of checksums)
+        check_replicated_leaves("opttx.distributed.zero", params,
+                                [True] * len(tree_leaves(params)), res.group)
         return state
 
     def update(updates: Updates, state: State, params: Params | None = None,
@@ -690,13 +699,15 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
             agree()
             res = _resolve(updates, cfg, current_reducer(extra_args))
             if cfg.offload is not None:   # a restored state: its owned chunks placed
-                res = _with_offloader(res, updates, cfg)
-                state = res.offloader.adopt(state)
-            resolved[:] = [res]
+                res = _with_offloader(res, updates, cfg, adopt=True)
+            resolved[:] = [dataclasses.replace(res, counter_paths=common_counter_paths(
+                state, res.group))]
         check(params, None, state, resolved[0].group)
         return _zero_update(updates, state, params, extra_args, resolved[0], cfg)
 
-    return GradientTransformation(init, update)
+    # its collectives take each rank's own gradients: a wrapper deciding from them
+    # (apply_if_finite's skip, MultiSteps' boundary) agrees on the decision over the group
+    return GradientTransformation(init, update, Traits(collective_groups=(group,)))
 
 
 @dataclass(frozen=True, eq=False)
@@ -788,7 +799,7 @@ def _offload_share(tx: GradientTransformation, offload: Any, split_above_mb: flo
                    layout: str, device_budget_mb: float | None) -> float | str | None:
     """``offload`` validated: None (off), a share in [0, 1] or ``"auto"``; the chain checked
     for running chunk by chunk."""
-    from .offload import _validated_fraction, check_offloadable
+    from .offload import _validated_fraction, peel_wrappers
     if offload is False or offload is None:
         if device_budget_mb is not None:
             raise ValueError("zero: device_budget_mb goes with offload='auto'.")
@@ -801,28 +812,35 @@ def _offload_share(tx: GradientTransformation, offload: Any, split_above_mb: flo
     if split_above_mb is not None:
         raise ValueError("zero: offload and split_above_mb do not go together (a split "
                          "leaf's statistics are reduced over the ranks inside the update).")
-    check_offloadable(tx, layout)
+    peel_wrappers(tx, layout)      # apply_if_finite, multi_steps: around the chunks
     return share
 
 
-def _with_offloader(res: _Resolved, tree: PyTree, cfg: _ZeroConfig) -> _Resolved:
+def _with_offloader(res: _Resolved, tree: PyTree, cfg: _ZeroConfig, adopt: bool = False
+                    ) -> _Resolved:
     """``res`` with the offload engine of this rank: one offload chunk per chunk of the plan
-    in which this rank owns parameters (its segment), placed by ``cfg.offload``."""
-    from .offload import _Offloader
+    in which this rank owns parameters (its segment), placed by ``cfg.offload``, and the
+    transform that runs it (``offload_tx``); ``adopt``: its first run adopts a restored
+    state."""
+    from .offload import _around, _Offloader, peel_wrappers
     if res.split_reducer is not None:
         raise ValueError("zero: offload and split_above_mb do not go together.")
     masked = _mask(tree, res)
     owned = [i for i, r in enumerate(res.plan.owners) if r == res.rank]
     index = {leaf: k for k, leaf in enumerate(owned)}     # leaf -> place among owned leaves
     members = [[index[i] for i, _, _ in c.members(res.rank)] for c in res.plan.chunks]
-    engine = _Offloader(cfg.tx, cfg.offload, layout=cfg.offload_layout,
+    wrappers, core = peel_wrappers(cfg.tx, cfg.offload_layout)
+    engine = _Offloader(core, cfg.offload, layout=cfg.offload_layout,
                         compile=cfg.offload_compile, budget_mb=cfg.device_budget_mb,
                         memory_probe=None, where="opttx.distributed.zero",
                         stats=cfg.offload_stats, master_params=cfg.offload_master_params,
                         host_group_mb=cfg.offload_host_group_mb)
     engine.resolve(masked, members=[m for m in members if m],
-                   costs=state_costs(cfg.tx, masked))
-    return dataclasses.replace(res, offloader=engine)
+                   costs=state_costs(core, masked))
+    # the chunks' run inside the wrappers peeled off tx: apply_if_finite's skip is decided
+    # once over every chunk, and over the group through the statistics hook
+    running = _around(wrappers, core, lambda: engine, [adopt])
+    return dataclasses.replace(res, offloader=engine, offload_tx=running)
 
 
 def _resolve(tree: PyTree, cfg: _ZeroConfig, reducer: Any = None) -> _Resolved:
@@ -922,10 +940,25 @@ def _zero_update(updates: Updates, state: State, params: Params | None,
     if params is not None:
         _check_tree(params, res, "params")
     device = grads[0].device if grads else res.control_device
+    counters = _step_counters(state, res, cfg, device)     # read before the state changes
     owned = _reduce_gradients(res.to_units(grads), res, cfg, device)
     new_of, new_state = _owners_update(owned, state, params, extra_args, res, cfg, device)
-    out = _gather_updates(new_of, grads, res, cfg, device)
+    out = _gather_updates(new_of, grads, res, cfg, device, counters)
     return tree_unflatten(out, res.treespec), new_state
+
+
+def _step_counters(state: State, res: _Resolved, cfg: _ZeroConfig, device: torch.device
+                   ) -> tuple[StepCounters, torch.Tensor] | None:
+    """The state's step counters and their values as they travel with the first all-gather
+    of updates (in its dtype), so that every rank compares every rank's (`StepCounters`);
+    None in a compiled step, on one rank, or without counters or chunks to carry them."""
+    if is_tracing() or res.world == 1:
+        return None
+    first = next((c for c in res.plan.chunks if c.segment), None)
+    counters = StepCounters("opttx.distributed.zero", state, res.counter_paths)
+    if first is None or not counters:
+        return None
+    return counters, counters.tail(cfg.communication_dtype or first.dtype, device)
 
 
 def _reduce_gradients(grads: list[torch.Tensor], res: _Resolved, cfg: _ZeroConfig,
@@ -1023,7 +1056,8 @@ def _owners_update(owned: list[Any], state: State, params: Params | None,
     masked_updates = tree_unflatten([owned[k] for k in res.unit_of_leaf()], res.treespec)
     masked_params = None if params is None else _mask(params, res)
     if res.offloader is not None:
-        new, new_state = res.offloader.update(masked_updates, state, masked_params, inner_args)
+        new, new_state = res.offload_tx.update(masked_updates, state, masked_params,
+                                               **inner_args)
     else:
         new, new_state = cfg.tx.update(masked_updates, state, masked_params, **inner_args)
     new_leaves = tree_leaves(new)
@@ -1036,10 +1070,13 @@ def _owners_update(owned: list[Any], state: State, params: Params | None,
 
 
 def _gather_updates(new_of: dict[int, torch.Tensor], grads: list[torch.Tensor],
-                    res: _Resolved, cfg: _ZeroConfig, device: torch.device
+                    res: _Resolved, cfg: _ZeroConfig, device: torch.device,
+                    counters: tuple[StepCounters, torch.Tensor] | None = None
                     ) -> list[torch.Tensor]:
     """Every leaf's update, in its gradient's dtype: an all-gather of the owners' segments
-    per chunk (in ``communication_dtype`` when set); a split leaf's rows concatenated."""
+    per chunk (in ``communication_dtype`` when set); a split leaf's rows concatenated. With
+    ``counters`` (`_step_counters`), the first chunk's segments carry each rank's step
+    counters after its updates, compared once gathered."""
     plan = res.plan
     leaf_of = [u[0] for u in plan.units] or list(range(len(grads)))
     out: list[Any] = [None] * len(plan.owners)
@@ -1051,11 +1088,20 @@ def _gather_updates(new_of: dict[int, torch.Tensor], grads: list[torch.Tensor],
             continue
         seg = _flat_with_gaps([(new_of[i], off) for i, off, _ in c.members(res.rank)],
                               c.segment, cfg.communication_dtype or c.dtype, device)
+        extra = 0
+        if counters is not None:          # this chunk carries the counters (after each
+            extra = counters[1].numel()   # rank's segment), then no other
+            seg = torch.cat([seg, counters[1]])
         if cfg.stats is not None:
             cfg.stats.record(res.group, seg)
         full = funcol.wait_tensor(_all_gather(seg, 0, res.group))
-        for i, off, n in zip(c.leaves, c.offsets, c.sizes):
+        for i, r, off, n in zip(c.leaves, c.owners, c.offsets, c.sizes):
+            off += r * extra
             out[i] = full[off:off + n].view(plan.shapes[i]).to(grads[leaf_of[i]].dtype)
+        if counters is not None:
+            rows = full.view(res.world, c.segment + extra)[:, c.segment:]
+            counters[0].compare(rows, seg.dtype)
+            counters = None
     missing = [plan.paths[i] for i, x in enumerate(out) if x is None]
     if missing:                    # static: a plan that skipped a leaf is a bug, not a no-op
         raise ValueError(f"opttx.distributed.zero: {missing[0]} is not covered by any "
