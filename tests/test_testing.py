@@ -463,3 +463,19 @@ def test_degenerate_shapes_property_catches_crashes_and_non_finite_updates() -> 
         check_transform(_scaled_by_its_max, skip=tuple(set(opttx.conformance.CHECKS)
                                                        - {"degenerate_shapes"}))
     check_degenerate_shapes(lambda: opttx.muon(0.02))
+
+
+def test_keep_copy_copies_into_the_buffers_dtype_and_into_them_when_donating() -> None:
+    g = {"w": torch.randn(3, 2, dtype=torch.bfloat16), "b": torch.randn(2)}
+    buffers = {"w": torch.zeros(3, 2), "b": torch.zeros(2)}
+    kept = opttx.keep_copy(g, buffers)
+    assert kept["w"].dtype == torch.float32 and torch.equal(kept["w"], g["w"].float())
+    assert all(kept[k].data_ptr() not in (g[k].data_ptr(), buffers[k].data_ptr()) for k in g)
+    with opttx.donating():
+        donated = opttx.keep_copy(list(g.values()), list(buffers.values()))
+    assert [d.data_ptr() for d in donated] == [b.data_ptr() for b in buffers.values()]
+    assert torch.equal(buffers["b"], g["b"])
+    plain = opttx.keep_copy([g["b"]])
+    assert isinstance(plain, list) and plain[0].data_ptr() != g["b"].data_ptr()
+    with pytest.raises(ValueError, match="2 values but 1 buffers"):
+        opttx.keep_copy(list(g.values()), [buffers["w"]])
