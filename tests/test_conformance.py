@@ -4,7 +4,10 @@ conformance registry (tests/registry.py) with the checks users run on their own 
 shapes, float64 determinism, one compiled graph with no recompile when injected
 hyperparameters change, compiled equal to eager, `stacked` equal to per-leaf (or refused),
 checkpoint keys and a save/load round trip, clear errors on integer leaves and mismatched
-trees; and, on 2 gloo ranks in one spawn, `sharded` and `zero` equal to one device."""
+trees, degenerate shapes (zero-size, 1×N, N×1, 0-D leaves), a NaN gradient element never
+hidden (the behaviour docs/guide/faults.md lists per entry), no state sharing memory with its
+inputs; and, on 2 gloo ranks in one spawn, `sharded` and `zero` equal to one device (a few
+entries on the degenerate shapes in a second spawn)."""
 
 from __future__ import annotations
 
