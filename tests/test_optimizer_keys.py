@@ -10,6 +10,8 @@ import io
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import opttx
 from opttx import conformance
@@ -321,3 +323,75 @@ def test_a_copied_optimizer_keeps_its_keys_and_schedules() -> None:
     assert copied.param_groups[0]["adam_learning_rate"] == pytest.approx(8e-3)
     assert live(copied)[0]["adam_learning_rate"] == pytest.approx(8e-3)
     assert live(muon)[0]["adam_learning_rate"] == pytest.approx(4e-3)
+
+
+KEYED = {
+    "muon": lambda: opttx.muon(1e-2, adam_learning_rate=3e-3, weight_decay=0.1),
+    "adamuon": lambda: opttx.adamuon(1e-2, weight_decay=0.01),
+    "normuon": lambda: opttx.normuon(1e-2),
+    "partition": lambda: opttx.partition(
+        {"m": opttx.adamw(1e-3, weight_decay=0.1), "v": opttx.sgd(1e-2, momentum=0.9)},
+        lambda t: ["m", "v"]),
+    "rms_trace": lambda: opttx.chain(opttx.scale_by_rms(0.99), opttx.trace(decay=0.5),
+                                     opttx.clip_by_global_norm(1.0), opttx.adamw(1e-2),
+                                     opttx.clip_by_global_norm(2.0)),
+}
+
+
+def rescaled(key: str, value, factor: float):
+    """``value * factor`` per component; to 0 and from 0 (to 0.25) for ``lr`` only: some
+    transforms take another hyperparameter's 0 for another state (trace's ``dampening``)."""
+    if isinstance(value, tuple):
+        return tuple(rescaled(key, v, factor) for v in value)
+    if key == "lr":
+        return value * factor if value else 0.25
+    return value * (factor or 0.5)
+
+
+@settings(max_examples=12)
+@given(name=st.sampled_from(sorted(KEYED)), save_at=st.integers(0, 3),
+       writes=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 30),
+                                 st.sampled_from([0.0, 0.5, 0.9375])),
+                       max_size=6))
+def test_any_write_history_resumes_bitwise(name: str, save_at: int, writes: list) -> None:
+    """Any history of key writes (``lr`` to 0 and back included, own keys, role keys), a
+    state dict saved after any step: the resumed run equals the uninterrupted one bit for
+    bit, and after every write each key shows what its first hyperparameter holds."""
+    def build(params):
+        return opttx.Optimizer(params, KEYED[name]())
+
+    params = matrix_and_vector()
+    opt = build(params)
+    keys = sorted(opt._keys[0].places)
+    grads = grads_for(params, 5)
+    saved = None
+    for step, g in enumerate(grads):
+        for at, which, factor in writes:
+            if at == step:
+                key = keys[which % len(keys)]
+                opt.param_groups[0][key] = rescaled(key, opt.param_groups[0][key], factor)
+        for key, comps in opt._keys[0].places.items():
+            places = opttx.optim.optimizer._places(opt.tx_states[0])
+            shown = opt.param_groups[0][key]
+            shown = shown if isinstance(shown, tuple) else (shown,)
+            held = tuple(float(places[c[0]].hyperparams[places[c[0]].name]) for c in comps)
+            assert held == pytest.approx(shown, rel=1e-12, abs=0.0), key
+        train(opt, params, [g])
+        if step == save_at:
+            saved = saved_and_loaded({"opt": opt.state_dict(),
+                                      "params": [p.detach().clone() for p in params],
+                                      "step": step})
+    again = [torch.nn.Parameter(p) for p in saved["params"]]
+    resumed = build(again)
+    resumed.load_state_dict(saved["opt"])
+    conformance._same_state_dict(resumed.state_dict(), saved["opt"], "loaded")
+    for step in range(saved["step"] + 1, len(grads)):
+        for at, which, factor in writes:
+            if at == step:
+                key = keys[which % len(keys)]
+                resumed.param_groups[0][key] = rescaled(key, resumed.param_groups[0][key],
+                                                        factor)
+        train(resumed, again, [grads[step]])
+    for a, b in zip(params, again):
+        assert torch.equal(a, b)
+    conformance._same_state_dict(resumed.state_dict(), opt.state_dict(), "resumed")
