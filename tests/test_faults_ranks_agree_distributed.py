@@ -222,6 +222,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
             rank, lambda: sharded(opttx.adafactor(1e-2, factor_axes="last"), SPECS),
             _rows(rank)),
         "replicated": lambda: _replicated_differs(rank),
+        "compiled": lambda: _compiled(rank),
     })
     run_cases(rank, world, store, out, cases)
 
@@ -284,6 +285,17 @@ def test_a_rank_whose_state_skipped_an_update_is_named_on_every_rank(results, ca
         assert got[0]["error"] == got[1]["error"], got
 
 
+@pytest.mark.parametrize("name", ["outer", "inner", "multi_steps"])
+def test_compiled_agreement_is_in_the_one_graph(results, name: str) -> None:
+    """Compiled with fullgraph: one frame (the agreement's all-reduce traced, no graph
+    break), the NaN step skipped on every rank, the eager run's numbers (before: a torch.cond
+    around or inside zero refused zero's views of one buffer)."""
+    for g in _case(results, "compiled"):
+        assert g["healthy"], g
+        assert g[name]["frames"] == 1 and g[name]["skips"] == [1], g
+        assert g[name]["equal"] and g[name]["moved"], g
+
+
 @pytest.mark.parametrize("how", ["sharded", "zero"])
 def test_replicated_leaves_that_differ_per_rank_are_refused_at_init(results, how) -> None:
     got = _case(results, "replicated")
@@ -293,3 +305,39 @@ def test_replicated_leaves_that_differ_per_rank_are_refused_at_init(results, how
             in g[how]["error"], got
         assert g["same"]["error"] is None, got
     assert got[0][how]["error"] == got[1][how]["error"], got
+
+
+def _compiled(rank: int) -> dict:
+    """apply_if_finite around and inside zero, and MultiSteps around it, compiled (fullgraph,
+    aot_eager): the agreement is a functional all-reduce inside the one graph, and the run
+    equals the eager one."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    makes = {
+        "outer": lambda: opttx.apply_if_finite(zero(opttx.adamw(1e-2), chunk_size_mb=CHUNK_MB),
+                                               3),
+        "inner": lambda: zero(opttx.apply_if_finite(opttx.adamw(1e-2), 3),
+                              chunk_size_mb=CHUNK_MB),
+        "multi_steps": lambda: opttx.apply_if_finite(opttx.MultiSteps(
+            zero(opttx.adamw(1e-2), chunk_size_mb=CHUNK_MB), 2).gradient_transformation(), 3),
+    }
+    out = {}
+    with consistency_checks(None):
+        for name, make in makes.items():
+            eager, _ = _run(make(), rank)
+            tx = make()
+            counter = CompileCounterWithBackend("aot_eager")
+            torch._dynamo.reset()
+            step = torch.compile(tx.update, backend=counter, fullgraph=True)
+            params = _params()
+            state = tx.init(params)
+            for s in range(STEPS):
+                updates, state = step(_grads(s, nan=rank == 1 and s == NAN_STEP), state, params)
+                params = opttx.apply_updates(params, updates)
+            skips = [int(x.total_notfinite) for x in opttx.tree.find_instances(
+                state, opttx.ApplyIfFiniteState)]
+            out[name] = {"frames": counter.frame_count, "skips": skips,
+                         "moved": not torch.equal(params["w"], _params()["w"]),
+                         "equal": all(torch.allclose(params[k], eager[k], rtol=1e-6, atol=1e-7)
+                                      for k in eager)}
+    out["healthy"] = _healthy()
+    return out

@@ -989,6 +989,8 @@ def _reduce_gradients(grads: list[torch.Tensor], res: _Resolved, cfg: _ZeroConfi
             seg = seg.to(c.dtype) / res.world
         for i, off, n in mine:
             owned[i] = seg[off:off + n].view(plan.shapes[i])
+            if is_tracing():       # views of one buffer: torch.cond (apply_if_finite,
+                owned[i] = owned[i].clone()   # MultiSteps inside) refuses aliased operands
     return owned
 
 
@@ -1098,6 +1100,8 @@ def _gather_updates(new_of: dict[int, torch.Tensor], grads: list[torch.Tensor],
         for i, r, off, n in zip(c.leaves, c.owners, c.offsets, c.sizes):
             off += r * extra
             out[i] = full[off:off + n].view(plan.shapes[i]).to(grads[leaf_of[i]].dtype)
+            if is_tracing():       # views of one buffer: a torch.cond around zero
+                out[i] = out[i].clone()       # (apply_if_finite) refuses aliased outputs
         if counters is not None:
             rows = full.view(res.world, c.segment + extra)[:, c.segment:]
             counters[0].compare(rows, seg.dtype)
