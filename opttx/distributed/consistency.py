@@ -19,6 +19,15 @@ caught at the next check where its replicated leaves or counters differ; one tha
 *every* collective of a step cannot be told apart from a slow one and still hangs the others
 until the process group's timeout.
 
+Two checks run always, without the mode (they cost no collective of their own per step):
+`sharded` and `zero` compare a checksum of every replicated leaf at ``init`` (one all-gather,
+`check_replicated_leaves`), and the state's step counters travel with a collective of every
+eager update (`StepCounters`: `zero`'s all-gather of updates, the first all-reduce of
+`sharded`'s statistics), so a rank whose state skipped an update, or took one more, is named
+on every rank at its next update. What only the mode sees is a rank that leaves out a whole
+call of ``update`` (its next call pairs with the others' current one, its counts equal
+theirs) and a replicated leaf that drifts after ``init``.
+
 The mode is off by default (the check reads every replicated parameter and talks to every
 rank). Turn it on with `consistency_checks` (a context manager), `set_consistency_checks`, or
 the environment variable ``OPTTX_CONSISTENCY_CHECKS=k`` (read at import, so it reaches ranks

@@ -14,10 +14,11 @@ Why chunks give the same numbers: a transform whose traits say ``per_leaf`` comp
 leaf's output from that leaf alone, so running it on the leaves of one chunk at a time is
 running it on all leaves at once (its step counters advance once per call, in every chunk
 alike). An ``elementwise`` chain may even see each chunk as one flat vector (``layout="flat"``,
-as `opttx.flatten`). A chain that takes a statistic across leaves and keeps state (Prodigy,
-`opttx.apply_if_finite`) cannot be cut into chunks and is refused; stateless statistics across
-leaves at the head of a `opttx.chain` (`opttx.clip_by_global_norm`) run first, on the device,
-over every leaf.
+as `opttx.flatten`). A chain that takes a statistic across leaves and keeps state (Prodigy)
+cannot be cut into chunks and is refused; stateless statistics across leaves at the head of a
+`opttx.chain` (`opttx.clip_by_global_norm`) run first, on the device, over every leaf; a
+wrapper declared to run its inner transform on the whole updates (`opttx.apply_if_finite`)
+runs around the chunks.
 
 The state is the transform's own state over the parameter tree, laid out exactly as without
 offload (a host chunk's tensors simply live in host memory), so checkpoints
@@ -1875,9 +1876,13 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
     chunk by chunk) for any chain `check_offloadable` accepts: its links work leaf by leaf
     (``Traits.per_leaf``: adamw, lion, adafactor, came, lamb, 8-bit states, ...), after
     stateless statistics across leaves at its head (`opttx.clip_by_global_norm`, run on the
-    device over every leaf first). Chains that keep a statistic across leaves are refused
-    with the reason; wrap such wrappers around the offloaded transform instead
-    (``apply_if_finite(offload(adamw(...)), 5)``, ``MultiSteps(offload(adamw(...)), 4)``).
+    device over every leaf first). A wrapper declared to call its inner transform on the
+    whole updates (`opttx.declare`'s ``wraps``: `opttx.apply_if_finite`, `opttx.multi_steps`)
+    runs around the chunks: ``offload(apply_if_finite(adamw(...), 5))``
+    is ``apply_if_finite(offload(adamw(...)), 5)``, one skip decision over every chunk, with
+    the same state. Other chains that keep a statistic across leaves are refused with the
+    reason; wrap them around the offloaded transform instead
+    (``MultiSteps(offload(adamw(...)), 4)``).
 
     On CUDA each host chunk's gradients and parameters are copied on a side stream into
     pinned staging buffers, the device chunks' updates are queued meanwhile, each host chunk
@@ -1918,9 +1923,11 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
         all its parameters are there (`opttx.distributed.BackwardLaunches`: post-accumulate-
         grad hooks; the copy to the host and the step run while backward goes on, the step
         on a worker thread); ``update`` then collects them. ``init`` must get the model's
-        parameters themselves (``dict(model.named_parameters())``; `opttx.Optimizer` passes
-        them), ``update`` the ``.grad`` tensors backward left and the state the last update
-        returned (otherwise the chunks run in ``update``). Eager; the statistics across
+        parameters themselves (``dict(model.named_parameters())``; `opttx.Optimizer` hands
+        ``init`` detached copies, so there ``init`` raises a ``ValueError``: run the
+        functional loop, docs/guide/offload.md), ``update`` the ``.grad`` tensors backward
+        left and the state the last update returned (otherwise the chunks run in
+        ``update``). Eager; the statistics across
         leaves at a chain's head (global-norm clipping) need every gradient first, so they
         are refused with it; in gradient accumulation, run the micro-batches before the last
         inside `opttx.distributed.no_sync`. A step started in backward runs functionally

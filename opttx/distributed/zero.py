@@ -544,7 +544,8 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
         ``device_budget_mb``). The same numbers as without offload (bitwise for per-leaf
         chains with ``offload_compile=False``); the chain must run chunk by chunk
         (`opttx.distributed.check_offloadable`: per-leaf links, after stateless statistics
-        across leaves such as `opttx.clip_by_global_norm`). Eager only; not with
+        across leaves such as `opttx.clip_by_global_norm`; `opttx.apply_if_finite` around
+        them runs around this rank's chunks, its skip agreed over the group). Eager only; not with
         ``split_above_mb`` nor inside `sharded`.
       min_chunk_size_mb, search_range_mb: the capacities searched when ``chunk_size_mb`` is
         None.
