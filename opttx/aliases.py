@@ -14,6 +14,7 @@ import torch
 
 from .base import (GradientTransformation, HyperRole, declare)
 from .combine import chain, masked, partition
+from .kernels import is_live
 from .schedules import Schedule
 from .transforms.ademamix import scale_by_ademamix
 from .transforms.factored import (FactorAxes, add_step_scaled_decayed_weights, clip_by_rms,
@@ -942,9 +943,10 @@ def galore_adamw_8bit(learning_rate: ScalarOrSchedule, rank: int = 128,
 
 
 def _nonzero(value: Any) -> bool:
-    """Whether an optional term is present: a 0-dim tensor (an injected hyperparameter, whose
-    value may change between steps) always is; a number when it is not 0."""
-    return isinstance(value, torch.Tensor) or value != 0
+    """Whether an optional term is present: an injected hyperparameter (a 0-dim tensor or a
+    `opttx.kernels.LiveFloat`, whose value may change between steps) always is; a number
+    when it is not 0."""
+    return is_live(value) or value != 0
 
 
 @declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "epsilon": HyperRole.EPS,

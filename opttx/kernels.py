@@ -54,8 +54,10 @@ __all__ = [
     "foreach_scale_add",
     "foreach_sum_of_squares",
     "is_donating",
+    "is_live",
     "is_scratch",
     "keeping_state",
+    "LiveFloat",
     "mark_scratch",
     "new_buffers",
 ]
@@ -139,6 +141,27 @@ def is_scratch(tensors: Sequence[torch.Tensor]) -> bool:
 # ---------------------------------------------------------------------------------------------
 # coefficients
 # ---------------------------------------------------------------------------------------------
+
+class LiveFloat(float):
+    """An injected hyperparameter as an eager step gives it to its factory
+    (`opttx.inject_hyperparams`, `opttx.Optimizer`): the Python float the state holds (so the
+    factory takes the functional path's decisions and kernels, with the number given),
+    marked *live*: its value may differ at the next step, as a 0-dim tensor's may under
+    tracing. A factory that leaves out an optional term when a number is 0 (a momentum, a
+    weight decay) keeps it for a live value (`is_live`), so the state's structure does not
+    depend on the value and a scheduler may move it away from 0."""
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"LiveFloat({float(self)!r})"
+
+
+def is_live(value: Any) -> bool:
+    """Whether ``value`` is a hyperparameter that may change between steps: a 0-dim tensor
+    (injected, under tracing or off the CPU) or a `LiveFloat` (injected, in an eager step).
+    A plain number is fixed for the transform's life."""
+    return isinstance(value, (torch.Tensor, LiveFloat))
+
 
 # Devices whose 0-dim tensors a compiled step may read back to the host as a scalar kernel
 # argument (free on the CPU). On any other device that read is a device-to-host sync in every

@@ -9,12 +9,13 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ._checks import check_positive_int
+from ._tracing import is_tracing
 from .base import (Declaration, GradientTransformation, HyperRole, Params, Recipe, Role, State,
                    Updates, _describe, _public_name, check_made_by, check_state_type,
                    combine_traits, current_reducer, declaration_of, declare, declare_roles,
                    recipe_of, reduce_across_leaves, safe_increment, step_local_transforms,
                    traits_of, zero_count)
-from .kernels import foreach, foreach_axpy, keeping_state
+from .kernels import LiveFloat, foreach, foreach_axpy, keeping_state
 from .tree import (PyTree, Static, find_instances, flatten_matching, stats_like, tree_cond,
                    tree_leaves, tree_map, tree_unflatten)
 
@@ -181,6 +182,29 @@ def _injected_identity(inner_factory: Callable[..., GradientTransformation],
     return ("inject_hyperparams", (("inner", _public_name(inner_factory)),) + config)
 
 
+def _read_for_free(value: torch.Tensor) -> bool:
+    """Whether an eager step reads the injected ``value`` as a Python number: a plain 0-dim
+    tensor on the CPU, where ``.item()`` costs a microsecond and no device sync (not a tensor
+    of a trace, of ``vmap`` or another subclass, nor one on an accelerator)."""
+    return type(value) is torch.Tensor and value.device.type == "cpu" and \
+        not torch._C._functorch.is_functorch_wrapped_tensor(value)
+
+
+def _as_arguments(hyperparams: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The injected values as the inner factory is called with them: in eager code each value
+    on the CPU as the Python number it holds (exact: a float64 tensor holds the number given),
+    so the factory takes the very decisions and kernels of the functional path (Adam's
+    ``eps_root == 0`` fast path, a grouped kernel's Python scalar), marked live
+    (`opttx.kernels.LiveFloat`: an optional term stays in the state's structure at 0);
+    under tracing (`opttx.is_tracing`) the tensors themselves, graph inputs that change
+    without a recompile. A tensor off the CPU (a tensor ``lr`` the user shares, on the GPU) is
+    passed as it is: reading it would sync the device."""
+    if is_tracing():
+        return hyperparams
+    return {name: LiveFloat(value.item()) if _read_for_free(value) else value
+            for name, value in hyperparams.items()}
+
+
 def injected(inner_factory: Callable[..., GradientTransformation], arguments: Mapping[str, Any],
              static_args: tuple[str, ...] = (), hyperparam_dtype: torch.dtype | None = None
              ) -> GradientTransformation:
@@ -203,7 +227,7 @@ def injected(inner_factory: Callable[..., GradientTransformation], arguments: Ma
     def as_tensor(value: Any, device: torch.device) -> torch.Tensor:
         if isinstance(value, torch.Tensor):
             return value.detach().clone().to(device)
-        return torch.tensor(value, dtype=dtype, device=device)
+        return torch.tensor(value, dtype=dtype)     # on the CPU: read for free (see above)
 
     def evaluate_schedules(count: torch.Tensor) -> dict[str, torch.Tensor]:
         return {name: torch.as_tensor(fn(count)).to(dtype) for name, fn in schedules.items()}
@@ -212,7 +236,7 @@ def injected(inner_factory: Callable[..., GradientTransformation], arguments: Ma
         count = zero_count(params)
         hyperparams = {name: as_tensor(v, count.device) for name, v in numeric.items()}
         hyperparams.update(evaluate_schedules(count))
-        inner = _call(inner_factory, {**other, **hyperparams}, plan)
+        inner = _call(inner_factory, {**other, **_as_arguments(hyperparams)}, plan)
         return InjectHyperparamsState(count=count, hyperparams=hyperparams,
                                       inner_state=inner.init(params), roles=roles,
                                       made_by=made_by)
@@ -228,7 +252,7 @@ def injected(inner_factory: Callable[..., GradientTransformation], arguments: Ma
         hyperparams = dict(state.hyperparams)
         hyperparams.update(evaluate_schedules(state.count))
         with step_local_transforms():       # rebuilt for this step only: no recipes
-            inner = _call(inner_factory, {**other, **hyperparams}, plan)
+            inner = _call(inner_factory, {**other, **_as_arguments(hyperparams)}, plan)
         updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
         return updates, InjectHyperparamsState(count=safe_increment(state.count),
                                                hyperparams=hyperparams,
@@ -256,9 +280,18 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
     transform with the same numbers as ``opttx.adamw(1e-3, weight_decay=0.1)`` whose
     learning rate, betas, eps and weight decay live in ``state.hyperparams`` as 0-dim tensors.
     Changing them between steps (`set_hyperparams_`, or a torch LR scheduler driving
-    `opttx.Optimizer`) does not rebuild anything from Python floats and does not recompile a
-    compiled step. Hyperparameters given as schedules are evaluated at every step from the
-    count and their current value is stored in the state too (handy for logging).
+    `opttx.Optimizer`) does not recompile a compiled step. Hyperparameters given as schedules
+    are evaluated at every step from the count and their current value is stored in the
+    state too (handy for logging).
+
+    *Precision and speed.* A number is stored as a float64 0-dim tensor on the CPU: exactly
+    the Python float given. An eager step calls the factory with the values as Python floats
+    (`opttx.kernels.LiveFloat`, read with a free ``.item()`` on the CPU), so it computes what
+    ``inner_factory`` with those numbers computes, bit for bit and with the same kernels;
+    under ``torch.compile`` it passes the tensors (graph inputs; complements such as
+    ``1 - b2`` formed in float64 in the graph). A 0-dim tensor given as a value keeps its
+    dtype and moves to the parameters' device; off the CPU it is passed as a tensor (reading
+    it would sync the device).
 
     Which arguments are injected is *declared* by the factory (`opttx.declare`): its
     hyperparameters whose values are numbers, 0-dim floating tensors or schedules (functions
@@ -271,7 +304,8 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
       inner_factory: a function returning a `GradientTransformation` (an alias or transform).
       static_args: names of arguments to keep as Python values even if declared.
       hyperparam_dtype: dtype of the injected values (default float64, so that they equal
-        the Python floats they replace).
+        the Python floats they replace; float32 rounds them, and every step computes with
+        the rounded numbers: ``1 - float32(0.9999)`` is 1.000166e-4).
 
     Example:
       >>> tx = opttx.inject_hyperparams(opttx.adamw)(learning_rate=1e-3)
@@ -301,8 +335,10 @@ def inject_all_hyperparams(tx: GradientTransformation,
     This is what `opttx.Optimizer` does to a transform it is given.
 
     Transforms without a recipe (built from an ``(init, update)`` pair) and transforms already
-    injected are kept as they are. The numbers are those of ``tx`` (the injected values have
-    ``hyperparam_dtype``: float64 by default, exactly the Python floats).
+    injected are kept as they are. The numbers are those of ``tx``: the injected values have
+    ``hyperparam_dtype`` (float64 by default, exactly the Python floats, on the CPU), and an
+    eager step of the result is the eager step of ``tx``, bit for bit (see
+    `inject_hyperparams`). With another dtype the numbers are rounded to it.
 
     Example:
       >>> tx = opttx.inject_all_hyperparams(opttx.chain(opttx.clip_by_global_norm(1.0),

@@ -86,25 +86,6 @@ def _torch_arguments(factory: Callable[..., GradientTransformation],
     return out
 
 
-def _hyperparameter_dtype(params: list) -> torch.dtype:
-    """float64 for a model with float64 parameters, float32 otherwise: a compiled step reads
-    float32 0-dim tensors as plain graph inputs (a float64 0-dim CPU tensor is how Dynamo
-    carries Python floats it has made symbolic, and a grouped kernel given one as its scalar
-    breaks the graph without fullgraph=True), and float32 is the precision in which torch's
-    CPU kernels apply a float ``lr`` to float32 parameters anyway."""
-    def tensors(entry: Any) -> Iterator[Any]:
-        if isinstance(entry, dict):
-            inner = entry.get("params", [])
-            yield from tensors(inner if not isinstance(inner, torch.Tensor) else [inner])
-        elif isinstance(entry, (list, tuple)):
-            for e in entry:
-                yield from tensors(e)
-        elif isinstance(entry, torch.Tensor):
-            yield entry
-    wide = any(t.dtype == torch.float64 for t in tensors(params))
-    return torch.float64 if wide else torch.float32
-
-
 class _Place(NamedTuple):
     """One injected hyperparameter of a group's state, found by `_places`."""
     hyperparams: dict           # the injected state's ``hyperparams`` (re-read at each write)
@@ -389,9 +370,10 @@ class Optimizer(torch.optim.Optimizer):
     lr=1e-3, betas=(0.9, 0.95))``; the two are the same optimizer. The transform is rebuilt
     from its recipe with every hyperparameter its factories *declare* injected
     (`opttx.inject_all_hyperparams`), and each param group shows them under keys read from
-    their declared roles (`opttx.HyperRole`). Writing a group key (a torch or HF LR scheduler, a hand-written
-    warm-up, OneCycleLR or CyclicLR cycling ``betas`` / ``momentum``) writes the value into
-    the state at once; a per-group value in a param-group dict applies to that group.
+    their declared roles (`opttx.HyperRole`). Writing a group key (a torch or HF LR
+    scheduler, a hand-written warm-up, OneCycleLR or CyclicLR cycling ``betas`` /
+    ``momentum``) writes the value into the state at once; a per-group value in a
+    param-group dict applies to that group.
 
     *Group keys: one key, one set of hyperparameters.* Each key names a fixed set of the
     group's injected hyperparameters, a write reaches exactly those, and every key that names
@@ -558,7 +540,6 @@ class Optimizer(torch.optim.Optimizer):
             raise TypeError(f"tx must be a GradientTransformation or a function returning "
                             f"one (an alias such as opttx.adamw), got {type(tx).__name__}.")
         self.tx = tx                       # as built; each group runs it with live hyperparams
-        self._dtype = _hyperparameter_dtype(params) if params is not None else torch.float32
         self.stochastic_rounding = stochastic_rounding
         self.generator = generator
         self._tx_states: list[Any] = []
@@ -637,7 +618,7 @@ class Optimizer(torch.optim.Optimizer):
             raise TypeError(f"param group 'tx' must be a GradientTransformation, got "
                             f"{type(built).__name__}.")
         built, honoured = _honour_group_keys(built, param_group, given)
-        tx = inject_all_hyperparams(built, self._dtype)
+        tx = inject_all_hyperparams(built)     # float64 on the CPU: the numbers given
         dict.__setitem__(param_group, "tx", tx)
         super().add_param_group(param_group)   # fills in torch's checks and the defaults
         group = param_group
