@@ -203,6 +203,41 @@ def _replicated_differs(rank: int) -> dict:
     return out
 
 
+def _fsdp2(rank: int) -> dict:
+    """FSDP2 (``fully_shard``, DTensor parameters and gradients): a NaN in rank 1's local
+    gradient at step 1, apply_if_finite around and inside ``sharded(adamw)``. Every rank skips
+    that step: the parameters equal, bit for bit, a run that leaves the step out."""
+    import torch.nn.functional as F
+    from test_fsdp import _batches, _fsdp_model
+
+    def train(make: Callable[[], opttx.GradientTransformation] | None) -> list[torch.Tensor]:
+        model = _fsdp_model(WORLD)
+        named = dict(model.named_parameters())
+        params = {k: p.detach() for k, p in named.items()}
+        tx = make() if make is not None else sharded(opttx.adamw(1e-2))
+        state = tx.init(params)
+        for step, (x, y) in enumerate(_batches()):
+            F.mse_loss(model(x.tensor_split(WORLD)[rank]), y.tensor_split(WORLD)[rank]).backward()
+            grads = {k: p.grad for k, p in named.items()}
+            if step == NAN_STEP:
+                if make is None:                  # the reference leaves the step out
+                    model.zero_grad()
+                    continue
+                if rank == 1:
+                    local = next(g.to_local() for g in grads.values() if g.to_local().numel())
+                    local.view(-1)[0] = float("nan")
+            updates, state = tx.update(grads, state, params)
+            opttx.apply_updates_(params, updates)
+            model.zero_grad()
+        return [p.detach().full_tensor() for p in model.parameters()]
+
+    with consistency_checks(None):
+        want = train(None)
+        got = {"outer": train(lambda: opttx.apply_if_finite(sharded(opttx.adamw(1e-2)), 3)),
+               "inner": train(lambda: sharded(opttx.apply_if_finite(opttx.adamw(1e-2), 3)))}
+    return {name: all(torch.equal(a, b) for a, b in zip(ps, want)) for name, ps in got.items()}
+
+
 def _worker(rank: int, world: int, store: str, out: str) -> None:
     cases: dict[str, Callable[[], Any]] = {
         f"placement/{name}": (lambda name=name: _placement(rank, name)) for name in PLACEMENTS}
@@ -223,6 +258,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
             _rows(rank)),
         "replicated": lambda: _replicated_differs(rank),
         "compiled": lambda: _compiled(rank),
+        "fsdp2": lambda: _fsdp2(rank),
     })
     run_cases(rank, world, store, out, cases)
 
@@ -294,6 +330,14 @@ def test_compiled_agreement_is_in_the_one_graph(results, name: str) -> None:
         assert g["healthy"], g
         assert g[name]["frames"] == 1 and g[name]["skips"] == [1], g
         assert g[name]["equal"] and g[name]["moved"], g
+
+
+def test_apply_if_finite_under_fsdp2_skips_on_every_rank(results) -> None:
+    """FSDP2's DTensor gradients, a NaN in rank 1's shard: around ``sharded`` (the local
+    counts summed over the default group, which ``sharded`` declares) and inside it, every
+    rank skips; the same parameters as a run without that step."""
+    for g in _case(results, "fsdp2"):
+        assert g == {"outer": True, "inner": True}, g
 
 
 @pytest.mark.parametrize("how", ["sharded", "zero"])
