@@ -435,6 +435,7 @@ class TorchOptimizer(Optimizer):
                 f"opttx.optim.{type(self).__name__} does not support differentiable=True "
                 "(opttx steps under torch.no_grad); use torch.optim for a differentiable "
                 "optimizer step.")
+        defaults = _scalar_views(defaults)
         self._torch_defaults = dict(defaults)
         factory = type(self).factory
         accepted = set(_factory_arguments(factory))
@@ -452,7 +453,7 @@ class TorchOptimizer(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if isinstance(param_group, dict):
-            param_group = dict(param_group)
+            param_group = _scalar_views(dict(param_group))
             for key, value in self._torch_defaults.items():
                 if key not in param_group:
                     param_group[key] = value
@@ -460,6 +461,16 @@ class TorchOptimizer(Optimizer):
                 raise NotImplementedError(
                     f"opttx.optim.{type(self).__name__} does not support differentiable=True.")
         super().add_param_group(param_group)
+
+
+def _scalar_views(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with a one-element tensor ``lr`` of any shape (torch accepts ``(1,)``,
+    ``(1, 1)``) as a 0-dim view of it: the same storage, so an in-place change of the
+    tensor given is the optimizer's learning rate, as in torch."""
+    lr = values.get("lr")
+    if isinstance(lr, torch.Tensor) and lr.dim() > 0 and lr.numel() == 1:
+        values = dict(values, lr=lr.view(()))
+    return values
 
 
 def _factory_arguments(factory: Callable) -> list[str]:
