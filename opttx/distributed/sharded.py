@@ -121,7 +121,14 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
     a ``ValueError`` on all of them instead of hanging the others in a collective; then one
     ``all_gather_object`` checks that all ranks passed the same tree structure and the same
     shard dims and group sizes (an empty tree on one rank, or Shard(0) here and Shard(1)
-    there, raises on every rank).
+    there, raises on every rank); last, one all-gather of an exact checksum of every
+    replicated leaf (`Replicated`, or a plain tensor among DTensors) raises on every rank,
+    naming the leaf, when one differs across the ranks. Every eager ``update`` sends the
+    state's step counters along with the step's first statistic all-reduce (none for a chain
+    without statistics): a rank whose state skipped an update (or took one more) makes every
+    rank raise the same ``ValueError`` naming the counter. A wrapper around ``sharded`` that
+    decides from the local shards (`opttx.apply_if_finite`) agrees on its decision over the
+    default group first (`opttx.Traits.collective_groups`).
 
     Returns:
       A `GradientTransformation` whose state is ``tx``'s state on the local shards. The specs

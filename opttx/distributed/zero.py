@@ -608,10 +608,16 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
     tree, plain tensors) and the full replicated ``params``; gradients are cast to the
     parameters' dtype for the reduction and the updates come back in the gradients' dtypes.
     ``extra_args`` reach ``tx``.
-    ``init`` checks that every rank passes the same parameter tree (structure, shapes, dtypes)
-    and raises the same ``ValueError`` on every rank otherwise (a rank may own no parameter:
-    it runs ``tx`` on a tree without leaves, which only advances its counters); ``update``
-    checks the gradients against that tree (a trace-time check, free at run time).
+    ``init`` checks that every rank passes the same parameter tree (structure, shapes, dtypes,
+    and values: one all-gather of an exact checksum of each parameter) and raises the same
+    ``ValueError`` on every rank otherwise (a rank may own no parameter: it runs ``tx`` on a
+    tree without leaves, which only advances its counters); ``update`` checks the gradients
+    against that tree (a trace-time check, free at run time). Every eager ``update`` sends the
+    state's step counters along with its first all-gather of updates: a rank whose state
+    skipped an update (or took one more) makes every rank raise the same ``ValueError``
+    naming the counter. A wrapper around ``zero`` that decides from the local gradients
+    (`opttx.apply_if_finite`, `opttx.MultiSteps`) agrees on its decision over ``group``
+    first (``zero`` declares it: `opttx.Traits.collective_groups`).
 
     Returns:
       A `GradientTransformation` whose state is ``tx``'s state over the owned leaves (others
