@@ -25,6 +25,7 @@ import torch
 
 import opttx
 import opttx.optim
+from opttx.optim import torch_names
 
 common = pytest.importorskip("torch.testing._internal.common_optimizers",
                              reason="torch's OptimizerInfo database (needs expecttest)")
@@ -181,3 +182,32 @@ def test_compiled_step_is_one_graph(name: str) -> None:
     assert counter.frame_count == 1, counter.frame_count
     for p, q in zip(ps, qs):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+FACTORIES = {
+    "SGD": (lambda: torch_names.torch_sgd(1e-2, 0.9, weight_decay=0.01), {}),
+    "Adam": (lambda: torch_names.torch_adam(1e-3, weight_decay=0.01, amsgrad=True), {}),
+    "AdamW": (lambda: torch_names.torch_adam(1e-3, weight_decay=0.01,
+                                             decoupled_weight_decay=True), {}),
+    "RMSprop": (lambda: torch_names.torch_rmsprop(1e-2, momentum=0.9, centered=True), {}),
+    "Adagrad": (lambda: torch_names.torch_adagrad(1e-2, lr_decay=0.1), {}),
+    "NAdam": (lambda: torch_names.torch_nadam(2e-3, weight_decay=0.01), {}),
+    "RAdam": (lambda: torch_names.torch_radam(1e-3, weight_decay=0.01), {}),
+    "Adamax": (lambda: torch_names.torch_adamax(2e-3), {}),
+    "Adafactor": (lambda: torch_names.torch_adafactor(1e-2, weight_decay=0.01), {}),
+    # bfloat16 Newton-Schulz rounds with the batch under vmap (as opttx.muon's)
+    "Muon": (lambda: torch_names.torch_muon(1e-2), {"matrices_only": True,
+                                                    "skip": ("stacked",)}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_factories_keep_the_transform_contract(name: str) -> None:
+    """The chains behind the classes pass opttx's conformance checks (purity, donation, no
+    aliasing, checkpoint and optimizer resume, one compiled graph, injected
+    hyperparameters, ...)."""
+    from opttx.conformance import check_transform
+    make, options = FACTORIES[name]
+    tx = make()
+    check_transform(make, factory=tx.recipe.factory,
+                    kwargs={"learning_rate": tx.recipe.arguments["learning_rate"]}, **options)
