@@ -236,8 +236,9 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
         local_params = _to_local(params)[0] if params is not None else None
         # eager: the state's step counters travel with the step's first statistic's
         # all-reduce, so a rank whose state is at another step raises on every rank
+        several = not is_tracing() and dist.is_initialized() and dist.get_world_size() > 1
         reducer.carry_counters(StepCounters("opttx.distributed.sharded", state,
-                                            counter_paths[0]) if not is_tracing() else None)
+                                            counter_paths[0]) if several else None)
         try:
             out, new_state = tx.update(local_updates, state, local_params,
                                        **{**extra_args, REDUCER_KEY: reducer})
