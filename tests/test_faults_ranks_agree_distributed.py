@@ -385,3 +385,40 @@ def _compiled(rank: int) -> dict:
                                       for k in eager)}
     out["healthy"] = _healthy()
     return out
+
+
+@pytest.mark.parametrize("op", ["sum", "max"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_step_counters_survive_a_reduction_exactly(op: str, dtype: torch.dtype,
+                                                   world: int) -> None:
+    """The counters a reduction carries (`StepCounters.reduction_tail`), reduced as the
+    collective would (sum or max over the ranks, in the buffer's dtype): equal counters pass,
+    and one rank a step behind or ahead raises, at counts near the modulus too."""
+    from opttx.base import Role, declare_roles
+    from opttx.distributed.consistency import StepCounters
+    from typing import NamedTuple
+
+    class S(NamedTuple):
+        count: torch.Tensor
+        __roles__ = declare_roles(count=Role.COUNT)
+
+    def reduced(counts: list[int]) -> tuple[StepCounters, torch.Tensor]:
+        per_rank = [StepCounters("t", S(torch.tensor(c)), [".count"]) for c in counts]
+        tails = torch.stack([c.reduction_tail(op, dtype, world, torch.device("cpu"))
+                             for c in per_rank])
+        out = tails.sum(0) if op == "sum" else tails.max(0).values
+        return per_rank[0], out.to(dtype)
+
+    modulus = StepCounters._reduction_modulus(op, dtype, world)
+    for base in (0, 1, 7, modulus - 2, 123456):
+        mine, out = reduced([base] * world)
+        mine.check_reduced(op, out, dtype, world)                  # all equal: no error
+        for delta in (1, -1):
+            if base + delta < 0:
+                continue
+            counts = [base] * world
+            counts[world - 1] = base + delta
+            mine, out = reduced(counts)
+            with pytest.raises(ValueError, match="the ranks' states are at different steps"):
+                mine.check_reduced(op, out, dtype, world)
