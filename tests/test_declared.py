@@ -115,7 +115,7 @@ def test_a_users_nested_chain_shows_its_lr_and_follows_a_scheduler() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     grads = grads_for(params, 4)
     got = run(opt, params, grads, sched)
-    tx = opttx.inject_all_hyperparams(make(), torch.float32)
+    tx = opttx.inject_all_hyperparams(make())      # float64: the numbers given, as the Optimizer
     ref = [p.detach().clone() for p in model_params()]
     state = tx.init(ref)
     for i, g in enumerate(grads):
