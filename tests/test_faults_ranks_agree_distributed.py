@@ -119,6 +119,10 @@ def _placement(rank: int, name: str) -> dict:
                           lambda: finite(opttx.lamb(1e-2))),
         "inner_sharded": (lambda: sharded(finite(opttx.lamb(1e-2)), SPECS),
                           lambda: finite(opttx.lamb(1e-2))),
+        "outer_sharded_owners": (lambda: finite(sharded(adamw(), SPECS, on_owners=True)),
+                                 lambda: finite(adamw())),
+        "inner_sharded_owners": (lambda: sharded(finite(adamw()), SPECS, on_owners=True),
+                                 lambda: finite(adamw())),
     }[name]
     with consistency_checks(None):
         got, state = _run(make(), rank, local=local)
@@ -134,7 +138,8 @@ def _placement(rank: int, name: str) -> dict:
 
 PLACEMENTS = ["outer_zero", "outer_zero_stage1", "outer_zero_offload", "inner_zero",
               "inner_zero_offload", "inner_zero_offload_all", "outer_zero_check_state",
-              "outer_ddp", "outer_sharded", "inner_sharded"]
+              "outer_ddp", "outer_sharded", "inner_sharded", "outer_sharded_owners",
+              "inner_sharded_owners"]
 
 
 # ---------------------------------------------------------------------------------------------
