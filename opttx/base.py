@@ -1252,9 +1252,13 @@ def keep_copy(values: PyTree, buffers: PyTree | None = None) -> PyTree:
     without ``buffers`` each tensor is cloned in its own dtype.
     `opttx.testing.check_transform` checks that no state shares memory with its inputs.
 
-    Example (a transform that keeps the previous gradient):
-      >>> prev = opttx.keep_copy(g, state.prev)       # in a leafwise step
-      >>> return out, opttx.replace_state(state, prev=prev)
+    Example (a transform that keeps the previous gradient; in its ``update``, ``grads`` are
+    the updates it was given and ``prev`` the state's buffers):
+      >>> prev = {k: torch.zeros_like(g) for k, g in grads.items()}
+      >>> prev = opttx.keep_copy(grads, prev)         # not ``prev = grads``
+      >>> grads["w"].zero_()                          # the caller reuses its buffer
+      >>> bool(prev["w"].abs().sum() > 0)
+      True
     """
     leaves, spec = tree_flatten(values)
     if buffers is None:
