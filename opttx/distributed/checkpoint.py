@@ -513,9 +513,9 @@ def load_checkpoint(state_dict: dict[str, Any], checkpoint_id: Any = None, *,
     replaced by the allowlisted one) reads the checkpoint its own way.
 
     Raises:
-      the read's own error on the rank that failed, a ``ValueError`` naming that rank on the
-      others, or a ``ValueError`` on every rank naming a file that fails verification;
-      nothing of ``state_dict`` was written.
+      ValueError: on every rank, naming a file that fails verification or a ``.metadata``
+        that is not DCP's; on the other ranks, naming the rank whose read failed (that rank
+        raises the read's own error). Nothing of ``state_dict`` was written.
 
     Example:
       >>> sd = {"params": params, "optim": state_dict(state, params)}
