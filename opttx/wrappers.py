@@ -43,7 +43,7 @@ __all__ = [
 class InjectHyperparamsState(NamedTuple):
     """State of a transform built with `inject_hyperparams`."""
     count: torch.Tensor                 # shape (), int32: steps taken (the schedules' argument)
-    hyperparams: dict[str, torch.Tensor]  # name -> 0-dim tensor: current value of each
+    hyperparams: dict[str, torch.Tensor]  # name -> 0-dim tensor (float64, CPU): current value
     inner_state: State                  # the wrapped transform's state
     roles: Static = Static()  # ((name, HyperRole value or None, is a schedule, value given), ...)
     made_by: Static = Static()  # the transform and configuration that made it

@@ -438,9 +438,10 @@ class Optimizer(torch.optim.Optimizer):
     element loops as scalars), so a scheduler changing them recompiles nothing. On torch
     2.13 Dynamo restarts its analysis once on the first compile through AOT autograd (a
     float64 0-dim CPU input gets a symbolic float that is never used): one graph is kept,
-    but a compile counter backend is called twice. On a GPU the CPU scalars are kernel
-    arguments read at launch, which keeps such a graph out of CUDA graphs. Donation
-    (`opttx.donating`) is an eager-mode saving and is off in the compiled step.
+    but a compile counter backend is called twice. With GPU parameters the CPU scalars are
+    kernel arguments read at launch (no sync; whether Inductor then still uses CUDA graphs
+    was not measured, as no GPU was at hand). Donation (`opttx.donating`) is an eager-mode
+    saving and is off in the compiled step.
 
     **torch.optim's contract.** State-dict and load-state-dict hooks and step hooks run; a
     state dict saved from ``named_parameters()`` loads into one built from ``parameters()``
