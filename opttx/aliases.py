@@ -14,7 +14,7 @@ import torch
 
 from .base import (GradientTransformation, HyperRole, declare)
 from .combine import chain, masked, partition
-from .kernels import is_live
+from .kernels import is_fixed_zero, is_live
 from .schedules import Schedule
 from .transforms.ademamix import scale_by_ademamix
 from .transforms.factored import (FactorAxes, add_step_scaled_decayed_weights, clip_by_rms,
@@ -308,7 +308,7 @@ def radam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
       Liu et al., On the Variance of the Adaptive Learning Rate and Beyond
       (arXiv 1908.03265).
     """
-    decays = not (isinstance(weight_decay, (int, float)) and weight_decay == 0)
+    decays = not is_fixed_zero(weight_decay)
     links: list[GradientTransformation] = []
     if decays and not decoupled_weight_decay:
         links.append(add_decayed_weights(weight_decay, mask))
@@ -632,8 +632,7 @@ def adafactor(learning_rate: ScalarOrSchedule | None = None, min_dim_size_to_fac
         links.append(scale_by_param_block_rms(param_scale_eps))
     if momentum is not None:
         links.append(ema(momentum, debias=False, accumulator_dtype=dtype_momentum))
-    if weight_decay_rate is not None and not (isinstance(weight_decay_rate, (int, float))
-                                              and weight_decay_rate == 0):
+    if weight_decay_rate is not None and not is_fixed_zero(weight_decay_rate):
         if weight_decay_scaled_by_lr:
             links.append(add_step_scaled_decayed_weights(
                 weight_decay_rate, lr if lr is not None else 1.0,
@@ -684,7 +683,7 @@ def adalomo(learning_rate: ScalarOrSchedule = 1e-3, eps: tuple[float, float] = (
     """
     links = [scale_by_factored_rms(True, decay_rate, 0, 1, eps[0], factor_axes="last"),
              clip_by_rms(clip_threshold)]
-    if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
+    if not is_fixed_zero(weight_decay):
         links.append(add_decayed_weights(weight_decay, weight_decay_mask))
     links += [scale_by_param_block_rms(eps[1]), scale_by_learning_rate(learning_rate)]
     return chain(*links)
@@ -787,7 +786,7 @@ def _lr_then_decay(learning_rate: ScalarOrSchedule, weight_decay: float,
     r"""galore_torch's tail: the step, then :math:`p \leftarrow (1 - \eta\lambda) p` on the
     stepped parameter, written as :math:`-\eta((1 - \eta\lambda) u + \lambda p)`."""
     links: list[GradientTransformation] = []
-    if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
+    if not is_fixed_zero(weight_decay):
         if callable(learning_rate):
             shrink = scale_by_schedule(lambda count: 1 - learning_rate(count) * weight_decay)
         else:

@@ -54,6 +54,7 @@ __all__ = [
     "foreach_scale_add",
     "foreach_sum_of_squares",
     "is_donating",
+    "is_fixed_zero",
     "is_live",
     "is_scratch",
     "keeping_state",
@@ -152,8 +153,8 @@ class LiveFloat(float):
     depend on the value and a scheduler may move it away from 0."""
     __slots__ = ()
 
-    def __repr__(self) -> str:
-        return f"LiveFloat({float(self)!r})"
+    def __repr__(self) -> str:      # in error messages: the number, as the user gave it
+        return float.__repr__(self)
 
 
 def is_live(value: Any) -> bool:
@@ -161,6 +162,15 @@ def is_live(value: Any) -> bool:
     (injected, under tracing or off the CPU) or a `LiveFloat` (injected, in an eager step).
     A plain number is fixed for the transform's life."""
     return isinstance(value, (torch.Tensor, LiveFloat))
+
+
+def is_fixed_zero(value: Any) -> bool:
+    """Whether an optional term (a weight decay, a dampening) can be left out of a transform
+    for good: ``value`` is a plain number equal to 0. An injected value (`is_live`) is never,
+    whatever it holds now, so the state's structure is the same in an eager step (a
+    `LiveFloat`), in a traced one (a 0-dim tensor) and after a scheduler moves it off 0."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and not is_live(value) and value == 0)
 
 
 # Devices whose 0-dim tensors a compiled step may read back to the host as a scalar kernel

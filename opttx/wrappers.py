@@ -464,6 +464,12 @@ def _across_ranks(total: torch.Tensor, extra_args: dict[str, Any], groups: tuple
     return total
 
 
+def _several_ranks() -> bool:
+    """Whether this process is one of several in an initialised default process group."""
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _reduce_over_group(total: torch.Tensor, op: str, group: Any, on_leaf_device: bool,
                        stats: Any) -> torch.Tensor:
     """``total`` reduced (``op``) over the ranks of ``group`` (None: the default group): one
@@ -707,6 +713,8 @@ def _agreed_boundary(emit: torch.Tensor, state: MultiStepsState, extra_args: dic
     from .base import TOTALS_KEY
     if current_reducer(extra_args) is None and extra_args.get(TOTALS_KEY) is None \
             and not groups:
+        return emit
+    if not _several_ranks():     # one process (opttx.stacked's slices among such runs)
         return emit
     e = torch.as_tensor(emit).to(torch.float32).reshape(1)
     both = _across_ranks(torch.cat([e, -e]), extra_args, groups, op="max")

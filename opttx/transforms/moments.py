@@ -20,8 +20,8 @@ from ..base import (ELEMENTWISE, GradientTransformation, HyperRole, PRECONDITION
                     Updates, check_init_params, declare, declare_roles, leafwise,
                     precondition_leaves, replace_state, safe_increment, zero_count)
 from ..kernels import (Scalar, cast_like, foreach, foreach_, foreach_accumulate_sq, foreach_ema,
-                       foreach_ema_sq, foreach_op_, foreach_scale_add, mark_scratch,
-                       new_buffers)
+                       foreach_ema_sq, foreach_op_, foreach_scale_add, is_fixed_zero,
+                       mark_scratch, new_buffers)
 from ..tree import Static, stats_like
 from .scaling import signs
 
@@ -172,7 +172,7 @@ def trace(decay: float, nesterov: bool = False,
     """
     check_nonnegative("decay", decay)
     check_unit_interval("dampening", dampening, closed_right=True)
-    damped = not (isinstance(dampening, (int, float)) and dampening == 0)
+    damped = not is_fixed_zero(dampening)
 
     def nesterov_out(g, buf):
         if nesterov:

@@ -22,7 +22,8 @@ from .._checks import (check_gradient_leaves, check_learning_rate, check_nonnega
 from ..base import (GradientTransformation, HyperRole, Params, Role, State, Updates,
                     check_init_params, combine_traits, declare, declare_roles, require_params,
                     safe_increment, zero_count)
-from ..kernels import Scalar, cast_like, foreach, foreach_, is_donating, mark_scratch
+from ..kernels import (Scalar, cast_like, foreach, foreach_, is_donating, is_fixed_zero,
+                       mark_scratch)
 from ..schedules import Schedule
 from ..tree import (MaskedNode, PyTree, Static, find_instances, flatten_matching, tree_flatten,
                     tree_map, tree_paths, tree_unflatten)
@@ -153,7 +154,7 @@ def schedule_free(inner: GradientTransformation, learning_rate: float | Schedule
         raise ValueError(f"averaging_weight must be a number in (0, 1] (x <- (1 - c) x + c z), "
                          f"got {averaging_weight!r}.")
     check_nonnegative("z_weight_decay", z_weight_decay)
-    decay_z = not (isinstance(z_weight_decay, (int, float)) and z_weight_decay == 0)
+    decay_z = not is_fixed_zero(z_weight_decay)
 
     def init(params: Params) -> ScheduleFreeState:
         check_init_params(params)

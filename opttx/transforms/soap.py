@@ -67,7 +67,8 @@ from .._checks import (check_gradient_leaves, check_nonnegative, check_positive_
 from ..base import (GradientTransformation, HyperRole, Params, Role, Traits, Updates,
                     advance_counts, check_init_params, declare, declare_roles, precondition_target,
                     require_whole_leaves, safe_increment, zero_count)
-from ..kernels import cast_like, foreach, foreach_ema, keeping_state, new_buffers
+from ..kernels import (cast_like, foreach, foreach_ema, is_fixed_zero, keeping_state,
+                       new_buffers)
 from ..tree import (PyTree, Static, flatten_matching, state_dtype, stats_like, tree_cond,
                     tree_flatten, tree_map, tree_structure, tree_unflatten)
 from .shampoo import (_chunks, _contract_factor, _decomposed, _filtered_gradient, _from_upper,
@@ -344,8 +345,9 @@ def _number(value: Any) -> bool:
 
 
 def _has(value: Any) -> bool:
-    """An optional term is present: an injected tensor always is, a number when not 0."""
-    return not _number(value) or value != 0
+    """An optional term is present: an injected value (a tensor, or a `LiveFloat` in an
+    eager step) always is, a number when not 0."""
+    return not is_fixed_zero(value)
 
 
 def _weight(beta: Any, drop: bool) -> Any:
