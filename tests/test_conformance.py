@@ -178,7 +178,8 @@ def test_donating_paths_equal_the_functional_path_bitwise(case: Case) -> None:
     """The in-place paths give the functional numbers bit for bit over 30 steps, on 0-D to
     4-D leaves (first steps, warm-ups and periodic refreshes included): ``update`` inside
     `opttx.donating` with `opttx.apply_updates_`, and `opttx.Optimizer` (which donates its
-    state) against ``update`` and `opttx.apply_updates` of the transform it runs. A transform
+    state) against ``update`` and `opttx.apply_updates` of the transform the user gave (its
+    hyperparameters as Python numbers, not injected). A transform
     that writes a state buffer in place and reads the old value afterwards (SOAP's kept first
     moment, once) fails here."""
     params = conformance.leaves_0d_to_4d(matrices_only=case.matrices_only)
