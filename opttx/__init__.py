@@ -79,28 +79,28 @@ __all__ = [
     "ELEMENTWISE", "LEAFWISE", "PRECONDITIONER", "Role", "Traits", "check_init_params",
     "combine_traits", "declare_optional", "declare_roles", "leafwise", "state_roles",
     "traits_of", "zero_count",
-    # declarations: hyperparameters, configuration and the identity of states (issue 26)
+    # declarations: hyperparameters, configuration and the identity of states
     "HyperRole", "Recipe", "Static", "declare", "describe_transform", "hyperparameter_roles",
     "inject_all_hyperparams", "leaf_roles", "recipe_of",
     # what a transform of your own needs (docs/guide/writing.md)
     "checks", "check_nonnegative", "check_number", "check_positive", "check_unit_interval",
     "keep_copy", "reduce_across_leaves", "reduce_leaf_statistics", "reduce_statistics",
     "replace_state", "stateless_with_extra_args", "stats_like",
-    # torch.optim's remaining first-order set (issue 17)
+    # torch.optim's remaining first-order set
     "adabelief", "adamax", "radam",
-    # ADOPT and AdEMAMix (issue 17)
+    # ADOPT and AdEMAMix
     "ademamix", "adopt",
-    # Muon (issue 17)
+    # Muon
     "muon", "muon_hidden_matrices",
-    # MARS (issue 17)
+    # MARS
     "mars",
-    # Schedule-Free and Prodigy (issue 17)
+    # Schedule-Free and Prodigy
     "prodigy", "schedule_free_adamw", "schedule_free_sgd",
-    # SOAP (issue 16)
+    # SOAP
     "soap",
 ]
 
-# the Muon family (issue 28)
+# the Muon family
 from .aliases import adamuon, dion, dion2, kron, muon_clip, normuon  # noqa: E402
 
 __all__ += ["adamuon", "dion", "dion2", "kron", "muon_clip", "normuon"]

@@ -43,7 +43,7 @@ __all__ = ["adabelief", "adafactor", "adagrad", "adalomo", "adam", "adamax", "ra
            "ademamix",
            "galore_adamw", "galore_adamw_8bit", "lamb", "lars", "lion", "nadam", "rmsprop",
            "sgd", "shampoo", "prodigy", "schedule_free_adamw", "schedule_free_sgd"]
-__all__ += ["soap"]   # SOAP (issue 16)
+__all__ += ["soap"]
 
 ScalarOrSchedule = float | torch.Tensor | Schedule
 Mask = PyTree | Callable[[PyTree], PyTree] | None
@@ -437,7 +437,7 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
 
 
 # ---------------------------------------------------------------------------------------------
-# MARS (issue 17)
+# MARS
 # ---------------------------------------------------------------------------------------------
 
 __all__ += ["mars"]
@@ -1329,7 +1329,7 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS, ns_steps: 
 
 
 # ---------------------------------------------------------------------------------------------
-# Schedule-Free and Prodigy (issue 17)
+# Schedule-Free and Prodigy
 # ---------------------------------------------------------------------------------------------
 
 
@@ -1576,7 +1576,7 @@ def soap(learning_rate: ScalarOrSchedule = 3e-3, b1: float = 0.95, b2: float = 0
 
 
 # ---------------------------------------------------------------------------------------------
-# The Muon family (issue 28): NorMuon, AdaMuon, Dion, Dion2
+# The Muon family: NorMuon, AdaMuon, Dion, Dion2
 # ---------------------------------------------------------------------------------------------
 
 from .transforms.dion import scale_by_dion, scale_by_dion2  # noqa: E402

@@ -51,7 +51,7 @@ HYPERPARAMS: dict[str, dict[str, Any]] = {
     # hence the larger rate), AdamW at adamw's rate on the embeddings and vectors
     "muon": {"learning_rate": 0.02, "adam_learning_rate": 1e-3},
     "soap": {"learning_rate": 3e-3},
-    # the Muon family (issue 28): matrices as muon's (the dion package's spectral-norm
+    # the Muon family: matrices as muon's (the dion package's spectral-norm
     # scaling sqrt(fan_out/fan_in) where it is theirs), AdamW at adamw's rate elsewhere
     "normuon": {"learning_rate": 0.02, "weight_decay": 0.0, "adam_learning_rate": 1e-3},
     "adamuon": {"learning_rate": 1e-3, "adam_learning_rate": 1e-3},

@@ -66,7 +66,7 @@ __all__ = [
     "schedule_free_train_params", "ScaleByAdoptState", "scale_by_adopt",
     "ScaleByAdemamixState", "scale_by_ademamix"]
 
-# the Muon family (issue 28)
+# the Muon family
 from .orthogonalize import (NS_COEFFS, POLAR_EXPRESS_COEFFS, gram_newton_schulz,  # noqa: E402
                             normalize_frobenius)
 
