@@ -1,5 +1,5 @@
 """Compile time and step time of a compiled train step as the parameter count is split into
-more tensors (issue: performance at scale).
+more tensors.
 
 The same total number of parameters is split into 30, 100 and 300 matrices. The train step is
 forward + backward + optimizer update + in-place write of parameters and state, under
@@ -27,7 +27,7 @@ and the "optimizer only" column compiles ``tx.update`` + ``apply_updates_`` alon
 way. The ``loss`` column is the first step's loss: equal across layouts of one model and
 count, it shows the layouts train the same model.
 
-Targets (issue): compile at 300 tensors <= 1.5x compile at 30; step at 300 <= 1.2x at 30.
+Targets: compile at 300 tensors <= 1.5x compile at 30; step at 300 <= 1.2x at 30.
 
 Examples:
   python benchmarks/compile_scaling.py                       # adamw and adafactor, 30/100/300

@@ -55,11 +55,11 @@ for s in $sections; do
         tests) run tests 90 python3 -m pytest -q -p no:cacheprovider -x \
                    tests/test_memory_tracker.py \
                    "tests/test_offload.py::test_cuda_state_on_the_host_and_copies_off_the_compute_stream" ;;
-        # Issue 16: the optimizer step alone, compiled opttx vs Meta (root-inverse and EC,
+        # Shampoo: the optimizer step alone, compiled opttx vs Meta (root-inverse and EC,
         # and EC with first_moment_in_eigenbasis). The limits of this and the step section
         # are guesses: neither has run on a GPU with the first_moment_in_eigenbasis row.
         update) run update 200 python3 benchmarks/shampoo_update.py --device cuda --steps 40 ;;
-        # Issue 16 and the Shampoo <= 1.25x AdamW target: whole compiled training steps.
+        # Shampoo: whole compiled training steps, against AdamW's (target <= 1.25x) and Meta's.
         step) run step 260 python3 benchmarks/shampoo_step.py --device cuda --references \
                   --reference-rows "meta-root,meta-ec,shampoo-ec,shampoo-ec-mq" ;;
         # How a compiled step writes its state back (AdamW, 307 M parameters).
@@ -68,12 +68,12 @@ for s in $sections; do
         gpu_step) run gpu_step 300 python3 benchmarks/gpu_step.py --device cuda --steps 30 \
                       --only "adamw.torch_foreach,adamw.torch_fused,adamw.opttx_compiled,adamw.opttx_compiled_cg,adamw.opttx_stacked" \
                       --json "$OUT/gpu_step.json" ;;
-        # Issue 27: a ~1 B GPT step with the optimizer state offloaded (fractions 0, 0.5, 1
+        # Offload: a ~1 B GPT step with the optimizer state offloaded (fractions 0, 0.5, 1
         # and the delayed update) against torchao's CPUOffloadOptimizer and no offload: peak
         # device memory and step time. Not run yet (written without a GPU); needs torchao.
         # The limit is a guess: 6 rows of a 1 B model, two Inductor compiles of the host step.
         offload) run offload 420 python3 benchmarks/offload_gpu.py --steps 10 ;;
-        # Issue 28: orthogonalization on the GPU: each method's error against SVD and 24
+        # Orthogonalization on the GPU: each method's error against SVD and 24
         # same-shaped 1024 x 1024 matrices batched vs one at a time (not in the default
         # sections; its limit is a guess: it has not run on a GPU yet).
         orthogonalize) run orthogonalize 240 python3 benchmarks/orthogonalize.py \

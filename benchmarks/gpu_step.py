@@ -86,7 +86,7 @@ few steps, one thread, and the compiled variants traced by Dynamo (fullgraph) an
 with ``backend="aot_eager"`` instead of compiled by Inductor (an Inductor compile takes 10-30 s
 per variant on a small CPU); its numbers mean nothing.
 
-Targets printed (issue 4; stated for an H100, informational elsewhere): compiled opttx adamw
+Targets printed (stated for an H100, informational elsewhere): compiled opttx adamw
 >= 93% of the copy roofline and <= 0.9x torch fused AdamW; eager opttx adamw <= 1.5x fused;
 compile <= 15 s for each compiled opttx variant; the reduce-overhead variant runs, uses CUDA
 graphs (no cudagraph skips) and gives the default compiled variant's parameters.
@@ -859,7 +859,7 @@ def print_targets(results: list[Result], n_params: int, bw_gbs: float, cuda: boo
         where += (f"  [compiled with backend={BACKEND['name']}: the compiled rows are not "
                   "Inductor's]")
     print()
-    print("Targets (issue 4)" + where)
+    print("Targets" + where)
 
     def verdict(ok: bool) -> str:
         return "MET" if ok else "NOT MET"

@@ -49,7 +49,7 @@ the figures are
 
 plus the activations: the bytes the forward leaves alive (saved tensors, logits, loss).
 
-Targets (issue 6):
+Targets:
   adamw_8bit state <= 2.1 bytes/param;
   galore_adamw (rank 128) state on the projected matrices <= 35% of adamw's on them;
   adalomo peak <= 1.05 x (parameters + state + activations + the largest single gradient),
@@ -503,7 +503,7 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None
     for line in notes:
         print("note: " + line)
 
-    print(f"Targets (issue 6): adamw_8bit state <= {TARGET_8BIT_BYTES} B/param; galore_adamw "
+    print(f"Targets: adamw_8bit state <= {TARGET_8BIT_BYTES} B/param; galore_adamw "
           f"rank {args.rank} state on the projected matrices <= {TARGET_GALORE_RATIO:.0%} of "
           f"adamw's; adalomo peak <= {TARGET_ADALOMO_SLACK:.2f} x (params + state + activations "
           "+ largest gradient), activations = fwd+bwd only peak - params")

@@ -29,7 +29,7 @@ bf16 parameters (opttx's rule 3; torchao's CPU AdamW keeps bf16 state for bf16 p
 Per row: a fresh model (same seed), 3 untimed steps (compiles, pinned buffers), then
 ``--steps`` timed steps (CUDA synchronised around each; the median is reported) after
 ``torch.cuda.reset_peak_memory_stats``: peak device memory is ``max_memory_allocated`` over
-the timed steps. Targets (issue 27): opttx's peak memory <= torchao's at f=1, step time <=
+the timed steps. Targets: opttx's peak memory <= torchao's at f=1, step time <=
 1.1x torchao's. The loss after the last step is printed as a sanity check (all rows but the
 DPU one and the master one, whose float32 master keeps the small updates, follow the same
 trajectory up to rounding).

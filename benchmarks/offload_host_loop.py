@@ -1,4 +1,4 @@
-"""Where the offloaded host step's time goes (issue 27): the loop, and the Python per chunk.
+"""Where the offloaded host step's time goes: the loop, and the Python per chunk.
 
 1. One 96 M float32 tensor, AdamW's update as one Inductor loop, four ways, interleaved:
    writing the updates into a separate buffer (what offload's compiled step does without the

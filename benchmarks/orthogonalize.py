@@ -1,4 +1,4 @@
-"""Orthogonalization (issue 28): accuracy of each method against SVD's polar factor, one
+"""Orthogonalization: accuracy of each method against SVD's polar factor, one
 batched product per shape group against one matrix at a time, and the bench GPT's final
 loss for muon, normuon, dion (rank fraction 0.25) and adamw side by side.
 

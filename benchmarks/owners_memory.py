@@ -16,7 +16,7 @@ the other leaves whole). ``--steps`` eager steps (no root step: frequency 100); 
 
 Figures: the distinct storage bytes of each rank's state; "heaviest / (single / N)" is the
 largest over the ranks divided by one N-th of the single-device state (1.00: a perfect split;
-issue 16's target for the split plan at world 4: <= 1 + 0.10 N, i.e. the heaviest rank at
+the target for the split plan at world 4: <= 1 + 0.10 N, i.e. the heaviest rank at
 most 1/N + 10 % of the whole); collectives per step (`CollectiveStats`).
 
 Examples:

@@ -50,10 +50,10 @@ bases on multiples of the frequency; opttx.soap refreshes after Adam steps freq,
 (its call 1 only builds the bases), i.e. on calls 1 + multiples of freq; heavyball on
 multiples of freq. The reference table gives per row the median step, the mean of the
 refresh steps apart from the others, the optimizer state's bytes (distinct tensor storages,
-parameters excluded) and the final loss. Issue 16's target there: compiled opttx Shampoo
+parameters excluded) and the final loss. The target there: compiled opttx Shampoo
 <= 0.5x Meta's time per step at equal settings.
 
-Target (issue): on a GPU the Shampoo step should take <= 1.25x the AdamW step (Meta reports
+Target: on a GPU the Shampoo step should take <= 1.25x the AdamW step (Meta reports
 <= 1.10x with the root computations distributed over DDP workers). On CPU the figure is only
 recorded: there the eigendecompositions of the root steps dominate.
 """
@@ -92,7 +92,7 @@ from opttx.tree import tree_leaves  # noqa: E402
 TARGET_GPU_RATIO = 1.25
 META_RATIO = 1.10
 LOSS_WINDOW = 10  # the "final loss" is the mean of the last this many training losses
-TARGET_META_RATIO = 0.5  # issue 16: compiled opttx Shampoo step <= 0.5x Meta's, same settings
+TARGET_META_RATIO = 0.5  # target: compiled opttx Shampoo step <= 0.5x Meta's, same settings
 META = meta_optimizers_dir()
 
 
@@ -400,7 +400,7 @@ def mean(xs: list[float]) -> float | None:
 
 def print_references(rows: list[dict], width: int, freq: int, device: torch.device) -> None:
     """The ``--references`` table: per row median, refresh / other steps, state, final loss,
-    and the issue's target (compiled opttx Shampoo <= 0.5x Meta's step)."""
+    and the target (compiled opttx Shampoo <= 0.5x Meta's step)."""
     row_of = {r["run"].name: r for r in rows}
     meta = row_of.get("meta-root")
     print(f"\nReferences (same model, batches and settings; refresh = the steps that recompute "
@@ -419,7 +419,7 @@ def print_references(rows: list[dict], width: int, freq: int, device: torch.devi
     print("  state MB = distinct tensor storages of the optimizer state (parameters excluded); "
           "/meta-root = median step over Meta's root-inverse median.")
     if meta is None:
-        print("Target (issue 16): compiled opttx Shampoo <= 0.5x Meta's step: not measured "
+        print("Target: compiled opttx Shampoo <= 0.5x Meta's step: not measured "
               "(Meta's DistributedShampoo was skipped).")
         return
     where = "on this GPU" if device.type == "cuda" else "on this CPU"
@@ -430,7 +430,7 @@ def print_references(rows: list[dict], width: int, freq: int, device: torch.devi
             rm, rmean = o["median"] / t["median"], o["mean"] / t["mean"]
             part = lambda k: f"{o[k] / t[k]:.2f}x" if o[k] and t[k] else "-"  # noqa: E731
             verdict = "MET" if rmean <= TARGET_META_RATIO else "NOT MET"
-            print(f"Target (issue 16): compiled {ours} <= {TARGET_META_RATIO}x {theirs} per "
+            print(f"Target: compiled {ours} <= {TARGET_META_RATIO}x {theirs} per "
                   f"step {where}: median {rm:.2f}x, mean {rmean:.2f}x (refresh steps "
                   f"{part('root')}, others {part('other')}): "
                   f"{verdict} (judged on the mean)")
@@ -590,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{ms(extra)} ms more than a non-root shampoo step")
 
     r = ratio("mean")
-    print(f"\nTarget (issue): on a GPU, shampoo step <= {TARGET_GPU_RATIO}x adamw step (Meta "
+    print(f"\nTarget: on a GPU, shampoo step <= {TARGET_GPU_RATIO}x adamw step (Meta "
           f"reports <= {META_RATIO}x with DDP distribution of the roots).")
     if device.type == "cuda":
         verdict = "MET" if r is not None and r <= TARGET_GPU_RATIO else "NOT MET"

@@ -201,7 +201,7 @@ def main() -> int:
         print(f"{kind}: opttx / meta = {median(ours, False) / median(theirs, False):.2f}x "
               f"(other steps), {median(ours, True) / median(theirs, True):.2f}x (refresh steps), "
               f"{mean[0] / mean[1]:.2f}x per step at a refresh every {f} steps "
-              f"(issue 16's target: <= 0.5x)")
+              f"(target: <= 0.5x)")
     if a.profile:
         profile(runs[a.profile], a.profile, sync, step0 + a.steps, a.frequency,
                 rows=12 if a.kernel_profile else 6)

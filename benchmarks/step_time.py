@@ -562,7 +562,7 @@ GROUPS: dict[str, tuple[str, list[Spec]]] = {
     ]),
 }
 
-# The issue's targets: (variant, baseline, largest allowed time ratio, description).
+# The targets: (variant, baseline, largest allowed time ratio, description).
 FACTORED = 1 / 3   # "compiled opttx >= 3x faster than each reference"
 TARGETS: dict[str, list[tuple[str, str, float, str]]] = {
     "adamw": [("adamw.opttx_compiled", "adamw.torch_fused", 1.0,
@@ -782,7 +782,7 @@ def print_targets(results: list[Result]) -> None:
     if not lines:
         return
     print()
-    print("Targets (issue): compiled opttx adamw <= 1.0x torch fused AdamW; eager opttx adamw "
+    print("Targets: compiled opttx adamw <= 1.0x torch fused AdamW; eager opttx adamw "
           "<= 1.3x torch foreach AdamW; factored family (adafactor, came, lamb): compiled opttx "
           ">= 3x faster than each reference (time ratio <= 0.33)")
     for key, base, limit, what in lines:

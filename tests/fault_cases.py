@@ -1,5 +1,5 @@
-"""The harness of the distributed fault tests (tests/test_faults_distributed.py, issue 19, and
-tests/test_faults_issue30_distributed.py, issue 30): each rank runs named cases in one gloo
+"""The harness of the distributed fault tests (tests/test_faults_distributed.py and
+tests/test_faults_overlap_and_consistency_distributed.py): each rank runs named cases in one gloo
 process group with a short collective timeout (a regression that hangs fails fast), records
 what it saw per case as JSON, and the tests read every rank's records."""
 

@@ -309,7 +309,7 @@ def test_zero_equals_single_device(world: tuple[int, list[dict]], name: str, cli
 
 def test_accumulation_communicates_on_the_last_micro_batch(world: tuple[int, list[dict]]
                                                             ) -> None:
-    """accumulate=2 under group=WORLD (issue 18 item 5): two micro-batches per rank and step
+    """accumulate=2 under group=WORLD: two micro-batches per rank and step
     equal one single-device step on the whole batch (1e-5), the first backward of each step
     issues no collective, the second all of them."""
     _, results = world

@@ -374,7 +374,7 @@ def misc_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 NAMES = ["adam", "adamw", "lion", "adafactor_last", "adafactor_largest", "came", "lamb", "lars",
          "clip_adam"]
 
-# collectives per step, single group: what each transform must not exceed (issue 7)
+# collectives per step, single group: what each transform must not exceed
 BOUNDS = {"adam": 0, "adamw": 0, "lion": 0, "lamb": 1, "lars": 1, "clip_adam": 1,
           "adafactor_last": 2, "adafactor_largest": 2, "came": 3}
 

@@ -1,4 +1,4 @@
-"""Bad input and faults on one process (issue 19): each case gives the right numbers or a clear
+"""Bad input and faults on one process: each case gives the right numbers or a clear
 error that names the leaf and what was expected, never silently wrong numbers, a hang or a
 half-loaded state. The multi-process cases are in tests/test_faults_distributed.py; the table of
 outcomes is docs/guide/faults.md.
@@ -19,12 +19,12 @@ import opttx
 from opttx.tree import tree_flatten, tree_leaves
 
 # ---------------------------------------------------------------------------------------------
-# silent wrong numbers (items 1, 2, 8)
+# silent wrong numbers
 # ---------------------------------------------------------------------------------------------
 
 
 def test_apply_updates_pairs_leaves_by_path() -> None:
-    """Item 1: a dict of updates in another key order moves each leaf by its own update."""
+    """A dict of updates in another key order moves each leaf by its own update."""
     params = {"a": torch.zeros(2), "b": torch.zeros(2)}
     out = opttx.apply_updates(params, {"b": torch.full((2,), 2.0), "a": torch.ones(2)})
     assert out["a"].tolist() == [1.0, 1.0] and out["b"].tolist() == [2.0, 2.0]
@@ -36,7 +36,7 @@ def test_apply_updates_pairs_leaves_by_path() -> None:
 
 
 def test_stateless_chain_refuses_a_broadcastable_update() -> None:
-    """Item 1/8: sgd has no state to compare with; apply_updates compares with the params."""
+    """sgd has no state to compare with; apply_updates compares with the params."""
     params = {"w": torch.zeros(4, 3)}
     tx = opttx.sgd(0.1)
     updates, _ = tx.update({"w": torch.ones(1, 3)}, tx.init(params), params)
@@ -45,14 +45,14 @@ def test_stateless_chain_refuses_a_broadcastable_update() -> None:
 
 
 def test_apply_updates_refuses_complex_updates_of_real_params() -> None:
-    """Item 8: casting a complex update to a real parameter would drop its imaginary part."""
+    """Casting a complex update to a real parameter would drop its imaginary part."""
     params = {"w": torch.zeros(3)}
     with pytest.raises(TypeError, match=r"\['w'\].*complex"):
         opttx.apply_updates(params, {"w": torch.ones(3, dtype=torch.complex64)})
 
 
 def test_shampoo_bf16_params_follow_fp32_within_bf16_rounding() -> None:
-    """Item 2: Shampoo on bf16 parameters (fp32 statistics, graft's filtered gradient in fp32)
+    """Shampoo on bf16 parameters (fp32 statistics, graft's filtered gradient in fp32)
     gives the fp32 run's updates on the same (bf16-representable) gradients, up to the
     rounding of the output to bf16 (the grafted result, computed in fp32, then its product
     with the learning rate)."""
@@ -92,7 +92,7 @@ ALIASES_WITH_STATE = {
 
 @pytest.mark.parametrize("name", sorted(ALIASES_WITH_STATE))
 def test_gradient_of_a_broadcastable_shape_is_refused(name: str) -> None:
-    """Item 8: a (1, 3) gradient for a (4, 3) parameter used to update every row alike."""
+    """A (1, 3) gradient for a (4, 3) parameter used to update every row alike."""
     params = {"b": torch.zeros(3), "w": torch.zeros(4, 3)}
     tx = ALIASES_WITH_STATE[name]()
     state = tx.init(params)
@@ -135,8 +135,8 @@ BAD_GRADIENTS = {
 @pytest.mark.parametrize("name", ["adam", "lion", "sgd_momentum"])
 @pytest.mark.parametrize("kind", sorted(BAD_GRADIENTS))
 def test_gradients_that_are_not_dense_real_floats_are_refused(name: str, kind: str) -> None:
-    """Item 8 and the clear-errors list: int gradients gave zero updates (adam) or a torch
-    error (lion), complex ones complex updates, sparse and None ones torch errors."""
+    """Int gradients gave zero updates (adam) or a torch error (lion), complex ones complex
+    updates, sparse and None ones torch errors: each is refused, naming the leaf."""
     make, error, text = BAD_GRADIENTS[kind]
     params = {"w": torch.zeros(4, 3)}
     tx = ALIASES_WITH_STATE[name]()
@@ -230,7 +230,7 @@ def test_state_for_other_shapes_is_refused() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# item 9: the functional API and autograd
+# the functional API and autograd
 # ---------------------------------------------------------------------------------------------
 
 
@@ -317,7 +317,7 @@ def test_apply_if_finite_check_state_compiles_to_the_same_numbers() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# FusedBackward (items 6, 10)
+# FusedBackward
 # ---------------------------------------------------------------------------------------------
 
 
@@ -384,7 +384,7 @@ def test_fused_backward_load_state_dict_is_all_or_nothing() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Optimizer.load_state_dict (item 8 and the clear-errors list)
+# Optimizer.load_state_dict
 # ---------------------------------------------------------------------------------------------
 
 

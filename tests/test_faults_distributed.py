@@ -1,4 +1,4 @@
-"""Faults in the distributed layer (issue 19): each gives the same clear error on every rank, or
+"""Faults in the distributed layer: each gives the same clear error on every rank, or
 the right numbers, instead of a hang, a silent wrong result or a half-loaded state.
 
 One spawn (gloo, world 2, a short collective timeout so a regression that hangs fails fast);

@@ -282,7 +282,7 @@ def test_step_is_adam_on_the_decoded_state(fmt: str) -> None:
 def test_adamw_4bit_bytes_per_parameter_from_the_state() -> None:
     """adamw_4bit's state of a 1024 x 1024 matrix and a 4096-vector, summed from the state's
     own tensors: 1.020 B per parameter for the matrix (mu 0.516, nu 0.504) and 1.031 B for the
-    vector (both block-wise), <= 1.05 (the issue's target); codes (n/2,) uint8. FP8: 2.031,
+    vector (both block-wise), <= 1.05 (fp32 Adam's: 8); codes (n/2,) uint8. FP8: 2.031,
     <= 2.05; 8-bit 2.031; bf16_ecc 6; bf16_sr 4."""
     params = {"m": torch.randn(1024, 1024), "v": torch.randn(4096)}
     grads = tree_map(torch.randn_like, params)
@@ -330,7 +330,7 @@ def test_every_format_trains_the_regression() -> None:
     2.8e-4, e5m2 2.6e-4, bf16_sr 3.2e-4 (bound: 1.2x fp32's), bf16_ecc 3.3e-4 (fp32's to
     1e-3 relative), 4bit 2.2e-3 (bound 5e-3: the floor that 4-bit first moments leave on a
     problem solved to 3e-4). Before, bits=4 stored one code per byte on a map with zero for
-    the second moment and diverged (2224 on a regression of this kind, issue 29)."""
+    the second moment and diverged (2224 on a regression of this kind)."""
     def adamw(fmt):
         inner = opttx.scale_by_adam() if fmt is None else opttx.quantize_state(
             opttx.scale_by_adam(), format=fmt)

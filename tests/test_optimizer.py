@@ -189,7 +189,7 @@ def test_deepcopy_keeps_the_transform_and_its_state() -> None:
         assert torch.equal(mine[key], theirs[key]), key
 
 
-# -- issue 20: hyperparameters always in param_groups; the rest of torch's contract -------------
+# -- hyperparameters always in param_groups; the rest of torch's contract -----------------------
 
 
 def params_of(model) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Fast and exact orthogonalization (issue 28, item 1): Polar Express, Gram Newton–Schulz,
+"""Fast and exact orthogonalization: Polar Express, Gram Newton–Schulz,
 batching across leaves, row-block splits, output layout, an overflow-free norm, and
 `muon`'s default mask.
 

@@ -367,7 +367,7 @@ def test_mesh_and_tp_dp_on_owners_equal_single_device(mesh_results: list[dict]) 
 
 
 def test_on_owners_outside_sharded_is_the_transform_itself() -> None:
-    """Issue 30: on_owners outside sharded raised, so one factory could not serve both the
+    """on_owners outside sharded raised, so one factory could not serve both the
     single-device reference and the sharded run. Now it is tx itself there: the same state
     and bitwise the same updates."""
     gen = torch.Generator().manual_seed(0)

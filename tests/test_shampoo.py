@@ -331,7 +331,7 @@ def test_compiled_root_retry_and_keep_equal_eager() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# 16-bit parameters: statistics in float32 (issue 19, item 2)
+# 16-bit parameters: statistics in float32
 # ---------------------------------------------------------------------------------------------
 
 
@@ -368,8 +368,8 @@ def test_bf16_parameters_keep_float32_statistics_and_follow_float32(grafting) ->
 @pytest.mark.parametrize("grafting", ["adam", None])
 def test_16bit_parameters_follow_float32_within_two_roundings(dtype, preconditioner,
                                                                grafting) -> None:
-    """Issue 30: float16 parameters with eigenvalue-corrected Shampoo and Adam grafting gave
-    NaN from the first step (the direction, whose entries reach 1e5 where the rotated squared
+    """float16 parameters with eigenvalue-corrected Shampoo and Adam grafting gave NaN from
+    the first step (the direction, whose entries reach 1e5 where the rotated squared
     gradient is a rounding error, was cast to float16: inf, then inf times graft's 0). graft
     now runs both methods and the rescale in float32: every update is the float32 run's on
     the same gradients rounded twice (the grafted update, then the learning rate's product),

@@ -1,5 +1,9 @@
-"""Faults in the distributed layer, issue 30 (Reliability III): each gives the right numbers or
-the same clear error on every rank, never a silent wrong result, a hang or a gloo abort.
+"""Faults in the distributed layer, beyond tests/test_faults_distributed.py: each gives the
+right numbers or the same clear error on every rank, never a silent wrong result, a hang or a
+gloo abort. Overlapped gradient reduction (gradients edited in place after backward, a layer
+unused on one rank or on all), the checking mode of ``consistency_checks`` (replicated leaves
+that differ, a rank that skipped an update), and also ``schedule_free_eval_params`` under
+``zero`` and ``on_owners`` and checkpoints with checksums on two ranks.
 
 One spawn (gloo, world 2, a 20 s collective timeout so a regression that hangs fails fast);
 each case records what every rank saw, and the tests read the records.

@@ -1,6 +1,11 @@
-"""Bad input and faults on one process, issue 30 (Reliability III): each case gives the right
-numbers or a clear error naming what is wrong, never silently wrong numbers. The
-multi-process cases are in tests/test_faults_issue30_distributed.py; the table of outcomes is
+"""Bad input and faults on one process, beyond tests/test_faults.py: each case gives the right
+numbers or a clear error naming what is wrong, never silently wrong numbers. Hyperparameters
+given as 0-dim tensors, checkpoints (checksums, flipped bits, empty files), and also: masks
+inside ``flatten``, bad gradients for Shampoo and SOAP, ``schedule_free_eval_params`` with other
+params, dicts in another key order and swapped ``(updates, state)``, bounded shrinking of the
+distributed hypothesis strategies, rejoining the process group after a restart, and what Lion
+and Muon do with a non-finite gradient element. The multi-process cases are in
+tests/test_faults_overlap_and_consistency_distributed.py; the table of outcomes is
 docs/guide/faults.md.
 """
 
