@@ -209,7 +209,7 @@ def coefficient(value: Any, tensors: Sequence[torch.Tensor], op: str | None = No
     if value.device.type == "cpu" and all(t.dtype != torch.float64 for t in tensors):
         # The Tensor-scalar overload, not the list form ``[value * 1]``: with the list form
         # Inductor inlines the scalar's arithmetic again (compiled AdamW measured 2.68x torch
-        # fused, against 1.03x with this form; benchmarks/RESULTS.md, 25 Nov)
+        # fused, against 1.03x with this form, benchmarks/step_time.py on the 2-core VM)
         # (aten's Tensor overload named explicitly: Dynamo without fullgraph=True resolves
         # the Python binding to the Scalar overload, whose .item() breaks the graph)
         return _computed_once(value)
