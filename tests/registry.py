@@ -2,8 +2,9 @@
 
 `tests/test_conformance.py` runs each property of the transform contract (docs/design.md,
 section 5) over every entry here; `test_every_public_transform_is_registered` fails when a
-name in ``opttx.__all__`` that builds a `GradientTransformation` has no entry. Adding an
-optimizer to opttx is one line here::
+name in ``opttx.__all__`` that builds a `GradientTransformation` has no entry. An optimizer
+added to opttx has one line here (the other files it touches are listed in
+docs/guide/writing.md, "Adding it to opttx")::
 
     case("adopt", opttx.adopt, learning_rate=1e-2),
 
