@@ -149,8 +149,8 @@ class LiveFloat(float):
     factory takes the functional path's decisions and kernels, with the number given),
     marked *live*: its value may differ at the next step, as a 0-dim tensor's may under
     tracing. A factory that leaves out an optional term when a number is 0 (a momentum, a
-    weight decay) keeps it for a live value (`is_live`), so the state's structure does not
-    depend on the value and a scheduler may move it away from 0."""
+    weight decay) keeps it for a live value (it decides with `is_fixed_zero`), so the state's
+    structure does not depend on the value and a scheduler may move it away from 0."""
     __slots__ = ()
 
     def __repr__(self) -> str:      # in error messages: the number, as the user gave it
