@@ -9,6 +9,7 @@ a small CPU), so the multi-process tests are few and each runs several spec tree
 from __future__ import annotations
 
 import os
+import re
 import time
 from functools import partial
 
@@ -266,11 +267,12 @@ def test_shard_invariant_on_owners() -> None:
 @pytest.mark.timeout(240)
 def test_a_rank_exception_is_raised_in_the_parent() -> None:
     """Shampoo without on_owners refuses local shards on every rank: the parent gets the
-    ValueError itself, with the rank's traceback."""
+    ValueError itself, with the traceback of the rank whose error reached it first (either
+    rank: both raise, and which one is first depends on the scheduler)."""
     with pytest.raises(ValueError, match="on_owners") as e:
         assert_shard_invariant(partial(opttx.shampoo, 1e-2), {"w": (6, 4)}, {"w": Shard(0)})
     notes = "\n".join(getattr(e.value, "__notes__", []))
-    assert "raised on rank 0 of 2" in notes and "Traceback" in notes, notes
+    assert re.search(r"raised on rank [01] of 2", notes) and "Traceback" in notes, notes
 
 
 @pytest.mark.timeout(240)
