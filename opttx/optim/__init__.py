@@ -5,30 +5,8 @@
 defaults, errors and numbers, built on opttx transforms (`opttx.optim.torch_names`).
 """
 
+from . import torch_names
 from .optimizer import Optimizer
-from .torch_names import (
-                          SGD,
-                          Adafactor,
-                          Adagrad,
-                          Adam,
-                          Adamax,
-                          AdamW,
-                          Muon,
-                          NAdam,
-                          RAdam,
-                          RMSprop,
-)
+from .torch_names import SGD, Adafactor, Adagrad, Adam, Adamax, AdamW, Muon, NAdam, RAdam, RMSprop
 
-__all__ = [
-                          "SGD",
-                          "Adafactor",
-                          "Adagrad",
-                          "Adam",
-                          "AdamW",
-                          "Adamax",
-                          "Muon",
-                          "NAdam",
-                          "Optimizer",
-                          "RAdam",
-                          "RMSprop",
-]
+__all__ = ["Optimizer", *torch_names.__all__]

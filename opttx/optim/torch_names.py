@@ -196,6 +196,19 @@ def torch_sgd(learning_rate: float = 1e-3, momentum: float = 0.0, dampening: flo
     return torch_inputs(chain(*links), "SGD", sparse=True)
 
 
+def _decayed(direction: GradientTransformation, weight_decay: Any, decoupled: bool,
+             learning_rate: Any) -> list[GradientTransformation]:
+    """The links of torch's NAdam and RAdam around their ``direction``: the weight decay
+    added to the gradient before it (L2), or to the direction after it (decoupled:
+    :math:`-\\eta(u + \\lambda x)`, torch's :math:`x(1 - \\eta\\lambda)` on the same
+    :math:`x`), then the learning rate. The decay link is there even for a weight decay of 0,
+    so the groups of one optimizer have one structure."""
+    if decoupled:
+        return [direction, add_decayed_weights(weight_decay),
+                scale_by_learning_rate(learning_rate)]
+    return [add_decayed_weights(weight_decay), direction, scale_by_learning_rate(learning_rate)]
+
+
 @declare(hyperparams={"learning_rate": LR, "b1": B1, "b2": B2, "eps": EPS, "weight_decay": WD})
 def torch_adam(learning_rate: float = 1e-3, b1: float = 0.9, b2: float = 0.999,
                eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False,
@@ -268,13 +281,8 @@ def torch_nadam(learning_rate: float = 2e-3, b1: float = 0.9, b2: float = 0.999,
                 ) -> GradientTransformation:
     r"""``torch.optim.NAdam``: `opttx.scale_by_nadam` (Dozat's momentum schedule), L2 or
     decoupled weight decay."""
-    direction = scale_by_nadam(b1, b2, eps, momentum_decay)
-    if decoupled_weight_decay:
-        links = [direction, add_decayed_weights(weight_decay),
-                 scale_by_learning_rate(learning_rate)]
-    else:
-        links = [add_decayed_weights(weight_decay), direction,
-                 scale_by_learning_rate(learning_rate)]
+    links = _decayed(scale_by_nadam(b1, b2, eps, momentum_decay), weight_decay,
+                     decoupled_weight_decay, learning_rate)
     return torch_inputs(chain(*_maximized(links, maximize)), "NAdam")
 
 
@@ -285,15 +293,8 @@ def torch_radam(learning_rate: float = 1e-3, b1: float = 0.9, b2: float = 0.999,
                 ) -> GradientTransformation:
     r"""``torch.optim.RAdam``: `opttx.scale_by_radam` with ``eps_before_debias=True``, L2 or
     decoupled weight decay (as `opttx.radam`)."""
-    # the decay link is always there (opttx.radam drops it for a weight decay of 0, which
-    # would give the groups of one optimizer different structures)
-    direction = scale_by_radam(b1, b2, eps, eps_before_debias=True)
-    if decoupled_weight_decay:
-        links = [direction, add_decayed_weights(weight_decay),
-                 scale_by_learning_rate(learning_rate)]
-    else:
-        links = [add_decayed_weights(weight_decay), direction,
-                 scale_by_learning_rate(learning_rate)]
+    links = _decayed(scale_by_radam(b1, b2, eps, eps_before_debias=True), weight_decay,
+                     decoupled_weight_decay, learning_rate)
     return torch_inputs(chain(*_maximized(links, maximize)), "RAdam")
 
 
