@@ -54,7 +54,9 @@ def site(tmp_path_factory) -> tuple[pathlib.Path, str]:
     out = tmp_path_factory.mktemp("site")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-f",
+        # no --quiet: it lowers the log level below WARNING, and --strict counts only the
+        # warnings logged, so a docstring griffe cannot parse passed unseen
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f",
          str(ROOT / "mkdocs.yml"), "-d", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr
