@@ -246,7 +246,7 @@ def _distributed_worker(rank: int, world: int) -> dict[str, str]:
     """On each rank, for every entry: ``sharded`` on this rank's shards and ``zero`` on the
     whole (replicated) tree, each against the single-device run of the same steps. Returns
     ``{entry/mode: error}`` for what failed (empty when all agree)."""
-    from opttx.distributed import local_shard, sharded, zero
+    from opttx.distributed import local_shard, sharded
     errors: dict[str, str] = {}
     for case in DISTRIBUTED:
         params = params_of(case, seed=11)
@@ -268,17 +268,31 @@ def _distributed_worker(rank: int, world: int) -> dict[str, str]:
             except ValueError as e:
                 if "on_owners" not in str(e):
                     errors[f"{case.name}/refused"] = f"unclear refusal: {e}"
-        try:
-            got, _ = run(sharded(case.make(), specs, on_owners=on_owners), local, local_grads)
-            want = {k: local_shard(v, specs[k]) for k, v in expected.items()}
-            assert_trees_close(got, want, rtol=1e-5, atol=1e-7, what=f"rank {rank} params")
-        except Exception as e:  # noqa: BLE001 - reported to the test
-            errors[f"{case.name}/sharded"] = f"{type(e).__name__}: {e}"
-        try:
-            got, _ = run(zero(case.make()), params, grads)
-            assert_trees_close(got, expected, rtol=1e-5, atol=1e-7, what=f"rank {rank} params")
-        except Exception as e:  # noqa: BLE001
-            errors[f"{case.name}/zero"] = f"{type(e).__name__}: {e}"
+        errors.update(_sharded_and_zero_errors(case, params, grads, specs, expected, rank))
+    return errors
+
+
+def _sharded_and_zero_errors(case: Case, params: dict, grads: list, specs: dict,
+                             expected: dict, rank: int) -> dict[str, str]:
+    """``sharded`` on this rank's pieces (``on_owners`` where the traits need whole leaves)
+    and ``zero`` on the whole tree against the single-device ``expected`` (rtol 1e-5):
+    ``{entry/mode: error}`` for what differs or raises."""
+    from opttx.distributed import local_shard, sharded, zero
+    errors: dict[str, str] = {}
+    on_owners = opttx.base.traits_of(case.make()).whole_leaves
+    local = {k: local_shard(v, specs[k]) for k, v in params.items()}
+    local_grads = [{k: local_shard(v, specs[k]) for k, v in g.items()} for g in grads]
+    try:
+        got, _ = run(sharded(case.make(), specs, on_owners=on_owners), local, local_grads)
+        want = {k: local_shard(v, specs[k]) for k, v in expected.items()}
+        assert_trees_close(got, want, rtol=1e-5, atol=1e-7, what=f"rank {rank} params")
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        errors[f"{case.name}/sharded"] = f"{type(e).__name__}: {e}"
+    try:
+        got, _ = run(zero(case.make()), params, grads)
+        assert_trees_close(got, expected, rtol=1e-5, atol=1e-7, what=f"rank {rank} params")
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        errors[f"{case.name}/zero"] = f"{type(e).__name__}: {e}"
     return errors
 
 
@@ -404,7 +418,6 @@ def _degenerate_distributed_worker(rank: int, world: int) -> dict[str, str]:
     """``sharded`` (on this rank's pieces, ``on_owners`` where the traits need whole leaves)
     and ``zero`` of a few entries on the degenerate tree, each against one device: finite,
     of the right shapes, equal (rtol 1e-5). Returns ``{entry/mode: error}``."""
-    from opttx.distributed import local_shard, sharded, zero
     from registry import BY_NAME
     errors: dict[str, str] = {}
     for name in DEGENERATE_DISTRIBUTED:
@@ -418,20 +431,7 @@ def _degenerate_distributed_worker(rank: int, world: int) -> dict[str, str]:
             errors[f"{name}/sharded"] = errors[f"{name}/zero"] = \
                 f"the single-device run failed: {type(e).__name__}: {e}"
             continue
-        on_owners = opttx.base.traits_of(case.make()).whole_leaves
-        local = {k: local_shard(v, specs[k]) for k, v in params.items()}
-        local_grads = [{k: local_shard(v, specs[k]) for k, v in g.items()} for g in grads]
-        try:
-            got, _ = run(sharded(case.make(), specs, on_owners=on_owners), local, local_grads)
-            want = {k: local_shard(v, specs[k]) for k, v in expected.items()}
-            assert_trees_close(got, want, rtol=1e-5, atol=1e-7, what=f"rank {rank} params")
-        except Exception as e:  # noqa: BLE001 - reported to the test
-            errors[f"{name}/sharded"] = f"{type(e).__name__}: {e}"
-        try:
-            got, _ = run(zero(case.make()), params, grads)
-            assert_trees_close(got, expected, rtol=1e-5, atol=1e-7, what=f"rank {rank} params")
-        except Exception as e:  # noqa: BLE001
-            errors[f"{name}/zero"] = f"{type(e).__name__}: {e}"
+        errors.update(_sharded_and_zero_errors(case, params, grads, specs, expected, rank))
     return errors
 
 
