@@ -105,6 +105,26 @@ def test_repeated_names_get_their_field_paths_as_keys() -> None:
     assert group["0.hyperparams.max_norm"] == 1.0
 
 
+def resume_and_compare(build, saved: dict, grads: list, params: list, opt, *,
+                       optimizer_first: bool) -> None:
+    """A fresh optimizer and scheduler from ``build``, given the saved state dicts (the
+    optimizer's first, as HF's Trainer, or the scheduler's), trained on ``grads``: its
+    parameters equal ``params`` (the uninterrupted run) bitwise and its state dict equals
+    ``opt``'s."""
+    again = [torch.nn.Parameter(p) for p in saved["params"]]
+    resumed, resumed_sched = build(again)
+    if optimizer_first:
+        resumed.load_state_dict(saved["opt"])
+        resumed_sched.load_state_dict(saved["sched"])
+    else:
+        resumed_sched.load_state_dict(saved["sched"])
+        resumed.load_state_dict(saved["opt"])
+    train(resumed, again, grads, resumed_sched)
+    for a, b in zip(params, again):
+        assert torch.equal(a, b)
+    conformance._same_state_dict(resumed.state_dict(), opt.state_dict(), "resumed")
+
+
 def test_several_learning_rates_show_live_values_and_resume_bitwise() -> None:
     """muon with ``adam_learning_rate``: a scheduler scales both learning rates; the group
     shows the live ``adam_learning_rate`` (it showed its construction value, and the state
@@ -127,14 +147,7 @@ def test_several_learning_rates_show_live_values_and_resume_bitwise() -> None:
     assert saved["opt"]["param_groups"][0]["adam_learning_rate"] == pytest.approx(3e-4 / 8)
     train(opt, params, grads[3:], sched)
 
-    again = [torch.nn.Parameter(p) for p in saved["params"]]
-    resumed, resumed_sched = build(again)
-    resumed_sched.load_state_dict(saved["sched"])
-    resumed.load_state_dict(saved["opt"])
-    train(resumed, again, grads[3:], resumed_sched)
-    for a, b in zip(params, again):
-        assert torch.equal(a, b)
-    conformance._same_state_dict(resumed.state_dict(), opt.state_dict(), "resumed")
+    resume_and_compare(build, saved, grads[3:], params, opt, optimizer_first=False)
 
 
 def test_own_learning_rate_sets_its_ratio_and_ratios_survive_a_zero_lr() -> None:
@@ -270,15 +283,8 @@ def test_hf_style_resume_of_several_learning_rates_is_bitwise(factory: str) -> N
     saved = saved_and_loaded({"opt": opt.state_dict(), "sched": sched.state_dict(),
                               "params": [p.detach().clone() for p in params]})
     train(opt, params, grads[4:], sched)
-    again = [torch.nn.Parameter(p) for p in saved["params"]]
-    resumed, resumed_sched = build(again)
-    assert resumed.param_groups[0]["lr"] == 0.0        # the warm-up's first value
-    resumed.load_state_dict(saved["opt"])
-    resumed_sched.load_state_dict(saved["sched"])
-    train(resumed, again, grads[4:], resumed_sched)
-    for a, b in zip(params, again):
-        assert torch.equal(a, b)
-    conformance._same_state_dict(resumed.state_dict(), opt.state_dict(), "resumed")
+    assert build(matrix_and_vector())[0].param_groups[0]["lr"] == 0.0   # warm-up's start
+    resume_and_compare(build, saved, grads[4:], params, opt, optimizer_first=True)
     assert opt.param_groups[0]["adam_learning_rate"] == pytest.approx(
         live(opt)[0]["adam_learning_rate"])
 
