@@ -11,6 +11,9 @@ steps, in an order rotated per round, so a slow phase of the machine touches the
 * ``opttx.Optimizer``: ``opttx.Optimizer(params, opttx.adamw(...))``, its eager step;
 * ``functional donating``: ``tx.update`` of ``opttx.adamw(...)`` inside `opttx.donating`,
   then `opttx.apply_updates_` (what the Optimizer's step is meant to cost);
+* ``Optimizer, fold_learning_rate``: the same with the learning rate written into the
+  parameter update (``p.add_(u, alpha=-lr)``, `opttx.update_deferring_scale`): one pass fewer;
+* ``opttx.optim.AdamW``: the torch-named class, which folds the learning rate as torch does;
 * ``Optimizer, float32 hyperparameters`` (``--with-float32``): the same transform injected
   as float32 0-dim tensors (the Optimizer's earlier storage): read as Python floats too, so
   it differs in its numbers (rounded), not in its kernels.
@@ -83,6 +86,22 @@ class OpttxOptimizer:
         return [p.detach() for p in self.params]
 
 
+class FoldedOptimizer(OpttxOptimizer):
+    name = "Optimizer, fold_learning_rate"
+
+    def __init__(self, params, grads):
+        super().__init__(params, grads)
+        self.opt = opttx.Optimizer(self.params, adamw(), fold_learning_rate=True)
+
+
+class TorchNamesAdamW(OpttxOptimizer):
+    name = "opttx.optim.AdamW"
+
+    def __init__(self, params, grads):
+        super().__init__(params, grads)
+        self.opt = opttx.optim.AdamW(self.params, foreach=True, **HYPER)
+
+
 class Float32Hyperparameters(OpttxOptimizer):
     name = "Optimizer, float32 hyperparameters"
 
@@ -124,7 +143,7 @@ def main() -> None:
     params = make_params()
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(SHAPE, generator=gen) * 1e-2 for _ in range(TENSORS)]
-    kinds = [TorchForeach, OpttxOptimizer, FunctionalDonating]
+    kinds = [TorchForeach, OpttxOptimizer, FunctionalDonating, FoldedOptimizer, TorchNamesAdamW]
     if args.with_float32:
         kinds.append(Float32Hyperparameters)
     variants = [k(params, [g.clone() for g in grads]) for k in kinds]

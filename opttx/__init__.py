@@ -27,7 +27,7 @@ from .base import (ELEMENTWISE, LEAFWISE, PRECONDITIONER, EmptyState, GradientTr
                    Role, Traits, apply_updates, apply_updates_, check_init_params,
                    combine_traits, declare_optional, declare_roles, identity, leafwise,
                    round_stochastic_, set_to_zero, state_roles, stateless,
-                   stateless_with_tree_map, traits_of, zero_count)
+                   stateless_with_tree_map, traits_of, update_deferring_scale, zero_count)
 from .combine import (MaskedState, PartitionState, chain, chain_links, freeze, masked,
                       multi_transform, named_chain, partition)
 from .layout import FlatParams, FlattenState, flatten
@@ -73,7 +73,7 @@ __all__ = [
     "join_schedules", "lamb", "lars", "linear_schedule", "lion", "masked", "multi_transform",
     "nadam", "named_chain", "partition", "piecewise_constant_schedule", "polynomial_schedule",
     "rmsprop", "round_stochastic_", "schedules", "set_hyperparams_", "set_to_zero", "sgd", "shampoo", "stateless",
-    "stateless_with_tree_map", "transforms", "tree", "tree_copy_", "warmup_constant_schedule",
+    "stateless_with_tree_map", "transforms", "update_deferring_scale", "tree", "tree_copy_", "warmup_constant_schedule",
     "warmup_cosine_decay_schedule", "warmup_stable_decay_schedule", *_transforms_all,
     # the vocabulary for writing a transform (docs/guide/writing.md)
     "ELEMENTWISE", "LEAFWISE", "PRECONDITIONER", "Role", "Traits", "check_init_params",

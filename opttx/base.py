@@ -319,6 +319,14 @@ class Traits:
     (Shampoo's blocks of ``max_preconditioner_dim``): a leaf split by rows at multiples of it
     (`opttx.distributed.zero`'s ``split_above_mb``) may run on its local rows although
     ``whole_leaves`` is set."""
+    final_scale: bool = False
+    """Its last operation multiplies every update by one scalar (the learning rate of
+    `scale_by_learning_rate`, the factor of `scale`). Asked with a list under
+    ``extra_args[DEFERRED_SCALE]``, its ``update`` appends that scalar to the list and
+    returns the updates *unscaled*, so that the caller writes :math:`x + s u` in one fused
+    add (`update_deferring_scale`, `apply_updates` with ``scale``): torch.optim's
+    ``p.add_(u, alpha=-lr)``, one rounding and one pass fewer. `chain` has it when its last
+    link has it; a wrapper claims it only by saying so."""
     collective_groups: tuple = ()
     """The process groups its ``update`` issues collectives over, on inputs that differ per
     rank (None: the default group): `opttx.distributed.zero`, ``sharded``, ``on_owners``,
@@ -333,6 +341,36 @@ ELEMENTWISE = Traits(elementwise=True, per_leaf=True)
 """The traits of an element-wise transform."""
 PRECONDITIONER = Traits(elementwise=True, per_leaf=True, takes_precondition_input=True)
 """The traits of an element-wise preconditioner that honours `PRECONDITION_INPUT`."""
+
+
+DEFERRED_SCALE = "deferred_scale"
+"""The ``extra_args`` key of a list in which a transform with `Traits.final_scale` reports
+its final scalar instead of applying it (see `update_deferring_scale`)."""
+
+
+def update_deferring_scale(tx: "GradientTransformation", updates: Updates, state: State,
+                           params: Params | None = None, **extra_args: Any
+                           ) -> tuple[Updates, State, Any]:
+    """``tx.update`` with its final scalar left out: ``(updates, new_state, scale)`` such
+    that ``apply_updates(params, updates, scale=scale)`` is the step, written as
+    ``x + scale·u`` in one fused add (torch.optim's ``p.add_(u, alpha=-lr)``) instead of
+    ``x + round(scale·u)``. ``scale`` is None (and the updates are ``tx.update``'s) when ``tx``
+    does not declare `Traits.final_scale`. A number when the transform holds one (eager
+    `opttx.Optimizer` steps), a 0-dim tensor under tracing or from a schedule.
+
+    Example:
+      >>> updates, state, s = opttx.update_deferring_scale(tx, grads, state, params)
+      >>> params = opttx.apply_updates(params, updates, scale=s)
+    """
+    if not traits_of(tx).final_scale:
+        return (*tx.update(updates, state, params, **extra_args), None)
+    sink: list[Any] = []
+    updates, state = tx.update(updates, state, params, **extra_args, **{DEFERRED_SCALE: sink})
+    if len(sink) != 1:
+        raise RuntimeError(f"update_deferring_scale: the transform declares a final scale but "
+                           f"reported {len(sink)} scalars; a transform with Traits.final_scale "
+                           "reports exactly one when asked.")
+    return updates, state, sink[0]
 
 
 def combine_traits(transforms: "tuple[GradientTransformation, ...]", **changes: Any) -> Traits:
@@ -1072,10 +1110,23 @@ def _kind(x: torch.Tensor) -> Any:
     return (id(mesh), tuple(x.placements))
 
 
+def _as_real_view(x: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(x) if x.is_complex() else x
+
+
 def _foreach_add(p_leaves: list[torch.Tensor], u_leaves: list[torch.Tensor],
                  inplace: bool, alpha: float = 1.0) -> list[torch.Tensor]:
     """``p + alpha · u`` (or ``p += alpha · u``) with one grouped kernel per kind of leaf
     (see `_kind`)."""
+    if alpha != 1.0 and any(p.is_complex() for p in p_leaves):
+        # a real factor scales each part alike, as torch.optim's real views do (a complex
+        # multiply-add would round the parts otherwise)
+        views = [_as_real_view(p) for p in p_leaves], [_as_real_view(u) for u in u_leaves]
+        out = _foreach_add(*views, inplace=inplace, alpha=alpha)
+        if inplace:
+            return list(p_leaves)
+        return [torch.view_as_complex(o) if p.is_complex() else o
+                for o, p in zip(out, p_leaves)]
     groups: dict[Any, list[int]] = {}
     for i, p in enumerate(p_leaves):
         groups.setdefault(_kind(p), []).append(i)
@@ -1090,10 +1141,22 @@ def _foreach_add(p_leaves: list[torch.Tensor], u_leaves: list[torch.Tensor],
     return out
 
 
+def _scaled_updates(u_leaves: list, scale: Any) -> tuple[list, float]:
+    """The updates and the ``alpha`` of the fused add that writes ``x + scale·u``: a number
+    goes into the add itself (one rounding, as torch.optim's ``add_(u, alpha=-lr)``); a
+    tensor scale (traced, scheduled) multiplies the updates first."""
+    if scale is None:
+        return u_leaves, 1.0
+    if isinstance(scale, torch.Tensor):
+        return [(u * scale).to(u.dtype) for u in u_leaves], 1.0
+    return u_leaves, float(scale)
+
+
 def apply_updates(params: Params, updates: Updates, *, stochastic_rounding: bool = False,
                   generator: torch.Generator | None = None,
-                  differentiable: bool = False) -> Params:
-    """``params + updates``, leaf by leaf, as a new tree (pure).
+                  differentiable: bool = False, scale: Any = None) -> Params:
+    """``params + updates``, leaf by leaf, as a new tree (pure); ``params + scale·updates``
+    in one fused add when ``scale`` is given (the scalar `update_deferring_scale` returns).
 
     Updates are cast to each parameter's dtype. One grouped kernel for all leaves. With
     ``stochastic_rounding=True`` bfloat16 parameters are added in float32 and rounded
@@ -1122,9 +1185,11 @@ def apply_updates(params: Params, updates: Updates, *, stochastic_rounding: bool
                     "step deeper every step). Pass detached parameters ({k: p.detach() ...}), "
                     "call it under torch.no_grad(), use apply_updates_ (in place), or pass "
                     "differentiable=True to differentiate through the update on purpose.")
+    u_leaves, alpha = _scaled_updates(u_leaves, scale)
     if stochastic_rounding:
         out = []
         for p, u in zip(p_leaves, u_leaves):
+            u = u * alpha if alpha != 1.0 else u
             if p.dtype == torch.bfloat16:
                 out.append(round_stochastic_(torch.empty_like(p), p.float() + u.float(),
                                              generator))
@@ -1132,13 +1197,15 @@ def apply_updates(params: Params, updates: Updates, *, stochastic_rounding: bool
                 out.append(p + u.to(p.dtype))
         return tree_unflatten(out, spec)
     u_leaves = [u.to(p.dtype) for p, u in zip(p_leaves, u_leaves)]
-    return tree_unflatten(_foreach_add(p_leaves, u_leaves, inplace=False), spec)
+    return tree_unflatten(_foreach_add(p_leaves, u_leaves, inplace=False, alpha=alpha), spec)
 
 
 @torch.no_grad()
 def apply_updates_(params: Params, updates: Updates, *, stochastic_rounding: bool = False,
-                   generator: torch.Generator | None = None) -> Params:
+                   generator: torch.Generator | None = None, scale: Any = None) -> Params:
     """``params += updates`` in place (also on ``nn.Parameter`` leaves); returns ``params``.
+    With ``scale`` (the scalar `update_deferring_scale` returns): ``params += scale·updates``
+    in one fused add.
 
     Updates that carry autograd history (computed in grad mode from parameters that require
     grad) are refused with a ``ValueError`` naming the leaf: their state would keep every
@@ -1162,14 +1229,15 @@ def apply_updates_(params: Params, updates: Updates, *, stochastic_rounding: boo
                 "opttx.Optimizer and FusedBackward do) or pass detached parameters; to "
                 "differentiate through a step on purpose, use apply_updates(..., "
                 "differentiable=True).")
+    u_leaves, alpha = _scaled_updates(u_leaves, scale)
     if stochastic_rounding:
-        sr_p, sr_u, p_leaves, u_leaves = _stochastic_pairs(p_leaves, u_leaves)
+        sr_p, sr_u, p_leaves, u_leaves = _stochastic_pairs(p_leaves, u_leaves, alpha)
         for p, u in zip(sr_p, sr_u):
             round_stochastic_(p, p.float() + u.float(), generator)
-        _foreach_add(p_leaves, u_leaves, inplace=True)
+        _foreach_add(p_leaves, u_leaves, inplace=True, alpha=alpha)
         return params
     u_leaves = [u.to(p.dtype) for p, u in zip(p_leaves, u_leaves)]
-    _foreach_add(p_leaves, u_leaves, inplace=True)
+    _foreach_add(p_leaves, u_leaves, inplace=True, alpha=alpha)
     return params
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Hashable, Mapping, NamedTuple
 
-from .base import (GradientTransformation, Params, State, Updates, check_state_type,
-                   combine_traits, declare, declare_roles, set_to_zero, step_local_transforms)
+from .base import (DEFERRED_SCALE, GradientTransformation, Params, State, Traits, Updates,
+                   check_state_type, combine_traits, declare, declare_roles, set_to_zero,
+                   step_local_transforms, traits_of)
 from .tree import (MaskedNode, PyTree, Static, flatten_matching, leaf_labels, mask_leaves,
                    tree_flatten, tree_leaves, tree_structure, tree_unflatten)
 
@@ -47,13 +48,23 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         if len(state) != len(transforms):
             raise ValueError(f"chain of {len(transforms)} transforms got a state of "
                              f"{len(state)} entries; was it built by this chain's init?")
+        # only the last link may leave its final scale to the caller (Traits.final_scale)
+        inner_args = {k: v for k, v in extra_args.items() if k != DEFERRED_SCALE}
         new_state = []
-        for tx, s in zip(transforms, state):
-            updates, s = tx.update(updates, s, params, **extra_args)
+        for i, (tx, s) in enumerate(zip(transforms, state)):
+            last = i == len(transforms) - 1
+            updates, s = tx.update(updates, s, params, **(extra_args if last else inner_args))
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update, combine_traits(transforms))
+    return GradientTransformation(init, update, _sequence_traits(transforms))
+
+
+def _sequence_traits(transforms: tuple[GradientTransformation, ...]) -> Traits:
+    """The traits of links run in order: `combine_traits`, with `Traits.final_scale` from the
+    last link (a chain ends with its last link's scale)."""
+    return combine_traits(transforms, final_scale=bool(
+        transforms and traits_of(transforms[-1]).final_scale))
 
 
 def chain_links(tx: GradientTransformation) -> tuple[GradientTransformation, ...]:
@@ -88,12 +99,14 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
 
     def update(updates: Updates, state: dict[str, State], params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, dict[str, State]]:
+        inner_args = {k: v for k, v in extra_args.items() if k != DEFERRED_SCALE}
         new_state = {}
-        for name, tx in transforms:
-            updates, new_state[name] = tx.update(updates, state[name], params, **extra_args)
+        for i, (name, tx) in enumerate(transforms):
+            args = extra_args if i == len(transforms) - 1 else inner_args
+            updates, new_state[name] = tx.update(updates, state[name], params, **args)
         return updates, new_state
 
-    return GradientTransformation(init, update, combine_traits(tuple(tx for _, tx in transforms)))
+    return GradientTransformation(init, update, _sequence_traits(tuple(tx for _, tx in transforms)))
 
 
 # ---------------------------------------------------------------------------------------------

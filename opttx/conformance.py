@@ -94,6 +94,17 @@ def _run_donating(tx: GradientTransformation, params: PyTree, grads: list) -> tu
     return params, state
 
 
+def _run_folded(tx: GradientTransformation, params: PyTree, grads: list) -> tuple[Any, Any]:
+    """``_run`` with the final scale in the parameter write (`update_deferring_scale`, then
+    `apply_updates` with ``scale``): what ``Optimizer(..., fold_learning_rate=True)`` runs."""
+    from .base import apply_updates, update_deferring_scale
+    state = tx.init(params)
+    for g in grads:
+        updates, state, scale = update_deferring_scale(tx, g, state, params)
+        params = apply_updates(params, updates, scale=scale)
+    return params, state
+
+
 def _clone(tree: Any) -> Any:
     return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
 
@@ -332,8 +343,11 @@ def check_donation(make: Make, params: PyTree | None = None, steps: int = 30,
     states; an optional term whose hyperparameter is 0 stays in the Optimizer's state, as a
     scheduler may move it). A transform that writes a state buffer in place and reads the old
     value afterwards fails here, and so does an Optimizer that computes with hyperparameters
-    other than the numbers given (rounded to float32: ``1 - b2`` of float32(0.95))."""
-    from .optim import Optimizer
+    other than the numbers given (rounded to float32: ``1 - b2`` of float32(0.95)). A
+    transform with a final scale (`opttx.base.Traits.final_scale`) also runs folded:
+    ``Optimizer(..., fold_learning_rate=True)`` equals `opttx.update_deferring_scale` with
+    `opttx.apply_updates` (``scale=``) bit for bit, and a folded step is the unfolded one to
+    a rounding."""
     params = leaves_0d_to_4d() if params is None else params
     grads = _gradients(params, steps, 9)
     tx = make()
@@ -342,13 +356,28 @@ def check_donation(make: Make, params: PyTree | None = None, steps: int = 30,
            f"{name}: donating + apply_updates_")
     if not isinstance(params, dict):
         return
+    _check_optimizer_run(make, params, grads, expected, False,
+                         f"{name}: Optimizer against the functional path of the transform given")
+    if traits_of(tx).final_scale:
+        folded = _run_folded(tx, params, grads[:1])
+        _close(folded[0], _run(tx, params, grads[:1])[0], 1e-6,
+               f"{name}: the final scale folded into the write, one step", atol=1e-12)
+        _check_optimizer_run(make, params, grads, _run_folded(tx, params, grads), True,
+                             f"{name}: Optimizer(fold_learning_rate=True) against "
+                             "update_deferring_scale + apply_updates(scale=)")
+
+
+def _check_optimizer_run(make: Make, params: dict, grads: list, expected: tuple, fold: bool,
+                         what: str) -> None:
+    """`opttx.Optimizer` over ``make()`` (with ``fold_learning_rate=fold``) run on ``grads``
+    equals ``expected`` (params, state) bit for bit."""
+    from .optim import Optimizer
     model = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
-    optimizer = Optimizer(list(model.items()), make())
+    optimizer = Optimizer(list(model.items()), make(), fold_learning_rate=fold)
     for g in grads:
         for k, p in model.items():
             p.grad = g[k].clone()
         optimizer.step()
-    what = f"{name}: Optimizer against the functional path of the transform given"
     _close({k: p.detach() for k, p in model.items()}, expected[0], 0.0, what)
     live, functional = _without_injection(optimizer.tx_states[0]), \
         _without_injection(expected[1])

@@ -441,7 +441,9 @@ def _around(wrappers: list[tuple[Any, str]], core: GradientTransformation,
             adopt[0] = False
         return engine.update(updates, state, params, extra_args)
 
-    tx = GradientTransformation(init, update, traits_of(core), core.recipe)
+    # the engine runs the links itself and applies every scale (no deferred final scale)
+    traits = dataclasses.replace(traits_of(core), final_scale=False)
+    tx = GradientTransformation(init, update, traits, core.recipe)
     for recipe, name in reversed(wrappers):
         tx = recipe.rebuild(**{name: tx})
     return tx

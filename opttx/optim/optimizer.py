@@ -10,8 +10,9 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 
 from .._tracing import is_tracing
-from ..base import (GradientTransformation, HyperRole, _foreach_add, _kind, _stochastic_pairs,
-                   describe_transform, is_optional_entry, recipe_of, round_stochastic_)
+from ..base import (GradientTransformation, HyperRole, _foreach_add, _kind, _scaled_updates,
+                   _stochastic_pairs, describe_transform, is_optional_entry, recipe_of,
+                   round_stochastic_, update_deferring_scale)
 from ..distributed.checkpoint_keys import (dtensor_placement, keyed_state,
                                           local_entries_as_dtensors, param_paths)
 from ..kernels import donating, foreach
@@ -352,6 +353,12 @@ class _ParamStates(Mapping):
         return True
 
 
+
+def _update_unscaled(tx: GradientTransformation, updates: Any, state: Any, params: Any
+                     ) -> tuple[Any, Any, None]:
+    """``tx.update`` in `update_deferring_scale`'s form, its scale left in the updates."""
+    return (*tx.update(updates, state, params), None)
+
 class Optimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that applies an opttx transform to ``p.grad`` in place.
 
@@ -456,6 +463,15 @@ class Optimizer(torch.optim.Optimizer):
     Shampoo preconditioner has no torch name); the step count is one int32 tensor per group
     (``"shared.count"``), not a float ``"step"`` per parameter.
 
+    **The learning rate in the write.** With ``fold_learning_rate=True`` a transform that
+    ends with a scale (`opttx.base.Traits.final_scale`: `scale_by_learning_rate`, `scale`,
+    every alias) leaves it to the parameter write, ``p.add_(u, alpha=-lr)`` in one fused
+    kernel (`opttx.update_deferring_scale`): one grouped pass fewer, and torch.optim's
+    rounding, so `opttx.optim.SGD` (which sets it) is bitwise ``torch.optim.SGD``. The step
+    then equals the functional ``update_deferring_scale`` + ``apply_updates(..., scale=)``
+    bit for bit, and ``tx.update`` + ``apply_updates`` to one rounding of the update per
+    step. Off by default: the step is then the functional step bit for bit.
+
     **Parameters without a gradient.** A parameter whose ``grad`` is None in a step is not
     moved, as in torch.optim; its statistics advance as with a zero gradient (torch would leave
     them untouched).
@@ -508,7 +524,8 @@ class Optimizer(torch.optim.Optimizer):
                  Iterable[tuple[str, torch.Tensor]],
                  tx: GradientTransformation | Callable[..., GradientTransformation], *,
                  stochastic_rounding: bool = False,
-                 generator: torch.Generator | None = None, **hyperparameters: Any) -> None:
+                 generator: torch.Generator | None = None, fold_learning_rate: bool = False,
+                 **hyperparameters: Any) -> None:
         if isinstance(params, torch.Tensor):
             raise TypeError("params argument given to the optimizer should be an iterable of "
                             "Tensors or dicts, but got " + torch.typename(params))
@@ -543,6 +560,7 @@ class Optimizer(torch.optim.Optimizer):
         self.tx = tx                       # as built; each group runs it with live hyperparams
         self.stochastic_rounding = stochastic_rounding
         self.generator = generator
+        self.fold_learning_rate = fold_learning_rate   # final scale in the parameter write
         self._tx_states: list[Any] = []
         self._steps_called = torch.zeros((), dtype=torch.int32)   # 1 once step has run
         self._state_extras: dict[Any, Any] = {}   # ``state`` entries not keyed by a parameter
@@ -902,28 +920,37 @@ class Optimizer(torch.optim.Optimizer):
             param_tree = self._tree(group, [p.detach() for p in params])
             if group.get("maximize", False) and "maximize" not in self._honoured[slot]:
                 grads = foreach("neg", grads)     # torch's maximize: ascend the gradient
+            tx = group["tx"]
+            run = update_deferring_scale if self.fold_learning_rate else _update_unscaled
             if is_tracing():
                 # donation is an eager memory saving (Dynamo cannot enter its ContextVar;
                 # under compile the graph reuses buffers itself)
-                updates, state = group["tx"].update(self._tree(group, grads), state,
-                                                    param_tree)
+                updates, state, scale = run(tx, self._tree(group, grads), state, param_tree)
             else:
                 with donating():
-                    updates, state = group["tx"].update(self._tree(group, grads), state,
-                                                        param_tree)
+                    updates, state, scale = run(tx, self._tree(group, grads), state,
+                                                param_tree)
             self._tx_states[slot] = state
             moved, deltas = _local_pairs(
                 [p for p, g in zip(params, has_grad) if g],
                 [u for u, g in zip(tree_leaves(updates), has_grad) if g])
-            if self.stochastic_rounding:
-                sr_p, sr_u, moved, deltas = _stochastic_pairs(moved, deltas)
-                for p, u in zip(sr_p, sr_u):
-                    round_stochastic_(p, p.float() + u.float(), self.generator)
-            else:
-                deltas = [u.to(p.dtype) for p, u in zip(moved, deltas)]
             if moved:
-                _foreach_add(moved, deltas, inplace=True)
+                self._write(moved, deltas, scale)
         return loss
+
+    def _write(self, params: list[torch.Tensor], deltas: list[torch.Tensor], scale: Any
+               ) -> None:
+        """``p += scale·u`` (``scale`` None: ``p += u``) in one grouped add per kind of
+        parameter, bfloat16 ones with stochastic rounding when asked."""
+        deltas, alpha = _scaled_updates(deltas, scale)
+        if self.stochastic_rounding:
+            sr_p, sr_u, params, deltas = _stochastic_pairs(params, deltas, alpha)
+            for p, u in zip(sr_p, sr_u):
+                round_stochastic_(p, p.float() + u.float(), self.generator)
+        else:
+            deltas = [u.to(p.dtype) for p, u in zip(params, deltas)]
+        if params:
+            _foreach_add(params, deltas, inplace=True, alpha=alpha)
 
     # -- inspection and checkpoints --------------------------------------------------------------
 

@@ -46,6 +46,7 @@ from ..base import (
     declare,
     require_params,
     safe_increment,
+    traits_of,
     zero_count,
 )
 from ..combine import chain
@@ -159,7 +160,9 @@ def torch_inputs(inner: GradientTransformation, name: str, *, sparse: bool = Fal
             return tree_unflatten(leaves, spec), state
         return inner.update(tree_unflatten(g, spec), state, params, **extra_args)
 
-    return GradientTransformation(init, update, combine_traits((inner,)))
+    # the updates are inner's, leaf by leaf (complex ones viewed back): its final scale too
+    return GradientTransformation(init, update, combine_traits(
+        (inner,), final_scale=traits_of(inner).final_scale))
 
 
 def _maximized(links: list, maximize: bool) -> list:
@@ -445,7 +448,8 @@ class TorchOptimizer(Optimizer):
         if params is not None and not isinstance(params, (torch.Tensor, list)):
             params = list(params)       # read once (a generator), as torch.optim does
         extra = self._factory_extras(params)
-        super().__init__(params, factory, **hyperparameters, **extra)
+        # torch writes p.add_(u, alpha=-lr): the learning rate in the write, as torch rounds
+        super().__init__(params, factory, fold_learning_rate=True, **hyperparameters, **extra)
         self.defaults = dict(defaults)
 
     def _factory_extras(self, params: Any) -> dict[str, Any]:

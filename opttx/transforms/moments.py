@@ -19,9 +19,10 @@ from .._tracing import is_tracing
 from ..base import (ELEMENTWISE, GradientTransformation, HyperRole, PRECONDITIONER, Params, Role,
                     Updates, check_init_params, declare, declare_roles, leafwise,
                     precondition_leaves, replace_state, safe_increment, zero_count)
-from ..kernels import (Scalar, cast_like, foreach, foreach_, foreach_accumulate_sq, foreach_ema,
-                       foreach_ema_sq, foreach_op_, foreach_scale_add, is_fixed_zero,
-                       mark_scratch, new_buffers)
+from ..kernels import (Scalar, cast_like, foreach, foreach_, foreach_accumulate_sq,
+                       foreach_axpy, foreach_ema, foreach_ema_sq, foreach_op_,
+                       foreach_scale_add, is_donating, is_fixed_zero, mark_scratch,
+                       new_buffers)
 from ..tree import Static, stats_like
 from .scaling import signs
 
@@ -176,7 +177,8 @@ def trace(decay: float, nesterov: bool = False,
 
     def nesterov_out(g, buf):
         if nesterov:
-            return _fresh(foreach("add", cast_like(g, buf), foreach("mul", buf, decay)), g)
+            # g + β·m in one fused add (torch's grad.add(buf, alpha=momentum))
+            return _fresh(foreach_axpy(decay, buf, cast_like(g, buf)), g)
         return cast_like(buf, g)      # aliases the state: not a temporary
 
     if not damped:
@@ -197,6 +199,14 @@ def trace(decay: float, nesterov: bool = False,
 
     def damped_step(g, state, params, extra_args):
         # the buffer is 0 before the first step, so m_1 = β·0 + 1·g_1 = g_1 exactly
+        if (not is_tracing() and state.count.device.type == "cpu"
+                and isinstance(dampening, (int, float)) and isinstance(decay, (int, float))):
+            # eager, the count read for free: torch's buf.mul_(μ).add_(g, alpha=1-τ), the
+            # gradient's factor fused into the add (one rounding)
+            keep_now = 1.0 if int(state.count) == 1 else 1 - dampening
+            buf = (foreach_ if is_donating() else foreach)("mul", state.trace, decay)
+            buf = foreach_("add", buf, cast_like(g, buf), alpha=keep_now)
+            return nesterov_out(g, buf), replace_state(state, trace=buf)
         keep = torch.where(state.count == 1, torch.ones((), dtype=torch.float64,
                                                         device=state.count.device),
                            _as_float64(1 - dampening, state.count))

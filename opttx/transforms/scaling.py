@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple
 
 import torch
 
 from .._checks import (check_gradient_leaves, check_learning_rate, check_nonnegative,
                        check_number)
-from ..base import (ELEMENTWISE, EmptyState, GradientTransformation, HyperRole, Params, Role,
+from ..base import (DEFERRED_SCALE, ELEMENTWISE, EmptyState, GradientTransformation, HyperRole, Params, Role,
                     Updates, check_init_params, declare, declare_roles, require_params,
-                    safe_increment, stateless, zero_count)
+                    safe_increment, stateless, stateless_with_extra_args, zero_count)
 from .._tracing import is_tracing
 from ..kernels import Scalar, cast_like, foreach, foreach_, foreach_axpy, foreach_scale
 from ..schedules import Schedule
@@ -39,7 +40,16 @@ def signs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return foreach_("add", s, tensors, alpha=0)
 
 
-def _scaled(updates: Updates, factor: Scalar) -> Updates:
+_FINAL_SCALE = dataclasses.replace(ELEMENTWISE, final_scale=True)
+
+
+def _scaled(updates: Updates, factor: Scalar, extra_args: dict[str, Any]) -> Updates:
+    """``factor · updates``; when the caller asks for the factor (`DEFERRED_SCALE`: it writes
+    ``x + factor·u`` in one fused add) the updates unscaled, the factor reported."""
+    sink = extra_args.get(DEFERRED_SCALE)
+    if sink is not None:
+        sink.append(factor)
+        return updates
     spec, g = flatten_matching(updates)
     # cast back: a 0-D leaf times a float64 0-dim factor (a schedule's value) promotes
     return tree_unflatten(cast_like(foreach_scale(g, factor), g), spec)
@@ -53,7 +63,9 @@ def scale(step_size: float) -> GradientTransformation:
       >>> tx = opttx.chain(opttx.scale_by_adam(), opttx.scale(-1e-3))
     """
     check_number("step_size", step_size)
-    return stateless(lambda updates, params: _scaled(updates, step_size), ELEMENTWISE)
+    return stateless_with_extra_args(
+        lambda updates, params, extra_args: _scaled(updates, step_size, extra_args),
+        _FINAL_SCALE)
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -82,13 +94,13 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
 
     def update(updates: Updates, state: ScaleByScheduleState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, ScaleByScheduleState]:
-        del params, extra_args
+        del params
         step_size = step_size_fn(state.count)
-        return (_scaled(updates, step_size),
+        return (_scaled(updates, step_size, extra_args),
                 ScaleByScheduleState(count=safe_increment(state.count),
                                      made_by=state.made_by))
 
-    return GradientTransformation(init, update, ELEMENTWISE)
+    return GradientTransformation(init, update, _FINAL_SCALE)
 
 
 @declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE})
