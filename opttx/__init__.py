@@ -25,9 +25,10 @@ from .aliases import soap
 from .backward import FusedBackward
 from .base import (ELEMENTWISE, LEAFWISE, PRECONDITIONER, EmptyState, GradientTransformation,
                    Role, Traits, apply_updates, apply_updates_, check_init_params,
-                   combine_traits, declare_optional, declare_roles, identity, leafwise,
+                   combine_traits, declare_optional, declare_roles, identity,
                    round_stochastic_, set_to_zero, state_roles, stateless,
                    stateless_with_tree_map, traits_of, update_deferring_scale, zero_count)
+from .skeleton import leafwise
 from .combine import (MaskedState, PartitionState, chain, chain_links, freeze, masked,
                       multi_transform, named_chain, partition)
 from .layout import FlatParams, FlattenState, flatten

@@ -15,7 +15,8 @@ import torch
 
 from .._checks import check_nonnegative, check_unit_interval
 from ..base import (ELEMENTWISE, GradientTransformation, HyperRole, Params, Role, Updates,
-                    check_init_params, declare, declare_roles, leafwise, replace_state, zero_count)
+                    check_init_params, declare, declare_roles, replace_state, zero_count)
+from ..skeleton import leafwise
 from ..kernels import cast_like, foreach, foreach_ema, foreach_ema_sq, foreach_op_
 from ..schedules import Schedule
 from ..tree import Static, stats_like

@@ -19,10 +19,11 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from .._checks import check_nonnegative, check_positive_int, check_unit_interval
-from ..base import (EmptyState, GradientTransformation, HyperRole, LEAFWISE, Params, REDUCER_KEY,
-                    Role, Traits, Updates, check_init_params, current_reducer, declare,
-                    declare_roles, leafwise, reduce_statistics, replace_state,
+from ..base import (EmptyState, GradientTransformation, HyperRole, LEAFWISE, Params,
+                    REDUCER_KEY, Role, Traits, Updates, check_init_params, current_reducer,
+                    declare, declare_roles, reduce_statistics, replace_state,
                     require_whole_leaves, traits_of, zero_count)
+from ..skeleton import leafwise
 from ..kernels import mark_scratch
 from ..tree import PyTree, Static, state_dtype, tree_flatten, tree_paths, tree_unflatten
 from .orthogonalize import NS_COEFFS, Method, orthogonalize

@@ -13,8 +13,9 @@ import torch
 
 from .._checks import check_nonnegative, check_positive, check_positive_int, check_unit_interval
 from ..base import (GradientTransformation, HyperRole, Params, Role, Traits, Updates,
-                    check_init_params, declare, declare_roles, leafwise, replace_state,
+                    check_init_params, declare, declare_roles, replace_state,
                     require_whole_leaves, zero_count)
+from ..skeleton import leafwise
 from ..kernels import mark_scratch
 from ..tree import Static, state_dtype, tree_flatten, tree_unflatten
 from .dion import _hash32

@@ -16,9 +16,10 @@ import torch
 
 from .._checks import check_nonnegative, check_unit_interval
 from .._tracing import is_tracing
-from ..base import (ELEMENTWISE, GradientTransformation, HyperRole, PRECONDITIONER, Params, Role,
-                    Updates, check_init_params, declare, declare_roles, leafwise,
+from ..base import (ELEMENTWISE, GradientTransformation, HyperRole, PRECONDITIONER, Params,
+                    Role, Updates, check_init_params, declare, declare_roles,
                     precondition_leaves, replace_state, safe_increment, zero_count)
+from ..skeleton import leafwise
 from ..kernels import (Scalar, cast_like, foreach, foreach_, foreach_accumulate_sq,
                        foreach_axpy, foreach_ema, foreach_ema_sq, foreach_op_,
                        foreach_scale_add, is_donating, is_fixed_zero, mark_scratch,

@@ -16,7 +16,8 @@ import torch
 
 from .._checks import check_nonnegative, check_unit_interval
 from ..base import (GradientTransformation, HyperRole, Params, Role, Traits, Updates,
-                    check_init_params, declare, declare_roles, leafwise, replace_state, zero_count)
+                    check_init_params, declare, declare_roles, replace_state, zero_count)
+from ..skeleton import leafwise
 from ..kernels import mark_scratch
 from ..tree import Static, state_dtype, tree_flatten, tree_paths, tree_unflatten
 from .orthogonalize import (MatrixAxes, Split, _check_axes_argument, _check_split_argument,
