@@ -36,6 +36,8 @@ __all__ = [
     "declaration_of",
     "declare",
     "describe_transform",
+    "describe_value",
+    "public_name",
     "step_local_transforms",
     "format_identity",
     "identity_differences",
@@ -508,8 +510,14 @@ def _rebuild(factory: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
 _LONG = 160      # a tree argument described longer than this is named by its digest
 
 
-def _describe(value: Any, values: bool) -> str:
-    """A canonical, deterministic description of an argument (the same in every process)."""
+def describe_value(value: Any, values: bool) -> str:
+    """A canonical, deterministic description of an argument (the same in every process).
+
+    Transforms are described by `describe_transform`; scalars by their ``repr``; enums,
+    dtypes and tensors by their kind (a one-element tensor by its value when ``values``);
+    lists and mappings item by item, a long tree of plain values by its digest; any other
+    callable or object by its qualified name. The declared configurations of wrappers
+    (`configuration_items`) are built from it."""
     if isinstance(value, GradientTransformation):
         return describe_transform(value, values=values)
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -524,10 +532,11 @@ def _describe(value: Any, values: bool) -> str:
         return f"tensor{tuple(value.shape)}:{value.dtype}"
     if isinstance(value, (list, tuple)):
         items = list(value)
-        text = "[" + ", ".join(_describe(v, values) for v in items) + "]"
+        text = "[" + ", ".join(describe_value(v, values) for v in items) + "]"
     elif isinstance(value, Mapping):
         items = list(value.values())
-        text = "{" + ", ".join(f"{k!r}: {_describe(v, values)}" for k, v in value.items()) + "}"
+        text = "{" + ", ".join(f"{k!r}: {describe_value(v, values)}"
+                               for k, v in value.items()) + "}"
     elif callable(value):
         name = getattr(value, "__qualname__", None) or type(value).__qualname__
         return f"<function {name}>"
@@ -540,7 +549,13 @@ def _describe(value: Any, values: bool) -> str:
     return text
 
 
-def _public_name(factory: Callable[..., Any]) -> str:
+# the old private spelling, until distributed/zero.py imports `describe_value`
+_describe = describe_value
+
+
+def public_name(factory: Callable[..., Any]) -> str:
+    """The name a factory is known by in messages and identities: its qualified name, prefixed
+    by its module unless it is defined inside ``opttx``."""
     module = getattr(factory, "__module__", "") or ""
     name = getattr(factory, "__qualname__", None) or repr(factory)
     return name if module == "opttx" or module.startswith("opttx.") else f"{module}.{name}"
@@ -562,7 +577,7 @@ class Recipe:
     @property
     def name(self) -> str:
         """The factory's name (``"adamw"``; module-qualified outside opttx)."""
-        return _public_name(self.factory)
+        return public_name(self.factory)
 
     @property
     def args(self) -> tuple:
@@ -576,7 +591,7 @@ class Recipe:
         """``(argument, description)`` of the arguments that decide what the state means:
         all but the hyperparameters and the runtime arguments."""
         skip = set(self.declaration.hyperparams) | self.declaration.runtime
-        return tuple((k, _describe(v, False)) for k, v in self.arguments.items()
+        return tuple((k, describe_value(v, False)) for k, v in self.arguments.items()
                      if k not in skip)
 
     @property
@@ -648,7 +663,7 @@ def describe_transform(tx: Any, values: bool = True) -> str:
         return "<undeclared transform>"
     if not values:
         return format_identity(recipe.identity)
-    return f"{recipe.name}(" + ", ".join(f"{k}={_describe(v, True)}"
+    return f"{recipe.name}(" + ", ".join(f"{k}={describe_value(v, True)}"
                                           for k, v in recipe.arguments.items()) + ")"
 
 
@@ -675,7 +690,7 @@ def configuration_items(tx: Any, prefix: str | None = None) -> list[tuple[str, s
             for k, v in value.items():
                 visit(f"{path}[{k!r}]", v)
         else:
-            items.append((path, _describe(value, True)))
+            items.append((path, describe_value(value, True)))
 
     for name, value in recipe.arguments.items():
         visit(f"{prefix}.{name}", value)

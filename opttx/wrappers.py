@@ -11,7 +11,7 @@ import torch
 from ._checks import check_positive_int
 from ._tracing import is_tracing
 from .base import (Declaration, GradientTransformation, HyperRole, Params, Recipe, Role, State,
-                   Updates, _describe, _public_name, check_made_by, check_state_type,
+                   Updates, describe_value, public_name, check_made_by, check_state_type,
                    combine_traits, current_reducer, declaration_of, declare, declare_roles,
                    recipe_of, reduce_across_leaves, safe_increment, step_local_transforms,
                    traits_of, zero_count)
@@ -160,7 +160,7 @@ def _call(factory: Callable[..., GradientTransformation], arguments: Mapping[str
         value = arguments[name]
         if kind == "spread":
             if gap:
-                raise TypeError(f"{_public_name(factory)}: *{name} given after a positional "
+                raise TypeError(f"{public_name(factory)}: *{name} given after a positional "
                                 "argument that was left out")
             args.extend(value)
         elif kind == "spread_keywords":
@@ -178,8 +178,8 @@ def _injected_identity(inner_factory: Callable[..., GradientTransformation],
     not injected, less the declared hyperparameters and runtime arguments)."""
     declaration = declaration_of(inner_factory)
     skip = set(declaration.hyperparams) | declaration.runtime if declaration else set()
-    config = tuple((k, _describe(v, False)) for k, v in other.items() if k not in skip)
-    return ("inject_hyperparams", (("inner", _public_name(inner_factory)),) + config)
+    config = tuple((k, describe_value(v, False)) for k, v in other.items() if k not in skip)
+    return ("inject_hyperparams", (("inner", public_name(inner_factory)),) + config)
 
 
 def _read_for_free(value: torch.Tensor) -> bool:
@@ -245,7 +245,7 @@ def injected(inner_factory: Callable[..., GradientTransformation], arguments: Ma
                params: Params | None = None, **extra_args: Any
                ) -> tuple[Updates, InjectHyperparamsState]:
         if not isinstance(state, InjectHyperparamsState):
-            raise TypeError(f"inject_hyperparams({_public_name(inner_factory)}).update got a "
+            raise TypeError(f"inject_hyperparams({public_name(inner_factory)}).update got a "
                             f"state of type {type(state).__name__}, expected "
                             "InjectHyperparamsState: pass the state made by its init.")
         check_made_by(state, made_by.value)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from .._checks import check_positive
 from .._tracing import is_tracing
-from ..base import (EmptyState, GradientTransformation, Params, Traits, Updates, _describe,
+from ..base import (EmptyState, GradientTransformation, Params, Traits, Updates, describe_value,
                     check_init_params, declare)
 from ..tree import tree_flatten, tree_leaves, tree_paths, tree_unflatten
 from .overlap import BackwardLaunches
@@ -110,7 +110,7 @@ def all_reduce_gradients(group: Any = None, bucket_size_mb: float = 25, *,
                       "gradients of the same parameters, alike.")
         checked.append(True)
 
-    settings = [(f"all_reduce_gradients.{k}", _describe(v, True)) for k, v in (
+    settings = [(f"all_reduce_gradients.{k}", describe_value(v, True)) for k, v in (
         ("bucket_size_mb", bucket_size_mb), ("communication_dtype", communication_dtype),
         ("overlap", overlap))]
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from .._tracing import is_tracing
 from ..base import (GradientTransformation, Params, REDUCER_KEY, State, Traits, Updates,
-                    _describe, configuration_items, declare, reducer_during_init)
+                    describe_value, configuration_items, declare, reducer_during_init)
 from ..tree import PyTree, tree_flatten, tree_paths
 from .owners import on_owners as _on_owners
 from .consistency import (ConsistencyCheck, StepCounters, check_replicated_leaves,
@@ -189,7 +189,7 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
         return reducer
 
     settings = configuration_items(tx) + [
-        (f"sharded.{k}", _describe(v, True)) for k, v in (
+        (f"sharded.{k}", describe_value(v, True)) for k, v in (
             ("check_sizes", check_sizes), ("check_collectives", check_collectives),
             ("on_owners", on_owners), ("split_above_mb", split_above_mb))]
 
