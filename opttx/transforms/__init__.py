@@ -1,31 +1,42 @@
-"""Pure gradient transformations, one file per family."""
+"""Pure gradient transformations, one file per family.
+
+Every name of ``__all__`` is also ``opttx.<name>``. A new module here is documented on the
+API pages without editing them (docs/_ext/transform_modules.py); its public names are
+exported by adding them below, one import and one ``__all__`` group per family.
+"""
 
 from .ademamix import ScaleByAdemamixState, scale_by_ademamix
 from .adopt import ScaleByAdoptState, scale_by_adopt
 from .cautious import cautious
 from .clipping import (ZeroNansState, clip, clip_by_block_rms, clip_by_global_norm, global_norm,
                        zero_nans)
+from .dion import (ScaleByDion2State, ScaleByDionState, dion_rank, scale_by_dion,
+                   scale_by_dion2)
 from .factored import (FactoredState, ScaleByCameState, add_step_scaled_decayed_weights,
                        clip_by_rms, clip_by_rms_and_scale_by_param_rms, factored_axes,
                        relative_step_schedule, scale_by_came, scale_by_factored_rms,
                        scale_by_param_block_rms, scale_by_trust_ratio)
+from .kron import ScaleByKronState, scale_by_kron
 from .lowrank import ProjectLowrankState, project_lowrank
+from .mars import ScaleByMarsState, scale_by_mars
 from .moments import (DampedTraceState, EmaState, ScaleByAdamState, ScaleByAdamaxState,
                       ScaleByAmsgradState, ScaleByBeliefState, ScaleByLionState,
                       ScaleByNadamState, ScaleByRadamState, ScaleByRmsState, ScaleByRssState,
                       ScaleByStddevState, TraceState, ema, scale_by_adam, scale_by_adamax,
                       scale_by_belief, scale_by_lion, scale_by_nadam, scale_by_radam,
                       scale_by_rms, scale_by_rss, scale_by_stddev, trace)
-from .orthogonalize import newton_schulz, orthogonalize, polar_factor, scale_by_shape
-from .mars import ScaleByMarsState, scale_by_mars
+from .muon_clip import MaxAttentionLogits, QKWeight, clip_qk
+from .normuon import ScaleByNeuronRmsState, scale_by_neuron_rms, scale_to_orthogonal_norm
+from .orthogonalize import (NS_COEFFS, POLAR_EXPRESS_COEFFS, gram_newton_schulz, newton_schulz,
+                            normalize_frobenius, orthogonalize, polar_factor, scale_by_shape)
 from .prodigy import ProdigyState, scale_by_prodigy
-from .schedule_free import (ScheduleFreeState, schedule_free, schedule_free_eval_params,
-                            schedule_free_train_params)
 from .quantized import (CorrectedTensor, LeafSlot, QuantizationMap, QuantizedState,
                         QuantizedTensor, StateLayout, dequantize_blockwise, dynamic_map,
                         linear_map, quantization_map, quantize_blockwise, quantize_state)
 from .scaling import (ScaleByScheduleState, add_decayed_weights, scale, scale_by_learning_rate,
                       scale_by_schedule, scale_by_sign)
+from .schedule_free import (ScheduleFreeState, schedule_free, schedule_free_eval_params,
+                            schedule_free_train_params)
 from .shampoo import (DiagonalGraftState, GraftState, ShampooState, block_by_dims, block_shapes,
                       graft, inverse_root_from_eigendecomposition, matrix_eigendecomposition,
                       matrix_inverse_root, merge_small_dims, meta_bias_correction,
@@ -35,53 +46,46 @@ from .soap import (EigenvalueCorrectedState, merge_dims_heavyball, merge_dims_so
                    precondition_eigenvalue_corrected)
 
 __all__ = [
-    "ProjectLowrankState", "project_lowrank",
-    "CorrectedTensor", "LeafSlot", "QuantizationMap", "QuantizedState", "QuantizedTensor",
-    "StateLayout", "dequantize_blockwise", "dynamic_map", "linear_map", "quantization_map",
-    "quantize_blockwise", "quantize_state",
-    "GraftState", "ShampooState", "block_by_dims", "block_shapes", "graft",
-    "matrix_inverse_root", "merge_small_dims", "precondition_shampoo",
-    "DiagonalGraftState", "meta_bias_correction", "scale_by_grafted_diagonal",
-    "pack_symmetric", "unpack_symmetric", "matrix_eigendecomposition",
-    "inverse_root_from_eigendecomposition",
-    "EigenvalueCorrectedState", "precondition_eigenvalue_corrected", "merge_dims_soap",
+    # scaling: constant factors, learning rates, schedules, weight decay, sign
+    "scale", "scale_by_learning_rate", "scale_by_schedule", "ScaleByScheduleState",
+    "add_decayed_weights", "scale_by_sign",
+    # moments: momentum, EMAs, Adam and its relatives, RMS, RSS, Lion
+    "trace", "TraceState", "DampedTraceState", "ema", "EmaState", "scale_by_adam",
+    "ScaleByAdamState", "ScaleByAmsgradState", "scale_by_adamax", "ScaleByAdamaxState",
+    "scale_by_nadam", "ScaleByNadamState", "scale_by_radam", "ScaleByRadamState",
+    "scale_by_belief", "ScaleByBeliefState", "scale_by_rms", "ScaleByRmsState",
+    "scale_by_rss", "ScaleByRssState", "scale_by_stddev", "ScaleByStddevState",
+    "scale_by_lion", "ScaleByLionState",
+    # clipping and NaN zeroing
+    "clip", "clip_by_block_rms", "clip_by_global_norm", "global_norm", "zero_nans",
+    "ZeroNansState",
+    # ADOPT, AdEMAMix, MARS, Prodigy, Schedule-Free, cautious updates
+    "scale_by_adopt", "ScaleByAdoptState", "scale_by_ademamix", "ScaleByAdemamixState",
+    "scale_by_mars", "ScaleByMarsState", "scale_by_prodigy", "ProdigyState",
+    "schedule_free", "ScheduleFreeState", "schedule_free_eval_params",
+    "schedule_free_train_params", "cautious",
+    # factored second moments and layer-wise scalings (Adafactor, CAME, LAMB, LARS)
+    "scale_by_factored_rms", "FactoredState", "factored_axes", "scale_by_came",
+    "ScaleByCameState", "clip_by_rms", "clip_by_rms_and_scale_by_param_rms",
+    "scale_by_param_block_rms", "scale_by_trust_ratio", "add_step_scaled_decayed_weights",
+    "relative_step_schedule",
+    # the Muon family: orthogonalization, NorMuon, Dion, MuonClip's QK-clip, PSGD-Kron
+    "orthogonalize", "newton_schulz", "gram_newton_schulz", "polar_factor",
+    "normalize_frobenius", "scale_by_shape", "NS_COEFFS", "POLAR_EXPRESS_COEFFS",
+    "scale_by_neuron_rms", "ScaleByNeuronRmsState", "scale_to_orthogonal_norm",
+    "scale_by_dion", "ScaleByDionState", "scale_by_dion2", "ScaleByDion2State", "dion_rank",
+    "clip_qk", "QKWeight", "MaxAttentionLogits", "scale_by_kron", "ScaleByKronState",
+    # Shampoo: blocking, preconditioning, grafting, packed factors
+    "block_by_dims", "block_shapes", "merge_small_dims", "precondition_shampoo",
+    "ShampooState", "graft", "GraftState", "scale_by_grafted_diagonal", "DiagonalGraftState",
+    "meta_bias_correction", "matrix_inverse_root", "matrix_eigendecomposition",
+    "inverse_root_from_eigendecomposition", "pack_symmetric", "unpack_symmetric",
+    # SOAP: eigenvalue-corrected Shampoo
+    "precondition_eigenvalue_corrected", "EigenvalueCorrectedState", "merge_dims_soap",
     "merge_dims_heavyball",
-    "FactoredState", "ScaleByCameState", "add_step_scaled_decayed_weights", "clip_by_rms",
-    "clip_by_rms_and_scale_by_param_rms",
-    "factored_axes", "relative_step_schedule", "scale_by_came", "scale_by_factored_rms",
-    "scale_by_param_block_rms", "scale_by_trust_ratio",
-    "EmaState", "ScaleByAdamState", "ScaleByLionState", "ScaleByNadamState", "ScaleByRmsState",
-    "ScaleByRssState", "ScaleByScheduleState", "ScaleByStddevState", "TraceState",
-    "ZeroNansState", "add_decayed_weights", "clip", "clip_by_block_rms", "clip_by_global_norm",
-    "ema", "global_norm", "scale", "scale_by_adam", "scale_by_learning_rate", "scale_by_lion",
-    "scale_by_nadam", "scale_by_rms", "scale_by_rss", "scale_by_schedule", "scale_by_sign",
-    "scale_by_stddev", "trace", "zero_nans",
-    "DampedTraceState", "ScaleByAdamaxState", "ScaleByAmsgradState", "ScaleByBeliefState",
-    "ScaleByRadamState", "scale_by_adamax", "scale_by_belief", "scale_by_radam",
-    "newton_schulz", "orthogonalize", "polar_factor", "scale_by_shape",
-    "ScaleByMarsState", "scale_by_mars",
-    "cautious",
-    "ProdigyState", "scale_by_prodigy",
-    "ScheduleFreeState", "schedule_free", "schedule_free_eval_params",
-    "schedule_free_train_params", "ScaleByAdoptState", "scale_by_adopt",
-    "ScaleByAdemamixState", "scale_by_ademamix"]
-
-# the Muon family
-from .orthogonalize import (NS_COEFFS, POLAR_EXPRESS_COEFFS, gram_newton_schulz,  # noqa: E402
-                            normalize_frobenius)
-
-__all__ += ["NS_COEFFS", "POLAR_EXPRESS_COEFFS", "gram_newton_schulz", "normalize_frobenius"]
-from .dion import (ScaleByDion2State, ScaleByDionState, dion_rank, scale_by_dion,  # noqa: E402
-                   scale_by_dion2)
-from .normuon import (ScaleByNeuronRmsState, scale_by_neuron_rms,  # noqa: E402
-                      scale_to_orthogonal_norm)
-
-__all__ += ["ScaleByDion2State", "ScaleByDionState", "dion_rank", "scale_by_dion",
-            "scale_by_dion2", "ScaleByNeuronRmsState", "scale_by_neuron_rms",
-            "scale_to_orthogonal_norm"]
-from .muon_clip import MaxAttentionLogits, QKWeight, clip_qk  # noqa: E402
-
-__all__ += ["MaxAttentionLogits", "QKWeight", "clip_qk"]
-from .kron import ScaleByKronState, scale_by_kron  # noqa: E402
-
-__all__ += ["ScaleByKronState", "scale_by_kron"]
+    # memory-lean: low-rank projections (GaLore) and compressed states
+    "project_lowrank", "ProjectLowrankState", "quantize_state", "QuantizedState",
+    "QuantizedTensor", "CorrectedTensor", "StateLayout", "LeafSlot", "QuantizationMap",
+    "quantization_map", "dynamic_map", "linear_map", "quantize_blockwise",
+    "dequantize_blockwise",
+]
