@@ -20,8 +20,9 @@ from ..base import (GradientTransformation, HyperRole, Params, Role, Traits, Upd
 from ..skeleton import leafwise
 from ..kernels import mark_scratch
 from ..tree import Static, state_dtype, tree_flatten, tree_paths, tree_unflatten
-from .orthogonalize import (MatrixAxes, Split, _check_axes_argument, _check_split_argument,
-                            _matrix_axes_of, _require_whole_matrices, _splits_of, _stateless)
+from .matrix_axes import (MatrixAxes, Split, check_axes_argument, check_split_argument,
+                          leaf_matrix_axes, leaf_row_blocks, require_whole_matrices,
+                          stateless_matrix_transform)
 
 __all__ = ["ScaleByNeuronRmsState", "scale_by_neuron_rms", "scale_to_orthogonal_norm"]
 
@@ -78,14 +79,14 @@ def scale_by_neuron_rms(b2: float = 0.95, eps: float = 1e-8,
     """
     check_unit_interval("b2", b2)
     check_nonnegative("eps", eps)
-    _check_axes_argument(matrix_axes, "scale_by_neuron_rms")
-    _check_split_argument(split, "scale_by_neuron_rms")
+    check_axes_argument(matrix_axes, "scale_by_neuron_rms")
+    check_split_argument(split, "scale_by_neuron_rms")
 
     def init(params: Params) -> ScaleByNeuronRmsState:
         check_init_params(params)
         leaves, spec = tree_flatten(params)
-        axes = _matrix_axes_of(params, matrix_axes, "scale_by_neuron_rms")
-        _splits_of(params, split, axes, "scale_by_neuron_rms")
+        axes = leaf_matrix_axes(params, matrix_axes, "scale_by_neuron_rms")
+        leaf_row_blocks(params, split, axes, "scale_by_neuron_rms")
         nu = [x if ax is None else torch.zeros(_row_stat_shape(x.shape, ax), device=x.device,
                                                dtype=state_dtype(x, state_dtype_))
               for x, ax in zip(leaves, axes)]
@@ -94,9 +95,9 @@ def scale_by_neuron_rms(b2: float = 0.95, eps: float = 1e-8,
     def step(g, state, params, extra_args):
         spec = extra_args["_spec"]
         updates = tree_unflatten(g, spec)
-        axes = _matrix_axes_of(updates, matrix_axes, "scale_by_neuron_rms")
-        _require_whole_matrices(updates, extra_args, axes, "scale_by_neuron_rms")
-        splits = _splits_of(updates, split, axes, "scale_by_neuron_rms")
+        axes = leaf_matrix_axes(updates, matrix_axes, "scale_by_neuron_rms")
+        require_whole_matrices(updates, extra_args, axes, "scale_by_neuron_rms")
+        splits = leaf_row_blocks(updates, split, axes, "scale_by_neuron_rms")
         nus = tree_flatten(state.nu)[0]
         paths = tree_paths(updates)
         if len(nus) != len(g):
@@ -167,7 +168,7 @@ def scale_to_orthogonal_norm(eps: float = 1e-10, matrix_axes: MatrixAxes = (-2, 
       Si, Zhang and Shen, AdaMuon: Adaptive Muon Optimizer (arXiv 2507.11005).
     """
     check_nonnegative("eps", eps)
-    _check_axes_argument(matrix_axes, "scale_to_orthogonal_norm")
+    check_axes_argument(matrix_axes, "scale_to_orthogonal_norm")
 
     def fn(leaves: list[torch.Tensor], axes: list, splits: list, shapes: list
            ) -> list[torch.Tensor]:
@@ -180,4 +181,4 @@ def scale_to_orthogonal_norm(eps: float = 1e-10, matrix_axes: MatrixAxes = (-2, 
         mark_scratch([out[i] for i, ax in enumerate(axes) if ax is not None])
         return out
 
-    return _stateless("scale_to_orthogonal_norm", fn, matrix_axes, None)
+    return stateless_matrix_transform("scale_to_orthogonal_norm", fn, matrix_axes, None)

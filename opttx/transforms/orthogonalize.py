@@ -18,17 +18,16 @@ the rest.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 
-from .._checks import check_nonnegative, check_positive, check_positive_int, matrix_axes_of
-from ..base import (REDUCER_KEY, EmptyState, GradientTransformation, Params, Traits,
-                    Updates, check_init_params, declare)
+from .._checks import check_nonnegative, check_positive, check_positive_int
+from ..base import GradientTransformation, declare
 from ..kernels import foreach, mark_scratch
-from ..tree import PyTree, leaf_labels, tree_flatten, tree_paths, tree_unflatten
+from .matrix_axes import (MatrixAxes, Split, check_axes_argument, check_split_argument,
+                          stateless_matrix_transform)
 
 __all__ = [
     "NS_COEFFS",
@@ -64,183 +63,12 @@ POLAR_EXPRESS_SAFETY = 1.02
 
 Method = Literal["newton_schulz", "polar_express", "gram_newton_schulz", "svd"]
 _METHODS = ("newton_schulz", "polar_express", "gram_newton_schulz", "svd")
-MatrixAxes = tuple[int, int] | PyTree | Callable[[Params], PyTree]
 Coefficients = tuple[float, float, float] | Sequence[tuple[float, float, float]]
-Split = int | tuple[int, ...] | PyTree | Callable[[Params], PyTree] | None
-
-_WHOLE_MATRICES = Traits(per_leaf=True, whole_leaves=True)
 
 
 # ---------------------------------------------------------------------------------------------
-# static layout
+# static layout (the matrix axes, row splits and checks: `opttx.transforms.matrix_axes`)
 # ---------------------------------------------------------------------------------------------
-
-
-def _is_axes(x: Any) -> bool:
-    return isinstance(x, tuple) and len(x) == 2 and all(isinstance(a, int) for a in x)
-
-
-def _is_split(x: Any) -> bool:
-    """A split of one leaf: None, a number of equal row blocks, or the row sizes."""
-    return x is None or (isinstance(x, int) and not isinstance(x, bool)) or (
-        isinstance(x, tuple) and len(x) > 0 and all(isinstance(a, int) and not
-                                                    isinstance(a, bool) for a in x))
-
-
-def _check_axes_argument(matrix_axes: MatrixAxes, name: str) -> None:
-    if isinstance(matrix_axes, tuple) and not _is_axes(matrix_axes) and \
-            all(isinstance(a, int) for a in matrix_axes):
-        raise ValueError(f"{name}: matrix_axes must be a pair of axes such as (-2, -1), got "
-                         f"{matrix_axes!r}.")
-
-
-def _check_split_argument(split: Split, name: str) -> None:
-    if isinstance(split, bool):
-        raise ValueError(f"{name}: split must be a number of row blocks, a tuple of row sizes, "
-                         f"a tree of those or None, got {split!r}.")
-    if isinstance(split, int) and split < 1:
-        raise ValueError(f"{name}: split must be >= 1 row blocks, got {split}.")
-    if isinstance(split, tuple) and all(isinstance(a, int) for a in split) and (
-            not split or any(a < 1 for a in split)):
-        raise ValueError(f"{name}: split sizes must be positive row counts, got {split!r}.")
-
-
-def _matrix_axes_of(tree: PyTree, matrix_axes: MatrixAxes, name: str
-                    ) -> list[tuple[int, int] | None]:
-    """The (row, column) axes of every leaf of ``tree``, non-negative (None: leave the leaf
-    unchanged, only where ``matrix_axes`` is given per leaf). Static: from shapes only."""
-    leaves = tree_flatten(tree)[0]
-    per_leaf = not _is_axes(matrix_axes)
-    axes_of = (leaf_labels(matrix_axes, tree, "matrix_axes", is_leaf=_is_axes) if per_leaf
-               else [matrix_axes] * len(leaves))
-    out: list[tuple[int, int] | None] = []
-    for i, (x, axes) in enumerate(zip(leaves, axes_of)):
-        if axes is None and per_leaf:
-            out.append(None)
-            continue
-        if x.dim() < 2:
-            raise ValueError(
-                f"{name}: updates{tree_paths(tree)[i]} has {x.dim()} dim(s), but it works on "
-                "matrices (2 or more dims; more are a batch of matrices over matrix_axes). "
-                "Route vectors and scalars to another transform: opttx.muon sends them to "
-                "AdamW; otherwise use opttx.masked(..., lambda p: opttx.tree.tree_map("
-                "lambda x: x.ndim >= 2, p)) or opttx.partition.")
-        if not _is_axes(axes):
-            raise ValueError(f"{name}: matrix_axes for updates{tree_paths(tree)[i]} is "
-                             f"{axes!r}; give a pair of axes such as (-2, -1), or None to leave "
-                             "the leaf unchanged.")
-        out.append(matrix_axes_of(axes, x.shape, f"{name}, updates{tree_paths(tree)[i]}"))
-    return out
-
-
-def _row_blocks(split: Any, rows: int, where: str) -> tuple[int, ...] | None:
-    """The row sizes of the blocks of a matrix of ``rows`` rows (None: the whole matrix)."""
-    if split is None or split == 1:
-        return None
-    if isinstance(split, int):
-        if rows % split:
-            raise ValueError(f"{where}: split={split} row blocks do not divide the "
-                             f"{rows} rows of its matrices.")
-        return (rows // split,) * split
-    if sum(split) != rows:
-        raise ValueError(f"{where}: split sizes {split} add up to {sum(split)}, but its "
-                         f"matrices have {rows} rows.")
-    return tuple(split)
-
-
-def _splits_of(tree: PyTree, split: Split, axes: list, name: str) -> list:
-    """The row blocks of every leaf (None: whole matrices). Static."""
-    leaves = tree_flatten(tree)[0]
-    per_leaf = not _is_split(split)
-    values = (leaf_labels(split, tree, "split", is_leaf=_is_split) if per_leaf
-              else [split] * len(leaves))
-    out = []
-    for i, (x, ax, s) in enumerate(zip(leaves, axes, values)):
-        if ax is None or s is None:
-            out.append(None)
-            continue
-        if not _is_split(s):
-            raise ValueError(f"{name}: split for updates{tree_paths(tree)[i]} is {s!r}; give "
-                             "a number of row blocks, a tuple of row sizes, or None.")
-        _check_split_argument(s, name)
-        out.append(_row_blocks(s, x.shape[ax[0]], f"{name}, updates{tree_paths(tree)[i]}"))
-    return out
-
-
-def _require_whole_matrices(updates: PyTree, extra_args: dict[str, Any], axes: list,
-                            name: str) -> None:
-    """Raise when a leaf is sharded over one of its matrix axes (`sharded` without
-    ``on_owners``). A leaf sharded over other axes only (the expert axis of an expert stack)
-    holds whole matrices, each orthogonalized where it is."""
-    reducer = extra_args.get(REDUCER_KEY)
-    check = getattr(reducer, "require_whole", None)
-    if check is None:
-        return
-    specs = getattr(reducer, "flat_specs", None)
-    treespec = getattr(reducer, "treespec", None)
-    if specs is None or treespec is None:
-        check(updates, name)
-        return
-    try:
-        flat = treespec.flatten_up_to(updates)
-    except (ValueError, TypeError):
-        return
-    present = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
-    for i, ax in zip(present, axes):
-        x = flat[i]
-        if ax is None:
-            continue
-        if any(s.dim % x.dim() in ax for s in specs[i]):
-            raise ValueError(
-                f"{name} needs whole matrices, but leaf {i} is sharded over one of its matrix "
-                f"axes {ax} here ({specs[i]}); orthogonalizing the local block would be "
-                "another optimizer. Run it on owner ranks: opttx.distributed.sharded(tx, "
-                "specs, on_owners=True), or shard such leaves over a batch axis (experts).")
-
-
-def _global_shapes(updates: PyTree, extra_args: dict[str, Any]) -> list[tuple[int, ...]]:
-    """The whole shapes of the leaves present in ``updates`` (local shapes on one device)."""
-    reducer = extra_args.get(REDUCER_KEY)
-    known = getattr(reducer, "global_shapes_of", lambda tree: None)(updates)
-    if known is not None:
-        return [tuple(s) for s in known]
-    return [tuple(x.shape) for x in tree_flatten(updates)[0]]
-
-
-def _stateless(name: str, fn: Callable[..., list[torch.Tensor]], matrix_axes: MatrixAxes,
-               split: Split, whole: bool = True, batched: bool = False
-               ) -> GradientTransformation:
-    """A stateless matrix transform from ``fn(leaves, axes, splits, shapes) -> leaves``
-    (``shapes``: the whole shapes of the leaves); the leaves are checked (dims, axes, splits)
-    at init and at every update (while tracing, in a compiled step). ``whole``: it needs
-    whole matrices (refused on leaves sharded over a matrix axis); else it runs on local
-    shards, reading the whole shapes (row blocks of a ``split`` still need whole rows)."""
-
-    def init(params: Params) -> EmptyState:
-        check_init_params(params)
-        axes = _matrix_axes_of(params, matrix_axes, name)
-        _splits_of(params, split, axes, name)
-        return EmptyState()
-
-    def update(updates: Updates, state: EmptyState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, EmptyState]:
-        leaves, spec = tree_flatten(updates)
-        if not leaves:
-            return updates, state
-        axes = _matrix_axes_of(updates, matrix_axes, name)
-        splits = _splits_of(updates, split, axes, name)
-        if whole:
-            _require_whole_matrices(updates, extra_args, axes, name)
-        elif any(b is not None for b in splits):
-            _require_whole_matrices(updates, extra_args,
-                                    [ax if b is not None else None
-                                     for ax, b in zip(axes, splits)], name)
-        shapes = _global_shapes(updates, extra_args)
-        return tree_unflatten(fn(leaves, axes, splits, shapes), spec), state
-
-    traits = _WHOLE_MATRICES if whole else Traits(per_leaf=True)
-    return GradientTransformation(init, update,
-                                  dataclasses.replace(traits, batched_across_leaves=batched))
 
 
 def _to_last_two(x: torch.Tensor, axes: tuple[int, int]) -> torch.Tensor:
@@ -588,8 +416,8 @@ def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: f
                                      and ns_dtype.is_floating_point):
         raise ValueError(f"ns_dtype must be a floating-point torch.dtype or None, got "
                          f"{ns_dtype!r}.")
-    _check_axes_argument(matrix_axes, "orthogonalize")
-    _check_split_argument(split, "orthogonalize")
+    check_axes_argument(matrix_axes, "orthogonalize")
+    check_split_argument(split, "orthogonalize")
 
     def run(batch: torch.Tensor) -> torch.Tensor:
         """Orthogonalize a 3-D batch (or one 2-D matrix)."""
@@ -630,7 +458,7 @@ def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: f
         mark_scratch([out[i] for i in pieces])   # fresh tensors
         return out
 
-    return _stateless("orthogonalize", fn, matrix_axes, split, batched=batched)
+    return stateless_matrix_transform("orthogonalize", fn, matrix_axes, split, batched=batched)
 # ---------------------------------------------------------------------------------------------
 # shape scaling
 # ---------------------------------------------------------------------------------------------
@@ -704,8 +532,8 @@ def scale_by_shape(consistent_rms: float | None = None,
         check_nonnegative("consistent_rms", consistent_rms)
     if convention not in ("muon", "spectral"):
         raise ValueError(f"convention must be 'muon' or 'spectral', got {convention!r}.")
-    _check_axes_argument(matrix_axes, "scale_by_shape")
-    _check_split_argument(split, "scale_by_shape")
+    check_axes_argument(matrix_axes, "scale_by_shape")
+    check_split_argument(split, "scale_by_shape")
     static = consistent_rms is None or isinstance(consistent_rms, (int, float))
     rms = consistent_rms if static else 1.0      # an injected tensor multiplies afterwards
 
@@ -742,4 +570,4 @@ def scale_by_shape(consistent_rms: float | None = None,
             out[i] = y
         return out
 
-    return _stateless("scale_by_shape", fn, matrix_axes, split, whole=False)
+    return stateless_matrix_transform("scale_by_shape", fn, matrix_axes, split, whole=False)
