@@ -26,6 +26,7 @@ from ..base import (EmptyState, GradientTransformation, HyperRole, LEAFWISE, Par
 from ..skeleton import leafwise
 from ..kernels import mark_scratch
 from ..tree import PyTree, Static, state_dtype, tree_flatten, tree_paths, tree_unflatten
+from .counter_hash import hash32
 from .orthogonalize import NS_COEFFS, Method, orthogonalize
 
 __all__ = ["ScaleByDionState", "ScaleByDion2State", "dion_rank", "scale_by_dion",
@@ -56,24 +57,6 @@ def dion_rank(rows: int, cols: int, rank_fraction: float, rank_multiple_of: int 
     return max(1, min(r, rows, cols))
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x * c mod 2**32`` for int64 ``x`` below 2^32 and a 32-bit ``c``, in 16-bit halves of
-    ``c`` so that no product leaves int64's range."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & 0xFFFFFFFF
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32) of int64 tensors, computed below 2^32 (no
-    product overflows)."""
-    x = x & 0xFFFFFFFF
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
 def _initial_q(start: int, rows: int, r: int, seed: int, dtype: torch.dtype,
                device: torch.device) -> torch.Tensor:
     """Rows ``start:start + rows`` of a leaf's starting right factor: standard normal numbers
@@ -84,10 +67,10 @@ def _initial_q(start: int, rows: int, r: int, seed: int, dtype: torch.dtype,
     i = torch.arange(start, start + rows, dtype=torch.int64, device=device).unsqueeze(-1)
     j = torch.arange(r, dtype=torch.int64, device=device)
     k = 2 * (i * r + j)
-    key = int(_hash32(torch.tensor(seed & 0xFFFFFFFF)))
+    key = int(hash32(torch.tensor(seed & 0xFFFFFFFF)))
 
     def uniform(n: torch.Tensor) -> torch.Tensor:
-        h = _hash32(_hash32(n ^ key) + (n >> 32))
+        h = hash32(hash32(n ^ key) + (n >> 32))
         return (h.double() + 0.5) / 2.0**32
 
     u1, u2 = uniform(k), uniform(k + 1)
@@ -183,26 +166,12 @@ def scale_by_dion(rank_fraction: float = 1.0, mu: float = 0.95, eps: float = 1e-
     check_positive_int("power_iters", power_iters)
     check_positive_int("rank_multiple_of", rank_multiple_of)
 
-    def shapes_of(tree: PyTree, reducer: Any) -> list[tuple[int, ...]]:
-        leaves = tree_flatten(tree)[0]
-        known = reducer.global_shapes_of(tree) if reducer is not None and hasattr(
-            reducer, "global_shapes_of") else None
-        return [tuple(s) for s in known] if known is not None else [tuple(x.shape)
-                                                                    for x in leaves]
-
-    def check_matrices(tree: PyTree) -> None:
-        for x, path in zip(tree_flatten(tree)[0], tree_paths(tree)):
-            if x.dim() != 2:
-                raise ValueError(f"scale_by_dion: params{path} has {x.dim()} dim(s); Dion "
-                                 "works on 2-D matrices. Route other leaves elsewhere "
-                                 "(opttx.dion sends them to AdamW).")
-
     def init(params: Params) -> ScaleByDionState:
         check_init_params(params)
-        check_matrices(params)
+        _check_matrices(params)
         reducer = current_reducer()
         leaves, spec = tree_flatten(params)
-        shapes = shapes_of(params, reducer)
+        shapes = _shapes_of(params, reducer)
         offsets = (reducer.local_offsets(params) if reducer is not None
                    and hasattr(reducer, "local_offsets") else [{}] * len(leaves))
         qs = []
@@ -216,60 +185,9 @@ def scale_by_dion(rank_fraction: float = 1.0, mu: float = 0.95, eps: float = 1e-
                                 q=tree_unflatten(qs, spec))
 
     def step(g, state, params, extra_args):
-        spec = extra_args["_dion_spec"]
-        updates = tree_unflatten(g, spec)
-        check_matrices(updates)
-        shapes = shapes_of(updates, extra_args.get(REDUCER_KEY))
-        lays = [_layout(s, rank_fraction, rank_multiple_of) for s in shapes]
-        qs = tree_flatten(state.q)[0]
-        n = len(g)
-
-        def reduce(trees: list[list], dims: list[list]) -> list[list]:
-            out = reduce_statistics(tuple(tree_unflatten(t, spec) for t in trees), extra_args,
-                                    dims=tuple(tree_unflatten(d, spec) for d in dims))
-            return [tree_flatten(t)[0] for t in out]
-
-        M = [m + u.to(m.dtype) for m, u in zip(state.momentum, g)]
-        B = [m.mT if lay.transposed else m for m, lay in zip(M, lays)]
-        work = [torch.float64 if m.dtype == torch.float64 else torch.float32 for m in M]
-        rows = [(lay.row_dim,) for lay in lays]
-        cols = [(lay.col_dim,) for lay in lays]
-        rows_of_b = [s[lay.row_dim] for s, lay in zip(shapes, lays)]
-        Q0 = [q.to(m.dtype) for q, m in zip(qs, M)]
-        Q = Q0
-        for it in range(power_iters):
-            if it == 0:     # (a) B Q, with sum |M| (is M all zero?): one hook call
-                P, absum = reduce([[b @ q for b, q in zip(B, Q)], [m.abs().sum() for m in M]],
-                                  [cols, [None] * n])
-            else:
-                P = reduce([[b @ q for b, q in zip(B, Q)]], [cols])[0]
-            P = [p.to(w) for p, w in zip(P, work)]
-            for k in range(3):       # shifted Cholesky QR, three passes
-                grams = reduce([[p.mT @ p for p in P]], [rows])[0]
-                P = [_cholesky_pass(p, gram, k == 0, mb) for p, gram, mb in
-                     zip(P, grams, rows_of_b)]
-            P = [p.to(m.dtype) for p, m in zip(P, M)]
-            Q = reduce([[b.mT @ p for b, p in zip(B, P)]], [rows])[0]
-        R = Q
-        # an all-zero M (whose Cholesky passes divide by zero) gives P = 0 and keeps Q; a
-        # non-finite M is not zero and its NaN reaches the update (the dion package's
-        # fix_all_zero_or_nan also zeroes NaN factors, which hides a NaN gradient for good)
-        zero = [s == 0 for s in absum]
-        P = [torch.where(z, 0.0, p) for p, z in zip(P, zero)]
-        R = [torch.where(z, q, r) for r, q, z in zip(R, Q0, zero)]
-        # error feedback, in M's orientation
-        M = [m - (1 - mu) * ((r @ p.mT) if lay.transposed else (p @ r.mT))
-             for m, p, r, lay in zip(M, P, R, lays)]
-        # column-normalized R: the new Q (sums of squares over B's columns: one hook call)
-        Rw = [r.to(w) for r, w in zip(R, work)]
-        sq = reduce([[(r * r).sum(dim=0) for r in Rw]], [cols])[0]
-        Qn = [(r / (s.sqrt() + eps)).to(m.dtype) for r, s, m in zip(Rw, sq, M)]
-        out = [((q @ p.mT) if lay.transposed else (p @ q.mT)).to(u.dtype)
-               for p, q, lay, u in zip(P, Qn, lays, g)]
-        mark_scratch(out)
-        new_q = [q.to(old.dtype) for q, old in zip(Qn, qs)]
-        return out, replace_state(state, momentum=M,
-                                  q=tree_unflatten(new_q, tree_flatten(state.q)[1]))
+        return _dion_step(g, state, extra_args, rank_fraction=rank_fraction,
+                          rank_multiple_of=rank_multiple_of, power_iters=power_iters, mu=mu,
+                          eps=eps)
 
     inner = leafwise(ScaleByDionState, step)
 
@@ -278,6 +196,85 @@ def scale_by_dion(rank_fraction: float = 1.0, mu: float = 0.95, eps: float = 1e-
         return inner(updates, state, params, **extra_args, _dion_spec=tree_flatten(updates)[1])
 
     return GradientTransformation(init, update, LEAFWISE)
+
+
+def _shapes_of(tree: PyTree, reducer: Any) -> list[tuple[int, ...]]:
+    """The whole shapes of the leaves of ``tree`` (local shapes without a sharded reducer)."""
+    leaves = tree_flatten(tree)[0]
+    known = reducer.global_shapes_of(tree) if reducer is not None and hasattr(
+        reducer, "global_shapes_of") else None
+    return [tuple(s) for s in known] if known is not None else [tuple(x.shape)
+                                                                for x in leaves]
+
+
+def _check_matrices(tree: PyTree) -> None:
+    """Refuse a leaf that is not a 2-D matrix, naming it."""
+    for x, path in zip(tree_flatten(tree)[0], tree_paths(tree)):
+        if x.dim() != 2:
+            raise ValueError(f"scale_by_dion: params{path} has {x.dim()} dim(s); Dion "
+                             "works on 2-D matrices. Route other leaves elsewhere "
+                             "(opttx.dion sends them to AdamW).")
+
+
+def _dion_step(g: list[torch.Tensor], state: ScaleByDionState, extra_args: dict[str, Any], *,
+               rank_fraction: float, rank_multiple_of: int, power_iters: int, mu: Any,
+               eps: float) -> tuple[list[torch.Tensor], ScaleByDionState]:
+    """One step of `scale_by_dion` on the flat leaves ``g`` (its ``leafwise`` step): the power
+    iteration with its reductions through the hook, error feedback, the new right factor."""
+    spec = extra_args["_dion_spec"]
+    updates = tree_unflatten(g, spec)
+    _check_matrices(updates)
+    shapes = _shapes_of(updates, extra_args.get(REDUCER_KEY))
+    lays = [_layout(s, rank_fraction, rank_multiple_of) for s in shapes]
+    qs = tree_flatten(state.q)[0]
+    n = len(g)
+
+    def reduce(trees: list[list], dims: list[list]) -> list[list]:
+        out = reduce_statistics(tuple(tree_unflatten(t, spec) for t in trees), extra_args,
+                                dims=tuple(tree_unflatten(d, spec) for d in dims))
+        return [tree_flatten(t)[0] for t in out]
+
+    M = [m + u.to(m.dtype) for m, u in zip(state.momentum, g)]
+    B = [m.mT if lay.transposed else m for m, lay in zip(M, lays)]
+    work = [torch.float64 if m.dtype == torch.float64 else torch.float32 for m in M]
+    rows = [(lay.row_dim,) for lay in lays]
+    cols = [(lay.col_dim,) for lay in lays]
+    rows_of_b = [s[lay.row_dim] for s, lay in zip(shapes, lays)]
+    Q0 = [q.to(m.dtype) for q, m in zip(qs, M)]
+    Q = Q0
+    for it in range(power_iters):
+        if it == 0:     # (a) B Q, with sum |M| (is M all zero?): one hook call
+            P, absum = reduce([[b @ q for b, q in zip(B, Q)], [m.abs().sum() for m in M]],
+                              [cols, [None] * n])
+        else:
+            P = reduce([[b @ q for b, q in zip(B, Q)]], [cols])[0]
+        P = [p.to(w) for p, w in zip(P, work)]
+        for k in range(3):       # shifted Cholesky QR, three passes
+            grams = reduce([[p.mT @ p for p in P]], [rows])[0]
+            P = [_cholesky_pass(p, gram, k == 0, mb) for p, gram, mb in
+                 zip(P, grams, rows_of_b)]
+        P = [p.to(m.dtype) for p, m in zip(P, M)]
+        Q = reduce([[b.mT @ p for b, p in zip(B, P)]], [rows])[0]
+    R = Q
+    # an all-zero M (whose Cholesky passes divide by zero) gives P = 0 and keeps Q; a
+    # non-finite M is not zero and its NaN reaches the update (the dion package's
+    # fix_all_zero_or_nan also zeroes NaN factors, which hides a NaN gradient for good)
+    zero = [s == 0 for s in absum]
+    P = [torch.where(z, 0.0, p) for p, z in zip(P, zero)]
+    R = [torch.where(z, q, r) for r, q, z in zip(R, Q0, zero)]
+    # error feedback, in M's orientation
+    M = [m - (1 - mu) * ((r @ p.mT) if lay.transposed else (p @ r.mT))
+         for m, p, r, lay in zip(M, P, R, lays)]
+    # column-normalized R: the new Q (sums of squares over B's columns: one hook call)
+    Rw = [r.to(w) for r, w in zip(R, work)]
+    sq = reduce([[(r * r).sum(dim=0) for r in Rw]], [cols])[0]
+    Qn = [(r / (s.sqrt() + eps)).to(m.dtype) for r, s, m in zip(Rw, sq, M)]
+    out = [((q @ p.mT) if lay.transposed else (p @ q.mT)).to(u.dtype)
+           for p, q, lay, u in zip(P, Qn, lays, g)]
+    mark_scratch(out)
+    new_q = [q.to(old.dtype) for q, old in zip(Qn, qs)]
+    return out, replace_state(state, momentum=M,
+                              q=tree_unflatten(new_q, tree_flatten(state.q)[1]))
 
 
 def _cholesky_pass(p: torch.Tensor, gram: torch.Tensor, first: bool, rows: int

@@ -18,7 +18,7 @@ from ..base import (GradientTransformation, HyperRole, Params, Role, Traits, Upd
 from ..skeleton import leafwise
 from ..kernels import mark_scratch
 from ..tree import Static, state_dtype, tree_flatten, tree_unflatten
-from .dion import _hash32
+from .counter_hash import hash32
 
 __all__ = ["ScaleByKronState", "kron_merged_shape", "kron_noise", "scale_by_kron"]
 
@@ -62,8 +62,8 @@ def kron_noise(shape: tuple[int, ...], seed: int, step: torch.Tensor | int,
     tag = seed
     for d in shape:
         tag = (tag * 1_000_003 + d + 1) & 0xFFFFFFFF
-    key = _hash32(_hash32(torch.tensor(tag, device=device)) + step)
-    h = _hash32(_hash32(e ^ key) + (e >> 32))
+    key = hash32(hash32(torch.tensor(tag, device=device)) + step)
+    h = hash32(hash32(e ^ key) + (e >> 32))
     u = (h.double() + 0.5) / 2.0**32
     u1, u2 = u[0::2], u[1::2]
     z = (-2 * u1.log()).sqrt() * torch.cos(2 * math.pi * u2)
@@ -225,14 +225,8 @@ def scale_by_kron(b1: float = 0.9, preconditioner_update_probability: float |
         qs = []
         for x in leaves:
             shape, diag = layout(x)
-            dtype = precond_dtype or torch.float32
-            if not shape:
-                qs.append((torch.full((), precond_init_scale, dtype=dtype, device=x.device),))
-                continue
-            s = precond_init_scale ** (1 / len(shape))
-            qs.append(tuple(s * (torch.ones(n, dtype=dtype, device=x.device) if d else
-                                 torch.eye(n, dtype=dtype, device=x.device))
-                            for n, d in zip(shape, diag)))
+            qs.append(_initial_factors(shape, diag, precond_dtype or torch.float32,
+                                       precond_init_scale, x.device))
         mu = [torch.zeros_like(x, dtype=state_dtype(x, mu_dtype)) for x in leaves]
         zero = zero_count(params)
         return ScaleByKronState(count=zero, mu=tree_unflatten(mu, spec),
@@ -254,71 +248,16 @@ def scale_by_kron(b1: float = 0.9, preconditioner_update_probability: float |
             k += n
         out, new_mu, new_q = [], [], []
         for i, (u, m, q) in enumerate(zip(g, state.mu, qs)):
-            shape = layout(u)[0]
             m = b1 * m + (1 - b1) * u.to(m.dtype)
             new_mu.append(m)
             if u.numel() == 0:      # an empty leaf: an empty update, its factors kept
                 out.append(torch.zeros_like(u))
                 new_q.extend(q)
                 continue
-            dtype = q[0].dtype
-            debiased = (m / (1 - b1 ** count.to(torch.float64)).to(m.dtype)).to(dtype)
-            gm = debiased.reshape(shape)
-            raw = u.to(dtype).reshape(shape)
-            q = list(q)
-            if balance is not None and len(shape) > 1:
-                norms = torch.stack([f.abs().amax() for f in q])
-                factors = norms.log().mean().exp() / norms
-                q = [torch.where(balance, f * c, f) for f, c in zip(q, factors)]
-            # the preconditioner update, on the momentum (or gradient) plus its probe noise
-            v = kron_noise(shape, seed, count, dtype, u.device)
-            fit = gm if momentum_into_precond_update else raw
-            eps = math.sqrt(torch.finfo(torch.float32).eps)
-            noisy = fit + eps * fit.abs().mean() * v
-            a = noisy
-            for d, f in enumerate(q):
-                a = _mode_product(a, f, d) if shape else a * f
-            b = v
-            for d, f in enumerate(q):
-                if f.dim() < 2:
-                    b = _mode_product(b, 1 / f, d) if shape else b / f
-                else:       # Q^{-T} along d: solve Q^T y = x, i.e. y^T Q = x^T
-                    bm = torch.movedim(b, d, -1)
-                    bm = torch.linalg.solve_triangular(f, bm.reshape(-1, bm.shape[-1]),
-                                                       upper=True, left=False)
-                    b = torch.movedim(bm.reshape(torch.movedim(b, d, -1).shape), -1, d)
-            tiny = torch.finfo(dtype).tiny
-            fitted = []
-            for d, f in enumerate(q):
-                diagonal = f.dim() < 2
-                if shape:
-                    ga, gb = _gram(a, d, diagonal), _gram(b, d, diagonal)
-                else:
-                    ga, gb = a * a, b * b
-                t1, t2 = (ga - gb) * precond_lr, ga + gb
-                norm = t2.abs().amax()
-                if diagonal:
-                    f_new = f - t1 * f / norm.clamp(min=tiny)
-                else:
-                    bound = torch.where(norm > 0, _lower_bound(t2, norm), norm).clamp(min=tiny)
-                    f_new = f - (torch.triu(t1) / bound) @ f
-                fitted.append(torch.where(do_update, f_new, f))
-            q = fitted
-            # precondition the momentum (with the probe noise on an updating step)
-            if momentum_into_precond_update:
-                x = torch.where(do_update, noisy, gm)
-            else:
-                x = gm
-            for d, f in enumerate(q):
-                if not shape:
-                    x = x * f * f
-                elif f.dim() < 2:
-                    x = _mode_product(x, f * f, d)
-                else:
-                    x = _mode_product(x, f.mT @ f, d)
-            rms = x.square().mean().sqrt()
-            x = x * torch.clamp(1.1 / (rms + 1e-12), max=1.0)
-            out.append(x.reshape(u.shape).to(u.dtype))
+            x, q = _kron_leaf(u, m, q, layout(u)[0], count, do_update, balance, b1=b1,
+                              seed=seed, momentum_into_precond_update=momentum_into_precond_update,
+                              precond_lr=precond_lr)
+            out.append(x)
             new_q.extend(q)
         mark_scratch(out)
         since = torch.where(do_update, torch.zeros_like(since), since)
@@ -334,3 +273,103 @@ def scale_by_kron(b1: float = 0.9, preconditioner_update_probability: float |
 
     # whole leaves: its factors span whole dims (under opttx.distributed: on_owners)
     return GradientTransformation(init, update, Traits(per_leaf=True, whole_leaves=True))
+
+
+def _initial_factors(shape: tuple[int, ...], diag: list[bool], dtype: torch.dtype,
+                     precond_init_scale: float, device: torch.device) -> tuple:
+    """One leaf's starting factors: ``precond_init_scale``:math:`^{1/n}` times the identity
+    (a vector of ones for a diagonal factor), one factor of the whole scale for a scalar."""
+    if not shape:
+        return (torch.full((), precond_init_scale, dtype=dtype, device=device),)
+    s = precond_init_scale ** (1 / len(shape))
+    return tuple(s * (torch.ones(n, dtype=dtype, device=device) if d else
+                      torch.eye(n, dtype=dtype, device=device))
+                 for n, d in zip(shape, diag))
+
+
+def _kron_leaf(u: torch.Tensor, m: torch.Tensor, q: list, shape: tuple[int, ...],
+               count: torch.Tensor, do_update: torch.Tensor, balance: torch.Tensor | None, *,
+               b1: float, seed: int, momentum_into_precond_update: bool, precond_lr: float
+               ) -> tuple[torch.Tensor, list]:
+    """One non-empty leaf's step of `scale_by_kron`, after its momentum ``m``: the factors
+    balanced and fitted (kept where ``do_update`` is false), and the clipped preconditioned
+    momentum. Returns the update (in ``u``'s shape and dtype) and the factors."""
+    dtype = q[0].dtype
+    debiased = (m / (1 - b1 ** count.to(torch.float64)).to(m.dtype)).to(dtype)
+    gm = debiased.reshape(shape)
+    raw = u.to(dtype).reshape(shape)
+    q = list(q)
+    if balance is not None and len(shape) > 1:
+        q = _balanced(q, balance)
+    # the preconditioner update, on the momentum (or gradient) plus its probe noise
+    v = kron_noise(shape, seed, count, dtype, u.device)
+    fit = gm if momentum_into_precond_update else raw
+    eps = math.sqrt(torch.finfo(torch.float32).eps)
+    noisy = fit + eps * fit.abs().mean() * v
+    a, b = _probe_products(noisy, v, q, shape)
+    q = _fitted_factors(a, b, q, shape, do_update, precond_lr)
+    # precondition the momentum (with the probe noise on an updating step)
+    if momentum_into_precond_update:
+        x = torch.where(do_update, noisy, gm)
+    else:
+        x = gm
+    for d, f in enumerate(q):
+        if not shape:
+            x = x * f * f
+        elif f.dim() < 2:
+            x = _mode_product(x, f * f, d)
+        else:
+            x = _mode_product(x, f.mT @ f, d)
+    rms = x.square().mean().sqrt()
+    x = x * torch.clamp(1.1 / (rms + 1e-12), max=1.0)
+    return x.reshape(u.shape).to(u.dtype), q
+
+
+def _balanced(q: list, balance: torch.Tensor) -> list:
+    """The factors rescaled to the geometric mean of their max-norms where ``balance``."""
+    norms = torch.stack([f.abs().amax() for f in q])
+    factors = norms.log().mean().exp() / norms
+    return [torch.where(balance, f * c, f) for f, c in zip(q, factors)]
+
+
+def _probe_products(noisy: torch.Tensor, v: torch.Tensor, q: list, shape: tuple[int, ...]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    r""":math:`A = G \prod_i \times_i Q_i` of the noisy momentum and
+    :math:`B = V \prod_i \times_i Q_i^{-\top}` of the probe."""
+    a = noisy
+    for d, f in enumerate(q):
+        a = _mode_product(a, f, d) if shape else a * f
+    b = v
+    for d, f in enumerate(q):
+        if f.dim() < 2:
+            b = _mode_product(b, 1 / f, d) if shape else b / f
+        else:       # Q^{-T} along d: solve Q^T y = x, i.e. y^T Q = x^T
+            bm = torch.movedim(b, d, -1)
+            bm = torch.linalg.solve_triangular(f, bm.reshape(-1, bm.shape[-1]),
+                                               upper=True, left=False)
+            b = torch.movedim(bm.reshape(torch.movedim(b, d, -1).shape), -1, d)
+    return a, b
+
+
+def _fitted_factors(a: torch.Tensor, b: torch.Tensor, q: list, shape: tuple[int, ...],
+                    do_update: torch.Tensor, precond_lr: float) -> list:
+    """Every factor after one step of Li's PSGD rule on :math:`A` and :math:`B` (triangular
+    or diagonal), where ``do_update``; the factor as it was elsewhere."""
+    dtype = q[0].dtype
+    tiny = torch.finfo(dtype).tiny
+    fitted = []
+    for d, f in enumerate(q):
+        diagonal = f.dim() < 2
+        if shape:
+            ga, gb = _gram(a, d, diagonal), _gram(b, d, diagonal)
+        else:
+            ga, gb = a * a, b * b
+        t1, t2 = (ga - gb) * precond_lr, ga + gb
+        norm = t2.abs().amax()
+        if diagonal:
+            f_new = f - t1 * f / norm.clamp(min=tiny)
+        else:
+            bound = torch.where(norm > 0, _lower_bound(t2, norm), norm).clamp(min=tiny)
+            f_new = f - (torch.triu(t1) / bound) @ f
+        fitted.append(torch.where(do_update, f_new, f))
+    return fitted
