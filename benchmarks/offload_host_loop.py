@@ -72,14 +72,14 @@ def adamw_into(g, p, m, v, c1, c2, u):
 
 
 def one_tensor(steps: int, n: int = 96_000_000) -> None:
-    from opttx.distributed.offload import _host_compile_options
+    from opttx.distributed.host_step import host_compile_options
     g, p, m, v, c1, c2 = tensors = adamw_tensors(n)
     u = torch.empty(n)
     rows = {name: (torch.compile(fn, fullgraph=True, dynamic=True, options=options), args)
             for name, fn, options, args in [
                 ("updates into a buffer", adamw_into, None, (*tensors, u)),
                 ("parameters in place", adamw_in_place, None, tensors),
-                ("in place, FMAs", adamw_in_place, _host_compile_options(), tensors)]}
+                ("in place, FMAs", adamw_in_place, host_compile_options(), tensors)]}
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     dp = torch.nn.Parameter(p.clone())
     dp.grad = g
@@ -157,13 +157,13 @@ def guards(steps: int) -> None:
 
 
 def calls(steps: int, n: int = 96_000_000, pieces: int = 12) -> None:
-    from opttx.distributed.offload import _host_compile_options
+    from opttx.distributed.host_step import host_compile_options
     g, p, m, v, c1, c2 = adamw_tensors(n)
 
     def all_pieces(parts, c1, c2):
         for part in parts:
             adamw_in_place(*part, c1, c2)
-    options = _host_compile_options()
+    options = host_compile_options()
     one = torch.compile(adamw_in_place, fullgraph=True, dynamic=True, options=options)
     many = torch.compile(all_pieces, fullgraph=True, dynamic=True,
                          options={**options, "cpp.max_horizontal_fusion_size": 1})

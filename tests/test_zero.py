@@ -600,7 +600,7 @@ def test_a_parameter_outside_every_chunk_is_an_error() -> None:
     """A plan that leaves a parameter out (or packs it twice) is rejected, never skipped."""
     import dataclasses
 
-    from opttx.distributed.zero import _check_cover
+    from opttx.distributed.chunk_plan import check_cover
     plan = zero_plan({"a": torch.empty(3), "b": torch.empty(4)}, 2, 1.0)
     chunk = plan.chunks[0]
     j = chunk.leaves.index(1)
@@ -608,9 +608,9 @@ def test_a_parameter_outside_every_chunk_is_an_error() -> None:
     dropped = dataclasses.replace(chunk, **{f: tuple(getattr(chunk, f)[k] for k in keep)
                                             for f in ("leaves", "owners", "offsets", "sizes")})
     with pytest.raises(ValueError, match=r"\['b'\] is not covered by any chunk"):
-        _check_cover(dataclasses.replace(plan, chunks=(dropped,)))
+        check_cover(dataclasses.replace(plan, chunks=(dropped,)))
     with pytest.raises(ValueError, match="is in 2 chunks"):
-        _check_cover(dataclasses.replace(plan, chunks=(chunk, chunk)))
+        check_cover(dataclasses.replace(plan, chunks=(chunk, chunk)))
 
 
 def test_plan_and_zero_validate_arguments() -> None:
