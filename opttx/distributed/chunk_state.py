@@ -204,14 +204,14 @@ class ChunkStates:
                         c.numel, dtype=c.dtype),))
                 except Exception as e:  # noqa: BLE001 - named in the refusal
                     raise self.mismatch(f"its init fails on one flat vector: "
-                                         f"{type(e).__name__}: {e}") from e
+                                        f"{type(e).__name__}: {e}") from e
                 tkeys, tleaves, tspec = keyed_positions(template, (flat,), [True])
             else:
                 chunk_tree = self.chunk_tree(k, [self.meta_leaf(i) for i in c.leaves])
                 template = init_on_meta(self.tx, chunk_tree, lambda: self.chunk_tree(
                     k, [torch.empty(self.shapes[i], dtype=self.dtypes[i]) for i in c.leaves]))
                 tkeys, tleaves, tspec = keyed_positions(template, self.meta_tree,
-                                                         [i in mine for i in range(n)])
+                                                        [i in mine for i in range(n)])
             take, flat_take, shared = [], [], []
             for key, (pos, *_) in tkeys.items():
                 if key[0] == "shared":
@@ -235,7 +235,7 @@ class ChunkStates:
                         if tuple(s_leaves[j].shape) != self.shapes[i] \
                                 or tuple(tleaves[pos].shape) != (c.numel,):
                             raise self.mismatch(f"{paths[i]}'s {key[2]!r} is not shaped like "
-                                                 "the parameter")
+                                                "the parameter")
                         parts.append(j)
                         covered.add(whole)
                     flat_take.append((pos, parts))
@@ -248,12 +248,15 @@ class ChunkStates:
         missing = [k for k in keys if k not in covered]
         if missing:
             raise self.mismatch(f"entry {missing[0][-1]!r} of {missing[0][1]} is in no "
-                                 "chunk's state")
+                                "chunk's state")
 
     def meta_leaf(self, i: int) -> torch.Tensor:
+        """Leaf ``i`` as an empty meta tensor (its shape and dtype, nothing allocated)."""
         return torch.empty(self.shapes[i], dtype=self.dtypes[i], device="meta")
 
     def mismatch(self, what: str) -> ValueError:
+        """The error refusing a transform whose state over one chunk does not match its
+        state over all parameters (``what``: where they differ)."""
         hint = (" With layout='flat' the chain must keep a state laid out like the "
                 "parameters (element-wise), whatever their shapes; use layout='leaves'."
                 if self.layout == "flat" else "")
@@ -284,8 +287,8 @@ class ChunkStates:
 
     def scatter_flat(self, k: int, chunk_leaves: list[Any], s_leaves: list[Any]) -> None:
         """Write views of chunk ``k``'s flat state tensors into the whole state's leaves. A
-        buffer that is the one `scatter_flat`'s record recorded for its place (a step that wrote it in place)
-        gets the same view objects back, so the next `chunk_state` finds it without looking
+        buffer that is the one recorded for its place (a step that wrote it in place) gets
+        the same view objects back, so the next `chunk_state` finds it without looking
         at the views' storage."""
         c = self.plan.chunks[k]
         for pos, parts in self.maps[k].flat:
@@ -317,7 +320,7 @@ class ChunkStates:
                     ) -> Any:
         """Chunk ``k``'s state: its tensors of the whole state (the flat layout's as one flat
         view each), and the shared ones (``shared``: copies already on its side)."""
-        m, c = self.maps[k], self.plan.chunks[k]
+        m = self.maps[k]
         leaves = list(m.template)
         for pos, j in m.take:
             leaves[pos] = s_leaves[j]

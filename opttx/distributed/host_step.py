@@ -228,7 +228,7 @@ class HostSteps:
         """`_in_place` of several host chunks (one compiled call); the shared tensors as in
         `_master_updates`."""
         write_shared_once(items, [self._in_place(grads, state, params, extra, out, shared)
-                                   for grads, state, params, out, shared, _ in items])
+                                  for grads, state, params, out, shared, _ in items])
 
     def master_step(self, k: int, grads: PyTree, state: Any, p_leaves: list[torch.Tensor],
                     extra: dict[str, Any], into: torch.Tensor | None = None,
@@ -261,7 +261,7 @@ class HostSteps:
         if into is None and not is_donating():
             # functional: the state given keeps its master; the new one is a new buffer
             into = self.masters.buffers[k] = self.masters.new(k, zeros=False)
-        self.transfers.await_sent(k)                   # the last step's values have left the buffers
+        self.transfers.await_sent(k)          # the last step's values have left the buffers
         params = self.states.as_chunk(k, master)
         target = None if into is None else self.states.as_chunk(k, into)
         cast = self.transfers.buffer(k, "values", c.dtype) if master.dtype != c.dtype else None

@@ -236,9 +236,9 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
 
     def make() -> Offloader:
         return Offloader(core, fraction, layout=layout, compile=compile,
-                          budget_mb=device_budget_mb, memory_probe=memory_probe,
-                          where="offload", stats=stats, overlap=overlap, delayed=delayed,
-                          master_params=master_params, host_group_mb=host_group_mb)
+                         budget_mb=device_budget_mb, memory_probe=memory_probe,
+                         where="offload", stats=stats, overlap=overlap, delayed=delayed,
+                         master_params=master_params, host_group_mb=host_group_mb)
 
     resolved: list[Offloader] = []
 

@@ -155,7 +155,7 @@ def place_chunks(state_bytes: Sequence[int], fraction: float | None = None,
 
 
 def chunks_of(leaves: list[torch.Tensor], members: Sequence[Sequence[int]],
-               costs: Sequence[float] | None) -> list[OffloadChunk]:
+              costs: Sequence[float] | None) -> list[OffloadChunk]:
     """Chunks (all on the device) of the given member lists."""
     out = []
     for m in members:
@@ -172,7 +172,7 @@ def chunks_of(leaves: list[torch.Tensor], members: Sequence[Sequence[int]],
 
 
 def check_host_group_mb(host_group_mb: float | None, compile: bool, delayed: bool,
-                         where: str, name: str = "host_group_mb") -> None:
+                        where: str, name: str = "host_group_mb") -> None:
     """``host_group_mb`` groups compiled host steps: positive, with ``compile``, not with
     ``delayed`` (each delayed step is a job of its own)."""
     if host_group_mb is None:

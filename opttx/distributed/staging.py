@@ -91,6 +91,7 @@ class Transfers:
         return buf
 
     def cuda_streams(self) -> tuple[Any, Any]:
+        """The two side streams: copies to the host, copies back to the device."""
         if self._streams is None:
             self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
         return self._streams
@@ -141,8 +142,8 @@ class Transfers:
         event, shared, grads, *rest = staged
         if event is not None:
             event.synchronize()
-        return (self.states.as_chunk(k, grads), (self.states.as_chunk(k, rest[0]) if rest else None),
-                shared)
+        params = self.states.as_chunk(k, rest[0]) if rest else None
+        return self.states.as_chunk(k, grads), params, shared
 
     def send(self, k: int, u: PyTree) -> PyTree:
         """Host chunk ``k``'s updates on the device: on CUDA through its pinned buffer (the
