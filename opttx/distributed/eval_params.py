@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ..base import Params
 from ..kernels import cast_like, foreach
-from ..transforms.schedule_free import _check_like_z, _the_state
+from ..transforms.schedule_free import check_params_like_z, the_schedule_free_state
 from ..tree import MaskedNode, PyTree, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = ["schedule_free_eval_params"]
@@ -48,7 +48,7 @@ def schedule_free_eval_params(state: PyTree, params: Params, group: Any = None) 
       >>> x = opttx.distributed.schedule_free_eval_params(state, params)   # on every rank
     """
     name = "opttx.distributed.schedule_free_eval_params"
-    sf = _the_state(state, name)
+    sf = the_schedule_free_state(state, name)
     is_masked = lambda x: isinstance(x, MaskedNode)  # noqa: E731
     z_all, _ = tree_flatten(sf.z, is_leaf=is_masked)
     y, spec = tree_flatten(params)
@@ -78,7 +78,7 @@ def schedule_free_eval_params(state: PyTree, params: Params, group: Any = None) 
                              "the group it runs on).")
         owners.append(holders[0])
     own = [i for i, m in enumerate(mine) if m]
-    _check_like_z([y[i] for i in own], [z_all[i] for i in own],
+    check_params_like_z([y[i] for i in own], [z_all[i] for i in own],
                   tree_unflatten([y[i] if m else MaskedNode() for i, m in enumerate(mine)],
                                  spec), name)
     # the owners' leaves, computed as the single-device function computes them

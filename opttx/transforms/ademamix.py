@@ -20,7 +20,7 @@ from ..skeleton import leafwise
 from ..kernels import cast_like, foreach, foreach_ema, foreach_ema_sq, foreach_op_
 from ..schedules import Schedule
 from ..tree import Static, stats_like
-from .moments import _divide, _fresh, debias_factor
+from .common import divide_consuming, fresh_updates, debias_factor
 
 __all__ = ["ScaleByAdemamixState", "scale_by_ademamix"]
 
@@ -114,7 +114,7 @@ def scale_by_ademamix(b1: float = 0.9, b2: float = 0.999,
             denom = foreach_op_("sqrt", foreach_op_("add", foreach("div", nu, bc2), eps_root))
         denom = foreach_op_("add", denom, eps)
         num = foreach_op_("add", foreach("div", m1, bc1), foreach("mul", m2, alpha_t))
-        out = _divide(cast_like(num, nu), denom)
-        return _fresh(out, g), replace_state(state, m1=m1, m2=m2, nu=nu)
+        out = divide_consuming(cast_like(num, nu), denom)
+        return fresh_updates(out, g), replace_state(state, m1=m1, m2=m2, nu=nu)
 
     return GradientTransformation(init, leafwise(ScaleByAdemamixState, step), ELEMENTWISE)

@@ -19,7 +19,7 @@ from ..base import (ELEMENTWISE, GradientTransformation, HyperRole, Params, Role
 from ..skeleton import leafwise
 from ..kernels import cast_like, foreach, foreach_ema, foreach_ema_sq, foreach_op_
 from ..tree import Static, stats_like
-from .moments import _as_float64, _divide, _fresh
+from .common import as_float64, divide_consuming, fresh_updates
 
 __all__ = ["ScaleByAdoptState", "scale_by_adopt"]
 
@@ -106,11 +106,11 @@ def scale_by_adopt(b1: float = 0.9, b2: float = 0.9999, eps: float = 1e-6,
         # state.count already counts this step: 1 on the first
         first = state.count == 1
         one = torch.ones((), dtype=torch.float64, device=state.count.device)
-        b1_t = torch.where(first, one, _as_float64(b1, state.count))       # m stays 0
-        b2_t = torch.where(first, one - 1, _as_float64(b2, state.count))   # v_1 = g_1^2
+        b1_t = torch.where(first, one, as_float64(b1, state.count))       # m stays 0
+        b2_t = torch.where(first, one - 1, as_float64(b2, state.count))   # v_1 = g_1^2
         gs = cast_like(g, state.nu)
         # g / max(sqrt(v_{t-1}), eps), before v is updated (in place when donating)
-        normed = _divide(gs, foreach_op_("maximum", foreach("sqrt", state.nu), eps))
+        normed = divide_consuming(gs, foreach_op_("maximum", foreach("sqrt", state.nu), eps))
         if use_clipping:
             bound = clip_value_fn(state.count - 1) if callable(clip_value_fn) \
                 else clip_value_fn
@@ -118,7 +118,7 @@ def scale_by_adopt(b1: float = 0.9, b2: float = 0.9999, eps: float = 1e-6,
         nu = foreach_ema_sq(state.nu, gs, b2_t)
         mu = foreach_ema(state.mu, normed, b1_t)
         if nesterov:
-            out = _fresh(foreach("lerp", cast_like(normed, mu), mu, b1_t), g)
+            out = fresh_updates(foreach("lerp", cast_like(normed, mu), mu, b1_t), g)
         else:
             out = cast_like(mu, g)      # aliases the state: not a temporary
         return out, replace_state(state, mu=mu, nu=nu)

@@ -28,7 +28,7 @@ from ..kernels import mark_scratch
 from ..tree import (MaskedNode, PyTree, Static, flatten_matching, leaf_labels, mask_leaves,
                     tree_cond, tree_flatten, tree_leaves, tree_paths, tree_structure,
                     tree_unflatten)
-from .quantized import _Field, _walk
+from .quantized import StateField, walk_state
 
 __all__ = [
     "ProjectLowrankState",
@@ -237,15 +237,15 @@ class _Slot:
     squared: bool      # a second moment (rotated with the squared change of basis)
 
 
-def _stats_walk(fn: Callable[[Any, _Field], Any], inner_state: State, spec: Any) -> State:
+def _stats_walk(fn: Callable[[Any, StateField], Any], inner_state: State, spec: Any) -> State:
     """Rebuild ``inner_state`` with ``fn(tree, where)`` at every sub-tree with the structure
     of the updates (a statistics tree: ``mu``, ``nu``, ``trace``, ...); ``where`` names the
     enclosing NamedTuple field and its declared role."""
-    return _walk(lambda node, _, where: fn(node, where) if tree_structure(node) == spec
+    return walk_state(lambda node, _, where: fn(node, where) if tree_structure(node) == spec
                  else node, inner_state, is_leaf=lambda node: tree_structure(node) == spec)
 
 
-def _check_rotatable(where: _Field, i: int, leaf: torch.Tensor, plan: _Plan) -> None:
+def _check_rotatable(where: StateField, i: int, leaf: torch.Tensor, plan: _Plan) -> None:
     """Refuse a statistic of projected leaf ``i`` that re-projection cannot rotate."""
     if where.role is Role.FACTORED_MOMENT and leaf.numel() > 0:
         raise ValueError(
@@ -276,7 +276,7 @@ def _moment_slots(inner_state: State, spec: Any, plans: Sequence[_Plan | None]
     slots: list[_Slot] = []
     count = [0]
 
-    def visit(tree: Any, where: _Field) -> Any:
+    def visit(tree: Any, where: StateField) -> Any:
         n, count[0] = count[0], count[0] + 1
         for i, (plan, leaf) in enumerate(zip(plans, tree_leaves(tree))):
             if plan is None or not isinstance(leaf, torch.Tensor):
@@ -306,7 +306,7 @@ def _with_moments(inner_state: State, spec: Any, slots: list[_Slot],
         by_item.setdefault(s.item, {})[s.leaf] = m
     count = [0]
 
-    def replace(tree: Any, _: _Field) -> Any:
+    def replace(tree: Any, _: StateField) -> Any:
         n, count[0] = count[0], count[0] + 1
         if n not in by_item:
             return tree

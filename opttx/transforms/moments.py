@@ -22,9 +22,10 @@ from ..base import (ELEMENTWISE, GradientTransformation, HyperRole, PRECONDITION
 from ..skeleton import leafwise
 from ..kernels import (Scalar, cast_like, foreach, foreach_, foreach_accumulate_sq,
                        foreach_axpy, foreach_ema, foreach_ema_sq, foreach_op_,
-                       foreach_scale_add, is_donating, is_fixed_zero, mark_scratch,
-                       new_buffers)
+                       foreach_scale_add, is_donating, is_fixed_zero, new_buffers)
 from ..tree import Static, stats_like
+from .common import (as_float64, debias_factor, divide_consuming, float64_power,
+                     fresh_updates)
 from .scaling import signs
 
 __all__ = [
@@ -62,20 +63,6 @@ def _float64(count: torch.Tensor) -> torch.Tensor:
     return count.to(torch.float64)
 
 
-def _pow(base: Scalar, exponent: torch.Tensor) -> torch.Tensor:
-    """``base ** exponent`` as a float64 0-dim tensor (``base`` a number or 0-dim tensor)."""
-    if isinstance(base, torch.Tensor):
-        base = base.to(torch.float64)
-    return torch.pow(base, exponent)
-
-
-def _as_float64(value: Scalar, like: torch.Tensor) -> torch.Tensor:
-    """``value`` (a number or 0-dim tensor) as a float64 0-dim tensor on ``like``'s device."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device=like.device, dtype=torch.float64)
-    return torch.tensor(value, dtype=torch.float64, device=like.device)
-
-
 def _check_adam_args(b1: float, b2: float, eps: float, eps_root: float = 0.0) -> None:
     """The checks every Adam-like transform makes of its decays and epsilons."""
     check_unit_interval("b1", b1)
@@ -95,30 +82,8 @@ def _moments_init(state_type: type) -> Any:
     return init
 
 
-def debias_factor(decay: Scalar, count: torch.Tensor) -> torch.Tensor:
-    """``1 − decay^count`` in float64 (``count`` the 1-based step)."""
-    return 1 - _pow(decay, _float64(count))
-
-
 def _div_by(tensors: list[torch.Tensor], divisor: Scalar) -> list[torch.Tensor]:
     return foreach("div", tensors, divisor)
-
-
-def _divide(numerators: list[torch.Tensor], denominators: list[torch.Tensor]
-            ) -> list[torch.Tensor]:
-    """``numerators / denominators``, overwriting the denominators (temporaries the caller
-    owns). In eager mode as ``reciprocal_`` then ``mul_``: one more pass but no new
-    parameter-sized allocation, which on CPU costs more than a pass in page faults."""
-    if is_tracing():
-        return foreach("div", numerators, denominators)
-    foreach_("reciprocal", denominators)
-    return foreach_("mul", denominators, numerators)
-
-
-def _fresh(out: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """New update tensors, cast to the gradients' dtypes and registered as temporaries that
-    later links of the chain may overwrite (see `opttx.kernels.mark_scratch`)."""
-    return mark_scratch(cast_like(out, like))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,7 +144,7 @@ def trace(decay: float, nesterov: bool = False,
     def nesterov_out(g, buf):
         if nesterov:
             # g + β·m in one fused add (torch's grad.add(buf, alpha=momentum))
-            return _fresh(foreach_axpy(decay, buf, cast_like(g, buf)), g)
+            return fresh_updates(foreach_axpy(decay, buf, cast_like(g, buf)), g)
         return cast_like(buf, g)      # aliases the state: not a temporary
 
     if not damped:
@@ -210,7 +175,7 @@ def trace(decay: float, nesterov: bool = False,
             return nesterov_out(g, buf), replace_state(state, trace=buf)
         keep = torch.where(state.count == 1, torch.ones((), dtype=torch.float64,
                                                         device=state.count.device),
-                           _as_float64(1 - dampening, state.count))
+                           as_float64(1 - dampening, state.count))
         buf = foreach_scale_add(state.trace, decay,
                                 foreach("mul", cast_like(g, state.trace), keep))
         return nesterov_out(g, buf), replace_state(state, trace=buf)
@@ -261,11 +226,11 @@ def ema(decay: float, debias: bool = True,
     def step(g, state, params, extra_args):
         avg = foreach_ema(state.ema, g, decay)
         if nesterov and debias:
-            out = _fresh(_nesterov_or_debiased(avg, g, decay, state.count, True), g)
+            out = fresh_updates(_nesterov_or_debiased(avg, g, decay, state.count, True), g)
         elif nesterov:
-            out = _fresh(foreach("lerp", cast_like(g, avg), avg, decay), g)
+            out = fresh_updates(foreach("lerp", cast_like(g, avg), avg, decay), g)
         elif debias:
-            out = _fresh(_div_by(avg, debias_factor(decay, state.count)), g)
+            out = fresh_updates(_div_by(avg, debias_factor(decay, state.count)), g)
         else:
             out = cast_like(avg, g)
         return out, replace_state(state, ema=avg)
@@ -380,7 +345,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
             # m̂ / (sqrt(v̂) + eps) == m / (sqrt(v) · bc1/sqrt(bc2) + eps · bc1): four passes.
             denom = foreach_op_("mul", foreach("sqrt", nu_max), bc1 / torch.sqrt(bc2))
             denom = foreach_op_("add", denom, eps * bc1)
-            out = _divide(cast_like(mu, nu), denom)
+            out = divide_consuming(cast_like(mu, nu), denom)
         else:
             if nesterov:
                 c_mu = b1 / (debias_factor(b1, safe_increment(state.count))
@@ -391,8 +356,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
                 mu_hat = _div_by(mu, bc1)
             denom = foreach_op_("add", _div_by(nu_max, bc2), eps_root)
             denom = foreach_op_("add", foreach_op_("sqrt", denom), eps)
-            out = _divide(cast_like(mu_hat, nu), denom)
-        return _fresh(out, g), new_state
+            out = divide_consuming(cast_like(mu_hat, nu), denom)
+        return fresh_updates(out, g), new_state
 
     return GradientTransformation(init, leafwise(state_type, step), ELEMENTWISE)
 
@@ -457,7 +422,7 @@ def scale_by_nadam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         grad_part = foreach("mul", cast_like(g, nu), (1 - mu_t) / (1 - mu_product))
         mom_part = foreach("mul", cast_like(mu, nu), mu_next / (1 - mu_product * mu_next))
         out = foreach("div", foreach("add", grad_part, mom_part), denom)
-        return _fresh(out, g), replace_state(state, mu_product=mu_product, mu=mu, nu=nu)
+        return fresh_updates(out, g), replace_state(state, mu_product=mu_product, mu=mu, nu=nu)
 
     return GradientTransformation(init, leafwise(ScaleByNadamState, step), ELEMENTWISE)
 
@@ -541,7 +506,7 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         nu = foreach_ema_sq(state.nu, g, b2)
         t = _float64(state.count)
         b2_64 = b2.to(torch.float64) if isinstance(b2, torch.Tensor) else b2
-        b2t = _pow(b2_64, t)
+        b2t = float64_power(b2_64, t)
         bc2 = 1 - b2t
         rho_inf = 2 / (1 - b2_64) - 1
         rho = rho_inf - 2 * t * b2t / bc2
@@ -558,9 +523,9 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
             denom = foreach_op_("add", _div_by(nu, bc2), eps_root)
             denom = foreach_op_("add", foreach_op_("sqrt", denom), eps)
             adaptive = foreach("mul", cast_like(mu_hat, nu), rect)
-        adaptive = _divide(adaptive, denom)
+        adaptive = divide_consuming(adaptive, denom)
         out = [torch.where(tractable, a, m.to(a.dtype)) for a, m in zip(adaptive, mu_hat)]
-        return _fresh(out, g), replace_state(state, mu=mu, nu=nu)
+        return fresh_updates(out, g), replace_state(state, mu=mu, nu=nu)
 
     return GradientTransformation(init, leafwise(ScaleByRadamState, step), ELEMENTWISE)
 
@@ -611,7 +576,7 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999,
         nu = new_buffers(state.nu, foreach("maximum", foreach("mul", state.nu, b2),
                                            magnitude))
         out = _div_by(foreach("div", cast_like(mu, nu), nu), debias_factor(b1, state.count))
-        return _fresh(out, g), replace_state(state, mu=mu, nu=nu)
+        return fresh_updates(out, g), replace_state(state, mu=mu, nu=nu)
 
     return GradientTransformation(init, leafwise(ScaleByAdamaxState, step), ELEMENTWISE)
 
@@ -670,8 +635,8 @@ def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16,
         mu_hat = _nesterov_or_debiased(mu, g, b1, state.count, nesterov)
         denom = foreach_op_("sqrt", _div_by(nu, debias_factor(b2, state.count)))
         denom = foreach_op_("add", denom, eps)
-        out = _divide(cast_like(mu_hat, nu), denom)
-        return _fresh(out, g), replace_state(state, mu=mu, nu=nu)
+        out = divide_consuming(cast_like(mu_hat, nu), denom)
+        return fresh_updates(out, g), replace_state(state, mu=mu, nu=nu)
 
     return GradientTransformation(init, leafwise(ScaleByBeliefState, step), ELEMENTWISE)
 
@@ -688,7 +653,7 @@ def _divide_by_root(g: list[torch.Tensor], stat: list[torch.Tensor], eps: Scalar
         denom = foreach_op_("sqrt", foreach("add", stat, eps))
     else:
         denom = foreach_op_("add", foreach("sqrt", stat), eps)
-    return _divide(cast_like(g, stat), denom)
+    return divide_consuming(cast_like(g, stat), denom)
 
 
 class ScaleByRmsState(NamedTuple):
@@ -739,7 +704,7 @@ def scale_by_rms(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0
         nu = foreach_ema_sq(state.nu, g, decay)
         nu_hat = _div_by(nu, debias_factor(decay, state.count)) if bias_correction else nu
         out = _divide_by_root(precondition_leaves(g, extra_args), nu_hat, eps, eps_in_sqrt)
-        return _fresh(out, g), replace_state(state, nu=nu)
+        return fresh_updates(out, g), replace_state(state, nu=nu)
 
     return GradientTransformation(init, leafwise(ScaleByRmsState, step), PRECONDITIONER)
 
@@ -788,7 +753,7 @@ def scale_by_stddev(decay: float = 0.9, eps: float = 1e-8, initial_scale: float 
             mu_hat, nu_hat = mu, nu
         variance = foreach("sub", nu_hat, foreach("mul", mu_hat, mu_hat))
         out = _divide_by_root(g, variance, eps, eps_in_sqrt)
-        return _fresh(out, g), replace_state(state, mu=mu, nu=nu)
+        return fresh_updates(out, g), replace_state(state, mu=mu, nu=nu)
 
     return GradientTransformation(init, leafwise(ScaleByStddevState, step), ELEMENTWISE)
 
@@ -828,7 +793,7 @@ def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7,
         out = _divide_by_root(precondition_leaves(g, extra_args), sos, eps, eps_in_sqrt)
         if not (isinstance(eps, (int, float)) and eps > 0):
             out = [torch.where(s > 0, u, torch.zeros_like(u)) for s, u in zip(sos, out)]
-        return _fresh(out, g), replace_state(state, sum_of_squares=sos)
+        return fresh_updates(out, g), replace_state(state, sum_of_squares=sos)
 
     return GradientTransformation(init, leafwise(ScaleByRssState, step), PRECONDITIONER)
 
@@ -873,6 +838,6 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99,
     def step(g, state, params, extra_args):
         g_mu = cast_like(g, state.mu)
         direction = signs(foreach("lerp", state.mu, g_mu, 1 - b1))   # non-finite: NaN
-        return _fresh(direction, g), replace_state(state, mu=foreach_ema(state.mu, g_mu, b2))
+        return fresh_updates(direction, g), replace_state(state, mu=foreach_ema(state.mu, g_mu, b2))
 
     return GradientTransformation(init, leafwise(ScaleByLionState, step), ELEMENTWISE)

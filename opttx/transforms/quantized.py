@@ -63,7 +63,7 @@ def _is_namedtuple(node: Any) -> bool:
     return isinstance(node, tuple) and hasattr(node, "_fields")
 
 
-class _Field(NamedTuple):
+class StateField(NamedTuple):
     """Where a tensor sits in an inner state: the nearest enclosing NamedTuple field, its
     declared role (None: none), and whether that NamedTuple declares roles at all."""
     owner: str            # the NamedTuple's class name ("" above any NamedTuple)
@@ -72,35 +72,36 @@ class _Field(NamedTuple):
     declared: bool        # the owner has ``__roles__`` (False also above any NamedTuple)
 
 
-_TOP = _Field(owner="", name="", role=None, declared=False)
+_TOP = StateField(owner="", name="", role=None, declared=False)
 
 
-def _walk(fn: Callable[..., Any], node: Any, other: Any = None, where: _Field = _TOP,
-          is_leaf: Callable[[Any], bool] | None = None) -> Any:
+def walk_state(fn: Callable[..., Any], node: Any, other: Any = None,
+               where: StateField = _TOP, is_leaf: Callable[[Any], bool] | None = None) -> Any:
     """Rebuild ``node`` (a state tree of NamedTuples, tuples, lists and dicts) with
     ``fn(leaf, other_leaf, where)`` at every tensor and compressed statistic
     (`QuantizedTensor`, `CorrectedTensor`), and every node where ``is_leaf`` holds; ``other``
-    is a tree of the same structure walked alongside (or None). ``where`` (a `_Field`) names
-    the nearest enclosing NamedTuple field; a field with a declared role passes it to
-    everything below. `project_lowrank` walks its inner state so."""
+    is a tree of the same structure walked alongside (or None). ``where`` (a `StateField`)
+    names the nearest enclosing NamedTuple field; a field with a declared role passes it to
+    everything below. `quantize_state` and `project_lowrank` walk their inner state so."""
     if isinstance(node, (torch.Tensor, *STORED)) or (is_leaf is not None and is_leaf(node)):
         return fn(node, other, where)
     if _is_namedtuple(node):
-        def child_field(field: str) -> _Field:
+        def child_field(field: str) -> StateField:
             if where.role is not None:
                 return where
             roles = getattr(type(node), "__roles__", None)
-            return _Field(owner=type(node).__name__, name=field,
-                          role=None if roles is None else state_roles(node).get(field),
-                          declared=roles is not None)
-        return type(node)(*(_walk(fn, child, None if other is None else other[j],
-                                  child_field(field), is_leaf)
+            return StateField(owner=type(node).__name__, name=field,
+                              role=None if roles is None else state_roles(node).get(field),
+                              declared=roles is not None)
+        return type(node)(*(walk_state(fn, child, None if other is None else other[j],
+                                       child_field(field), is_leaf)
                             for j, (field, child) in enumerate(zip(node._fields, node))))
     if isinstance(node, (tuple, list)):
-        return type(node)(_walk(fn, child, None if other is None else other[j], where, is_leaf)
+        return type(node)(walk_state(fn, child, None if other is None else other[j], where,
+                                     is_leaf)
                           for j, child in enumerate(node))
     if isinstance(node, dict):
-        items = [(k, _walk(fn, v, None if other is None else other[k], where, is_leaf))
+        items = [(k, walk_state(fn, v, None if other is None else other[k], where, is_leaf))
                  for k, v in node.items()]
         return OrderedDict(items) if isinstance(node, OrderedDict) else dict(items)
     return node
@@ -120,7 +121,7 @@ def _signed(role: Role | None) -> bool | None:
     return None
 
 
-def _undeclared(where: _Field) -> TypeError:
+def _undeclared(where: StateField) -> TypeError:
     owner = f"{where.owner}.{where.name}" if where.owner else "a state that is no NamedTuple"
     cls = where.owner or "the state"
     return TypeError(
@@ -279,7 +280,7 @@ def _quantize_leaf_state(leaf_state: State, p: torch.Tensor, fmt: str,
     """The inner state of the large leaf ``p`` with every floating tensor shaped like ``p``
     stored in format ``fmt`` as the statistic of its declared role (kept as it is for roles
     never compressed)."""
-    def quantize_moment(x: Any, _: Any, where: _Field) -> Any:
+    def quantize_moment(x: Any, _: Any, where: StateField) -> Any:
         if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.shape == p.shape):
             return x
         signed = _signed(where.role)
@@ -288,7 +289,7 @@ def _quantize_leaf_state(leaf_state: State, p: torch.Tensor, fmt: str,
                 raise _undeclared(where)
             return x
         return encode(x, layout_for(fmt, x, signed, block_size, scale_dtype), maps)
-    return _walk(quantize_moment, leaf_state)
+    return walk_state(quantize_moment, leaf_state)
 
 
 def _update_leaf(inner: GradientTransformation, g: torch.Tensor, leaf_state: State,
@@ -297,12 +298,12 @@ def _update_leaf(inner: GradientTransformation, g: torch.Tensor, leaf_state: Sta
     """One large leaf: decode, run the inner, encode again (in each statistic's own declared
     layout). Every fp32 temporary is local to this call, so it is freed before the next leaf
     starts."""
-    def dequantize(x: Any, _: Any, where: _Field) -> Any:
+    def dequantize(x: Any, _: Any, where: StateField) -> Any:
         if isinstance(x, STORED) and _signed(where.role) is not None:
             return decode(x, maps)
         return x
 
-    def requantize(x: Any, old: Any, where: _Field) -> Any:
+    def requantize(x: Any, old: Any, where: StateField) -> Any:
         if not isinstance(old, STORED) or _signed(where.role) is None:
             return x
         new = encode(x, old.layout, maps)
@@ -312,8 +313,8 @@ def _update_leaf(inner: GradientTransformation, g: torch.Tensor, leaf_state: Sta
             return old
         return new
 
-    update, new_state = inner.update(g, _walk(dequantize, leaf_state), p, **extra_args)
-    return update, _walk(requantize, new_state, leaf_state)
+    update, new_state = inner.update(g, walk_state(dequantize, leaf_state), p, **extra_args)
+    return update, walk_state(requantize, new_state, leaf_state)
 
 
 def _update_small(inner: GradientTransformation, g: list, p: list, plan: _LeafPlan,

@@ -235,7 +235,10 @@ def find_schedule_free_states(state: PyTree) -> list[ScheduleFreeState]:
     return find_instances(state, ScheduleFreeState)
 
 
-def _the_state(state: PyTree, name: str) -> ScheduleFreeState:
+def the_schedule_free_state(state: PyTree, name: str) -> ScheduleFreeState:
+    """The one `ScheduleFreeState` inside ``state`` (at any depth); a ValueError naming the
+    caller ``name`` when there is none or more than one (the evaluation-parameter functions,
+    here and in `opttx.distributed`, read it so)."""
     found = find_schedule_free_states(state)
     if len(found) != 1:
         raise ValueError(f"{name} needs the state of a transform built with "
@@ -245,7 +248,7 @@ def _the_state(state: PyTree, name: str) -> ScheduleFreeState:
 
 
 def _moved(state: PyTree, params: Params, weight_of: Any, name: str) -> Params:
-    sf = _the_state(state, name)
+    sf = the_schedule_free_state(state, name)
     if find_instances(sf.z, MaskedNode) and not find_instances(params, MaskedNode):
         raise ValueError(f"{name}: this state holds z for some parameters only (a rank's part "
                          "under opttx.distributed.zero or on_owners): call "
@@ -254,13 +257,13 @@ def _moved(state: PyTree, params: Params, weight_of: Any, name: str) -> Params:
     spec, y, z = flatten_matching(params, sf.z, what="params and the schedule-free z")
     if not y:
         return params
-    _check_like_z(y, z, params, name)
+    check_params_like_z(y, z, params, name)
     w = weight_of(sf.b1)
     out = foreach("lerp", y, cast_like(z, y), w)
     return tree_unflatten(out, spec)
 
 
-def _check_like_z(y: list[Any], z: list[torch.Tensor], params: Params, name: str) -> None:
+def check_params_like_z(y: list[Any], z: list[torch.Tensor], params: Params, name: str) -> None:
     """Every leaf of ``params`` is a floating-point tensor of its ``z``'s shape (the state was
     built on these parameters); else a clear error naming the leaf, before anything is
     computed (a broadcastable shape would silently give parameters of another shape)."""
