@@ -19,7 +19,7 @@ Example:
 import warnings as _warnings
 
 # core: the contract, applying updates, trees and kernels
-from . import checks, extend, schedules, transforms, tree
+from . import checks, extend, schedules, transforms, tree  # noqa: F401  (checks: the module)
 from ._tracing import is_tracing
 from .base import (EmptyState, GradientTransformation, apply_updates, apply_updates_, identity,
                    register_safe_globals as _register_safe_globals, round_stochastic_,
@@ -32,7 +32,7 @@ from .schedules import (constant_schedule, cosine_decay_schedule, exponential_de
                         polynomial_schedule, warmup_constant_schedule,
                         warmup_cosine_decay_schedule, warmup_stable_decay_schedule)
 # transforms: every name of opttx.transforms.__all__
-from .transforms import *  # noqa: F401,F403
+from .transforms import *
 from .transforms import __all__ as _transforms_all
 # combinators, wrappers and layouts
 from .combine import (MaskedState, PartitionState, chain, chain_links, freeze, masked,
@@ -43,7 +43,7 @@ from .wrappers import (ApplyIfFiniteState, InjectHyperparamsState, MultiSteps, M
                        apply_if_finite, inject_all_hyperparams, inject_hyperparams,
                        set_hyperparams_)
 # aliases: every name of opttx.aliases.__all__ (the named optimizers)
-from .aliases import *  # noqa: F401,F403
+from .aliases import *
 from .aliases import __all__ as _aliases_all
 # the torch.optim.Optimizer runners
 from .backward import FusedBackward

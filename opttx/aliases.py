@@ -12,38 +12,55 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from .base import (GradientTransformation, HyperRole, declare)
+from .base import GradientTransformation, HyperRole, declare, identity
 from .combine import chain, masked, partition
 from .kernels import is_fixed_zero, is_live
 from .schedules import Schedule
 from .transforms.ademamix import scale_by_ademamix
+from .transforms.adopt import scale_by_adopt
+from .transforms.dion import scale_by_dion, scale_by_dion2
 from .transforms.factored import (FactorAxes, add_step_scaled_decayed_weights, clip_by_rms,
-                                  clip_by_rms_and_scale_by_param_rms, relative_step_schedule, scale_by_came, scale_by_factored_rms,
-                                  scale_by_param_block_rms, scale_by_trust_ratio)
+                                  clip_by_rms_and_scale_by_param_rms, relative_step_schedule,
+                                  scale_by_came, scale_by_factored_rms, scale_by_param_block_rms,
+                                  scale_by_trust_ratio)
+from .transforms.kron import MemorySaveMode, scale_by_kron
 from .transforms.lowrank import MatrixAxes, ProjType, project_lowrank
 from .transforms.mars import scale_by_mars
 from .transforms.moments import (debias_factor, ema, scale_by_adam, scale_by_adamax,
                                  scale_by_belief, scale_by_lion, scale_by_nadam, scale_by_radam,
                                  scale_by_rms, scale_by_rss, scale_by_stddev, trace)
+from .transforms.muon_clip import clip_qk
+from .transforms.normuon import scale_by_neuron_rms, scale_to_orthogonal_norm
 from .transforms.orthogonalize import NS_COEFFS, Method, orthogonalize, scale_by_shape
-from .transforms.quantized import quantize_state
 from .transforms.prodigy import scale_by_prodigy
+from .transforms.quantized import quantize_state
 from .transforms.schedule_free import schedule_free
-from .transforms.adopt import scale_by_adopt
-from .transforms.scaling import add_decayed_weights, scale, scale_by_learning_rate
-from .transforms.scaling import scale as scale_transform, scale_by_schedule
+from .transforms.scaling import (add_decayed_weights, scale, scale_by_learning_rate,
+                                 scale_by_schedule, scale_by_sign)
+from .transforms.scaling import scale as scale_transform
 from .transforms.shampoo import (block_by_dims, graft, precondition_shampoo,
                                  scale_by_grafted_diagonal)
 from .transforms.soap import (merge_dims_heavyball, merge_dims_soap,
                               precondition_eigenvalue_corrected)
 from .tree import PyTree, mask_leaves, tree_flatten, tree_map, tree_paths, tree_unflatten
 
-__all__ = ["adabelief", "adafactor", "adagrad", "adalomo", "adam", "adamax", "radam",
-           "adamw", "adamw_4bit", "adamw_8bit", "came", "muon", "muon_hidden_matrices", "adopt",
-           "ademamix",
-           "galore_adamw", "galore_adamw_8bit", "lamb", "lars", "lion", "nadam", "rmsprop",
-           "sgd", "shampoo", "prodigy", "schedule_free_adamw", "schedule_free_sgd"]
-__all__ += ["soap"]
+__all__ = [
+    # torch.optim's first-order set and Adam's relatives
+    "sgd", "adam", "adamw", "nadam", "radam", "adamax", "adabelief", "adagrad", "rmsprop",
+    "lion", "adopt", "ademamix", "mars",
+    # low-bit states
+    "adamw_8bit", "adamw_4bit",
+    # factored and layer-wise
+    "adafactor", "adalomo", "came", "lamb", "lars",
+    # low-rank projection
+    "galore_adamw", "galore_adamw_8bit",
+    # matrix preconditioners
+    "shampoo", "soap", "kron",
+    # the Muon family
+    "muon", "muon_hidden_matrices", "normuon", "adamuon", "dion", "dion2", "muon_clip",
+    # learning-rate free and schedule-free
+    "prodigy", "schedule_free_adamw", "schedule_free_sgd",
+]
 
 ScalarOrSchedule = float | torch.Tensor | Schedule
 Mask = PyTree | Callable[[PyTree], PyTree] | None
@@ -439,8 +456,6 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
 # ---------------------------------------------------------------------------------------------
 # MARS
 # ---------------------------------------------------------------------------------------------
-
-__all__ += ["mars"]
 
 
 @declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
@@ -1081,32 +1096,62 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
     beta1, beta2 = betas
     start = precondition_frequency if start_preconditioning_step is None \
         else start_preconditioning_step
-    if weight_decay_type is not None:
-        kind = getattr(weight_decay_type, "value", weight_decay_type)
-        if kind not in ("L2", "DECOUPLED", "CORRECTED", "INDEPENDENT"):
-            raise ValueError("weight_decay_type must be 'L2', 'DECOUPLED', 'CORRECTED' or "
-                             f"'INDEPENDENT', got {weight_decay_type!r}.")
-        if kind in ("CORRECTED", "INDEPENDENT"):
-            if not isinstance(learning_rate, (int, float)) or not learning_rate > 0:
-                raise ValueError(f"weight_decay_type={kind!r} needs a constant positive "
-                                 f"learning_rate (Meta's peak lr), got {learning_rate!r}.")
-            # Meta: alpha = wd * lr / peak_lr (lr read back from a float32 tensor), wd / peak_lr
-            lr32 = float(torch.tensor(float(learning_rate), dtype=torch.float32))
-            weight_decay = weight_decay * lr32 / learning_rate if kind == "CORRECTED" \
-                else weight_decay / learning_rate
-        use_decoupled_weight_decay = kind != "L2"
-    magnitudes = {   # Meta's diagonal grafting, op for op (see scale_by_grafted_diagonal)
-        "adam": lambda: scale_by_grafted_diagonal(grafting_beta2, grafting_epsilon,
-                                                  1 - grafting_beta2, True),
-        "rmsprop": lambda: scale_by_grafted_diagonal(grafting_beta2, grafting_epsilon,
-                                                     1 - grafting_beta2, False),
-        "adagrad": lambda: scale_by_grafted_diagonal(1.0, grafting_epsilon, 1.0, False),
-        "sgd": lambda: None,
-        None: lambda: None,
-    }
-    if grafting not in magnitudes:
-        raise ValueError(f"grafting must be 'adam', 'adagrad', 'rmsprop', 'sgd' or None, got "
-                         f"{grafting!r}.")
+    weight_decay, use_decoupled_weight_decay = _shampoo_weight_decay(
+        weight_decay_type, learning_rate, weight_decay, use_decoupled_weight_decay)
+    magnitude = _grafted_magnitude(grafting, grafting_beta2, grafting_epsilon)
+    _check_preconditioner_options(
+        preconditioner, kl_shampoo, first_moment_in_eigenbasis, root_method, root_max_iterations,
+        root_tolerance, root_rel_epsilon, root_abs_epsilon, use_symmetric_packing)
+    if preconditioner == "eigenvalue_corrected":
+        direction = _eigenvalue_corrected_direction(
+            beta1, beta2, epsilon, precondition_frequency, start, beta3=beta3,
+            eigendecomposition=eigendecomposition, qr_iterations=qr_iterations,
+            eigendecomposition_tolerance=eigendecomposition_tolerance,
+            preconditioner_dtype=preconditioner_dtype, use_trace_scaling=use_trace_scaling,
+            inv_factor_matrix_dtype=inv_factor_matrix_dtype, rank_deficient=rank_deficient,
+            use_bias_correction=use_bias_correction, trace_scaling_exponent=trace_scaling_exponent,
+            inverse_exponent_override=inverse_exponent_override,
+            ignored_basis_change_dims=ignored_basis_change_dims,
+            drop_weighting_factor_on_gsquare=drop_weighting_factor_on_gsquare,
+            first_moment_in_eigenbasis=first_moment_in_eigenbasis)
+        # without grafting, Meta runs its (identity-basis) direction from the first step
+        graft_start = start if grafting is not None else 0
+        graft_beta1 = 0.0 if first_moment_in_eigenbasis and grafting is None else beta1
+    else:
+        graft_start, graft_beta1 = start, beta1
+        direction = _root_inverse_direction(
+            beta2, epsilon, precondition_frequency, start, root_method,
+            preconditioner=preconditioner, eigendecomposition=eigendecomposition,
+            qr_iterations=qr_iterations, eigendecomposition_tolerance=eigendecomposition_tolerance,
+            preconditioner_dtype=preconditioner_dtype, use_bias_correction=use_bias_correction,
+            inv_factor_matrix_dtype=inv_factor_matrix_dtype, kl_shampoo=kl_shampoo,
+            use_trace_scaling=use_trace_scaling, trace_scaling_exponent=trace_scaling_exponent,
+            inverse_exponent_override=inverse_exponent_override,
+            drop_weighting_factor_on_gsquare=drop_weighting_factor_on_gsquare,
+            rank_deficient=rank_deficient, rank_atol=rank_atol, rank_rtol=rank_rtol,
+            root_max_iterations=root_max_iterations, root_tolerance=root_tolerance,
+            root_order=root_order, root_rel_epsilon=root_rel_epsilon,
+            root_abs_epsilon=root_abs_epsilon, use_symmetric_packing=use_symmetric_packing)
+    links: list[GradientTransformation] = [
+        graft(magnitude(), direction, graft_start, graft_beta1, use_bias_correction,
+              rescale=grafting is not None, beta3=beta3 if graft_beta1 else None)]
+    if _nonzero(weight_decay) and use_decoupled_weight_decay:
+        links.append(add_decayed_weights(weight_decay))
+    if _nonzero(momentum):
+        links.append(trace(momentum, nesterov=nesterov))
+    links.append(scale_by_learning_rate(learning_rate))
+    body = block_by_dims(chain(*links), max_preconditioner_dim, target_parameter_dimensionality)
+    if _nonzero(weight_decay) and not use_decoupled_weight_decay:
+        return chain(add_decayed_weights(weight_decay), body)
+    return body
+
+
+def _check_preconditioner_options(
+        preconditioner: str, kl_shampoo: bool, first_moment_in_eigenbasis: bool,
+        root_method: str, root_max_iterations: int | None, root_tolerance: float | None,
+        root_rel_epsilon: float | None, root_abs_epsilon: float | None,
+        use_symmetric_packing: bool) -> None:
+    """`shampoo`'s ``preconditioner`` is one it knows, given only the options it takes."""
     if preconditioner not in ("root_inverse", "eigendecomposed", "eigenvalue_corrected"):
         raise ValueError("preconditioner must be 'root_inverse', 'eigendecomposed' or "
                          f"'eigenvalue_corrected', got {preconditioner!r}.")
@@ -1121,71 +1166,122 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
                              "the root-inverse preconditioner; the eigenvalue-corrected one "
                              "takes eigendecomposition=, qr_iterations=, "
                              "eigendecomposition_tolerance=.")
-        # (keywords spelled out: Dynamo of torch 2.11 cannot trace locals(), and
-        # inject_hyperparams calls this factory inside a compiled step)
-        direction = precondition_eigenvalue_corrected(
-            beta2, epsilon, precondition_frequency, start,
-            eigendecomposition=eigendecomposition, qr_iterations=qr_iterations,
-            tolerance=eigendecomposition_tolerance, preconditioner_dtype=preconditioner_dtype,
-            # Meta's factor_matrix_eigenvectors_dtype / corrected_eigenvalues_dtype: float32
-            # by default, whatever the factors' dtype
-            basis_dtype=torch.float32 if inv_factor_matrix_dtype is None
-            else inv_factor_matrix_dtype, use_bias_correction=use_bias_correction,
-            eigenvalue_exponent=inverse_exponent_override or {},
-            ignored_basis_change_dims=ignored_basis_change_dims,
-            drop_weighting_factor_on_gsquare=drop_weighting_factor_on_gsquare,
-            rank_deficient=rank_deficient, use_trace_scaling=use_trace_scaling,
-            trace_scaling_exponent=trace_scaling_exponent,
-            # with first_moment_in_eigenbasis the direction keeps its own (rotated) filtered
-            # gradient (refused with betas[0] = 0); graft keeps one only for the grafted
-            # method, so none without grafting
-            beta1=beta1 if first_moment_in_eigenbasis else 0.0,
-            beta3=beta3 if first_moment_in_eigenbasis else None,
-            first_moment_in_eigenbasis=first_moment_in_eigenbasis)
-        # without grafting, Meta runs its (identity-basis) direction from the first step
-        graft_start = start if grafting is not None else 0
-        graft_beta1 = 0.0 if first_moment_in_eigenbasis and grafting is None else beta1
-    else:
-        if first_moment_in_eigenbasis:
-            raise ValueError("first_moment_in_eigenbasis is a setting of the "
-                             "eigenvalue-corrected preconditioner.")
-        graft_beta1 = beta1
-        graft_start = start
-        eigendecomposed = dict(
-            eigendecomposed=True, eigendecomposition=eigendecomposition,
-            qr_iterations=qr_iterations,
-            eigendecomposition_tolerance=eigendecomposition_tolerance,
-        ) if preconditioner == "eigendecomposed" else {}
-        direction = precondition_shampoo(beta2, epsilon, precondition_frequency, start,
-                                         root_method, preconditioner_dtype=preconditioner_dtype,
-                                         use_bias_correction=use_bias_correction,
-                                         inv_factor_matrix_dtype=inv_factor_matrix_dtype,
-                                         use_trace_scaling=use_trace_scaling,
-                                         trace_scaling_exponent=trace_scaling_exponent,
-                                         inverse_exponent_override=inverse_exponent_override,
-                                         drop_weighting_factor_on_gsquare=(
-                                             drop_weighting_factor_on_gsquare),
-                                         rank_deficient=rank_deficient, rank_atol=rank_atol,
-                                         rank_rtol=rank_rtol,
-                                         root_max_iterations=root_max_iterations,
-                                         root_tolerance=root_tolerance, root_order=root_order,
-                                         root_rel_epsilon=0.0 if root_rel_epsilon is None
-                                         else root_rel_epsilon,
-                                         root_abs_epsilon=root_abs_epsilon,
-                                         use_symmetric_packing=use_symmetric_packing,
-                                         kl_shampoo=kl_shampoo, **eigendecomposed)
-    links: list[GradientTransformation] = [
-        graft(magnitudes[grafting](), direction, graft_start, graft_beta1, use_bias_correction,
-              rescale=grafting is not None, beta3=beta3 if graft_beta1 else None)]
-    if _nonzero(weight_decay) and use_decoupled_weight_decay:
-        links.append(add_decayed_weights(weight_decay))
-    if _nonzero(momentum):
-        links.append(trace(momentum, nesterov=nesterov))
-    links.append(scale_by_learning_rate(learning_rate))
-    body = block_by_dims(chain(*links), max_preconditioner_dim, target_parameter_dimensionality)
-    if _nonzero(weight_decay) and not use_decoupled_weight_decay:
-        return chain(add_decayed_weights(weight_decay), body)
-    return body
+    elif first_moment_in_eigenbasis:
+        raise ValueError("first_moment_in_eigenbasis is a setting of the "
+                         "eigenvalue-corrected preconditioner.")
+
+
+def _shampoo_weight_decay(weight_decay_type: Any, learning_rate: ScalarOrSchedule,
+                          weight_decay: float, use_decoupled_weight_decay: bool
+                          ) -> tuple[float, bool]:
+    """`shampoo`'s weight decay under Meta's ``WeightDecayType`` (by name or the enum): the
+    decay to apply and whether it is decoupled (unchanged when the type is None)."""
+    if weight_decay_type is None:
+        return weight_decay, use_decoupled_weight_decay
+    kind = getattr(weight_decay_type, "value", weight_decay_type)
+    if kind not in ("L2", "DECOUPLED", "CORRECTED", "INDEPENDENT"):
+        raise ValueError("weight_decay_type must be 'L2', 'DECOUPLED', 'CORRECTED' or "
+                         f"'INDEPENDENT', got {weight_decay_type!r}.")
+    if kind in ("CORRECTED", "INDEPENDENT"):
+        if not isinstance(learning_rate, (int, float)) or not learning_rate > 0:
+            raise ValueError(f"weight_decay_type={kind!r} needs a constant positive "
+                             f"learning_rate (Meta's peak lr), got {learning_rate!r}.")
+        # Meta: alpha = wd * lr / peak_lr (lr read back from a float32 tensor), wd / peak_lr
+        lr32 = float(torch.tensor(float(learning_rate), dtype=torch.float32))
+        weight_decay = weight_decay * lr32 / learning_rate if kind == "CORRECTED" \
+            else weight_decay / learning_rate
+    return weight_decay, kind != "L2"
+
+
+def _grafted_magnitude(grafting: str | None, grafting_beta2: float, grafting_epsilon: float
+                       ) -> Callable[[], GradientTransformation | None]:
+    """`shampoo`'s grafted method by name: a function that builds it (None for SGD and no
+    grafting), built after the direction as before. Meta's diagonal grafting, op for op (see
+    `scale_by_grafted_diagonal`)."""
+    magnitudes = {
+        "adam": lambda: scale_by_grafted_diagonal(grafting_beta2, grafting_epsilon,
+                                                  1 - grafting_beta2, True),
+        "rmsprop": lambda: scale_by_grafted_diagonal(grafting_beta2, grafting_epsilon,
+                                                     1 - grafting_beta2, False),
+        "adagrad": lambda: scale_by_grafted_diagonal(1.0, grafting_epsilon, 1.0, False),
+        "sgd": lambda: None,
+        None: lambda: None,
+    }
+    if grafting not in magnitudes:
+        raise ValueError(f"grafting must be 'adam', 'adagrad', 'rmsprop', 'sgd' or None, got "
+                         f"{grafting!r}.")
+    return magnitudes[grafting]
+
+
+def _eigenvalue_corrected_direction(
+        beta1: float, beta2: float, epsilon: float, precondition_frequency: int, start: int, *,
+        eigendecomposition: str, qr_iterations: int, eigendecomposition_tolerance: float,
+        preconditioner_dtype: torch.dtype, inv_factor_matrix_dtype: torch.dtype | None,
+        use_bias_correction: bool, inverse_exponent_override: dict | None,
+        ignored_basis_change_dims: dict | None, drop_weighting_factor_on_gsquare: bool,
+        rank_deficient: str, use_trace_scaling: bool, trace_scaling_exponent: float,
+        beta3: float | None, first_moment_in_eigenbasis: bool) -> GradientTransformation:
+    """`shampoo`'s direction for ``preconditioner="eigenvalue_corrected"`` (SOAP in Meta's
+    form), from `shampoo`'s arguments."""
+    # (keywords spelled out: Dynamo of torch 2.11 cannot trace locals(), and
+    # inject_hyperparams calls this factory inside a compiled step)
+    return precondition_eigenvalue_corrected(
+        beta2, epsilon, precondition_frequency, start,
+        eigendecomposition=eigendecomposition, qr_iterations=qr_iterations,
+        tolerance=eigendecomposition_tolerance, preconditioner_dtype=preconditioner_dtype,
+        # Meta's factor_matrix_eigenvectors_dtype / corrected_eigenvalues_dtype: float32
+        # by default, whatever the factors' dtype
+        basis_dtype=torch.float32 if inv_factor_matrix_dtype is None
+        else inv_factor_matrix_dtype, use_bias_correction=use_bias_correction,
+        eigenvalue_exponent=inverse_exponent_override or {},
+        ignored_basis_change_dims=ignored_basis_change_dims,
+        drop_weighting_factor_on_gsquare=drop_weighting_factor_on_gsquare,
+        rank_deficient=rank_deficient, use_trace_scaling=use_trace_scaling,
+        trace_scaling_exponent=trace_scaling_exponent,
+        # with first_moment_in_eigenbasis the direction keeps its own (rotated) filtered
+        # gradient (refused with betas[0] = 0); graft keeps one only for the grafted
+        # method, so none without grafting
+        beta1=beta1 if first_moment_in_eigenbasis else 0.0,
+        beta3=beta3 if first_moment_in_eigenbasis else None,
+        first_moment_in_eigenbasis=first_moment_in_eigenbasis)
+
+
+def _root_inverse_direction(
+        beta2: float, epsilon: float, precondition_frequency: int, start: int,
+        root_method: str, *, preconditioner: str, eigendecomposition: str, qr_iterations: int,
+        eigendecomposition_tolerance: float, preconditioner_dtype: torch.dtype,
+        use_bias_correction: bool, inv_factor_matrix_dtype: torch.dtype | None,
+        use_trace_scaling: bool, trace_scaling_exponent: float,
+        inverse_exponent_override: dict | None, drop_weighting_factor_on_gsquare: bool,
+        rank_deficient: str, rank_atol: float, rank_rtol: float | None,
+        root_max_iterations: int | None, root_tolerance: float | None, root_order: int,
+        root_rel_epsilon: float | None, root_abs_epsilon: float | None,
+        use_symmetric_packing: bool, kl_shampoo: bool) -> GradientTransformation:
+    """`shampoo`'s direction for ``preconditioner="root_inverse"`` or ``"eigendecomposed"``
+    (`precondition_shampoo`), from `shampoo`'s arguments."""
+    eigendecomposed = dict(
+        eigendecomposed=True, eigendecomposition=eigendecomposition,
+        qr_iterations=qr_iterations,
+        eigendecomposition_tolerance=eigendecomposition_tolerance,
+    ) if preconditioner == "eigendecomposed" else {}
+    return precondition_shampoo(beta2, epsilon, precondition_frequency, start,
+                                root_method, preconditioner_dtype=preconditioner_dtype,
+                                use_bias_correction=use_bias_correction,
+                                inv_factor_matrix_dtype=inv_factor_matrix_dtype,
+                                use_trace_scaling=use_trace_scaling,
+                                trace_scaling_exponent=trace_scaling_exponent,
+                                inverse_exponent_override=inverse_exponent_override,
+                                drop_weighting_factor_on_gsquare=(
+                                    drop_weighting_factor_on_gsquare),
+                                rank_deficient=rank_deficient, rank_atol=rank_atol,
+                                rank_rtol=rank_rtol,
+                                root_max_iterations=root_max_iterations,
+                                root_tolerance=root_tolerance, root_order=root_order,
+                                root_rel_epsilon=0.0 if root_rel_epsilon is None
+                                else root_rel_epsilon,
+                                root_abs_epsilon=root_abs_epsilon,
+                                use_symmetric_packing=use_symmetric_packing,
+                                kl_shampoo=kl_shampoo, **eigendecomposed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1579,13 +1675,6 @@ def soap(learning_rate: ScalarOrSchedule = 3e-3, b1: float = 0.95, b2: float = 0
 # The Muon family: NorMuon, AdaMuon, Dion, Dion2
 # ---------------------------------------------------------------------------------------------
 
-from .transforms.dion import scale_by_dion, scale_by_dion2  # noqa: E402
-from .transforms.normuon import scale_by_neuron_rms, scale_to_orthogonal_norm  # noqa: E402
-from .transforms.scaling import scale_by_sign  # noqa: E402
-from .base import identity  # noqa: E402
-
-__all__ += ["adamuon", "dion", "dion2", "normuon"]
-
 AdjustLr = Literal["spectral_norm", "rms_norm"] | None
 
 
@@ -1813,9 +1902,9 @@ def dion2(learning_rate: ScalarOrSchedule = 0.01, fraction: float = 0.25,
     return _matrices_and_adamw("dion2", group, muon_mask, adam)
 
 
-from .transforms.muon_clip import clip_qk  # noqa: E402
-
-__all__ += ["muon_clip"]
+# ---------------------------------------------------------------------------------------------
+# MuonClip
+# ---------------------------------------------------------------------------------------------
 
 
 @declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "threshold": None, "alpha": None,
@@ -1844,9 +1933,9 @@ def muon_clip(learning_rate: ScalarOrSchedule, qk_roles: Any, threshold: float =
                  clip_qk(qk_roles, threshold, alpha))
 
 
-from .transforms.kron import MemorySaveMode, scale_by_kron  # noqa: E402
-
-__all__ += ["kron"]
+# ---------------------------------------------------------------------------------------------
+# PSGD-Kron
+# ---------------------------------------------------------------------------------------------
 
 
 @declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "b1": HyperRole.B1,
