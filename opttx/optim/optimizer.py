@@ -10,13 +10,13 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 
 from .._tracing import is_tracing
-from ..base import (GradientTransformation, HyperRole, _foreach_add, _kind, _scaled_updates,
-                   _stochastic_pairs, describe_transform, is_optional_entry, recipe_of,
-                   round_stochastic_, update_deferring_scale)
+from ..base import (GradientTransformation, HyperRole, describe_transform, is_optional_entry,
+                   recipe_of, round_stochastic_, update_deferring_scale)
 from ..distributed.checkpoint_keys import (dtensor_placement, keyed_state,
                                           local_entries_as_dtensors, param_paths)
 from ..kernels import donating, foreach
 from ..tree import PyTree, tree_leaves
+from ..updates import add_leaves, grouping_key, scaled_updates, stochastic_pairs
 from ..transforms.schedule_free import find_schedule_free_states, schedule_free_params_
 from ..wrappers import find_injected_states, hyperparameter_roles, inject_all_hyperparams
 
@@ -38,7 +38,8 @@ def _local_pairs(params: list, updates: list) -> tuple[list, list]:
     storage). Other leaves are left as they are."""
     ps, us = [], []
     for p, u in zip(params, updates):
-        if (_kind(p) is not None and _kind(u) is not None and p.device_mesh == u.device_mesh
+        if (grouping_key(p) is not None and grouping_key(u) is not None
+                and p.device_mesh == u.device_mesh
                 and tuple(p.placements) == tuple(u.placements)):
             p, u = p.to_local(), u.to_local()
         ps.append(p)
@@ -942,15 +943,15 @@ class Optimizer(torch.optim.Optimizer):
                ) -> None:
         """``p += scale·u`` (``scale`` None: ``p += u``) in one grouped add per kind of
         parameter, bfloat16 ones with stochastic rounding when asked."""
-        deltas, alpha = _scaled_updates(deltas, scale)
+        deltas, alpha = scaled_updates(deltas, scale)
         if self.stochastic_rounding:
-            sr_p, sr_u, params, deltas = _stochastic_pairs(params, deltas, alpha)
+            sr_p, sr_u, params, deltas = stochastic_pairs(params, deltas, alpha)
             for p, u in zip(sr_p, sr_u):
                 round_stochastic_(p, p.float() + u.float(), self.generator)
         else:
             deltas = [u.to(p.dtype) for p, u in zip(params, deltas)]
         if params:
-            _foreach_add(params, deltas, inplace=True, alpha=alpha)
+            add_leaves(params, deltas, inplace=True, alpha=alpha)
 
     # -- inspection and checkpoints --------------------------------------------------------------
 
