@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from .base import GradientTransformation, traits_of
+from .closeness import assert_trees_close, gradient_stream
 from .kernels import donating
 from .tree import MaskedNode, PyTree, find_instances, tree_flatten, tree_leaves, tree_map
 
@@ -63,12 +64,10 @@ def leaves_0d_to_4d(seed: int = 0, matrices_only: bool = False) -> dict[str, tor
 
 
 def _gradients(params: PyTree, steps: int, seed: int) -> list[PyTree]:
-    from .testing import gradient_stream
     return gradient_stream(params, steps, seed=seed)
 
 
 def _close(actual: Any, expected: Any, rtol: float, what: str, atol: float = 0.0) -> None:
-    from .testing import assert_trees_close
     assert_trees_close(actual, expected, rtol=rtol, atol=atol, what=what)
 
 

@@ -33,6 +33,8 @@ __all__ = [
     "Static",
     "assert_same_structure",
     "find_instances",
+    "first_difference",
+    "is_pytree_leaf",
     "mark_static_",
     "stats_like",
     "register_static_node",
@@ -58,7 +60,9 @@ tree_unflatten = _pytree.tree_unflatten
 tree_structure = _pytree.tree_structure
 tree_flatten_with_path = _pytree.tree_flatten_with_path
 keystr = _pytree.keystr
-_is_leaf = getattr(_pytree, "tree_is_leaf", None) or _pytree._is_leaf
+# whether a node is a leaf of torch's pytrees (none of its registered containers), without
+# flattening it: torch's public name where it has one, its private one in older versions
+is_pytree_leaf = getattr(_pytree, "tree_is_leaf", None) or _pytree._is_leaf
 
 
 class MaskedNode(NamedTuple):
@@ -120,9 +124,10 @@ def tree_paths(tree: PyTree) -> list[str]:
     return [keystr(path) or "<root>" for path, _ in tree_flatten_with_path(tree)[0]]
 
 
-def _first_difference(a: PyTree, b: PyTree, path: str = "") -> str:
-    """Path and description of the first place where ``a`` and ``b`` differ in structure."""
-    a_leaf, b_leaf = _is_leaf(a), _is_leaf(b)
+def first_difference(a: PyTree, b: PyTree, path: str = "") -> str:
+    """Path and description of the first place where ``a`` and ``b`` differ in structure
+    (empty when they have the same structure), for error messages."""
+    a_leaf, b_leaf = is_pytree_leaf(a), is_pytree_leaf(b)
     if a_leaf and b_leaf:
         return ""
     if a_leaf != b_leaf:
@@ -139,7 +144,7 @@ def _first_difference(a: PyTree, b: PyTree, path: str = "") -> str:
         return (f"{path or '<root>'}: {type(a).__name__} with keys {a_ctx!r} vs "
                 f"{type(b).__name__} with keys {b_ctx!r}")
     for key, ca, cb in zip(_node_keys(a), a_children, b_children):
-        found = _first_difference(ca, cb, path + key)
+        found = first_difference(ca, cb, path + key)
         if found:
             return found
     return ""
@@ -184,7 +189,7 @@ def assert_same_structure(a: PyTree, b: PyTree, what: str = "trees") -> None:
     for dicts whose keys differ in order only, saying so)."""
     if tree_structure(a) == tree_structure(b):
         return
-    where = _first_difference(a, b) or "<root>"
+    where = first_difference(a, b) or "<root>"
     if "the same keys in another order" in where:
         advice = ("Build both with the same key order (e.g. {k: grads[k] for k in params}), "
                   "or pass the tree you built the state from.")
@@ -482,12 +487,12 @@ def leaf_labels(labels: PyTree | Callable[[PyTree], PyTree], tree: PyTree,
     else:
         flat = []                # (a leaf position is one value: no pytree call for it)
         for v, sub in zip(values, subtrees):
-            if _is_leaf(sub):
+            if is_pytree_leaf(sub):
                 flat.append(v)
             else:
                 flat.extend(v for _ in tree_leaves(sub))
     if flat is None:
-        where = _first_difference(labels, tree) or "the structures differ"
+        where = first_difference(labels, tree) or "the structures differ"
         inside = (" Inside opttx.flatten the tree is one flat buffer per (device, dtype), not "
                   "the parameters: put flatten inside the masking (opttx.masked(opttx.flatten"
                   "(inner), mask) or opttx.partition of flattened transforms)."

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from ..base import (OPTIONAL_MARK, EmptyState, Role, fields_with_role, optional_fields,
                     state_roles)
-from ..tree import (MaskedNode, PyTree, _is_leaf, tree_flatten, tree_flatten_with_path,
+from ..tree import (MaskedNode, PyTree, is_pytree_leaf, tree_flatten, tree_flatten_with_path,
                     tree_structure)
 
 __all__ = ["dtensor_placement", "keyed_state", "local_entries_as_dtensors", "param_paths"]
@@ -79,7 +79,7 @@ def _is_tensor(x: Any) -> bool:
 def _children(node: Any) -> list[tuple[Any, Any]] | None:
     """(key, child) of a pytree container, or None for a leaf: one level of
     ``tree_flatten_with_path``, with every node below ``node`` taken as a leaf."""
-    if _is_leaf(node):                   # (not tree_structure: it flattens the whole subtree)
+    if is_pytree_leaf(node):             # (not tree_structure: it flattens the whole subtree)
         return None
     entries, _ = tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
     return [(path[0], child) for path, child in entries]
