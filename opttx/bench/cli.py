@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 import traceback
@@ -15,19 +16,24 @@ from .data import VOCAB_SIZE, Corpus
 from .model import GPTConfig
 from .optimizers import DEFAULT_OPTIMIZERS, build, hyperparams, split_available
 from .parallel import MODES, Parallel, setup
-from .references import select_references
-from .report import text_table, write_report
+from .references import Reference, select_references
+from .report import sweep_text_table, text_table, write_report
+from .sweep import DEFAULT_POINTS, Sweep, multiplier_label, powers, scaled, sweep
 from .train import WARMUP_STEPS, Builder, RunConfig, train_all
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Parse command-line flags."""
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags."""
     p = argparse.ArgumentParser(
         prog="python -m opttx.bench",
         description=(
             "Train a tiny byte-level GPT on the Python standard library's source with several "
             "opttx optimizers (same initialisation, same batches) and compare loss, speed and "
-            "memory."
+            "memory. Each optimizer first runs a learning-rate sweep: --sweep rates (its "
+            "default times 3**k around 1: x1/3, x1, x3), each trained for --sweep-steps on the "
+            "training stream less a validation split (its tail, as long as the held-out "
+            "split); the final, timed run uses the rate with the lowest validation loss and "
+            "is evaluated on the held-out split."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -42,6 +48,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"training steps per optimizer (the first {WARMUP_STEPS} untimed)")
     p.add_argument("--block", type=int, default=10,
                    help="timed steps each optimizer runs per round of the round-robin")
+    p.add_argument("--sweep", type=int, default=DEFAULT_POINTS, metavar="N",
+                   help="learning rates tried per optimizer before its final run (odd: the "
+                   "default rate times 3**k, k = -(N-1)/2 .. (N-1)/2); 1 runs no sweep")
+    p.add_argument("--no-sweep", dest="sweep", action="store_const", const=1,
+                   help="train at the default learning rates, with no sweep (--sweep 1)")
+    p.add_argument("--sweep-steps", type=int, default=None,
+                   help="training steps of each sweep run (default: a third of --steps, "
+                   "at least 1; shorter than the final run, so that the demo with the sweep "
+                   "takes about twice as long as without)")
     p.add_argument(
         "--references",
         action="store_true",
@@ -80,15 +95,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "torchrun and a single process otherwise",
     )
     p.add_argument("--out", type=Path, default=Path("report"), help="report folder")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse command-line flags (see `parser`) and check them."""
+    p = parser()
     args = p.parse_args(argv)
-    for flag in ("steps", "block", "batch_size", "seq_len", "eval_every", "eval_batches",
-                 "corpus_bytes"):
+    if args.sweep_steps is None:
+        args.sweep_steps = max(args.steps // 3, 1)
+    for flag in ("steps", "block", "sweep", "sweep_steps", "batch_size", "seq_len",
+                 "eval_every", "eval_batches", "corpus_bytes"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if args.steps <= WARMUP_STEPS:
         p.error(f"--steps must exceed the {WARMUP_STEPS} untimed warm-up steps")
     if not 0.0 < args.heldout_fraction < 1.0:
         p.error("--heldout-fraction must be between 0 and 1")
+    if args.sweep % 2 == 0:
+        p.error("--sweep must be odd (the default rate and as many rates above it as below)")
+    if args.sweep > 1 and args.heldout_fraction >= 0.5:
+        p.error("--heldout-fraction must be below 0.5 with the sweep: its validation split, "
+                "as long as the held-out one, is cut from the training stream")
     return args
 
 
@@ -103,7 +131,63 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         raise SystemExit("none of the requested optimizers exists in opttx")
 
     corpus = Corpus.from_stdlib(args.corpus_bytes, args.heldout_fraction)
-    cfg = RunConfig(
+    cfg = _run_config(args)
+    par = setup(args.parallel, cfg.device, cfg.batch_size)
+    if par.is_main:
+        print(
+            f"corpus: {len(corpus.train):,} train / {len(corpus.heldout):,} held-out bytes; "
+            f"{'compiled' if args.compile else 'eager'} on {cfg.device}; "
+            + (f"{par.mode} over {par.world} ranks" if par.world > 1 else "single process"),
+            file=sys.stderr,
+        )
+    refs = _references(requested, args.references, par)
+
+    def on_error(name: str, exc: Exception) -> None:
+        traceback.print_exc()
+        if par.world > 1:     # the other ranks may be waiting in a collective: stop
+            raise exc
+
+    start = time.perf_counter()
+    sweeps: dict[str, Sweep] = {}
+    if args.sweep > 1:
+        if par.is_main:
+            print(f"learning-rate sweep: {args.sweep} rates per optimizer "
+                  f"({', '.join(map(multiplier_label, powers(args.sweep)))}), "
+                  f"{args.sweep_steps} steps each", file=sys.stderr)
+        sweeps = sweep(names, corpus, cfg, args.sweep, args.sweep_steps, par, on_error)
+    sweep_time = time.perf_counter() - start
+    builders, hyper = _builders(names, requested, refs, sweeps)
+    if par.is_main:
+        print(f"optimizers: {', '.join(builders)}", file=sys.stderr)
+    results = train_all(builders, corpus, cfg, par, on_error)
+    elapsed = time.perf_counter() - start
+    par.close()
+    for name, r in results.items():
+        r["hyperparams"] = hyper[name]
+        r["learning_rate"] = hyper[name].get("learning_rate", hyper[name].get("lr"))
+        if name in sweeps:
+            r["sweep"] = sweeps[name].as_dict()
+    if not par.is_main:
+        return results
+
+    settings = {k: str(v) for k, v in vars(args).items()}
+    settings.update(train_bytes=len(corpus.train), heldout_bytes=len(corpus.heldout),
+                    wall_time_s=f"{elapsed:.1f}", sweep_time_s=f"{sweep_time:.1f}",
+                    world_size=str(par.world), parallel=par.mode)
+    notes = write_report(results, args.out, settings)
+    if sweeps:
+        print(sweep_text_table(results) + "\n")
+    print(text_table(results))
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"report written to {args.out}/ in {elapsed:.1f}s (the sweep {sweep_time:.1f}s)",
+          file=sys.stderr)
+    return results
+
+
+def _run_config(args: argparse.Namespace) -> RunConfig:
+    """The final runs' settings, from the flags."""
+    return RunConfig(
         model=GPTConfig(
             vocab_size=VOCAB_SIZE,
             seq_len=args.seq_len,
@@ -120,64 +204,41 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         compile=args.compile,
         block=args.block,
     )
-    par = setup(args.parallel, cfg.device, cfg.batch_size)
-    if par.is_main:
-        print(
-            f"corpus: {len(corpus.train):,} train / {len(corpus.heldout):,} held-out bytes; "
-            f"{'compiled' if args.compile else 'eager'} on {cfg.device}; "
-            + (f"{par.mode} over {par.world} ranks" if par.world > 1 else "single process"),
-            file=sys.stderr,
-        )
-
-    builders, hyper = _builders(names, requested, args.references, par)
-    if par.is_main:
-        print(f"optimizers: {', '.join(builders)}", file=sys.stderr)
-
-    def on_error(name: str, exc: Exception) -> None:
-        traceback.print_exc()
-        if par.world > 1:     # the other ranks may be waiting in a collective: stop
-            raise exc
-
-    start = time.perf_counter()
-    results = train_all(builders, corpus, cfg, par, on_error)
-    for name, r in results.items():
-        r["hyperparams"] = hyper[name]
-    elapsed = time.perf_counter() - start
-    par.close()
-    if not par.is_main:
-        return results
-
-    settings = {k: str(v) for k, v in vars(args).items()}
-    settings.update(train_bytes=len(corpus.train), heldout_bytes=len(corpus.heldout),
-                    wall_time_s=f"{elapsed:.1f}", world_size=str(par.world),
-                    parallel=par.mode)
-    notes = write_report(results, args.out, settings)
-    print(text_table(results))
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
-    print(f"report written to {args.out}/ in {elapsed:.1f}s", file=sys.stderr)
-    return results
 
 
-def _builders(names: list[str], requested: list[str], references: bool, par: Parallel
-              ) -> tuple[dict[str, Builder], dict[str, dict[str, Any]]]:
-    """What each run trains with (name -> opttx transformation or reference builder), each
-    reference right after its opttx counterpart, and each run's hyper-parameters."""
-    builders: dict[str, Builder] = {}
-    hyper: dict[str, dict[str, Any]] = {}
-    refs = []
-    if references and par.world > 1:
+def _references(requested: list[str], references: bool, par: Parallel) -> list[Reference]:
+    """The references to run (none without ``--references`` or under torchrun), each reason
+    for leaving one out printed."""
+    if not references:
+        return []
+    if par.world > 1:
         if par.is_main:
             print("skipping --references: they run in a single process only", file=sys.stderr)
-    elif references:
-        refs, skipped = select_references(requested)
-        for reason in skipped:
-            print(f"skipping reference {reason}", file=sys.stderr)
+        return []
+    refs, skipped = select_references(requested)
+    for reason in skipped:
+        print(f"skipping reference {reason}", file=sys.stderr)
+    return refs
+
+
+def _builders(names: list[str], requested: list[str], refs: list[Reference],
+              sweeps: dict[str, Sweep]
+              ) -> tuple[dict[str, Builder], dict[str, dict[str, Any]]]:
+    """What each run trains with (name -> opttx transformation or reference builder), each
+    reference right after its opttx counterpart, and each run's hyper-parameters: a swept
+    optimizer at its chosen rate, a reference at its own rate scaled as its counterpart's."""
+    builders: dict[str, Builder] = {}
+    hyper: dict[str, dict[str, Any]] = {}
     for name in names + [n for n in requested if n not in names]:
+        chosen = sweeps.get(name)
         if name in names:
-            builders[name], hyper[name] = build(name), hyperparams(name)
+            rate = {"learning_rate": chosen.learning_rate} if chosen else {}
+            builders[name], hyper[name] = build(name, **rate), hyperparams(name, **rate)
         for ref in refs:
             if ref.counterpart == name:
+                if chosen:
+                    ref = dataclasses.replace(ref, hyperparams={
+                        **ref.hyperparams, "lr": scaled(ref.hyperparams["lr"], chosen.power)})
                 builders[ref.name] = ref.build
                 hyper[ref.name] = {**ref.hyperparams, "reference_for": name,
                                    **({"note": ref.note} if ref.note else {})}

@@ -3,7 +3,9 @@
 The corpus needs no download: it is the concatenation of the standard library's
 ``.py`` files, read in a sorted, deterministic order up to a byte budget, and
 tokenised at the byte level (vocabulary of 256).  The tail of the corpus is held
-out for evaluation, so held-out text comes from files never seen in training.
+out for evaluation, so held-out text comes from files never seen in training.  The
+learning-rate sweep holds out a validation split of the same length from the training
+stream's tail (`Corpus.validation_split`): its runs train on what precedes it.
 """
 
 from __future__ import annotations
@@ -57,6 +59,20 @@ class Corpus:
         data = torch.frombuffer(bytearray(stdlib_source(max_bytes)), dtype=torch.uint8)
         split = int(len(data) * (1.0 - heldout_fraction))
         return cls(train=data[:split], heldout=data[split:])
+
+    def validation_split(self) -> Corpus:
+        """The learning-rate sweep's corpus: the training stream less its tail, and that tail
+        (as long as the held-out split) held out as the validation split.
+
+        The sweep scores its runs on this tail, so the held-out split that the final table
+        reports is never used to choose a learning rate.
+        """
+        split = len(self.train) - len(self.heldout)
+        if split <= 0:
+            raise ValueError(f"the training stream ({len(self.train)} bytes) is not longer "
+                             f"than the held-out split ({len(self.heldout)} bytes): no room "
+                             "for a validation split of the same length")
+        return Corpus(train=self.train[:split], heldout=self.train[split:])
 
 
 def _windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int, device: torch.device) -> Batch:

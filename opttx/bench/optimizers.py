@@ -22,7 +22,9 @@ LOW_BIT_OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", *STATE_FORMAT_ROWS)
 
 # Keyword arguments per optimizer alias for the tiny byte-level GPT at its default
 # size.  The sgd, adamw and lion rates are the best of a coarse 150-step sweep
-# (factors of ~3); the others are educated guesses.  Only ``learning_rate`` is
+# (factors of ~3); the others are educated guesses.  Each ``learning_rate`` is the
+# centre of the demo's learning-rate sweep (sweep.py), which tries it and its
+# neighbours and keeps the best on a validation split.  Only ``learning_rate`` is
 # passed where the alias's other defaults are sensible.  Relative-step methods
 # (Adafactor, AdaLomo, LAMB) scale updates by parameter norms and so take larger rates.
 HYPERPARAMS: dict[str, dict[str, Any]] = {
@@ -70,17 +72,19 @@ def split_available(names: list[str]) -> tuple[list[str], list[str]]:
     return present, [n for n in names if n not in present]
 
 
-def hyperparams(name: str) -> dict[str, Any]:
-    """Keyword arguments used to build optimizer ``name``."""
-    return dict(HYPERPARAMS.get(name, FALLBACK_HYPERPARAMS))
+def hyperparams(name: str, **overrides: Any) -> dict[str, Any]:
+    """Keyword arguments used to build optimizer ``name``: its `HYPERPARAMS` entry (or
+    `FALLBACK_HYPERPARAMS`) with ``overrides`` (e.g. the sweep's ``learning_rate``)."""
+    return {**HYPERPARAMS.get(name, FALLBACK_HYPERPARAMS), **overrides}
 
 
-def build(name: str) -> opttx.GradientTransformation:
-    """Build the ``opttx`` gradient transformation named ``name``."""
+def build(name: str, **overrides: Any) -> opttx.GradientTransformation:
+    """Build the ``opttx`` gradient transformation named ``name`` with `hyperparams`
+    ``(name, **overrides)``."""
+    hp = hyperparams(name, **overrides)
     if name in STATE_FORMAT_ROWS:
-        hp = hyperparams(name)
         return opttx.chain(
             opttx.quantize_state(opttx.scale_by_adam(), format=STATE_FORMAT_ROWS[name]),
             opttx.add_decayed_weights(hp["weight_decay"]),
             opttx.scale_by_learning_rate(hp["learning_rate"]))
-    return getattr(opttx, name)(**hyperparams(name))
+    return getattr(opttx, name)(**hp)

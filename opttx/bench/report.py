@@ -1,4 +1,5 @@
-"""Comparison table, ``report.md``, ``results.json`` and, with matplotlib, the plots
+"""Comparison table, learning-rate sweep table, ``report.md``, ``results.json`` and, with
+matplotlib, the plots
 ``loss.png`` (smoothed training loss; held-out loss in its own panel), ``step_time.png`` (the
 per-step times of every optimizer) and ``memory.png`` (parameters, optimizer state and peak
 live tensor bytes)."""
@@ -10,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from .sweep import multiplier_label
 from .train import FINAL_LOSS_WINDOW, PROCESS_WARMUP_STEPS, TRACKED_STEPS, WARMUP_STEPS
 
 MB = 1024 * 1024
@@ -24,6 +26,7 @@ def _columns(results: Results) -> tuple[list[str], list[list[str]]]:
     """Header and formatted rows of the comparison table."""
     header = [
         "optimizer",
+        "learning rate",
         "final train loss",
         "held-out loss",
         "step time ms (median)",
@@ -35,13 +38,15 @@ def _columns(results: Results) -> tuple[list[str], list[list[str]]]:
     ]
     rows = []
     for name, r in results.items():
+        rate = _rate(r.get("learning_rate"))
         if "error" in r:
-            rows.append([name, f"failed: {r['error']}"] + [""] * (len(header) - 2))
+            rows.append([name, rate, f"failed: {r['error']}"] + [""] * (len(header) - 3))
             continue
         q1, q3 = r["step_time_quartiles_ms"]
         rows.append(
             [
                 name,
+                rate,
                 f"{r['final_train_loss']:.4f}",
                 f"{r['final_eval_loss']:.4f}",
                 f"{r['step_time_ms']:.1f}",
@@ -55,9 +60,34 @@ def _columns(results: Results) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def text_table(results: Results) -> str:
+def _rate(rate: float | None) -> str:
+    """A learning rate as the tables print it (three significant digits)."""
+    return "" if rate is None else f"{rate:.3g}"
+
+
+def _sweep_columns(results: Results, mark: str) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the sweep table: per swept optimizer, each rate tried with its
+    validation loss (the chosen one between ``mark`` s), and the rate chosen."""
+    swept = {name: r["sweep"] for name, r in results.items() if "sweep" in r}
+    if not swept:
+        return [], []
+    labels = [multiplier_label(k) for k in next(iter(swept.values()))["powers"]]
+    header = ["optimizer", *(f"lr {label}: validation loss" for label in labels), "chosen lr"]
+    rows = []
+    for name, s in swept.items():
+        k = s["learning_rates"].index(s["chosen_learning_rate"])
+        cells = []
+        for i, (rate, loss) in enumerate(zip(s["learning_rates"], s["validation_losses"])):
+            cell = f"{_rate(rate)}: {loss:.4f}"        # inf or nan: failed or diverged
+            cells.append(f"{mark}{cell}{mark}" if i == k and len(labels) > 1 else cell)
+        edge = ", edge of the grid" if s["at_edge"] else ""
+        chosen = f"{_rate(s['chosen_learning_rate'])} ({labels[k]}{edge})"
+        rows.append([name, *cells, chosen])
+    return header, rows
+
+
+def _text(header: list[str], rows: list[list[str]]) -> str:
     """Fixed-width table for the terminal."""
-    header, rows = _columns(results)
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
              for row in [header, *rows]]
@@ -65,13 +95,36 @@ def text_table(results: Results) -> str:
     return "\n".join(lines)
 
 
-def markdown_table(results: Results) -> str:
+def _markdown(header: list[str], rows: list[list[str]]) -> str:
     """GitHub-flavoured Markdown table."""
-    header, rows = _columns(results)
     align = ["---"] + ["---:"] * (len(header) - 1)
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def text_table(results: Results) -> str:
+    """The comparison table, fixed-width for the terminal."""
+    return _text(*_columns(results))
+
+
+def markdown_table(results: Results) -> str:
+    """The comparison table in GitHub-flavoured Markdown."""
+    return _markdown(*_columns(results))
+
+
+def sweep_text_table(results: Results) -> str:
+    """The learning-rate sweep's table for the terminal (the chosen rate between ``*``);
+    empty when nothing was swept."""
+    header, rows = _sweep_columns(results, "*")
+    return _text(header, rows) if rows else ""
+
+
+def sweep_markdown_table(results: Results) -> str:
+    """The learning-rate sweep's table in Markdown (the chosen rate in bold); empty when
+    nothing was swept."""
+    header, rows = _sweep_columns(results, "**")
+    return _markdown(header, rows) if rows else ""
 
 
 def _json_safe(value: Any) -> Any:
@@ -89,7 +142,8 @@ def method(settings: dict[str, Any]) -> str:
     """How the table's figures were measured, for ``report.md``."""
     compiled = settings.get("compile") == "True"
     return (
-        f"**Loss.** Final train loss is the mean of the last {FINAL_LOSS_WINDOW} steps; "
+        sweep_method(settings)
+        + f"\n\n**Loss.** Final train loss is the mean of the last {FINAL_LOSS_WINDOW} steps; "
         "held-out loss is the mean over fixed windows of the corpus's held-out tail.\n\n"
         f"**Timing.** Before the first optimizer, {PROCESS_WARMUP_STEPS} untimed steps of a "
         "throw-away model warm the process up. Each optimizer then runs its first "
@@ -111,6 +165,22 @@ def method(settings: dict[str, Any]) -> str:
     )
 
 
+def sweep_method(settings: dict[str, Any]) -> str:
+    """How each row's learning rate was chosen, for ``report.md``."""
+    if settings.get("sweep", "1") == "1":
+        return ("**Learning rate.** Each optimizer trains at its default rate "
+                "(`opttx.bench.optimizers.HYPERPARAMS`): no sweep was run.")
+    return (
+        f"**Learning rate.** Each optimizer first trained {settings.get('sweep_steps', '?')} "
+        f"steps at each of {settings['sweep']} rates, its default times powers of 3, from the "
+        "same initialisation, on the training stream less its tail, and the rate with the "
+        "lowest loss on that tail (the validation split, as long as the held-out split) was "
+        "kept for the row's run. The held-out split of the table never took part in the "
+        "choice. A reference runs at its own default rate times its counterpart's chosen "
+        "multiple."
+    )
+
+
 def write_report(results: Results, out_dir: Path, settings: dict[str, Any]) -> list[str]:
     """Write ``report.md``, ``results.json`` and, with matplotlib, the plots.
 
@@ -128,6 +198,7 @@ def write_report(results: Results, out_dir: Path, settings: dict[str, Any]) -> l
         markdown_table(results),
         ("Plots: `loss.png` (training loss smoothed, held-out loss), `step_time.png`, "
          "`memory.png`."),
+        *_sweep_section(results),
         "## How it was measured",
         method(settings),
         "## Settings",
@@ -139,6 +210,22 @@ def write_report(results: Results, out_dir: Path, settings: dict[str, Any]) -> l
         sections += ["## Notes", "\n".join(f"- {n}" for n in notes)]
     (out_dir / "report.md").write_text("\n\n".join(sections) + "\n")
     return notes
+
+
+def _sweep_section(results: Results) -> list[str]:
+    """The sweep's heading, explanation and table in ``report.md``; none without a sweep."""
+    table = sweep_markdown_table(results)
+    if not table:
+        return []
+    return [
+        "## Learning-rate sweep",
+        ("Validation loss after each sweep run (the training stream's tail, not the "
+         "held-out split above), per learning rate tried: the default rate times the column's "
+         "factor. The lowest, in bold, is the rate of the row above. \"edge of the grid\": "
+         "the chosen rate is the smallest or largest tried, so a better one may lie beyond "
+         "it. inf or nan: that run failed or diverged."),
+        table,
+    ]
 
 
 def smoothed(values: list[float], beta: float = SMOOTHING) -> list[float]:

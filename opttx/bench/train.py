@@ -149,9 +149,10 @@ def _sync(device: torch.device) -> None:
 
 
 def start(name: str, build: Builder, corpus: Corpus, cfg: RunConfig,
-          par: Parallel = SINGLE) -> Run:
+          par: Parallel = SINGLE, first_eval: bool = True) -> Run:
     """A freshly initialised model with its optimizer (``build``: an opttx transformation,
-    made data parallel by ``par``, or a reference's builder), evaluated at step 0.
+    made data parallel by ``par``, or a reference's builder), evaluated at step 0 if
+    ``first_eval`` (the sweep's runs, scored at their end only, skip it).
 
     Every run uses the same seed, so all optimizers start from the same weights and see the
     same batches.
@@ -171,7 +172,8 @@ def start(name: str, build: Builder, corpus: Corpus, cfg: RunConfig,
     heldout = heldout_batches(corpus.heldout, cfg.batch_size, cfg.model.seq_len,
                               cfg.eval_batches, cfg.device)
     run = Run(name, model, step, eager, state, batches, heldout)
-    run.eval_curve.append([0, evaluate(model, heldout)])
+    if first_eval:
+        run.eval_curve.append([0, evaluate(model, heldout)])
     return run
 
 
