@@ -54,8 +54,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sweep", dest="sweep", action="store_const", const=1,
                    help="train at the default learning rates, with no sweep (--sweep 1)")
     p.add_argument("--sweep-steps", type=int, default=None,
-                   help="training steps of each sweep run (default: a third of --steps, "
-                   "at least 1; shorter than the final run, so that the demo with the sweep "
+                   help="training steps of each sweep run; None: a third of --steps, at "
+                   "least 1 (shorter than the final run, so that the demo with the sweep "
                    "takes about twice as long as without)")
     p.add_argument(
         "--references",
