@@ -44,13 +44,13 @@ def test_block_shapes_split_at_the_max_dim() -> None:
 @given(shape=st.lists(st.integers(1, 9), min_size=0, max_size=4).map(tuple),
        max_dim=st.integers(1, 12))
 def test_blocks_tile_the_tensor_and_round_trip(shape, max_dim) -> None:
-    from opttx.transforms.shampoo import _merge, _split
+    from opttx.transforms.blocking import merge_blocks, split_blocks
     x = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
-    blocks = _split(x, max_dim)
+    blocks = split_blocks(x, max_dim)
     assert [tuple(b.shape) for b in blocks] == opttx.block_shapes(shape, max_dim)
     assert sum(b.numel() for b in blocks) == x.numel()
     assert all(max(b.shape) <= max(max_dim, 1) or b.numel() == 1 for b in blocks)
-    assert torch.equal(_merge(blocks, shape, max_dim), x)
+    assert torch.equal(merge_blocks(blocks, shape, max_dim), x)
     identity = opttx.block_by_dims(opttx.identity(), max_dim)
     out, _ = identity.update({"x": x}, identity.init({"x": x}))
     assert torch.equal(out["x"], x)

@@ -71,8 +71,10 @@ from ..kernels import (cast_like, foreach, foreach_ema, is_fixed_zero, keeping_s
                        new_buffers)
 from ..tree import (PyTree, Static, flatten_matching, state_dtype, stats_like, tree_cond,
                     tree_flatten, tree_map, tree_structure, tree_unflatten)
-from .shampoo import (_chunks, _contract_factor, _decomposed, _filtered_gradient, _from_upper,
-                      _prepared_factor, _update_factors, meta_bias_correction)
+from .blocking import chunks
+from .grafting import filtered_gradient, meta_bias_correction
+from .kronecker_factors import (contract_factor, decompose_factor, from_upper, prepared_factor,
+                                update_factors)
 
 __all__ = ["EigenvalueCorrectedState", "merge_dims_heavyball", "merge_dims_soap",
            "precondition_eigenvalue_corrected"]
@@ -100,7 +102,7 @@ class EigenvalueCorrectedState(NamedTuple):
 
 @dataclass(frozen=True, eq=False)
 class _FactorDecay:
-    """The decay and weight of the factors, as `shampoo._update_factors` reads them."""
+    """The decay and weight of the factors, as `update_factors` reads them."""
     beta2: Any
     weight: Any
     symmetric_packing: bool = False   # SOAP keeps full factors
@@ -360,13 +362,13 @@ def _weight(beta: Any, drop: bool) -> Any:
 
 
 def _factors_after(g: torch.Tensor, fs: tuple, cfg: _ECConfig) -> tuple:
-    """Shampoo's factor update (`shampoo._update_factors`); with an injected decay the same
+    """Shampoo's factor update (`update_factors`); with an injected decay the same
     sum written for tensors."""
     if _number(cfg.factor.beta2):
-        return _update_factors(g, fs, cfg.factor)
+        return update_factors(g, fs, cfg.factor)
     g = g.reshape(g.shape or (1,)).to(state_dtype(g))
     return tuple(f if f.shape[0] != g.shape[k] else
-                 (f * cfg.factor.beta2 + cfg.factor.weight * _contract_factor(g, k)).to(f.dtype)
+                 (f * cfg.factor.beta2 + cfg.factor.weight * contract_factor(g, k)).to(f.dtype)
                  for k, f in enumerate(fs))
 
 
@@ -471,9 +473,9 @@ def _new_basis(f: torch.Tensor, q_old: torch.Tensor, scale: torch.Tensor | None,
                cfg: _ECConfig, method: str) -> torch.Tensor:
     """The eigenbasis of one factor (``eigh`` or Meta's QR), computed as Meta computes it;
     the old basis is kept when the factor or the result is not finite."""
-    a, finite = _prepared_factor(f, scale, cfg)
-    return _decomposed(a, finite, q_old, None, cfg.perturb_before, cfg.epsilon,
-                       "qr" if method == "qr" else "eigh", cfg.qr_iterations, cfg.tolerance)[1]
+    a, finite = prepared_factor(f, scale, cfg)
+    return decompose_factor(a, finite, q_old, None, cfg.perturb_before, cfg.epsilon,
+                            "qr" if method == "qr" else "eigh", cfg.qr_iterations, cfg.tolerance)[1]
 
 
 def _refresh(factors: list[tuple], bases: list[tuple], scale: torch.Tensor | None,
@@ -496,7 +498,7 @@ def _power_refresh(factors: list[tuple], bases: list[tuple], nu: list[torch.Tens
             if not q.shape[0]:
                 out.append(q)
                 continue
-            f = _from_upper(f)
+            f = from_upper(f)
             product = f @ q.to(f.dtype)
             order = torch.argsort((q.to(f.dtype) * product).sum(dim=0), descending=True)
             v = v.index_select(k, order)
@@ -556,7 +558,7 @@ def _first_moment(g: list[torch.Tensor], mu: list[torch.Tensor], steps: torch.Te
     ``(beta3 m_{t-1} + (1 - beta3) g) / (1 - beta3 beta1^{t-1})`` (float32 correction);
     ``"soap"``, Adam's ``m_t / (1 - beta1^t)`` (float64 correction, Adam's step count)."""
     if cfg.schedule == "meta":
-        return _filtered_gradient(mu, g, cfg.beta1, cfg.beta3, steps, cfg.moment_correction)
+        return filtered_gradient(mu, g, cfg.beta1, cfg.beta3, steps, cfg.moment_correction)
     mu = foreach_ema(mu, g, cfg.beta1)
     if not cfg.moment_correction:
         return mu, list(mu)
@@ -669,8 +671,8 @@ def _update_ec(updates: Updates, state: EigenvalueCorrectedState, target: Update
         g, x, nu, mu = ([t.reshape(m) for t, m in zip(ts, merged)] for ts in (g, x, nu, mu))
     orders = [max(gi.dim(), 1) for gi in g]
     who = "precondition_eigenvalue_corrected"
-    factors = [tuple(c) for c in _chunks(tree_flatten(state.factors)[0], orders, who)]
-    bases = [tuple(c) for c in _chunks(tree_flatten(state.bases)[0], orders, who)]
+    factors = [tuple(c) for c in chunks(tree_flatten(state.factors)[0], orders, who)]
+    bases = [tuple(c) for c in chunks(tree_flatten(state.bases)[0], orders, who)]
     count = safe_increment(state.count)
     step = _meta_step if cfg.schedule == "meta" else _soap_step
     out, factors, bases, nu, mu = step(g, x, factors, bases, nu, mu, count, cfg)
