@@ -15,7 +15,9 @@ transforms, use `built` with a function that builds them.
 
 What the machinery needs from a transform is read from its declared `Traits`; an entry only
 says what the traits cannot: that a transform does not run under `opttx.stacked` (and why),
-or that it is not run distributed (and why).
+that it is not run distributed (and why), or that a NaN in a gradient does something else
+than propagate to that leaf's update (``nonfinite=``: docs/guide/faults.md lists these
+entries, and a test checks the page against the registry).
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ class Case:
     known_bugs: tuple[tuple[str, str], ...] = ()
     """(property, why): a property this entry fails today, run as a strict xfail (it
     fails the suite once fixed, so the entry is updated)."""
+    nonfinite: str = "propagates"
+    """How the entry answers one NaN element in a matrix's gradient (one of
+    `opttx.conformance.NONFINITE_BEHAVIOURS`): by default the leaf's update holds a NaN at
+    that step; docs/guide/faults.md lists the entries that declare another behaviour."""
 
     @property
     def public_name(self) -> str:
@@ -68,18 +74,21 @@ class Case:
 
 def case(name: str, factory: Callable[..., opttx.GradientTransformation], /,
          stacked: str | None = None, distributed: str | None = None, covers: tuple = (),
-         matrices_only: bool = False, known_bugs: tuple = (), **kwargs: Any) -> Case:
+         matrices_only: bool = False, known_bugs: tuple = (), nonfinite: str = "propagates",
+         **kwargs: Any) -> Case:
     """``factory(**kwargs)``, whose numeric keyword arguments may be injected."""
     return Case(name, lambda: factory(**kwargs), factory, dict(kwargs), stacked, distributed,
-                covers, matrices_only, known_bugs)
+                covers, matrices_only, known_bugs, nonfinite)
 
 
 def built(name: str, make: Callable[[], opttx.GradientTransformation], /,
           stacked: str | None = None, distributed: str | None = None,
-          covers: tuple = (), matrices_only: bool = False) -> Case:
+          covers: tuple = (), matrices_only: bool = False,
+          nonfinite: str = "propagates") -> Case:
     """A transform built by ``make`` (combinators and wrappers, whose arguments are
     transforms)."""
-    return Case(name, make, None, {}, stacked, distributed, covers, matrices_only)
+    return Case(name, make, None, {}, stacked, distributed, covers, matrices_only,
+                nonfinite=nonfinite)
 
 
 def _is_matrix(tree: Any) -> Any:
@@ -88,6 +97,26 @@ def _is_matrix(tree: Any) -> Any:
 
 def _labels(tree: Any) -> Any:
     return opttx.tree.tree_map(lambda x: "matrix" if x.ndim >= 2 else "vector", tree)
+
+
+def _is_2d(tree: Any) -> Any:
+    return opttx.tree.tree_map(lambda x: x.ndim == 2, tree)
+
+
+def _qk_roles(tree: Any) -> Any:
+    """w (6 rows) as a fused QKV of 2 heads of 1 row (GQA: 2 key heads), v as 2 query heads."""
+    return {k: opttx.QKWeight("attn", "qkv", 2) if k == "w" else
+            opttx.QKWeight("attn", "q", 2) if k == "v" else None for k in tree}
+
+
+def _with_logits(tx: opttx.GradientTransformation) -> opttx.GradientTransformation:
+    """``tx`` given the per-head maximum logits of a step in ``extra_args`` (head 0 above the
+    threshold 100, head 1 below)."""
+    def update(updates, state, params=None, **extra_args):
+        logits = {"attn": torch.tensor([150.0, 50.0])}
+        return tx.update(updates, state, params, **{**extra_args,
+                                                    "max_attention_logits": logits})
+    return opttx.GradientTransformation(tx.init, update, tx.traits)
 
 
 def _ademamix_alpha_warmup(count: Any) -> Any:
@@ -118,11 +147,11 @@ def guide() -> dict[str, Any]:
 _VMAP_COND = "data-dependent control flow on per-slice values (vmap refuses it)"
 
 
-@opttx.declare(hyperparams={"learning_rate": opttx.HyperRole.LEARNING_RATE,
-                            "decay": opttx.HyperRole.MOMENTUM})
+@opttx.extend.declare(hyperparams={"learning_rate": opttx.extend.HyperRole.LEARNING_RATE,
+                                   "decay": opttx.extend.HyperRole.MOMENTUM})
 def declared_momentum(learning_rate: float, decay: float = 0.9,
                       nesterov: bool = False) -> opttx.GradientTransformation:
-    """A user's factory declared with `opttx.declare` (hyperparameters and their roles)."""
+    """A user's factory declared with `opttx.extend.declare` (hyperparameters and their roles)."""
     return opttx.chain(opttx.trace(decay, nesterov), opttx.scale_by_learning_rate(learning_rate))
 
 
@@ -146,6 +175,7 @@ def _came_stored(fmt: str) -> opttx.GradientTransformation:
     compressed; the row and column statistics are not shaped like the leaf and stay fp32."""
     return opttx.chain(_stored(opttx.scale_by_came(min_dim_size_to_factor=2), fmt),
                        opttx.add_decayed_weights(0.01), opttx.scale_by_learning_rate(1e-3))
+
 
 CASES: list[Case] = [
     # --- aliases --------------------------------------------------------------------------
@@ -217,6 +247,26 @@ CASES: list[Case] = [
     case("mars", opttx.mars, learning_rate=LR, weight_decay=0.01, weight_decay_1d=0.01),
     case("mars/lion", opttx.mars, learning_rate=1e-3, optimizer="lion", optimize_1d=True),
     case("prodigy", opttx.prodigy, learning_rate=1.0, weight_decay=0.01, estim_lr0=1e-3),
+    case("muon/momentum_8bit", opttx.muon, learning_rate=LR, muon_mask=_is_2d,
+         momentum_8bit=True),
+    built("muon/polar_express_split", lambda: opttx.muon(
+        LR, method="polar_express", muon_mask=_is_2d, split=lambda p: opttx.tree.tree_map(
+            lambda x: 2 if x.shape[-2] % 2 == 0 else None, p))),
+    case("normuon", opttx.normuon, learning_rate=LR, weight_decay=0.01),
+    case("normuon/nesterov_rms", opttx.normuon, learning_rate=LR, nesterov=True,
+         adjust_lr="rms_norm", method="gram_newton_schulz"),
+    case("adamuon", opttx.adamuon, learning_rate=LR, weight_decay=0.01),
+    case("adamuon/sign", opttx.adamuon, learning_rate=LR, sign=True, consistent_rms=None),
+    # fractions that decide shapes are given as Fraction, which inject_hyperparams keeps static
+    case("dion", opttx.dion, learning_rate=LR, rank_fraction=Fraction(1, 2),
+         weight_decay=0.01),
+    case("dion/power_iters", opttx.dion, learning_rate=LR, rank_fraction=Fraction(1),
+         power_iters=2),
+    case("dion2", opttx.dion2, learning_rate=LR, fraction=Fraction(1, 2), weight_decay=0.01),
+    built("muon_clip", lambda: _with_logits(opttx.muon_clip(LR, _qk_roles,
+                                                            muon_mask=_is_2d))),
+    case("kron", opttx.kron, learning_rate=LR, weight_decay=0.01, max_size_triangular=5,
+         memory_save_mode="smart_one_diag"),
     # --- transforms -----------------------------------------------------------------------
     case("scale_by_adam", opttx.scale_by_adam, b1=0.8, b2=0.99),
     case("adopt", opttx.adopt, learning_rate=LR, weight_decay=0.01, nesterov=True),
@@ -227,8 +277,25 @@ CASES: list[Case] = [
     case("scale_by_adamax", opttx.scale_by_adamax, b1=0.8),
     case("scale_by_belief", opttx.scale_by_belief, eps=1e-8),
     case("orthogonalize", opttx.orthogonalize, ns_steps=5, matrices_only=True),
-    built("orthogonalize/svd", lambda: opttx.orthogonalize(method="svd"), matrices_only=True),
+    built("orthogonalize/svd", lambda: opttx.orthogonalize(method="svd"), matrices_only=True,
+          nonfinite="raises"),
     case("scale_by_shape", opttx.scale_by_shape, consistent_rms=0.2, matrices_only=True),
+    case("orthogonalize/polar_express", opttx.orthogonalize, method="polar_express",
+         matrices_only=True),
+    # split given as a function of the params: built, since inject_hyperparams would take a
+    # function of one argument named split for a schedule
+    built("orthogonalize/gram_split", lambda: opttx.orthogonalize(
+        method="gram_newton_schulz", split=lambda p: opttx.tree.tree_map(
+            lambda x: (2, x.shape[-2] - 2) if x.ndim == 2 and x.shape[-2] > 2 else None, p)),
+        matrices_only=True),
+    case("scale_by_neuron_rms", opttx.scale_by_neuron_rms, b2=0.9, matrices_only=True),
+    case("scale_to_orthogonal_norm", opttx.scale_to_orthogonal_norm, matrices_only=True),
+    built("scale_by_dion", lambda: opttx.masked(opttx.scale_by_dion(0.5), _is_2d)),
+    case("scale_by_dion2", opttx.scale_by_dion2, fraction=Fraction(1, 2), matrices_only=True),
+    built("clip_qk", lambda: _with_logits(opttx.clip_qk(_qk_roles, threshold=100.0)),
+          covers=("QKWeight",)),
+    case("scale_by_kron", opttx.scale_by_kron, preconditioner_update_probability=0.5,
+         balance_every=2),
     case("scale_by_mars", opttx.scale_by_mars, gamma=0.025, b1=0.9, max_norm=0.3),
     case("scale_by_prodigy", opttx.scale_by_prodigy, estim_lr0=1e-3, growth_rate=2.0),
     built("cautious", lambda: opttx.cautious(opttx.adamw(LR, weight_decay=0.01))),
@@ -259,7 +326,8 @@ CASES: list[Case] = [
     case("clip", opttx.clip, max_delta=0.3),
     case("clip_by_block_rms", opttx.clip_by_block_rms, threshold=0.3),
     case("clip_by_global_norm", opttx.clip_by_global_norm, max_norm=0.3),
-    built("zero_nans", opttx.zero_nans),     # its per-leaf flags: Role.PER_LEAF_SCALAR
+    built("zero_nans", opttx.zero_nans,      # its per-leaf flags: Role.PER_LEAF_SCALAR
+          nonfinite="zeroes"),
     case("scale_by_factored_rms", opttx.scale_by_factored_rms, min_dim_size_to_factor=2),
     case("scale_by_came", opttx.scale_by_came, min_dim_size_to_factor=2),
     case("clip_by_rms", opttx.clip_by_rms, threshold=1.0),
@@ -292,7 +360,7 @@ CASES: list[Case] = [
       for fmt in _STATE_FORMATS],
     # --- combinators and wrappers ---------------------------------------------------------
     built("identity", opttx.identity),
-    built("set_to_zero", opttx.set_to_zero),
+    built("set_to_zero", opttx.set_to_zero, nonfinite="ignores"),
     built("stateless", lambda: opttx.stateless(
         lambda u, p: opttx.tree.tree_map(lambda x: 2 * x, u))),
     built("stateless_with_tree_map", lambda: opttx.stateless_with_tree_map(
@@ -302,17 +370,19 @@ CASES: list[Case] = [
     built("named_chain", lambda: opttx.named_chain(("adam", opttx.scale_by_adam()),
                                                    ("lr", opttx.scale(-LR)))),
     built("masked", lambda: opttx.masked(opttx.adam(LR), _is_matrix)),
-    built("freeze", lambda: opttx.freeze(_is_matrix)),
+    built("freeze", lambda: opttx.freeze(_is_matrix), nonfinite="ignores"),
     built("partition", lambda: opttx.partition({"matrix": opttx.adafactor(
         LR, min_dim_size_to_factor=2), "vector": opttx.adamw(LR)}, _labels)),
     built("multi_transform", lambda: opttx.multi_transform(
         {"matrix": opttx.sgd(LR), "vector": opttx.adam(LR)}, _labels)),
     built("inject_hyperparams", lambda: opttx.inject_hyperparams(opttx.adamw)(
         learning_rate=opttx.linear_schedule(LR, LR / 10, 5), weight_decay=0.1)),
-    built("apply_if_finite", lambda: opttx.apply_if_finite(opttx.adam(LR), 3)),
-    built("apply_if_finite/check_state", lambda: opttx.apply_if_finite(opttx.adam(LR), 3,
-                                                                       check_state=True)),
-    built("MultiSteps", lambda: opttx.MultiSteps(opttx.adam(LR), 2).gradient_transformation()),
+    built("apply_if_finite", lambda: opttx.apply_if_finite(opttx.adam(LR), 3),
+          nonfinite="skips"),
+    built("apply_if_finite/check_state", lambda: opttx.apply_if_finite(
+        opttx.adam(LR), 3, check_state=True), nonfinite="skips"),
+    built("MultiSteps", lambda: opttx.MultiSteps(opttx.adam(LR), 2).gradient_transformation(),
+          nonfinite="at_boundary"),
     built("flatten", lambda: opttx.flatten(opttx.adamw(LR, weight_decay=0.1))),
     # declarations: a user's declared factory, and a built chain with its hyperparameters
     # injected from the declarations
@@ -328,74 +398,6 @@ CASES: list[Case] = [
          guide()["scale_to_global_rms"], {"rms": 2.0}, covers=("stateless_with_extra_args",)),
     Case("guide/scale_by_adan", lambda: guide()["scale_by_adan"](b1=0.9),
          guide()["scale_by_adan"], {"b1": 0.9}),
-]
-
-# --- the Muon family ----------------------------------------------------------------------
-
-
-def _is_2d(tree: Any) -> Any:
-    return opttx.tree.tree_map(lambda x: x.ndim == 2, tree)
-
-
-CASES += [
-    case("normuon", opttx.normuon, learning_rate=LR, weight_decay=0.01),
-    case("normuon/nesterov_rms", opttx.normuon, learning_rate=LR, nesterov=True,
-         adjust_lr="rms_norm", method="gram_newton_schulz"),
-    case("adamuon", opttx.adamuon, learning_rate=LR, weight_decay=0.01),
-    case("adamuon/sign", opttx.adamuon, learning_rate=LR, sign=True, consistent_rms=None),
-    # fractions that decide shapes are given as Fraction, which inject_hyperparams keeps static
-    case("dion", opttx.dion, learning_rate=LR, rank_fraction=Fraction(1, 2),
-         weight_decay=0.01),
-    case("dion/power_iters", opttx.dion, learning_rate=LR, rank_fraction=Fraction(1),
-         power_iters=2),
-    case("dion2", opttx.dion2, learning_rate=LR, fraction=Fraction(1, 2), weight_decay=0.01),
-    built("scale_by_dion", lambda: opttx.masked(opttx.scale_by_dion(0.5), _is_2d)),
-    case("scale_by_dion2", opttx.scale_by_dion2, fraction=Fraction(1, 2), matrices_only=True),
-    case("scale_by_neuron_rms", opttx.scale_by_neuron_rms, b2=0.9, matrices_only=True),
-    case("scale_to_orthogonal_norm", opttx.scale_to_orthogonal_norm, matrices_only=True),
-    case("orthogonalize/polar_express", opttx.orthogonalize, method="polar_express",
-         matrices_only=True),
-    # split given as a function of the params: built, since inject_hyperparams would take a
-    # function of one argument named split for a schedule
-    built("orthogonalize/gram_split", lambda: opttx.orthogonalize(
-        method="gram_newton_schulz", split=lambda p: opttx.tree.tree_map(
-            lambda x: (2, x.shape[-2] - 2) if x.ndim == 2 and x.shape[-2] > 2 else None, p)),
-        matrices_only=True),
-    built("muon/polar_express_split", lambda: opttx.muon(
-        LR, method="polar_express", muon_mask=_is_2d, split=lambda p: opttx.tree.tree_map(
-            lambda x: 2 if x.shape[-2] % 2 == 0 else None, p))),
-]
-
-def _qk_roles(tree: Any) -> Any:
-    """w (6 rows) as a fused QKV of 2 heads of 1 row (GQA: 2 key heads), v as 2 query heads."""
-    return {k: opttx.QKWeight("attn", "qkv", 2) if k == "w" else
-            opttx.QKWeight("attn", "q", 2) if k == "v" else None for k in tree}
-
-
-def _with_logits(tx: opttx.GradientTransformation) -> opttx.GradientTransformation:
-    """``tx`` given the per-head maximum logits of a step in ``extra_args`` (head 0 above the
-    threshold 100, head 1 below)."""
-    def update(updates, state, params=None, **extra_args):
-        logits = {"attn": torch.tensor([150.0, 50.0])}
-        return tx.update(updates, state, params, **{**extra_args,
-                                                    "max_attention_logits": logits})
-    return opttx.GradientTransformation(tx.init, update, tx.traits)
-
-
-CASES += [
-    built("clip_qk", lambda: _with_logits(opttx.clip_qk(_qk_roles, threshold=100.0)),
-          covers=("QKWeight",)),
-    built("muon_clip", lambda: _with_logits(opttx.muon_clip(LR, _qk_roles,
-                                                            muon_mask=_is_2d))),
-]
-
-CASES += [
-    case("muon/momentum_8bit", opttx.muon, learning_rate=LR, muon_mask=_is_2d,
-         momentum_8bit=True),
-    case("kron", opttx.kron, learning_rate=LR, weight_decay=0.01, max_size_triangular=5,
-         memory_save_mode="smart_one_diag"),
-    case("scale_by_kron", opttx.scale_by_kron, preconditioner_update_probability=0.5,
-         balance_every=2),
 ]
 
 BY_NAME: dict[str, Case] = {c.name: c for c in CASES}

@@ -5,7 +5,7 @@ shapes, float64 determinism, one compiled graph with no recompile when injected
 hyperparameters change, compiled equal to eager, `stacked` equal to per-leaf (or refused),
 checkpoint keys and a save/load round trip, clear errors on integer leaves and mismatched
 trees, degenerate shapes (zero-size, 1×N, N×1, 0-D leaves), a NaN gradient element never
-hidden (the behaviour docs/guide/faults.md lists per entry), no state sharing memory with its
+hidden (the behaviour each entry declares, docs/guide/faults.md), no state sharing memory with its
 inputs; and, on 2 gloo ranks in one spawn, `sharded` and `zero` equal to one device (a few
 entries on the degenerate shapes in a second spawn)."""
 
@@ -354,14 +354,14 @@ def test_degenerate_shapes_give_finite_updates_of_their_shapes(case: Case) -> No
     conformance.check_degenerate_shapes(case.make, degenerate_params_of(case), case.name)
 
 
-def nonfinite_behaviours() -> dict[str, str]:
-    """docs/guide/faults.md's table of how each registry entry answers a NaN gradient:
-    {entry: behaviour}."""
+def faults_page_exceptions() -> dict[str, str]:
+    """docs/guide/faults.md's table of the registry entries that do not propagate a NaN
+    gradient: {entry: behaviour}."""
     import pathlib
     import re
     page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "guide" / "faults.md"
     text = page.read_text().split("### Non-finite gradients, entry by entry")[1]
-    table = text.split("\n\n")[2]
+    table = next(block for block in text.split("\n\n") if block.startswith("| behaviour"))
     out: dict[str, str] = {}
     for row in table.splitlines()[2:]:          # | `behaviour` | meaning | `entry`, ... |
         cells = [c.strip() for c in row.strip().strip("|").split("|")]
@@ -372,27 +372,31 @@ def nonfinite_behaviours() -> dict[str, str]:
     return out
 
 
-def test_faults_guide_lists_every_entry_with_one_nonfinite_behaviour() -> None:
-    listed = nonfinite_behaviours()
-    assert set(listed.values()) <= set(conformance.NONFINITE_BEHAVIOURS), listed
-    missing = sorted(set(IDS) - set(listed))
-    unknown = sorted(set(listed) - set(IDS))
-    assert not missing and not unknown, (
-        f"docs/guide/faults.md, 'Non-finite gradients, entry by entry': add {missing}, "
-        f"remove {unknown}")
+def test_registry_declares_known_nonfinite_behaviours_and_faults_guide_lists_them() -> None:
+    """Each entry declares one of `opttx.conformance.NONFINITE_BEHAVIOURS` (``nonfinite=``,
+    "propagates" by default), and docs/guide/faults.md lists exactly the entries that declare
+    another one, with the behaviour they declare."""
+    unknown = {c.name: c.nonfinite for c in CASES
+               if c.nonfinite not in conformance.NONFINITE_BEHAVIOURS}
+    assert not unknown, f"tests/registry.py: unknown nonfinite= behaviours {unknown}"
+    declared = {c.name: c.nonfinite for c in CASES if c.nonfinite != "propagates"}
+    listed = faults_page_exceptions()
+    assert listed == declared, (
+        "docs/guide/faults.md, 'Non-finite gradients, entry by entry', must list the entries "
+        f"that tests/registry.py declares with nonfinite=: the registry says {declared}, the "
+        f"page says {listed}")
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_a_nan_gradient_is_never_hidden(case: Case) -> None:
     """One NaN element in a matrix's gradient: the entry's update holds a NaN at that step,
-    or the entry does what docs/guide/faults.md lists for it (apply_if_finite skips the
-    step, zero_nans zeroes the element, MultiSteps shows it at its boundary, an SVD
-    raises)."""
-    behaviour = nonfinite_behaviours().get(case.name, "propagates")
+    or the entry does what its registry line declares (``nonfinite=``, listed in
+    docs/guide/faults.md: apply_if_finite skips the step, zero_nans zeroes the element,
+    MultiSteps shows it at its boundary, an SVD raises)."""
     params = params_of(case)
     if case.name == "stacked":
         params = opttx.StackedParams({"w": params["w"], "v": params["v"]}).buffers
-    conformance.check_nonfinite_gradients(case.make, params, behaviour, case.name)
+    conformance.check_nonfinite_gradients(case.make, params, case.nonfinite, case.name)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
