@@ -149,9 +149,9 @@ def test_roles_give_quantize_state_its_maps() -> None:
     of the float32 state: m1 and m2 (FIRST_MOMENT) on the signed map, nu (SECOND_MOMENT) on
     the unsigned one (and those codes differ from the other map's)."""
     inner = opttx.scale_by_ademamix(b3=0.99)
-    roles = opttx.state_roles(inner.init({"w": torch.zeros(2)}))
-    assert roles == {"count": opttx.Role.COUNT, "m1": opttx.Role.FIRST_MOMENT,
-                     "m2": opttx.Role.FIRST_MOMENT, "nu": opttx.Role.SECOND_MOMENT}
+    roles = opttx.extend.state_roles(inner.init({"w": torch.zeros(2)}))
+    assert roles == {"count": opttx.extend.Role.COUNT, "m1": opttx.extend.Role.FIRST_MOMENT,
+                     "m2": opttx.extend.Role.FIRST_MOMENT, "nu": opttx.extend.Role.SECOND_MOMENT}
     params = {"w": torch.randn(64, 80), "b": torch.randn(10)}
     grads = {k: torch.randn_like(v) for k, v in params.items()}
     tx = opttx.quantize_state(inner)

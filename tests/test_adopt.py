@@ -109,13 +109,13 @@ def test_first_step_records_the_second_moment_and_moves_nothing() -> None:
 def test_roles_give_quantize_state_its_maps() -> None:
     state = opttx.scale_by_adopt().init({"w": torch.zeros(2, 3, dtype=torch.bfloat16)})
     assert state.mu["w"].dtype == torch.float32 and state.nu["w"].dtype == torch.float32
-    roles = opttx.state_roles(state)
-    assert roles == {"count": opttx.Role.COUNT, "mu": opttx.Role.FIRST_MOMENT,
-                     "nu": opttx.Role.SECOND_MOMENT}
+    roles = opttx.extend.state_roles(state)
+    assert roles == {"count": opttx.extend.Role.COUNT, "mu": opttx.extend.Role.FIRST_MOMENT,
+                     "nu": opttx.extend.Role.SECOND_MOMENT}
     tx = opttx.quantize_state(opttx.scale_by_adopt(), min_size=16, block_size=8)
     q = tx.init({"w": torch.zeros(8, 4)}).quantized[0]
     assert q.mu.codes.dtype == torch.uint8 and q.nu.codes.dtype == torch.uint8
-    assert opttx.traits_of(opttx.scale_by_adopt()).elementwise
+    assert opttx.extend.traits_of(opttx.scale_by_adopt()).elementwise
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -95,7 +95,7 @@ def test_mask_and_rescaling() -> None:
                         min_fraction=0.5)
     out, _ = tx.update(g, tx.init(g))
     assert torch.equal(out["w"], torch.zeros(5, dtype=torch.float64))
-    assert not opttx.traits_of(tx).elementwise
+    assert not opttx.extend.traits_of(tx).elementwise
 
 
 def make_cautious():

@@ -321,7 +321,7 @@ def _sharded_factored(root: Path, rank: int, world: int, results: dict) -> None:
 
 class _RowSumsState(NamedTuple):
     rows: Any      # per leaf: a running sum of g² over its last dim, on the local shard
-    __roles__ = opttx.declare_roles(rows=opttx.Role.FACTORED_MOMENT)
+    __roles__ = opttx.extend.declare_roles(rows=opttx.extend.Role.FACTORED_MOMENT)
 
 
 def _row_sums() -> opttx.GradientTransformation:
@@ -333,7 +333,7 @@ def _row_sums() -> opttx.GradientTransformation:
     def update(updates: Any, state: _RowSumsState, params: Any = None, **extra: Any):
         return updates, _RowSumsState(rows=tree_map(lambda r, g: r + g.square().sum(-1),
                                                     state.rows, updates))
-    return opttx.GradientTransformation(init, update, opttx.LEAFWISE)
+    return opttx.GradientTransformation(init, update, opttx.extend.LEAFWISE)
 
 
 def _optimizer_dtensors(root: Path, world: int, results: dict) -> None:

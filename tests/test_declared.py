@@ -205,8 +205,8 @@ def test_every_form_pickles_and_deep_copies(form) -> None:
         opt = FORMS[form](params)
         run(opt, params, grads[:2])
     tx = opttx.chain(opttx.clip_by_global_norm(1.0), opttx.adamw(1e-2))
-    assert opttx.describe_transform(pickle.loads(pickle.dumps(tx))) == \
-        opttx.describe_transform(tx)
+    assert opttx.extend.describe_transform(pickle.loads(pickle.dumps(tx))) == \
+        opttx.extend.describe_transform(tx)
 
 
 @pytest.mark.parametrize("form", ["built", "chain"])
@@ -357,15 +357,15 @@ def test_functional_checkpoints_name_their_maker_and_are_refused_elsewhere() -> 
 
 
 def test_declarations_are_checked_when_the_factory_is_decorated() -> None:
-    """`opttx.declare` refuses names that are not arguments and roles that are not
-    `opttx.HyperRole`; an undeclared transform has no recipe and does not pickle, saying
+    """`opttx.extend.declare` refuses names that are not arguments and roles that are not
+    `opttx.extend.HyperRole`; an undeclared transform has no recipe and does not pickle, saying
     how to fix it."""
     with pytest.raises(TypeError, match="no argument"):
-        opttx.declare(hyperparams={"lr": opttx.HyperRole.LEARNING_RATE})(
+        opttx.extend.declare(hyperparams={"lr": opttx.extend.HyperRole.LEARNING_RATE})(
             lambda learning_rate: opttx.sgd(learning_rate))
     with pytest.raises(TypeError, match="HyperRole"):
-        opttx.declare(hyperparams={"learning_rate": "lr"})
+        opttx.extend.declare(hyperparams={"learning_rate": "lr"})
     bare = opttx.GradientTransformation(lambda p: (), lambda u, s, p=None, **k: (u, s))
-    assert opttx.recipe_of(bare) is None
+    assert opttx.extend.recipe_of(bare) is None
     with pytest.raises(TypeError, match="opttx.declare"):
         pickle.dumps(bare)

@@ -618,7 +618,7 @@ def test_offload_chunk_size_must_be_a_finite_positive_number(size) -> None:
 
 
 def test_a_user_factory_configuration_is_checked_where_it_reaches_the_state() -> None:
-    """A declared factory of a user over opttx's chain (as in `opttx.declare`'s docstring,
+    """A declared factory of a user over opttx's chain (as in `opttx.extend.declare`'s docstring,
     with ``decay`` left as configuration): functionally, ``update`` checks the stamps of the
     transforms that built the state, so ``nesterov`` (trace's configuration) is refused
     naming both values, while ``decay`` (trace's hyperparameter) is accepted: the state fits
@@ -628,7 +628,7 @@ def test_a_user_factory_configuration_is_checked_where_it_reaches_the_state() ->
     docs/design.md section 3)."""
     from typing import NamedTuple
 
-    @opttx.declare(hyperparams={"learning_rate": opttx.HyperRole.LEARNING_RATE})
+    @opttx.extend.declare(hyperparams={"learning_rate": opttx.extend.HyperRole.LEARNING_RATE})
     def my_momentum(learning_rate: float, decay: float = 0.9, nesterov: bool = False):
         return opttx.chain(opttx.trace(decay, nesterov),
                            opttx.scale_by_learning_rate(learning_rate))
@@ -647,10 +647,10 @@ def test_a_user_factory_configuration_is_checked_where_it_reaches_the_state() ->
 
     class ScaledState(NamedTuple):
         count: torch.Tensor
-        made_by: opttx.Static = opttx.Static()
-        __roles__ = opttx.declare_roles(count=opttx.Role.COUNT)
+        made_by: opttx.extend.Static = opttx.extend.Static()
+        __roles__ = opttx.extend.declare_roles(count=opttx.extend.Role.COUNT)
 
-    @opttx.declare()
+    @opttx.extend.declare()
     def my_scale(factor: float = 2.0) -> opttx.GradientTransformation:
         def init(params):
             return ScaledState(count=torch.zeros((), dtype=torch.int32))

@@ -113,9 +113,9 @@ def test_bf16_keeps_float32_state_and_returns_bf16() -> None:
     assert state.prev_grad["w"].dtype == torch.float32
     out, state = tx.update(tree, state)
     assert out["w"].dtype == torch.bfloat16
-    assert opttx.state_roles(state)["prev_grad"] is opttx.Role.FIRST_MOMENT
-    assert opttx.traits_of(tx).per_leaf and not opttx.traits_of(tx).elementwise
-    assert opttx.traits_of(opttx.scale_by_mars(max_norm=None)).elementwise
+    assert opttx.extend.state_roles(state)["prev_grad"] is opttx.extend.Role.FIRST_MOMENT
+    assert opttx.extend.traits_of(tx).per_leaf and not opttx.extend.traits_of(tx).elementwise
+    assert opttx.extend.traits_of(opttx.scale_by_mars(max_norm=None)).elementwise
 
 
 def make_mars():

@@ -244,7 +244,7 @@ def test_declared_traits_and_empty_state() -> None:
     """orthogonalize needs whole matrices; scale_by_shape reads only the whole shapes (which
     `opttx.distributed.sharded` knows), so it runs on local shards."""
     for tx, whole in ((opttx.orthogonalize(), True), (opttx.scale_by_shape(), False)):
-        traits = opttx.traits_of(tx)
+        traits = opttx.extend.traits_of(tx)
         assert traits.whole_leaves is whole and traits.per_leaf and not traits.elementwise
         assert tx.init({"w": torch.zeros(2, 3)}) == opttx.EmptyState()
 

@@ -163,7 +163,7 @@ RUN = [c for c in CASES if c.distributed is None]
 # (Prodigy's estimate, the injected max_norm of a global-norm clip at the head of
 # inject_all_hyperparams's chain; muon_clip's QK-clip reads the whole tree after the step),
 # and flatten's state packed across leaves. apply_if_finite is declared to wrap its inner
-# transform (opttx.declare's wraps): offload runs the chunks inside it
+# transform (opttx.extend.declare's wraps): offload runs the chunks inside it
 REFUSED_AT_INIT = {"prodigy", "scale_by_prodigy", "flatten", "inject_all_hyperparams",
                    "muon_clip"}
 

@@ -214,13 +214,13 @@ def test_train_step_compiles_to_one_graph() -> None:
 
 def test_declared_traits_and_roles() -> None:
     tx = opttx.scale_by_prodigy()
-    assert opttx.traits_of(tx).across_leaves and not opttx.traits_of(tx).per_leaf
+    assert opttx.extend.traits_of(tx).across_leaves and not opttx.extend.traits_of(tx).per_leaf
     state = tx.init({"w": torch.zeros(2, 3, dtype=torch.bfloat16)})
     assert state.exp_avg["w"].dtype == torch.float32 and state.params0["w"].dtype == \
         torch.float32
-    roles = opttx.state_roles(state)
-    assert roles["estim_lr"] is opttx.Role.SCALAR and roles["params0"] is \
-        opttx.Role.PARAMS_LIKE and roles["count"] is opttx.Role.COUNT
+    roles = opttx.extend.state_roles(state)
+    assert roles["estim_lr"] is opttx.extend.Role.SCALAR and roles["params0"] is \
+        opttx.extend.Role.PARAMS_LIKE and roles["count"] is opttx.extend.Role.COUNT
     # flip_sign: prodigy is the negated step
     tree = {"w": torch.randn(3, 2, dtype=torch.float64)}
     g = {"w": torch.randn(3, 2, dtype=torch.float64)}

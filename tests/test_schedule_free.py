@@ -190,12 +190,12 @@ def test_low_precision_params_keep_z_in_float32() -> None:
 
 def test_traits_and_roles() -> None:
     for tx in (opttx.schedule_free_adamw(), opttx.schedule_free_sgd()):
-        assert opttx.traits_of(tx).elementwise and opttx.traits_of(tx).per_leaf
-    roles = opttx.state_roles(opttx.ScheduleFreeState)
-    assert roles["z"] is opttx.Role.PARAMS_LIKE and roles["count"] is opttx.Role.COUNT
+        assert opttx.extend.traits_of(tx).elementwise and opttx.extend.traits_of(tx).per_leaf
+    roles = opttx.extend.state_roles(opttx.ScheduleFreeState)
+    assert roles["z"] is opttx.extend.Role.PARAMS_LIKE and roles["count"] is opttx.extend.Role.COUNT
     clipped = opttx.schedule_free(opttx.chain(opttx.clip_by_global_norm(1.0), opttx.sgd(0.1)),
                                   0.1)
-    assert opttx.traits_of(clipped).across_leaves and not opttx.traits_of(clipped).per_leaf
+    assert opttx.extend.traits_of(clipped).across_leaves and not opttx.extend.traits_of(clipped).per_leaf
 
 
 def test_bad_input_is_refused() -> None:

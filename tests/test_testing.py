@@ -358,8 +358,8 @@ def _guide_adan(keeps_a_copy: bool) -> dict:
     blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
     block = next(b for b in blocks if "class AdanState" in b).split("\nadan = ")[0]
     if not keeps_a_copy:
-        assert "opttx.keep_copy(g, state.prev)" in block
-        block = block.replace("opttx.keep_copy(g, state.prev)", "g")
+        assert "opttx.extend.keep_copy(g, state.prev)" in block
+        block = block.replace("opttx.extend.keep_copy(g, state.prev)", "g")
     first = next(b for b in blocks if "class SignumState" in b)      # the imports
     module = types.ModuleType(f"guide_adan_{keeps_a_copy}")
     sys.modules[module.__name__] = module
@@ -410,7 +410,7 @@ def test_a_state_aliasing_the_gradient_drifts_under_the_optimizer_and_keep_copy_
         ) -> None:
     """The guide's Adan storing ``g`` itself: through `opttx.Optimizer` with reused gradient
     buffers its previous gradient is zeroed before it is read, and the parameters drift from
-    the functional path; with `opttx.keep_copy` they do not."""
+    the functional path; with `opttx.extend.keep_copy` they do not."""
     drift = _optimizer_drift(_guide_adan(keeps_a_copy=False)["scale_by_adan"])
     kept = _optimizer_drift(_guide_adan(keeps_a_copy=True)["scale_by_adan"])
     print(f"drift after 5 steps: aliasing {drift:.3g}, keep_copy {kept:.3g}")
@@ -470,14 +470,14 @@ def test_degenerate_shapes_property_catches_crashes_and_non_finite_updates() -> 
 def test_keep_copy_copies_into_the_buffers_dtype_and_into_them_when_donating() -> None:
     g = {"w": torch.randn(3, 2, dtype=torch.bfloat16), "b": torch.randn(2)}
     buffers = {"w": torch.zeros(3, 2), "b": torch.zeros(2)}
-    kept = opttx.keep_copy(g, buffers)
+    kept = opttx.extend.keep_copy(g, buffers)
     assert kept["w"].dtype == torch.float32 and torch.equal(kept["w"], g["w"].float())
     assert all(kept[k].data_ptr() not in (g[k].data_ptr(), buffers[k].data_ptr()) for k in g)
     with opttx.donating():
-        donated = opttx.keep_copy(list(g.values()), list(buffers.values()))
+        donated = opttx.extend.keep_copy(list(g.values()), list(buffers.values()))
     assert [d.data_ptr() for d in donated] == [b.data_ptr() for b in buffers.values()]
     assert torch.equal(buffers["b"], g["b"])
-    plain = opttx.keep_copy([g["b"]])
+    plain = opttx.extend.keep_copy([g["b"]])
     assert isinstance(plain, list) and plain[0].data_ptr() != g["b"].data_ptr()
     with pytest.raises(ValueError, match="2 values but 1 buffers"):
-        opttx.keep_copy(list(g.values()), [buffers["w"]])
+        opttx.extend.keep_copy(list(g.values()), [buffers["w"]])
