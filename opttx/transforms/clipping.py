@@ -14,7 +14,9 @@ import torch
 from .._checks import check_nonnegative, check_positive
 from ..base import (ELEMENTWISE, GradientTransformation, LEAFWISE, Params, Role, Traits, Updates,
                     check_init_params, declare, declare_roles, reduce_across_leaves,
-                    reduce_leaf_statistics, reduce_statistics, stateless_with_extra_args)
+                    reduce_leaf_statistics, reduce_statistics, replace_state,
+                    stateless_with_extra_args)
+from ..skeleton import leafwise, stateless_leafwise
 from ..kernels import foreach, foreach_op_, foreach_scale, foreach_sum_of_squares
 from ..tree import PyTree, Static, flatten_matching, tree_map, tree_unflatten
 
@@ -33,15 +35,10 @@ def clip(max_delta: float) -> GradientTransformation:
     r"""Clamp every element of the updates to :math:`[-\delta, \delta]`."""
     check_nonnegative("max_delta", max_delta)
 
-    def clip_fn(updates: Updates, params: Params | None, extra_args: dict) -> Updates:
-        del params, extra_args
-        spec, g = flatten_matching(updates)
-        if not g:
-            return updates
-        out = foreach_op_("minimum", foreach("maximum", g, -max_delta), max_delta)
-        return tree_unflatten(out, spec)
+    def clipped(g: list[torch.Tensor], params: None, extra_args: dict) -> list[torch.Tensor]:
+        return foreach_op_("minimum", foreach("maximum", g, -max_delta), max_delta)
 
-    return stateless_with_extra_args(clip_fn, ELEMENTWISE)
+    return stateless_leafwise("clip", clipped, ELEMENTWISE)
 
 
 def _sum_of_squares(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -105,21 +102,18 @@ def clip_by_block_rms(threshold: float) -> GradientTransformation:
     """
     check_positive("threshold", threshold)
 
-    def clip_fn(updates: Updates, params: Params | None, extra_args: dict) -> Updates:
-        spec, g = flatten_matching(updates)
-        if not g:
-            return updates
+    def clipped(g: list[torch.Tensor], params: None, extra_args: dict) -> list[torch.Tensor]:
         # (a) local sum of squares and element count of each leaf, one 2-vector per leaf
         sums = _sum_of_squares(g)
         partials = [torch.stack([s, torch.full_like(s, x.numel())]) for s, x in zip(sums, g)]
         # (b) combine over shards
-        partials = reduce_leaf_statistics(partials, extra_args, spec=spec)
+        partials = reduce_leaf_statistics(partials, extra_args)
         # (c) finish
         rms = [torch.sqrt(p[0] / p[1]) for p in partials]
         denom = [torch.clamp(r / threshold, min=1.0) for r in rms]
-        return tree_unflatten(foreach("div", g, denom), spec)
+        return foreach("div", g, denom)
 
-    return stateless_with_extra_args(clip_fn, LEAFWISE)
+    return stateless_leafwise("clip_by_block_rms", clipped, LEAFWISE)
 
 
 class ZeroNansState(NamedTuple):
@@ -138,14 +132,13 @@ def zero_nans() -> GradientTransformation:
         return ZeroNansState(found_nan=tree_map(
             lambda p: torch.zeros((), dtype=torch.bool, device=p.device), params))
 
-    def update(updates: Updates, state: ZeroNansState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, ZeroNansState]:
-        del params, extra_args
-        spec, g, _ = flatten_matching(updates, state.found_nan)
+    def step(g: list[torch.Tensor], state: ZeroNansState, params: None,
+             extra_args: dict[str, Any]) -> tuple[list[torch.Tensor], ZeroNansState]:
         nans = [torch.isnan(x) for x in g]
         out = [torch.where(n, torch.zeros_like(x), x) for n, x in zip(nans, g)]
-        found = [n.any() for n in nans]
-        return tree_unflatten(out, spec), ZeroNansState(found_nan=tree_unflatten(found, spec),
-                                                         made_by=state.made_by)
+        return out, replace_state(state, found_nan=[n.any() for n in nans])
 
-    return GradientTransformation(init, update, ELEMENTWISE)
+    # no check of the gradients: zero_nans takes whatever torch.isnan takes
+    return GradientTransformation(init, leafwise(ZeroNansState, step, name="zero_nans",
+                                                 per_leaf_roles=(Role.PER_LEAF_SCALAR,),
+                                                 check_shapes=None), ELEMENTWISE)

@@ -21,13 +21,15 @@ import torch
 
 from .._checks import (check_gradient_leaves, check_nonnegative, check_positive,
                        check_unit_interval)
-from ..base import (EmptyState, GradientTransformation, HyperRole, LEAFWISE, Params, REDUCER_KEY,
-                    Role, Updates, advance_counts, check_init_params, current_reducer, declare,
-                    declare_roles, reduce_statistics, require_params, safe_increment, zero_count)
+from ..base import (EmptyState, GradientTransformation, HyperRole, LEAF_SPEC_KEY, LEAFWISE,
+                    Params, REDUCER_KEY, Role, Updates, check_init_params, current_reducer,
+                    declare, declare_roles, reduce_statistics, replace_state, require_params,
+                    safe_increment, zero_count)
 from ..kernels import Scalar, cast_like, foreach, foreach_ema, foreach_op_, foreach_sum_of_squares
 from ..schedules import Schedule
 from ..tree import (MaskedNode, PyTree, Static, flatten_matching, leaf_labels, state_dtype,
                     tree_flatten, tree_map, tree_paths, tree_unflatten)
+from ..skeleton import as_tree, leafwise, stateless_leafwise
 from .clipping import clip_by_block_rms
 
 __all__ = [
@@ -449,16 +451,11 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
         return FactoredState(count=zero_count(params), v_row=rows, v_col=cols, v=fulls,
                              factored_axes=Static(tuple(axes)))
 
-    def update(updates: Updates, state: FactoredState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, FactoredState]:
-        spec, g, rows, cols, fulls = flatten_matching(updates, state.v_row, state.v_col,
-                                                      state.v)
-        if not g:             # a tree without leaves: only the step counters move
-            return updates, advance_counts(state)
-        like = (flatten_matching(updates, params, what="updates and params")[2]
-                if params is not None else None)
-        check_gradient_leaves(g, like, updates, "scale_by_factored_rms")
-        layout = layout_of(updates, extra_args)
+    def step(g: list[torch.Tensor], state: FactoredState, params: list | None,
+             extra_args: dict[str, Any]) -> tuple[list[torch.Tensor], FactoredState]:
+        spec = extra_args[LEAF_SPEC_KEY]
+        rows, cols, fulls = state.v_row, state.v_col, state.v
+        layout = layout_of(as_tree(g, extra_args), extra_args)
         beta = decay_rate_fn(state.count - step_offset, decay_rate)
         q = [x.to(s.dtype if s.numel() else r.dtype) for x, s, r in zip(g, fulls, rows)]
         q = foreach("mul", q, q)
@@ -469,12 +466,12 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
         q = None   # free g² + ε before the update is allocated (one temporary at a time)
         out = _scale_by_inverse_root(g, rows, cols, fulls, layout, spec, extra_args, eps_clamp,
                                      r_means)
-        return (tree_unflatten(cast_like(out, g), spec),
-                FactoredState(count=safe_increment(state.count),
-                              v_row=tree_unflatten(rows, spec), v_col=tree_unflatten(cols, spec),
-                              v=tree_unflatten(fulls, spec),
-                              factored_axes=state.factored_axes, made_by=state.made_by))
+        return cast_like(out, g), replace_state(state, v_row=rows, v_col=cols, v=fulls)
 
+    # the decay reads the 0-based step; the statistics' shapes are checked by the params'
+    update = leafwise(FactoredState, step, name="scale_by_factored_rms",
+                      per_leaf_roles=(Role.FACTORED_MOMENT,), check_shapes="params",
+                      zero_based_count=True)
     return GradientTransformation(init, update, LEAFWISE)
 
 
@@ -502,21 +499,9 @@ def _stateless_with_params(name: str, fn: Callable[[Any, list, list, dict], list
                            ) -> GradientTransformation:
     """A stateless per-leaf transform that reads the params: ``fn(spec, updates, params,
     extra_args)`` maps the lists of leaves to the new update leaves."""
-
-    def init(params: Params) -> EmptyState:
-        check_init_params(params)
-        return EmptyState()
-
-    def update(updates: Updates, state: EmptyState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, EmptyState]:
-        params = require_params(params, name)
-        spec, g, p = flatten_matching(updates, params, what="updates and params")
-        if not g:
-            return updates, state
-        check_gradient_leaves(g, p, updates, name)
-        return tree_unflatten(fn(spec, g, p, extra_args), spec), state
-
-    return GradientTransformation(init, update, LEAFWISE)
+    return stateless_leafwise(
+        name, lambda g, p, extra_args: fn(extra_args[LEAF_SPEC_KEY], g, p, extra_args),
+        LEAFWISE, needs_params=True, check_shapes="params")
 
 
 @declare(hyperparams={"min_scale": None})
@@ -696,14 +681,12 @@ def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
                                 v=fulls, r_row=r_rows, r_col=r_cols,
                                 factored_axes=Static(tuple(axes)))
 
-    def update(updates: Updates, state: ScaleByCameState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, ScaleByCameState]:
-        spec, g, mu, rows, cols, fulls, r_rows, r_cols = flatten_matching(
-            updates, state.mu, state.v_row, state.v_col, state.v, state.r_row, state.r_col)
-        if not g:             # a tree without leaves: only the step counters move
-            return updates, advance_counts(state)
-        check_gradient_leaves(g, mu, updates, "scale_by_came")
-        layout = layout_of(updates, extra_args)
+    def step(g: list[torch.Tensor], state: ScaleByCameState, params: None,
+             extra_args: dict[str, Any]) -> tuple[list[torch.Tensor], ScaleByCameState]:
+        spec = extra_args[LEAF_SPEC_KEY]
+        mu, rows, cols, fulls = state.mu, state.v_row, state.v_col, state.v
+        r_rows, r_cols = state.r_row, state.r_col
+        layout = layout_of(as_tree(g, extra_args), extra_args)
         g32 = cast_like(g, mu)
         q = foreach("add", foreach("mul", g32, g32), eps1)
         rows, cols, fulls, r_means = _factored_ema(q, rows, cols, fulls, layout, b2, spec,
@@ -729,14 +712,11 @@ def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
                                                         factored_only, b3, spec, extra_args)
             out = _scale_by_inverse_root(out, r_rows, r_cols, res_full, factored_only, spec,
                                          extra_args, row_means=rr_means)
-        return (tree_unflatten(cast_like(out, g), spec),
-                ScaleByCameState(count=safe_increment(state.count),
-                                 mu=tree_unflatten(mu, spec), v_row=tree_unflatten(rows, spec),
-                                 v_col=tree_unflatten(cols, spec), v=tree_unflatten(fulls, spec),
-                                 r_row=tree_unflatten(r_rows, spec),
-                                 r_col=tree_unflatten(r_cols, spec),
-                                 factored_axes=state.factored_axes, made_by=state.made_by))
+        return cast_like(out, g), replace_state(state, mu=mu, v_row=rows, v_col=cols, v=fulls,
+                                                r_row=r_rows, r_col=r_cols)
 
+    update = leafwise(ScaleByCameState, step, name="scale_by_came",
+                      per_leaf_roles=(Role.FACTORED_MOMENT,))
     return GradientTransformation(init, update, LEAFWISE)
 
 
@@ -779,14 +759,11 @@ def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,
         check_init_params(params)
         return EmptyState()
 
-    def update(updates: Updates, state: EmptyState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, EmptyState]:
-        params = require_params(params, "scale_by_trust_ratio")
-        spec, g, p = flatten_matching(updates, params, what="updates and params")
-        check_gradient_leaves(g, p, updates, "scale_by_trust_ratio")
-        keep = leaf_labels(mask, params, "mask values") if mask is not None else [True] * len(g)
-        if not g:
-            return updates, state
+    def step(g: list[torch.Tensor], state: EmptyState, p: list[torch.Tensor],
+             extra_args: dict[str, Any]) -> tuple[list[torch.Tensor], EmptyState]:
+        spec = extra_args[LEAF_SPEC_KEY]
+        keep = (leaf_labels(mask, as_tree(p, extra_args), "mask values") if mask is not None
+                else [True] * len(g))
         dtype = torch.float64 if any(x.dtype == torch.float64 for x in g) else torch.float32
         # (a) local sums of squares of params and updates; (b) one batched reduction
         p_sq = foreach_sum_of_squares(p, dtype)
@@ -808,6 +785,8 @@ def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,
             ratio = trust_coefficient * phi / (u_norm + eps)
             ratio = torch.where((p_norm == 0) | (u_norm == 0), torch.ones_like(ratio), ratio)
             out.append(x * ratio.to(x.dtype))
-        return tree_unflatten(out, spec), state
+        return out, state
 
+    update = leafwise(EmptyState, step, needs_params="scale_by_trust_ratio",
+                      name="scale_by_trust_ratio", check_shapes="params")
     return GradientTransformation(init, update, LEAFWISE)

@@ -23,7 +23,8 @@ from .._checks import check_gradient_leaves, check_number, check_positive_int, m
 from .._tracing import is_tracing
 from ..base import (GradientTransformation, PRECONDITION_INPUT, Params, Role, State, Updates,
                     check_init_params, combine_traits, declare, declare_roles,
-                    require_whole_leaves, safe_increment, traits_of, zero_count)
+                    replace_state, require_whole_leaves, safe_increment, traits_of,
+                    zero_count)
 from ..kernels import mark_scratch
 from ..tree import (MaskedNode, PyTree, Static, flatten_matching, leaf_labels, mask_leaves,
                     tree_cond, tree_flatten, tree_leaves, tree_paths, tree_structure,
@@ -598,10 +599,9 @@ def project_lowrank(inner: GradientTransformation, rank: int, update_proj_gap: i
         out, inner_state = inner.update(tree_unflatten(low, spec), inner_state, inner_params,
                                         **extra)
         out_leaves = _back_projected(out, updates, g, plans, lefts, rights, scale)
-        return tree_unflatten(out_leaves, spec), ProjectLowrankState(
-            count=safe_increment(state.count), left=tree_unflatten(lefts, spec),
-            right=tree_unflatten(rights, spec), inner_state=inner_state,
-            made_by=state.made_by)
+        return tree_unflatten(out_leaves, spec), replace_state(
+            state, count=safe_increment(state.count), left=tree_unflatten(lefts, spec),
+            right=tree_unflatten(rights, spec), inner_state=inner_state)
 
     # an SVD of each whole leaf; per leaf as the inner transform is
     return GradientTransformation(init, update, combine_traits(

@@ -16,13 +16,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._checks import (check_gradient_leaves, check_nonnegative, check_positive,
-                       check_unit_interval)
+from .._checks import check_nonnegative, check_positive, check_unit_interval
 from ..base import (ELEMENTWISE, GradientTransformation, HyperRole, LEAFWISE, Params, Role,
                     Updates, check_init_params, declare, declare_roles, keep_copy,
-                    reduce_leaf_statistics)
+                    reduce_leaf_statistics, replace_state)
 from ..kernels import cast_like, foreach, foreach_op_, foreach_sum_of_squares, mark_scratch
-from ..tree import Static, flatten_matching, stats_like, tree_unflatten
+from ..skeleton import leafwise
+from ..tree import Static, stats_like
 
 __all__ = ["ScaleByMarsState", "scale_by_mars"]
 
@@ -86,35 +86,26 @@ def scale_by_mars(gamma: float = 0.025, b1: float = 0.95, max_norm: float | None
         check_init_params(params)
         return ScaleByMarsState(prev_grad=stats_like(params, state_dtype))
 
-    def update(updates: Updates, state: ScaleByMarsState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, ScaleByMarsState]:
-        del params
-        if not isinstance(state, ScaleByMarsState):
-            raise TypeError(f"scale_by_mars.update got a state of type "
-                            f"{type(state).__name__}, expected ScaleByMarsState: pass the "
-                            "state made by its init.")
-        spec, g, prev = flatten_matching(updates, state.prev_grad)
-        if not g:
-            return updates, state
-        check_gradient_leaves(g, prev, updates, "scale_by_mars")
+    def step(g: list[torch.Tensor], state: ScaleByMarsState, params: None,
+             extra_args: dict[str, Any]) -> tuple[list[torch.Tensor], ScaleByMarsState]:
+        prev = state.prev_grad
         gs = cast_like(g, prev)
         c = foreach_op_("add", foreach_op_("mul", foreach("sub", gs, prev), coef), gs)
         if max_norm is not None:
-            c = _clip_per_leaf(c, max_norm, spec, extra_args)
+            c = _clip_per_leaf(c, max_norm, extra_args)
         new_prev = keep_copy(g, prev)       # the state must not alias the caller's gradient
-        return (tree_unflatten(mark_scratch(cast_like(c, g)), spec),
-                ScaleByMarsState(prev_grad=tree_unflatten(new_prev, spec),
-                                 made_by=state.made_by))
+        return mark_scratch(cast_like(c, g)), replace_state(state, prev_grad=new_prev)
 
-    return GradientTransformation(init, update, ELEMENTWISE if max_norm is None else LEAFWISE)
+    return GradientTransformation(init, leafwise(ScaleByMarsState, step, name="scale_by_mars"),
+                                  ELEMENTWISE if max_norm is None else LEAFWISE)
 
 
-def _clip_per_leaf(c: list[torch.Tensor], max_norm: float, spec: Any, extra_args: dict
+def _clip_per_leaf(c: list[torch.Tensor], max_norm: float, extra_args: dict
                    ) -> list[torch.Tensor]:
     """``c / max(1, ‖c‖ / max_norm)`` per leaf (``c`` temporaries, overwritten): (a) local sums
     of squares, (b) summed over the shards of sharded leaves, (c) the root and the division."""
     sums = foreach_sum_of_squares(c)                                              # (a)
-    sums = reduce_leaf_statistics(sums, extra_args, spec=spec)                    # (b)
+    sums = reduce_leaf_statistics(sums, extra_args)                               # (b)
     denom = foreach_op_("clamp_min", foreach_op_("div", foreach("sqrt", sums), max_norm),
                         1.0)                                                        # (c)
     return foreach_op_("div", c, cast_like(denom, c))

@@ -17,13 +17,15 @@ import torch
 
 from .._checks import (check_gradient_leaves, check_learning_rate, check_nonnegative,
                        check_positive, check_unit_interval)
-from ..base import (GradientTransformation, HyperRole, Params, Role, Traits, Updates,
-                    check_init_params, declare, declare_roles, reduce_across_leaves,
-                    reduce_statistics, require_params, safe_increment, zero_count)
+from ..base import (LEAF_SPEC_KEY, GradientTransformation, HyperRole, Params, Role, Traits,
+                    Updates, check_init_params, declare, declare_roles, reduce_across_leaves,
+                    reduce_statistics, replace_state, safe_increment, zero_count)
 from ..kernels import (Scalar, cast_like, foreach, foreach_, foreach_ema, foreach_ema_sq,
                        foreach_norm, foreach_scale_add, mark_scratch)
 from ..schedules import Schedule
-from ..tree import Static, flatten_matching, stats_like, tree_flatten, tree_map, tree_unflatten
+from ..skeleton import as_tree, leafwise
+from ..tree import Static, stats_like, tree_flatten, tree_map, tree_unflatten
+from .common import float64_power
 
 __all__ = ["ProdigyState", "scale_by_prodigy"]
 
@@ -127,27 +129,20 @@ def scale_by_prodigy(learning_rate: float | Schedule = 1.0,
     def init(params: Params) -> ProdigyState:
         return _init_prodigy(params, estim_lr0)
 
-    def update(updates: Updates, state: ProdigyState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, ProdigyState]:
-        params = require_params(params, "scale_by_prodigy")
-        if not isinstance(state, ProdigyState):
-            raise TypeError(f"scale_by_prodigy.update got a state of type "
-                            f"{type(state).__name__}, expected ProdigyState: pass the state "
-                            "made by its init.")
-        spec, g, m, v, s, p0, p = flatten_matching(
-            updates, state.exp_avg, state.exp_avg_sq, state.grad_sum, state.params0, params)
-        check_gradient_leaves(g, p, updates, "scale_by_prodigy")
+    def step(g: list[torch.Tensor], state: ProdigyState, p: list[torch.Tensor],
+             extra_args: dict[str, Any]) -> tuple[list[torch.Tensor], ProdigyState]:
+        spec = extra_args[LEAF_SPEC_KEY]
+        m, v, s, p0 = state.exp_avg, state.exp_avg_sq, state.grad_sum, state.params0
         # a state made by init on other params: refused naming the leaf and the field, before
         # torch's broadcasting error (or a silent broadcast of a 1-row state)
         for field, leaves in (("exp_avg", m), ("exp_avg_sq", v), ("grad_sum", s),
                               ("params0", p0)):
-            check_gradient_leaves(g, leaves, updates, f"ProdigyState.{field}")
+            check_gradient_leaves(g, leaves, as_tree(g, extra_args), f"ProdigyState.{field}")
         d = state.estim_lr
         dtype = d.dtype
-        count = safe_increment(state.count)
-        t = count.to(torch.float64)
+        t = safe_increment(state.count).to(torch.float64)     # the 1-based step
         sched = learning_rate(state.count) if callable(learning_rate) else learning_rate
-        bc = torch.sqrt(1 - _pow(b2, t)) / (1 - _pow(b1, t))
+        bc = torch.sqrt(1 - float64_power(b2, t)) / (1 - float64_power(b1, t))
         dlr = (d * _as(sched, d) * bc).to(dtype)
         d_over_d0 = d / _as(estim_lr0, d)
 
@@ -175,15 +170,13 @@ def scale_by_prodigy(learning_rate: float | Schedule = 1.0,
 
         out = _prodigy_updates(g, m, v, p, new_d, dlr, _as(eps, d), weight_decay, sign) \
             if g else []
+        return out, replace_state(state, exp_avg=m, exp_avg_sq=v, grad_sum=s, estim_lr=new_d,
+                                  numerator_weighted=numerator)
 
-        def as_tree(leaves: list[torch.Tensor]) -> Updates:
-            return tree_unflatten(list(leaves), spec)
-
-        return as_tree(out), ProdigyState(
-            count=count, exp_avg=as_tree(m), exp_avg_sq=as_tree(v), grad_sum=as_tree(s),
-            params0=state.params0, estim_lr=new_d, numerator_weighted=numerator,
-            made_by=state.made_by)
-
+    # the schedule reads the 0-based step; a rank without leaves runs the step (the
+    # reductions above are collective): the state's Role.SCALAR fields make leafwise do so
+    update = leafwise(ProdigyState, step, needs_params="scale_by_prodigy",
+                      name="scale_by_prodigy", check_shapes="params", zero_based_count=True)
     return GradientTransformation(init, update, Traits(across_leaves=True))
 
 
@@ -232,12 +225,6 @@ def _prodigy_updates(g: list, m: list, v: list, p: list, new_d: torch.Tensor,
     if sign < 0:
         out = foreach_("neg", out)
     return mark_scratch(cast_like(out, g))
-
-
-def _pow(base: Scalar, exponent: torch.Tensor) -> torch.Tensor:
-    if isinstance(base, torch.Tensor):
-        base = base.to(torch.float64)
-    return torch.pow(base, exponent)
 
 
 def _as(value: Scalar, like: torch.Tensor) -> torch.Tensor | float:

@@ -28,7 +28,7 @@ import torch
 
 from ..base import (EmptyState, GradientTransformation, Params, Role, State, Updates,
                     check_init_params, combine_traits, declare, declare_roles,
-                    require_whole_leaves, state_roles)
+                    replace_state, require_whole_leaves, state_roles)
 from ..kernels import is_donating
 from ..tree import (Static, flatten_matching, register_static_node, tree_flatten,
                     tree_unflatten)
@@ -488,9 +488,8 @@ def quantize_state(inner: GradientTransformation, bits: int | None = None,
         for i, leaf_state in zip(plan.big, state.quantized):
             out[i], leaf_state = _update_leaf(inner, g[i], leaf_state, p[i], kinds, extra_args)
             quantized.append(leaf_state)
-        return tree_unflatten(out, spec), QuantizedState(
-            dense=dense, quantized=tuple(quantized), signed_map=state.signed_map,
-            unsigned_map=state.unsigned_map, plan=state.plan, made_by=state.made_by)
+        return tree_unflatten(out, spec), replace_state(state, dense=dense,
+                                                        quantized=tuple(quantized))
 
     # blocks of each whole leaf (a shard would cut them elsewhere); per leaf as the inner is
     return GradientTransformation(init, update, combine_traits((inner,), elementwise=False,

@@ -7,14 +7,15 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .._checks import (check_gradient_leaves, check_learning_rate, check_nonnegative,
-                       check_number)
-from ..base import (DEFERRED_SCALE, ELEMENTWISE, EmptyState, GradientTransformation, HyperRole, Params, Role,
-                    Updates, check_init_params, declare, declare_roles, require_params,
-                    safe_increment, stateless, stateless_with_extra_args, zero_count)
+from .._checks import check_learning_rate, check_nonnegative, check_number
+from ..base import (DEFERRED_SCALE, ELEMENTWISE, EmptyState, GradientTransformation, HyperRole,
+                    Params, Role, Updates, check_init_params, declare, declare_roles,
+                    replace_state, safe_increment, stateless_with_extra_args,
+                    zero_count)
 from .._tracing import is_tracing
 from ..kernels import Scalar, cast_like, foreach, foreach_, foreach_axpy, foreach_scale
 from ..schedules import Schedule
+from ..skeleton import as_tree, leafwise, stateless_leafwise
 from ..tree import PyTree, Static, flatten_matching, mask_leaves, tree_unflatten
 
 __all__ = [
@@ -97,8 +98,7 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
         del params
         step_size = step_size_fn(state.count)
         return (_scaled(updates, step_size, extra_args),
-                ScaleByScheduleState(count=safe_increment(state.count),
-                                     made_by=state.made_by))
+                replace_state(state, count=safe_increment(state.count)))
 
     return GradientTransformation(init, update, _FINAL_SCALE)
 
@@ -148,24 +148,24 @@ def add_decayed_weights(weight_decay: float = 0.0,
             mask_leaves(mask, params)  # fail early on a malformed mask
         return EmptyState()
 
-    def update(updates: Updates, state: EmptyState, params: Params | None = None,
-               **extra_args: Any) -> tuple[Updates, EmptyState]:
-        del extra_args
-        params = require_params(params, "add_decayed_weights")
-        spec, g, p = flatten_matching(updates, params, what="updates and params")
-        check_gradient_leaves(g, p, updates, "add_decayed_weights")
-        selected = mask_leaves(mask, params) if mask is not None else [True] * len(g)
+    def step(g: list[torch.Tensor], state: EmptyState, p: list[torch.Tensor],
+             extra_args: dict[str, Any]) -> tuple[list[torch.Tensor], EmptyState]:
+        selected = (mask_leaves(mask, as_tree(p, extra_args)) if mask is not None
+                    else [True] * len(g))
         idx = [i for i, keep in enumerate(selected) if keep]
         if not idx:
-            return updates, state
+            return g, state
         decayed = foreach_axpy(weight_decay, cast_like([p[i] for i in idx], [g[i] for i in idx]),
                                [g[i] for i in idx])
         out = list(g)
         for i, d in zip(idx, decayed):
             out[i] = d
-        return tree_unflatten(out, spec), state
+        return out, state
 
-    return GradientTransformation(init, update, ELEMENTWISE)
+    return GradientTransformation(init, leafwise(EmptyState, step,
+                                                 needs_params="add_decayed_weights",
+                                                 name="add_decayed_weights",
+                                                 check_shapes="params"), ELEMENTWISE)
 
 
 @declare()
@@ -176,8 +176,5 @@ def scale_by_sign() -> GradientTransformation:
       Bernstein et al., signSGD (arXiv 1802.04434).
     """
 
-    def sign(updates: Updates, params: Params | None) -> Updates:
-        spec, g = flatten_matching(updates)
-        return tree_unflatten(signs(g), spec)
-
-    return stateless(sign, ELEMENTWISE)
+    return stateless_leafwise("scale_by_sign", lambda g, params, extra_args: signs(g),
+                              ELEMENTWISE)

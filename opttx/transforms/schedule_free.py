@@ -20,8 +20,8 @@ import torch
 from .._checks import (check_gradient_leaves, check_learning_rate, check_nonnegative,
                        check_number)
 from ..base import (GradientTransformation, HyperRole, Params, Role, State, Updates,
-                    check_init_params, combine_traits, declare, declare_roles, require_params,
-                    safe_increment, zero_count)
+                    check_init_params, combine_traits, declare, declare_roles, replace_state,
+                    require_params, safe_increment, zero_count)
 from ..kernels import (Scalar, cast_like, foreach, foreach_, is_donating, is_fixed_zero,
                        mark_scratch)
 from ..schedules import Schedule
@@ -210,9 +210,9 @@ def schedule_free(inner: GradientTransformation, learning_rate: float | Schedule
             new_z = foreach_("add", z, u) if is_donating() else \
                 cast_like(foreach("add", z, u), z)
             out = mark_scratch(cast_like(out, tree_flatten(updates)[0]))
-        new_state = ScheduleFreeState(count=count, b1=beta, weight_sum=weight_sum,
-                                      max_lr=max_lr, z=tree_unflatten(list(new_z), spec),
-                                      inner_state=inner_state, made_by=state.made_by)
+        new_state = replace_state(state, count=count, b1=beta, weight_sum=weight_sum,
+                                  max_lr=max_lr, z=tree_unflatten(list(new_z), spec),
+                                  inner_state=inner_state)
         return tree_unflatten(out, spec), new_state
 
     return GradientTransformation(init, update, combine_traits((inner,)))
