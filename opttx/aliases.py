@@ -18,11 +18,13 @@ from .kernels import is_fixed_zero, is_live
 from .schedules import Schedule
 from .transforms.ademamix import scale_by_ademamix
 from .transforms.adopt import scale_by_adopt
+from .transforms.blocking import block_by_dims
 from .transforms.dion import scale_by_dion, scale_by_dion2
 from .transforms.factored import (FactorAxes, add_step_scaled_decayed_weights, clip_by_rms,
                                   clip_by_rms_and_scale_by_param_rms, relative_step_schedule,
                                   scale_by_came, scale_by_factored_rms, scale_by_param_block_rms,
                                   scale_by_trust_ratio)
+from .transforms.grafting import graft, scale_by_grafted_diagonal
 from .transforms.kron import MemorySaveMode, scale_by_kron
 from .transforms.lowrank import MatrixAxes, ProjType, project_lowrank
 from .transforms.mars import scale_by_mars
@@ -38,8 +40,7 @@ from .transforms.schedule_free import schedule_free
 from .transforms.scaling import (add_decayed_weights, scale, scale_by_learning_rate,
                                  scale_by_schedule, scale_by_sign)
 from .transforms.scaling import scale as scale_transform
-from .transforms.shampoo import (block_by_dims, graft, precondition_shampoo,
-                                 scale_by_grafted_diagonal)
+from .transforms.shampoo import precondition_shampoo
 from .transforms.soap import (merge_dims_heavyball, merge_dims_soap,
                               precondition_eigenvalue_corrected)
 from .tree import PyTree, mask_leaves, tree_flatten, tree_map, tree_paths, tree_unflatten

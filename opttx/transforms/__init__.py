@@ -7,6 +7,7 @@ exported by adding them below, one import and one ``__all__`` group per family.
 
 from .ademamix import ScaleByAdemamixState, scale_by_ademamix
 from .adopt import ScaleByAdoptState, scale_by_adopt
+from .blocking import block_by_dims, block_shapes, merge_small_dims
 from .cautious import cautious
 from .clipping import (ZeroNansState, clip, clip_by_block_rms, clip_by_global_norm, global_norm,
                        zero_nans)
@@ -16,9 +17,14 @@ from .factored import (FactoredState, ScaleByCameState, add_step_scaled_decayed_
                        clip_by_rms, clip_by_rms_and_scale_by_param_rms, factored_axes,
                        relative_step_schedule, scale_by_came, scale_by_factored_rms,
                        scale_by_param_block_rms, scale_by_trust_ratio)
+from .grafting import (DiagonalGraftState, GraftState, graft, meta_bias_correction,
+                       scale_by_grafted_diagonal)
 from .kron import ScaleByKronState, scale_by_kron
+from .kronecker_factors import pack_symmetric, unpack_symmetric
 from .lowrank import ProjectLowrankState, project_lowrank
 from .mars import ScaleByMarsState, scale_by_mars
+from .matrix_functions import (inverse_root_from_eigendecomposition, matrix_eigendecomposition,
+                               matrix_inverse_root)
 from .moments import (DampedTraceState, EmaState, ScaleByAdamState, ScaleByAdamaxState,
                       ScaleByAmsgradState, ScaleByBeliefState, ScaleByLionState,
                       ScaleByNadamState, ScaleByRadamState, ScaleByRmsState, ScaleByRssState,
@@ -37,11 +43,7 @@ from .scaling import (ScaleByScheduleState, add_decayed_weights, scale, scale_by
                       scale_by_schedule, scale_by_sign)
 from .schedule_free import (ScheduleFreeState, schedule_free, schedule_free_eval_params,
                             schedule_free_train_params)
-from .shampoo import (DiagonalGraftState, GraftState, ShampooState, block_by_dims, block_shapes,
-                      graft, inverse_root_from_eigendecomposition, matrix_eigendecomposition,
-                      matrix_inverse_root, merge_small_dims, meta_bias_correction,
-                      pack_symmetric, precondition_shampoo, scale_by_grafted_diagonal,
-                      unpack_symmetric)
+from .shampoo import ShampooState, precondition_shampoo
 from .soap import (EigenvalueCorrectedState, merge_dims_heavyball, merge_dims_soap,
                    precondition_eigenvalue_corrected)
 
@@ -75,7 +77,7 @@ __all__ = [
     "scale_by_neuron_rms", "ScaleByNeuronRmsState", "scale_to_orthogonal_norm",
     "scale_by_dion", "ScaleByDionState", "scale_by_dion2", "ScaleByDion2State", "dion_rank",
     "clip_qk", "QKWeight", "MaxAttentionLogits", "scale_by_kron", "ScaleByKronState",
-    # Shampoo: blocking, preconditioning, grafting, packed factors
+    # Shampoo: blocking, grafting, preconditioning, its factors and matrix functions
     "block_by_dims", "block_shapes", "merge_small_dims", "precondition_shampoo",
     "ShampooState", "graft", "GraftState", "scale_by_grafted_diagonal", "DiagonalGraftState",
     "meta_bias_correction", "matrix_inverse_root", "matrix_eigendecomposition",
