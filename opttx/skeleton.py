@@ -13,13 +13,13 @@ from typing import Any, Callable, Collection, Literal
 import torch
 
 from ._checks import check_gradient_leaves
-from .base import (LEAF_SPEC_KEY, EmptyState, GradientTransformation, Params, Role, Traits,
-                   TransformUpdateFn, Updates, advance_counts, check_init_params,
-                   check_state_type, replace_state, require_params, safe_increment,
-                   state_roles)
+from .core import (Params, Role, TransformUpdateFn, Updates, advance_counts, replace_state,
+                   require_params, safe_increment, state_roles)
+from .declarations import check_state_type
+from .reduction import LEAF_SPEC_KEY
 from .tree import flatten_matching, tree_unflatten
 
-__all__ = ["LeafwiseStep", "as_tree", "leafwise", "stateless_leafwise"]
+__all__ = ["LeafwiseStep", "as_tree", "leafwise"]
 
 
 LeafwiseStep = Callable[[list[torch.Tensor], Any, "list[torch.Tensor] | None", dict[str, Any]],
@@ -139,37 +139,3 @@ def as_tree(leaves: list[Any], extra_args: dict[str, Any]) -> Any:
     """
     return tree_unflatten(list(leaves), extra_args[LEAF_SPEC_KEY])
 
-
-StatelessStep = Callable[[list[torch.Tensor], "list[torch.Tensor] | None", dict[str, Any]],
-                         list[torch.Tensor]]
-
-
-def stateless_leafwise(name: str, step: StatelessStep, traits: Traits, *,
-                       needs_params: bool = False,
-                       check_shapes: Literal["state", "params"] | None = None
-                       ) -> GradientTransformation:
-    """A stateless per-leaf transform (state `EmptyState`) from ``step(grads, params,
-    extra_args) -> new_updates`` on lists of leaves: `leafwise` does the rest (a tree without
-    leaves, the tree's spec in ``extra_args``, the check of the state's type).
-
-    ``name`` names the transform in error messages; with ``needs_params`` the params are
-    required and given to ``step`` as a list of leaves (else None); ``check_shapes`` as in
-    `leafwise` (default None: the gradients are not checked, as a stateless element-wise
-    transform passes any tensor on; ``"params"``: against the params' shapes).
-
-    Example (halve every update):
-      >>> tx = stateless_leafwise("halve", lambda g, p, extra_args:
-      ...                         opttx.kernels.foreach("mul", g, 0.5), opttx.base.ELEMENTWISE)
-    """
-
-    def init(params: Params) -> EmptyState:
-        check_init_params(params)
-        return EmptyState()
-
-    def leaf_step(g: list[torch.Tensor], state: EmptyState, p: list[torch.Tensor] | None,
-                  extra_args: dict[str, Any]) -> tuple[list[torch.Tensor], EmptyState]:
-        return step(g, p, extra_args), state
-
-    return GradientTransformation(init, leafwise(EmptyState, leaf_step,
-                                                 needs_params=name if needs_params else None,
-                                                 name=name, check_shapes=check_shapes), traits)

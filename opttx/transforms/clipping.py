@@ -16,9 +16,10 @@ from ..base import (ELEMENTWISE, GradientTransformation, LEAFWISE, Params, Role,
                     check_init_params, declare, declare_roles, reduce_across_leaves,
                     reduce_leaf_statistics, reduce_statistics, replace_state,
                     stateless_with_extra_args)
-from ..skeleton import leafwise, stateless_leafwise
 from ..kernels import foreach, foreach_op_, foreach_scale, foreach_sum_of_squares
+from ..skeleton import leafwise
 from ..tree import PyTree, Static, flatten_matching, tree_map, tree_unflatten
+from .common import stateless_leafwise
 
 __all__ = [
     "ZeroNansState",

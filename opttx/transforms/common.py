@@ -9,12 +9,17 @@ dtypes, marked as temporaries that later links of the chain may overwrite.
 
 from __future__ import annotations
 
+from typing import Any, Callable, Literal
+
 import torch
 
 from .._tracing import is_tracing
+from ..base import EmptyState, GradientTransformation, Params, Traits, check_init_params
 from ..kernels import Scalar, cast_like, foreach, foreach_, mark_scratch
+from ..skeleton import leafwise
 
-__all__ = ["as_float64", "debias_factor", "divide_consuming", "float64_power", "fresh_updates"]
+__all__ = ["as_float64", "debias_factor", "divide_consuming", "float64_power", "fresh_updates",
+           "stateless_leafwise"]
 
 
 def float64_power(base: Scalar, exponent: torch.Tensor) -> torch.Tensor:
@@ -59,3 +64,38 @@ def fresh_updates(out: list[torch.Tensor], like: list[torch.Tensor]) -> list[tor
     as temporaries that later links of the chain may overwrite (see
     `opttx.kernels.mark_scratch`): how a ``step`` returns the updates it computed."""
     return mark_scratch(cast_like(out, like))
+
+
+StatelessStep = Callable[[list[torch.Tensor], "list[torch.Tensor] | None", dict[str, Any]],
+                         list[torch.Tensor]]
+
+
+def stateless_leafwise(name: str, step: StatelessStep, traits: Traits, *,
+                       needs_params: bool = False,
+                       check_shapes: Literal["state", "params"] | None = None
+                       ) -> GradientTransformation:
+    """A stateless per-leaf transform (state `EmptyState`) from ``step(grads, params,
+    extra_args) -> new_updates`` on lists of leaves: `opttx.skeleton.leafwise` does the rest (a tree without
+    leaves, the tree's spec in ``extra_args``, the check of the state's type).
+
+    ``name`` names the transform in error messages; with ``needs_params`` the params are
+    required and given to ``step`` as a list of leaves (else None); ``check_shapes`` as in
+    `opttx.skeleton.leafwise` (default None: the gradients are not checked, as a stateless element-wise
+    transform passes any tensor on; ``"params"``: against the params' shapes).
+
+    Example (halve every update):
+      >>> tx = stateless_leafwise("halve", lambda g, p, extra_args:
+      ...                         opttx.kernels.foreach("mul", g, 0.5), opttx.base.ELEMENTWISE)
+    """
+
+    def init(params: Params) -> EmptyState:
+        check_init_params(params)
+        return EmptyState()
+
+    def leaf_step(g: list[torch.Tensor], state: EmptyState, p: list[torch.Tensor] | None,
+                  extra_args: dict[str, Any]) -> tuple[list[torch.Tensor], EmptyState]:
+        return step(g, p, extra_args), state
+
+    return GradientTransformation(init, leafwise(EmptyState, leaf_step,
+                                                 needs_params=name if needs_params else None,
+                                                 name=name, check_shapes=check_shapes), traits)

@@ -27,9 +27,10 @@ from ..base import (EmptyState, GradientTransformation, HyperRole, LEAF_SPEC_KEY
                     safe_increment, zero_count)
 from ..kernels import Scalar, cast_like, foreach, foreach_ema, foreach_op_, foreach_sum_of_squares
 from ..schedules import Schedule
+from ..skeleton import as_tree, leafwise
 from ..tree import (MaskedNode, PyTree, Static, flatten_matching, leaf_labels, state_dtype,
                     tree_flatten, tree_map, tree_paths, tree_unflatten)
-from ..skeleton import as_tree, leafwise, stateless_leafwise
+from .common import stateless_leafwise
 from .clipping import clip_by_block_rms
 
 __all__ = [

@@ -15,8 +15,9 @@ from ..base import (DEFERRED_SCALE, ELEMENTWISE, EmptyState, GradientTransformat
 from .._tracing import is_tracing
 from ..kernels import Scalar, cast_like, foreach, foreach_, foreach_axpy, foreach_scale
 from ..schedules import Schedule
-from ..skeleton import as_tree, leafwise, stateless_leafwise
+from ..skeleton import as_tree, leafwise
 from ..tree import PyTree, Static, flatten_matching, mask_leaves, tree_unflatten
+from .common import stateless_leafwise
 
 __all__ = [
     "ScaleByScheduleState",
