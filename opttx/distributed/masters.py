@@ -38,6 +38,12 @@ class OffloadMasterState(NamedTuple):
     __optional__ = declare_optional("master", "started")
 
 
+# Pickled (a state saved with torch.save) under the module it was first defined in, which
+# re-exports it: states saved before it moved here still load with ``weights_only=True``
+# (`opttx.register_safe_globals` registers it by that name), and new ones load in either.
+OffloadMasterState.__module__ = "opttx.distributed.offload"
+
+
 class Masters:
     """The host chunks' master copies of one offloaded transform (``enabled``: with
     ``master_params``; else its state is the transform's alone): one flat buffer per host
