@@ -3,7 +3,12 @@
 A transform whose state is a NamedTuple with declared roles (`opttx.base.Role`) writes only
 its mathematics, a ``step`` over lists of leaves; `leafwise` does the rest: it checks the
 state and the updates' structure, handles trees without leaves, advances the counters, and
-flattens and unflattens (docs/guide/writing.md).
+flattens and unflattens (docs/guide/writing.md). What a transform needs beyond that is
+declared in its arguments, never guessed from field names: its name for error messages,
+further per-leaf fields by role (``per_leaf_roles``), what the gradients' shapes are checked
+against (``check_shapes``), a 0-based step (``zero_based_count``). `as_tree` gives a step
+the tree its lists stand for (for masks and labels given per tree). A stateless per-leaf
+transform is `opttx.transforms.common.stateless_leafwise`, `leafwise` over `EmptyState`.
 """
 
 from __future__ import annotations
@@ -134,8 +139,10 @@ def as_tree(leaves: list[Any], extra_args: dict[str, Any]) -> Any:
     params, a statistic) stand for, from the spec the skeleton passes in ``extra_args``: for
     what is given per tree rather than per leaf (a mask, labels or a function of the params).
 
-    Example (in a step: the mask of a tree of booleans like the params):
-      >>> selected = opttx.tree.mask_leaves(mask, as_tree(params, extra_args))
+    Example (in a step, ``extra_args`` holds the spec; here it is made by hand):
+      >>> leaves, spec = opttx.tree.tree_flatten(params)
+      >>> tree = as_tree(leaves, {LEAF_SPEC_KEY: spec})        # params again
+      >>> mask = opttx.tree.mask_leaves(lambda p: {k: v.ndim > 1 for k, v in p.items()}, tree)
     """
     return tree_unflatten(list(leaves), extra_args[LEAF_SPEC_KEY])
 

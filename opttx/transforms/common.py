@@ -41,8 +41,9 @@ def debias_factor(decay: Scalar, count: torch.Tensor) -> torch.Tensor:
     r"""The bias correction :math:`1 - \beta^t` of an exponential moving average started at
     zero, in float64 (``decay`` :math:`\beta`, ``count`` :math:`t` the 1-based step).
 
-    Example (Adam's corrected first moment):
-      >>> mu_hat = opttx.kernels.foreach("div", mu, debias_factor(b1, state.count))
+    Example (Adam's first moment at the first step: 1 - 0.9 = 0.1):
+      >>> mu = [torch.ones(3)]
+      >>> mu_hat = foreach("div", mu, debias_factor(0.9, torch.tensor(1)))
     """
     return 1 - float64_power(decay, count.to(torch.float64))
 
