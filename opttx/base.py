@@ -1,12 +1,12 @@
 """The transform contract, in one import: every name a transform needs, and the trivial
-transforms (`identity`, `set_to_zero`, `stateless`).
+transforms (`identity`, `set_to_zero`, `stateless`) with their state, `EmptyState`.
 
 Each concern lives in its own module; this one re-exports them, so ``from opttx.base import
 X`` works for all of them:
 
 * `opttx.core`: `GradientTransformation`, `Traits`, the roles of state fields (`Role`,
-  `declare_roles`, `declare_optional`), `EmptyState`, and the helpers transforms use on their
-  states (`replace_state`, `advance_counts`, `keep_copy`, `safe_increment`, ...);
+  `declare_roles`, `declare_optional`), and the helpers transforms use on their states
+  (`replace_state`, `advance_counts`, `keep_copy`, `safe_increment`, ...);
 * `opttx.declarations`: `declare`, `HyperRole`, `Declaration`, `Recipe`, the identity of a
   state (``made_by``) and its checks, `describe_transform`, `configuration_items`;
 * `opttx.reduction`: the reduction hook of sharded runs (`reduce_statistics`,
@@ -17,18 +17,17 @@ X`` works for all of them:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 # these live in the modules named in the docstring above; re-exported here
-from .core import (ELEMENTWISE, LEAFWISE, OPTIONAL_MARK, PRECONDITIONER, EmptyState,
-                   GradientTransformation, NamedTupleT, Params, Role, State, Traits,
-                   TransformInitFn, TransformUpdateFn, Updates, advance_counts,
-                   check_init_params, combine_traits, declare_optional, declare_roles,
-                   fields_with_role, is_masked, is_optional_entry, keep_copy, leaf_roles,
-                   optional_fields, replace_state, require_params, safe_increment, state_roles,
-                   traits_of, zero_count)
+from .core import (ELEMENTWISE, LEAFWISE, OPTIONAL_MARK, PRECONDITIONER, GradientTransformation,
+                   NamedTupleT, Params, Role, State, Traits, TransformInitFn, TransformUpdateFn,
+                   Updates, advance_counts, check_init_params, combine_traits, declare_optional,
+                   declare_roles, fields_with_role, is_masked, is_optional_entry, keep_copy,
+                   leaf_roles, optional_fields, replace_state, require_params, safe_increment,
+                   state_roles, traits_of, zero_count)
 from .declarations import (Declaration, HyperRole, Recipe, check_made_by, check_state_type,
                            configuration_items, declaration_of, declare, describe_transform,
                            describe_value, format_identity, identity_differences, public_name,
@@ -40,9 +39,6 @@ from .reduction import (LEAF_SPEC_KEY, PRECONDITION_INPUT, REDUCER_KEY, TOTALS_K
 from .tree import Static, tree_map
 from .updates import (DEFERRED_SCALE, apply_updates, apply_updates_, round_stochastic_,
                       update_deferring_scale)
-
-# the old private spelling, until distributed/zero.py imports `describe_value`
-_describe = describe_value
 
 __all__ = [
     "Declaration",
@@ -116,6 +112,10 @@ __all__ = [
     "is_masked",
     "update_deferring_scale",
 ]
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transform."""
 
 
 @declare()

@@ -32,7 +32,6 @@ __all__ = [
     "LEAFWISE",
     "OPTIONAL_MARK",
     "PRECONDITIONER",
-    "EmptyState",
     "GradientTransformation",
     "NamedTupleT",
     "Params",
@@ -353,7 +352,8 @@ class GradientTransformation(NamedTuple):
     init: TransformInitFn
     update: TransformUpdateFn
     traits: Traits = Traits()
-    recipe: "Recipe | None" = None
+    # an opttx.declarations.Recipe, named only: that module imports this one
+    recipe: "Recipe | None" = None  # noqa: F821
     """How it was made: the declared factory and its arguments (see `declare`); None for a
     transform built directly from an ``(init, update)`` pair."""
 
@@ -374,10 +374,6 @@ def traits_of(tx: GradientTransformation) -> Traits:
     """The declared `Traits` of ``tx`` (the defaults for a plain ``(init, update)`` pair)."""
     traits = getattr(tx, "traits", None)
     return traits if isinstance(traits, Traits) else Traits()
-
-
-class EmptyState(NamedTuple):
-    """The state of a stateless transform."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ DEFERRED_SCALE = "deferred_scale"
 its final scalar instead of applying it (see `update_deferring_scale`)."""
 
 
-def update_deferring_scale(tx: "GradientTransformation", updates: Updates, state: State,
+def update_deferring_scale(tx: GradientTransformation, updates: Updates, state: State,
                            params: Params | None = None, **extra_args: Any
                            ) -> tuple[Updates, State, Any]:
     """``tx.update`` with its final scalar left out: ``(updates, new_state, scale)`` such
@@ -112,7 +112,10 @@ def round_stochastic_(out: torch.Tensor, x: torch.Tensor,
 
 def stochastic_pairs(p_leaves: list, u_leaves: list, scale: float = 1.0
                       ) -> tuple[list, list, list, list]:
-    """Split leaves into bfloat16 parameters (written with stochastic rounding) and others."""
+    """Split leaves into bfloat16 parameters (written with stochastic rounding) and others:
+    ``(bf16_params, their_updates, other_params, their_updates)``, the first updates
+    multiplied by ``scale`` (they are added in float32), the others cast to their
+    parameter's dtype (for `add_leaves` with ``alpha=scale``)."""
     sr_p, sr_u, rest_p, rest_u = [], [], [], []
     for p, u in zip(p_leaves, u_leaves):
         if p.dtype == torch.bfloat16:
@@ -138,7 +141,7 @@ def _as_real_view(x: torch.Tensor) -> torch.Tensor:
 
 
 def add_leaves(p_leaves: list[torch.Tensor], u_leaves: list[torch.Tensor],
-                 inplace: bool, alpha: float = 1.0) -> list[torch.Tensor]:
+               inplace: bool, alpha: float = 1.0) -> list[torch.Tensor]:
     """``p + alpha · u`` (or ``p += alpha · u``) with one grouped kernel per kind of leaf
     (see `grouping_key`)."""
     if alpha != 1.0 and any(p.is_complex() for p in p_leaves):
