@@ -3,8 +3,8 @@
 `mkdocs build --strict` turns every warning (a docstring griffe cannot parse, an Args name
 that is not a parameter, a broken link) into a failure; the API reference must then carry a
 heading for each name of ``opttx.__all__``, ``opttx.extend.__all__``,
-``opttx.distributed.__all__`` and ``opttx.testing.__all__``, read at test time, so a new public name without documentation fails
-here. The Python examples of the home page and the single-process guide pages run as written
+``opttx.distributed.__all__`` and ``opttx.testing.__all__``, read at test time, so a new
+public name without documentation fails here. The Python examples of the home page and the single-process guide pages run as written
 (``docs/mapping.md`` runs in tests/test_docs.py).
 """
 
