@@ -12,7 +12,8 @@ X`` works for all of them:
 * `opttx.reduction`: the reduction hook of sharded runs (`reduce_statistics`,
   `current_reducer`, ...) and `PRECONDITION_INPUT`;
 * `opttx.updates`: `apply_updates`, `apply_updates_`, `round_stochastic_`,
-  `update_deferring_scale`.
+  `update_deferring_scale`;
+* `opttx.skeleton`: `leafwise`, the skeleton of a per-leaf transform's ``update``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .reduction import (LEAF_SPEC_KEY, PRECONDITION_INPUT, REDUCER_KEY, TOTALS_K
                         current_reducer, precondition_leaves, precondition_target,
                         reduce_across_leaves, reduce_leaf_statistics, reduce_statistics,
                         reducer_during_init, require_whole_leaves)
+from .skeleton import LeafwiseStep, leafwise
 from .tree import Static, tree_map
 from .updates import (DEFERRED_SCALE, apply_updates, apply_updates_, round_stochastic_,
                       update_deferring_scale)
@@ -111,6 +113,8 @@ __all__ = [
     "TransformUpdateFn",
     "is_masked",
     "update_deferring_scale",
+    "LeafwiseStep",
+    "leafwise",
 ]
 
 
