@@ -358,8 +358,8 @@ def _guide_adan(keeps_a_copy: bool) -> dict:
     blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
     block = next(b for b in blocks if "class AdanState" in b).split("\nadan = ")[0]
     if not keeps_a_copy:
-        assert "opttx.extend.keep_copy(g, state.prev)" in block
-        block = block.replace("opttx.extend.keep_copy(g, state.prev)", "g")
+        assert "extend.keep_copy(g, state.prev)" in block
+        block = block.replace("extend.keep_copy(g, state.prev)", "g")
     first = next(b for b in blocks if "class SignumState" in b)      # the imports
     module = types.ModuleType(f"guide_adan_{keeps_a_copy}")
     sys.modules[module.__name__] = module
