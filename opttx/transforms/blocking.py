@@ -247,7 +247,8 @@ def _check_row_blocks(tree: PyTree, reducer: Any, max_dim: int) -> None:
 
 
 def chunks(flat: list, counts: list[int], who: str) -> list[list]:
-    """Split ``flat`` into consecutive runs of the given lengths."""
+    """Split ``flat`` into consecutive runs of the given lengths (the blocks, or factors, of
+    each leaf); a ``ValueError`` naming ``who`` when the lengths do not add up."""
     if len(flat) != sum(counts):
         raise ValueError(f"{who}: expected {sum(counts)} tensors for {len(counts)} leaves, "
                          f"got {len(flat)}; were the state and updates built from the same "
