@@ -247,7 +247,7 @@ def scale_by_kron(b1: float = 0.9, preconditioner_update_probability: float |
             qs.append(factors[k:k + n])
             k += n
         out, new_mu, new_q = [], [], []
-        for i, (u, m, q) in enumerate(zip(g, state.mu, qs)):
+        for u, m, q in zip(g, state.mu, qs):
             m = b1 * m + (1 - b1) * u.to(m.dtype)
             new_mu.append(m)
             if u.numel() == 0:      # an empty leaf: an empty update, its factors kept
