@@ -14,7 +14,8 @@ from typing import Any, Callable, Literal
 import torch
 
 from .._tracing import is_tracing
-from ..base import EmptyState, GradientTransformation, Params, Traits, check_init_params
+from ..base import (EmptyState, GradientTransformation, Params, Traits, Updates,
+                    check_init_params)
 from ..kernels import Scalar, cast_like, foreach, foreach_, mark_scratch
 from ..skeleton import leafwise
 
@@ -76,13 +77,14 @@ def stateless_leafwise(name: str, step: StatelessStep, traits: Traits, *,
                        check_shapes: Literal["state", "params"] | None = None
                        ) -> GradientTransformation:
     """A stateless per-leaf transform (state `EmptyState`) from ``step(grads, params,
-    extra_args) -> new_updates`` on lists of leaves: `opttx.skeleton.leafwise` does the rest (a tree without
-    leaves, the tree's spec in ``extra_args``, the check of the state's type).
+    extra_args) -> new_updates`` on lists of leaves: `opttx.skeleton.leafwise` does the rest (a
+    tree without leaves, the tree's spec in ``extra_args``). Like every stateless transform it
+    gives back whatever state it is given.
 
     ``name`` names the transform in error messages; with ``needs_params`` the params are
     required and given to ``step`` as a list of leaves (else None); ``check_shapes`` as in
-    `opttx.skeleton.leafwise` (default None: the gradients are not checked, as a stateless element-wise
-    transform passes any tensor on; ``"params"``: against the params' shapes).
+    `opttx.skeleton.leafwise` (default None: the gradients are not checked, as a stateless
+    element-wise transform passes any tensor on; ``"params"``: against the params' shapes).
 
     Example (halve every update):
       >>> tx = stateless_leafwise("halve", lambda g, p, extra_args:
@@ -97,6 +99,12 @@ def stateless_leafwise(name: str, step: StatelessStep, traits: Traits, *,
                   extra_args: dict[str, Any]) -> tuple[list[torch.Tensor], EmptyState]:
         return step(g, p, extra_args), state
 
-    return GradientTransformation(init, leafwise(EmptyState, leaf_step,
-                                                 needs_params=name if needs_params else None,
-                                                 name=name, check_shapes=check_shapes), traits)
+    leaves_update = leafwise(EmptyState, leaf_step, needs_params=name if needs_params else None,
+                             name=name, check_shapes=check_shapes)
+
+    def update(updates: Updates, state: Any, params: Params | None = None,
+               **extra_args: Any) -> tuple[Updates, Any]:
+        # a stateless transform takes whatever state it is given and gives it back unchanged
+        return leaves_update(updates, EmptyState(), params, **extra_args)[0], state
+
+    return GradientTransformation(init, update, traits)
