@@ -32,7 +32,8 @@ from .core import (ELEMENTWISE, LEAFWISE, OPTIONAL_MARK, PRECONDITIONER, Gradien
 from .declarations import (Declaration, HyperRole, Recipe, check_made_by, check_state_type,
                            configuration_items, declaration_of, declare, describe_transform,
                            describe_value, format_identity, identity_differences, public_name,
-                           recipe_of, step_local_transforms)
+                           rebuild_transform, recipe_of, step_local_transforms)
+from .declarations import rebuild_transform as _rebuild  # the name pickles use (see there)
 from .reduction import (LEAF_SPEC_KEY, PRECONDITION_INPUT, REDUCER_KEY, TOTALS_KEY, ReduceOp,
                         current_reducer, precondition_leaves, precondition_target,
                         reduce_across_leaves, reduce_leaf_statistics, reduce_statistics,

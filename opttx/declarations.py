@@ -101,9 +101,16 @@ class Declaration:
     its chunks inside the wrapper."""
 
 
-def _rebuild(factory: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """``factory(*args, **kwargs)``: how a declared transform is unpickled."""
+def rebuild_transform(factory: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``factory(*args, **kwargs)``: how a declared transform is unpickled.
+
+    Pickles name it ``opttx.base._rebuild``, where it lived before the declarations had a
+    module of their own, so transforms pickled before and after load alike (`opttx.base`
+    keeps that name bound to this function)."""
     return factory(*args, **kwargs)
+
+
+rebuild_transform.__module__, rebuild_transform.__qualname__ = "opttx.base", "_rebuild"
 
 
 _LONG = 160      # a tree argument described longer than this is named by its digest
@@ -223,7 +230,7 @@ class Recipe:
     def pickled(self) -> tuple:
         """How the transform it made pickles (its ``__reduce__``): the factory called again
         with the same arguments."""
-        return (_rebuild, (self.factory, self.args, self.kwargs))
+        return (rebuild_transform, (self.factory, self.args, self.kwargs))
 
     def rebuild(self, **changes: Any) -> "GradientTransformation":
         """The factory called again with ``changes`` to its arguments."""
