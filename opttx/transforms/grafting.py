@@ -212,6 +212,12 @@ class DiagonalGraftState(NamedTuple):
     __roles__ = declare_roles(count=Role.COUNT, nu=Role.SECOND_MOMENT)
 
 
+# saved states name these classes by the module that defined them before grafting had a
+# module of its own (torch.save pickles the class's __module__): weights_only loading of a
+# state saved then, and now, finds them there (opttx.transforms.shampoo re-exports both)
+GraftState.__module__ = DiagonalGraftState.__module__ = "opttx.transforms.shampoo"
+
+
 @declare(hyperparams={"beta2": HyperRole.B2, "epsilon": HyperRole.EPS, "weighting_factor": None})
 def scale_by_grafted_diagonal(beta2: float = 1.0, epsilon: float = 1e-10,
                               weighting_factor: float = 1.0,
