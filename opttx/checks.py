@@ -3,7 +3,7 @@
 hyperparameters, whose values a compiled step cannot read) and schedules through.
 
 Example:
-  >>> @opttx.declare(hyperparams={"b": opttx.HyperRole.B1})
+  >>> @opttx.extend.declare(hyperparams={"b": opttx.extend.HyperRole.B1})
   ... def scale_by_sign_momentum(b: float = 0.9):
   ...     opttx.checks.check_unit_interval("b", b)     # a number in [0, 1), or a tensor
   ...     ...

@@ -142,13 +142,13 @@ def declare_roles(**roles: Role) -> Mapping[str, Role]:
       ...     step: torch.Tensor     # shape (), int32: steps taken
       ...     exp_avg: Updates       # like params: first moment
       ...     exp_avg_sq: Updates    # like params: second moment
-      ...     __roles__ = opttx.declare_roles(step=opttx.Role.COUNT,
-      ...                                     exp_avg=opttx.Role.FIRST_MOMENT,
-      ...                                     exp_avg_sq=opttx.Role.SECOND_MOMENT)
+      ...     __roles__ = opttx.extend.declare_roles(step=opttx.extend.Role.COUNT,
+      ...                                     exp_avg=opttx.extend.Role.FIRST_MOMENT,
+      ...                                     exp_avg_sq=opttx.extend.Role.SECOND_MOMENT)
     """
     for name, role in roles.items():
         if not isinstance(role, Role):
-            raise TypeError(f"declare_roles({name}=...) takes an opttx.Role, got {role!r}.")
+            raise TypeError(f"declare_roles({name}=...) takes an opttx.extend.Role, got {role!r}.")
     return dict(roles)
 
 
@@ -173,10 +173,10 @@ def declare_optional(*fields: str) -> frozenset[str]:
       ...     inner: Any                  # the wrapped transform's state
       ...     master: Any                 # like params: the master copy
       ...     started: Any                # like params: (), bool, whether master holds values
-      ...     __roles__ = opttx.declare_roles(inner=opttx.Role.SAME_STATE,
-      ...                                     master=opttx.Role.PARAMS_LIKE,
-      ...                                     started=opttx.Role.PER_LEAF_SCALAR)
-      ...     __optional__ = opttx.declare_optional("master", "started")
+      ...     __roles__ = opttx.extend.declare_roles(inner=opttx.extend.Role.SAME_STATE,
+      ...                                     master=opttx.extend.Role.PARAMS_LIKE,
+      ...                                     started=opttx.extend.Role.PER_LEAF_SCALAR)
+      ...     __optional__ = opttx.extend.declare_optional("master", "started")
     """
     for name in fields:
         if not isinstance(name, str) or not name.isidentifier():
@@ -366,7 +366,7 @@ class GradientTransformation(NamedTuple):
         if self.recipe is None:
             raise TypeError("this GradientTransformation was built from an (init, update) pair "
                             "without a declared factory, so it cannot be pickled or deep-"
-                            "copied; build it with a factory decorated with opttx.declare.")
+                            "copied; build it with a factory decorated with opttx.extend.declare.")
         return self.recipe.pickled()     # closures do not pickle: rebuilt from the recipe
 
 
@@ -424,7 +424,7 @@ def advance_counts(state: State) -> State:
                         f"{type(state).__name__}.{name} is a 0-dim integer tensor but the "
                         f"state declares no roles, so opttx cannot tell whether it counts "
                         f"steps. Declare them in the class body: __roles__ = "
-                        f"opttx.declare_roles({name}=opttx.Role.COUNT, ...) (see "
+                        f"opttx.extend.declare_roles({name}=opttx.extend.Role.COUNT, ...) (see "
                         f"docs/guide/writing.md).")
         for name in fields_with_role(state, Role.COUNT):
             fields[name] = safe_increment(getattr(state, name))
@@ -458,7 +458,7 @@ def keep_copy(values: PyTree, buffers: PyTree | None = None) -> PyTree:
     Example (a transform that keeps the previous gradient; in its ``update``, ``grads`` are
     the updates it was given and ``prev`` the state's buffers):
       >>> prev = {k: torch.zeros_like(g) for k, g in grads.items()}
-      >>> prev = opttx.keep_copy(grads, prev)         # not ``prev = grads``
+      >>> prev = opttx.extend.keep_copy(grads, prev)         # not ``prev = grads``
       >>> grads["w"].zero_()                          # the caller reuses its buffer
       >>> bool(prev["w"].abs().sum() > 0)
       True

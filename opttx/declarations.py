@@ -396,7 +396,7 @@ def _declared_transform(tx: GradientTransformation, recipe: Recipe) -> GradientT
     """``tx`` with its recipe; when the factory built ``tx`` itself (no recipe yet) its init
     stamps ``made_by`` on a state that has the field and its update checks it."""
     if not isinstance(tx, GradientTransformation):
-        raise TypeError(f"{recipe.name} is declared with opttx.declare but returned a "
+        raise TypeError(f"{recipe.name} is declared with opttx.extend.declare but returned a "
                         f"{type(tx).__name__}, not a GradientTransformation.")
     if tx.recipe is not None:       # made by another declared factory: it stamps its states
         object.__setattr__(recipe, "_stamped_by", tx.recipe.stamped_by)
@@ -493,8 +493,8 @@ def declare(*, hyperparams: Mapping[str, "HyperRole | None"] | None = None,
         keeps its state whole (`Declaration.wraps`), the name of that argument.
 
     Example:
-      >>> @opttx.declare(hyperparams={"learning_rate": opttx.HyperRole.LEARNING_RATE,
-      ...                             "decay": opttx.HyperRole.MOMENTUM})
+      >>> @opttx.extend.declare(hyperparams={"learning_rate": opttx.extend.HyperRole.LEARNING_RATE,
+      ...                             "decay": opttx.extend.HyperRole.MOMENTUM})
       ... def my_momentum(learning_rate: float, decay: float = 0.9, nesterov: bool = False):
       ...     return opttx.chain(opttx.trace(decay, nesterov),
       ...                        opttx.scale_by_learning_rate(learning_rate))

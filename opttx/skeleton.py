@@ -91,7 +91,7 @@ def leafwise(state_type: type, step: LeafwiseStep, *, needs_params: str | None =
     roles = state_roles(state_type)
     if not roles and [f for f in state_type._fields if f != "made_by"]:
         raise TypeError(f"leafwise({state_type.__name__}, ...): the state declares no roles; "
-                        f"add __roles__ = opttx.declare_roles(...) to its class body.")
+                        f"add __roles__ = opttx.extend.declare_roles(...) to its class body.")
     if check_shapes not in ("state", "params", None):
         raise ValueError(f"leafwise: check_shapes must be 'state', 'params' or None, got "
                          f"{check_shapes!r}.")

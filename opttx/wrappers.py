@@ -59,7 +59,7 @@ class InjectedHyperparameter(NamedTuple):
 
 def hyperparameter_roles(state: InjectHyperparamsState) -> dict[str, InjectedHyperparameter]:
     """``name ->`` `InjectedHyperparameter` of the injected hyperparameters of ``state``, as
-    the factory declared them (`opttx.declare`)."""
+    the factory declared them (`opttx.extend.declare`)."""
     return {name: InjectedHyperparameter(HyperRole(role) if role is not None else None,
                                          schedule, given)
             for name, role, schedule, given in (state.roles.value or ())}
@@ -105,7 +105,7 @@ def _split_arguments(inner_factory: Callable[..., GradientTransformation], argum
     """``(schedules, numbers, other)``: the arguments of ``inner_factory`` to inject as
     schedules evaluated every step, as 0-dim tensors, and to keep as Python values.
 
-    A declared factory (`opttx.declare`) injects exactly its declared hyperparameters whose
+    A declared factory (`opttx.extend.declare`) injects exactly its declared hyperparameters whose
     values are numbers, 0-dim floating tensors or schedules (functions of the step count); an
     undeclared one, every float and 0-dim floating tensor, and every function of one
     argument not named like a mask, labels or axes."""
@@ -293,7 +293,7 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
     dtype and moves to the parameters' device; off the CPU it is passed as a tensor (reading
     it would sync the device).
 
-    Which arguments are injected is *declared* by the factory (`opttx.declare`): its
+    Which arguments are injected is *declared* by the factory (`opttx.extend.declare`): its
     hyperparameters whose values are numbers, 0-dim floating tensors or schedules (functions
     of the step count); the state also records each one's role (``state.roles``, read by
     `opttx.Optimizer` for torch's param-group keys). For a factory that declares nothing, every
@@ -329,7 +329,7 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
 def inject_all_hyperparams(tx: GradientTransformation,
                            hyperparam_dtype: torch.dtype | None = None) -> GradientTransformation:
     """``tx`` rebuilt from its recipe with every declared hyperparameter injected: each
-    declared factory in it (`opttx.declare`; a chain's links, a wrapper's inner transform, at
+    declared factory in it (`opttx.extend.declare`; a chain's links, a wrapper's inner transform, at
     any depth) is rebuilt as ``inject_hyperparams(factory)(...)`` with the arguments it was
     given, so the hyperparameters of a *built* transform live in its state as 0-dim tensors.
     This is what `opttx.Optimizer` does to a transform it is given.
@@ -505,7 +505,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, 
     `opttx.distributed.sharded`, ``zero`` or ``on_owners`` it goes over the ranks holding the
     other shards or leaves; around them (``apply_if_finite(zero(adamw(...)), 3)``, and
     around ``all_reduce_gradients`` in a chain) over the process groups the wrapped
-    transform declares (`opttx.Traits.collective_groups`), since the local gradients it sees
+    transform declares (`opttx.extend.Traits.collective_groups`), since the local gradients it sees
     differ per rank. Inside or around `opttx.distributed.offload` (and ``zero(...,
     offload=...)``) the skip is decided once over every chunk (offload runs its chunks
     inside the wrapper).
@@ -612,7 +612,7 @@ class MultiSteps:
     mini-batches equals one step of ``tx`` on the mean of their gradients, with the memory of
     one accumulator. Under ``torch.compile`` the branch is a ``torch.cond`` (one graph).
     In a distributed run (inside `opttx.distributed.sharded` or ``zero``, or around a
-    transform declaring `opttx.Traits.collective_groups` such as ``zero`` itself) the ranks
+    transform declaring `opttx.extend.Traits.collective_groups` such as ``zero`` itself) the ranks
     agree on the boundary with one small all-reduce per call, and a rank whose count differs
     (it skipped or repeated a call) makes every rank raise the same ``ValueError`` (eager
     code reads the agreed value: a host sync per call). ``agree_across_ranks=False`` leaves

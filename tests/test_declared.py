@@ -367,5 +367,5 @@ def test_declarations_are_checked_when_the_factory_is_decorated() -> None:
         opttx.extend.declare(hyperparams={"learning_rate": "lr"})
     bare = opttx.GradientTransformation(lambda p: (), lambda u, s, p=None, **k: (u, s))
     assert opttx.extend.recipe_of(bare) is None
-    with pytest.raises(TypeError, match="opttx.declare"):
+    with pytest.raises(TypeError, match="opttx.extend.declare"):
         pickle.dumps(bare)

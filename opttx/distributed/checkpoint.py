@@ -69,7 +69,7 @@ STATE, SHARED, MADE_BY = "state", "shared", "made_by"
 
 
 def _stamps(state: Any, path: tuple = ()) -> dict[str, Any]:
-    """The ``made_by`` of every state node that has one (see `opttx.declare`), by the path
+    """The ``made_by`` of every state node that has one (see `opttx.extend.declare`), by the path
     of the node in the state (``"0"``: link 0 of a chain; ``"state"``: the root)."""
     out: dict[str, Any] = {}
     made = getattr(state, "made_by", None) if isinstance(state, tuple) else None
@@ -276,7 +276,7 @@ def _flat(sd: Mapping[str, Any]) -> dict[str, Any]:
 
 def _optional_keys(sd: Mapping[str, Any]) -> set[str]:
     """The flat keys (as `_flat` makes them) of the entries of fields declared optional
-    (`opttx.declare_optional`): read from their field paths, so also for entries of a state
+    (`opttx.extend.declare_optional`): read from their field paths, so also for entries of a state
     this run does not have."""
     out = {f"{STATE}.{p}.{f}" for p, fields in sd.get(STATE, {}).items() for f in fields
            if is_optional_entry(f)}
@@ -319,7 +319,7 @@ def load_state_dict(state: Any, state_dict: Mapping[str, Any], params: PyTree, *
     ``state_dict`` holds the entries this rank needs (after ``dcp.load`` into the
     `state_dict` of this very state it holds the state's own tensors, and the copy is
     skipped); extra entries are ignored unless ``strict``, where every entry must belong to
-    this rank's state. Entries of fields a state declares optional (`opttx.declare_optional`:
+    this rank's state. Entries of fields a state declares optional (`opttx.extend.declare_optional`:
     offload's master copy of the parameters, keyed ``"~master"``) may be absent on either
     side: the checkpoint's are ignored where this state has none, and this state's that the
     checkpoint lacks are set to zeros, which such a state reads as absent (offload then
@@ -557,7 +557,7 @@ def load_checkpoint(state_dict: dict[str, Any], checkpoint_id: Any = None, *,
 
 def _absent_optional(live: Any, fresh: Any, saved: set[str] | None
                      ) -> list[torch.Tensor]:
-    """The entries of fields declared optional (`opttx.declare_optional`) in the opttx state
+    """The entries of fields declared optional (`opttx.extend.declare_optional`) in the opttx state
     dicts of ``live`` that the checkpoint lacks (``saved``: its entries, from its metadata;
     None: unknown): taken out of ``fresh`` (``dcp.load`` would refuse them) and returned
     (``live``'s tensors, to zero once the load succeeded)."""

@@ -55,7 +55,7 @@ def keyed_positions(state: Any, tree: PyTree, mask: Sequence[bool] | None
 
 def count_positions(state: Any, leaves: list[Any]) -> set[int]:
     """The positions among ``leaves`` (the state's) of the step counters: fields declared
-    `opttx.Role.COUNT`."""
+    `opttx.extend.Role.COUNT`."""
     where = {id(x): j for j, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
     out: set[int] = set()
 

@@ -1,5 +1,5 @@
 """Which transforms `opttx.distributed.offload` can run chunk by chunk, read from their
-declared `opttx.Traits` (`check_offloadable`), and the declared wrappers that run around the
+declared `opttx.extend.Traits` (`check_offloadable`), and the declared wrappers that run around the
 chunks instead (`peel_wrappers`, `inside_wrappers`: ``offload(apply_if_finite(adamw(...),
 5))`` runs as ``apply_if_finite(offload(adamw(...)), 5)``).
 """
@@ -17,7 +17,7 @@ __all__ = ["check_offloadable", "chunkable", "inside_wrappers", "peel_wrappers",
 
 
 def chunkable(traits: Any, layout: str) -> bool:
-    """Whether a transform of these `opttx.Traits` runs chunk by chunk in ``layout``: with
+    """Whether a transform of these `opttx.extend.Traits` runs chunk by chunk in ``layout``: with
     ``"flat"`` element-wise, with ``"leaves"`` leaf by leaf; never across leaves."""
     if layout == "flat":
         return traits.elementwise and not traits.across_leaves
@@ -28,7 +28,7 @@ def check_offloadable(tx: GradientTransformation, layout: str = "leaves") -> int
     """Refuse, with the reason, a transform that cannot run chunk by chunk; return the number
     of leading links of a `opttx.chain` that run on the device over every leaf first.
 
-    Read from the declared `opttx.Traits`: with ``layout="leaves"`` every link must be
+    Read from the declared `opttx.extend.Traits`: with ``layout="leaves"`` every link must be
     ``per_leaf`` (each leaf's output from that leaf alone: element-wise chains, Adafactor's
     and CAME's factored moments, LAMB's trust ratios, 8-bit states, Shampoo's blocks) and
     not ``across_leaves``; with ``layout="flat"`` ``elementwise``. Links at the head of a
@@ -57,7 +57,7 @@ def peel_wrappers(tx: GradientTransformation, layout: str = "leaves"
                   ) -> tuple[list[tuple[Any, str]], GradientTransformation]:
     """``(wrappers, core)``: ``tx`` as declared wrappers around a transform that runs chunk by
     chunk. A transform that cannot run by chunks but wraps another on the whole updates,
-    keeping its state whole (`opttx.declare`'s ``wraps``: `opttx.apply_if_finite`,
+    keeping its state whole (`opttx.extend.declare`'s ``wraps``: `opttx.apply_if_finite`,
     `opttx.multi_steps`), is peeled off, outermost first, as ``(recipe, argument)``; the
     offloaded run of ``core`` then goes inside it (`inside_wrappers`), so
     ``offload(apply_if_finite(adamw(...), 5))`` is ``apply_if_finite(offload(adamw(...)),
@@ -127,4 +127,5 @@ def why_not_chunkable(t: Any, layout: str) -> str:
                 "(Traits.whole_leaves without Traits.per_leaf)")
     return ("its traits do not say it works leaf by leaf (Traits.per_leaf), so running it on "
             "a part of the leaves could change its numbers; declare the traits of a "
-            "transform of your own (opttx.LEAFWISE or opttx.ELEMENTWISE) if they hold")
+            "transform of your own (opttx.extend.LEAFWISE or opttx.extend.ELEMENTWISE) if "
+            "they hold")

@@ -13,7 +13,7 @@ With the checking mode on, every ``every``-th eager ``update`` of `sharded` and 
 their ``init``) gathers from every rank, with one ``all_gather_object``, an exact checksum of
 each replicated parameter it is given (the bits of the values, summed as 64-bit integers,
 with the sum of their squares) and every step counter of the state (fields declared
-`opttx.Role.COUNT`), compares them, and raises the same ``ValueError`` on every rank naming
+`opttx.extend.Role.COUNT`), compares them, and raises the same ``ValueError`` on every rank naming
 the first leaf or counter that differs and the ranks' values. A rank that skips an update is
 caught at the next check where its replicated leaves or counters differ; one that skips
 *every* collective of a step cannot be told apart from a slow one and still hangs the others

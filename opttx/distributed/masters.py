@@ -21,7 +21,7 @@ class OffloadMasterState(NamedTuple):
     """The state of `offload` with ``master_params`` (and of `zero` with
     ``offload_master_params``): the transform's state and the master copy of the host chunks'
     parameters. In a checkpoint the transform's entries are named as without offload
-    (`Role.SAME_STATE`) and the master's are optional (`opttx.declare_optional`): keyed
+    (`Role.SAME_STATE`) and the master's are optional (`opttx.extend.declare_optional`): keyed
     ``"~master"`` and ``"~started"`` on each parameter, skipped by a run without them, and
     set to zeros (not started) in a run that loads a checkpoint without them (or with them for
     fewer parameters: one saved at another fraction)."""

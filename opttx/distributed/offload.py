@@ -75,7 +75,7 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
     (``Traits.per_leaf``: adamw, lion, adafactor, came, lamb, 8-bit states, ...), after
     stateless statistics across leaves at its head (`opttx.clip_by_global_norm`, run on the
     device over every leaf first). A wrapper declared to call its inner transform on the
-    whole updates (`opttx.declare`'s ``wraps``: `opttx.apply_if_finite`, `opttx.multi_steps`)
+    whole updates (`opttx.extend.declare`'s ``wraps``: `opttx.apply_if_finite`, `opttx.multi_steps`)
     runs around the chunks: ``offload(apply_if_finite(adamw(...), 5))``
     is ``apply_if_finite(offload(adamw(...)), 5)``, one skip decision over every chunk, with
     the same state. Other chains that keep a statistic across leaves are refused with the
@@ -164,7 +164,7 @@ def offload(tx: GradientTransformation, fraction: float | str = 1.0, *,
         inside `opttx.donating` (`opttx.Optimizer`), else into a new buffer, so a state
         given again (a step `opttx.apply_if_finite` dropped) steps from its own master. In
         checkpoints its entries are optional (``"~master"``, ``"~started"``,
-        `opttx.declare_optional`): a run resumed from one continues bit for bit, a run
+        `opttx.extend.declare_optional`): a run resumed from one continues bit for bit, a run
         without the master skips them, and a checkpoint without them (or a state of ``tx``
         alone given to ``update``) starts the master from the parameters, which for 16-bit
         parameters drops its extra bits. Write parameters through the optimizer while it

@@ -128,7 +128,7 @@ def sharded(tx: GradientTransformation, specs: PyTree | None = None, *,
     without statistics): a rank whose state skipped an update (or took one more) makes every
     rank raise the same ``ValueError`` naming the counter. A wrapper around ``sharded`` that
     decides from the local shards (`opttx.apply_if_finite`) agrees on its decision over the
-    default group first (`opttx.Traits.collective_groups`).
+    default group first (`opttx.extend.Traits.collective_groups`).
 
     Returns:
       A `GradientTransformation` whose state is ``tx``'s state on the local shards. The specs

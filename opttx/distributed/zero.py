@@ -237,7 +237,7 @@ def zero(tx: GradientTransformation, group: Any = None, stage: int = 2,
     skipped an update (or took one more) makes every rank raise the same ``ValueError``
     naming the counter. A wrapper around ``zero`` that decides from the local gradients
     (`opttx.apply_if_finite`, `opttx.MultiSteps`) agrees on its decision over ``group``
-    first (``zero`` declares it: `opttx.Traits.collective_groups`).
+    first (``zero`` declares it: `opttx.extend.Traits.collective_groups`).
 
     Returns:
       A `GradientTransformation` whose state is ``tx``'s state over the owned leaves (others

@@ -221,7 +221,7 @@ def _check_unhonoured_key(key: str, value: Any, tx: GradientTransformation) -> N
     raise ValueError(f"param group key {key!r} cannot take effect: this group's transform, "
                      f"{describe_transform(tx, values=False)}, declares no hyperparameter "
                      f"with that role and its factory no argument of that name (see "
-                     f"opttx.declare). Drop the key, or use a transform that has it.")
+                     f"opttx.extend.declare). Drop the key, or use a transform that has it.")
 
 
 def _is_ambiguous_name(places: list[_Place], keys: _Keys, name: str) -> bool:
@@ -292,7 +292,7 @@ class _Group(dict):
                            "none of its factories declares a hyperparameter with the role "
                            "HyperRole.LEARNING_RATE (a transform without a step size, such as "
                            "clip_by_global_norm alone, or one built from an (init, update) "
-                           "pair; decorate its factory with opttx.declare).")
+                           "pair; decorate its factory with opttx.extend.declare).")
         raise KeyError(key)
 
     def __reduce_ex__(self, protocol: Any) -> tuple:
@@ -378,7 +378,7 @@ class Optimizer(torch.optim.Optimizer):
     lr=1e-3, betas=(0.9, 0.95))``; the two are the same optimizer. The transform is rebuilt
     from its recipe with every hyperparameter its factories *declare* injected
     (`opttx.inject_all_hyperparams`), and each param group shows them under keys read from
-    their declared roles (`opttx.HyperRole`). Writing a group key (a torch or HF LR
+    their declared roles (`opttx.extend.HyperRole`). Writing a group key (a torch or HF LR
     scheduler, a hand-written warm-up, OneCycleLR or CyclicLR cycling ``betas`` /
     ``momentum``) writes the value into the state at once; a per-group value in a
     param-group dict applies to that group.
@@ -455,7 +455,7 @@ class Optimizer(torch.optim.Optimizer):
     state dict saved from ``named_parameters()`` loads into one built from ``parameters()``
     and back; the optimizer pickles and deep-copies (declared transforms are rebuilt from
     their recipes). Each group's ``"transform"`` key names the transform and configuration
-    that made its state (`opttx.describe_transform`): `load_state_dict` refuses a state dict
+    that made its state (`opttx.extend.describe_transform`): `load_state_dict` refuses a state dict
     made by another one before writing anything, naming both. ``optimizer.state[p]`` holds
     the parameter's entries of the transform state
     under their field paths (``"inner_state.0.mu"``, not torch's ``"exp_avg"``):
@@ -1037,7 +1037,7 @@ class Optimizer(torch.optim.Optimizer):
 
         Everything is checked before anything is written: a state dict that does not match
         (any group) leaves this optimizer as it was. Entries of fields a state declares
-        optional (`opttx.declare_optional`: offload's master copy, ``"~master"``) may be
+        optional (`opttx.extend.declare_optional`: offload's master copy, ``"~master"``) may be
         absent on either side: ignored where this optimizer's state has none, set to zeros
         (read as absent) where the state dict lacks them.
 
@@ -1103,7 +1103,7 @@ class Optimizer(torch.optim.Optimizer):
         names = list(saved["params"])
         have = {(j, k) for j, e in enumerate(current) for k in e}
         got = {(j, k) for j, e in enumerate(given) for k in e}
-        # entries of fields declared optional (opttx.declare_optional: offload's master copy)
+        # entries of fields declared optional (opttx.extend.declare_optional: offload's master copy)
         # may be absent on either side; _write_group zeroes this state's that are absent
         missing_keys = {(j, k) for j, k in have - got if not is_optional_entry(k)}
         extra_keys = {(j, k) for j, k in got - have if not is_optional_entry(k)}

@@ -263,8 +263,8 @@ def _check_rotatable(where: StateField, i: int, leaf: torch.Tensor, plan: _Plan)
             f"shaped like the projected updates, but {where.owner or 'the state'} declares no "
             "roles, so it cannot tell a first moment (rotated) from a second moment (rotated "
             "as squares) or a parameter-like tensor (not rotated). Declare them in the state "
-            "class body, for example __roles__ = opttx.declare_roles(step=Role.COUNT, "
-            "exp_avg=Role.FIRST_MOMENT, exp_avg_sq=Role.SECOND_MOMENT) (see opttx.Role).")
+            "class body, for example __roles__ = opttx.extend.declare_roles(step=Role.COUNT, "
+            "exp_avg=Role.FIRST_MOMENT, exp_avg_sq=Role.SECOND_MOMENT) (see opttx.extend.Role).")
 
 
 def _moment_slots(inner_state: State, spec: Any, plans: Sequence[_Plan | None]
@@ -491,7 +491,7 @@ def project_lowrank(inner: GradientTransformation, rank: int, update_proj_gap: i
     basis (as galore_torch). With ``reproject_moments=True`` they are carried into the new
     basis at a refresh, with the change of basis :math:`C_L = P_L'^\top P_L` (left) and
     :math:`C_R = P_R P_R'^\top` (right). Which trees of the inner state are statistics is
-    read from the roles its state classes declare (`opttx.Role`), never from field names:
+    read from the roles its state classes declare (`opttx.extend.Role`), never from field names:
     a ``FIRST_MOMENT`` (any linear statistic) becomes :math:`C_L M C_R`, which is exactly the
     old moment :math:`P_L M P_R` seen in the full space and projected on the new basis. A
     ``SECOND_MOMENT`` is not linear in the basis; it becomes

@@ -128,9 +128,9 @@ def _undeclared(where: StateField) -> TypeError:
         f"quantize_state: the inner state's {owner} holds a floating tensor shaped like the "
         f"parameter, but {cls} declares no roles, so quantize_state cannot tell a moment "
         "(compressed as a signed or a non-negative statistic) from anything else (kept fp32). "
-        "Declare them in the state class body, for example __roles__ = opttx.declare_roles("
+        "Declare them in the state class body, for example __roles__ = opttx.extend.declare_roles("
         "step=Role.COUNT, exp_avg=Role.FIRST_MOMENT, exp_avg_sq=Role.SECOND_MOMENT) (see "
-        "opttx.Role).")
+        "opttx.extend.Role).")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,8 +384,8 @@ def quantize_state(inner: GradientTransformation, bits: int | None = None,
       and resumed run.
 
     Which tensors are moments is read from the roles the inner's state classes declare
-    (`opttx.Role`, ``__roles__ = opttx.declare_roles(...)``), never from field names: a
-    floating tensor shaped like the leaf under a field of a non-negative role
+    (`opttx.extend.Role`, ``__roles__ = opttx.extend.declare_roles(...)``), never from field
+    names: a floating tensor shaped like the leaf under a field of a non-negative role
     (``SECOND_MOMENT``, ``FACTORED_MOMENT``) is stored as a non-negative statistic; under
     ``FIRST_MOMENT`` or ``PARAMS_LIKE`` as a signed one; under ``COUNT``, ``SCALAR``,
     ``FACTOR_MATRIX``, ``PROJECTION`` or ``QUANTIZED``, or under a field its class leaves
