@@ -42,6 +42,7 @@ from .._tracing import is_tracing
 from ..base import (GradientTransformation, Params, REDUCER_KEY, State, TOTALS_KEY, Updates,
                     current_reducer, declare, reducer_during_init, traits_of)
 from ..tree import MaskedNode, PyTree, tree_paths
+from .chunk_plan import state_costs
 from .reducer import CollectiveStats, ShardedReducer, pack_all_reduce
 from .specs import Shard, shard_groups
 
@@ -680,7 +681,6 @@ def _state_cost(tx: GradientTransformation, dtype: torch.dtype
                 ) -> Callable[[Sequence[int]], float]:
     """The state bytes ``tx.init`` allocates for one leaf of ``shape`` (`zero.state_costs` on
     a one-leaf tree of meta tensors), cached per shape."""
-    from .zero import state_costs
     cache: dict[tuple[int, ...], float] = {}
 
     def cost(shape: Sequence[int]) -> float:
