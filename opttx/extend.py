@@ -6,9 +6,10 @@
 `opttx.inject_hyperparams`, checkpoints, `opttx.stacked`, `opttx.distributed`) can run.
 docs/guide/writing.md walks through three transforms written with it.
 
-- **The per-leaf skeleton**: `leafwise` writes ``init``/``update`` from a function of one
-  leaf; `stateless_with_extra_args` for a transform without state that reads
-  ``update(..., **extra_args)``.
+- **The per-leaf skeleton**: `leafwise` writes a transform's ``update`` from its
+  mathematics, a step over lists of leaves (`as_tree` gives such a step the tree back);
+  `stateless_leafwise` is the same for a transform without state;
+  `stateless_with_extra_args` for one without state that reads ``update(..., **extra_args)``.
 - **What a transform does** (`Traits`, read by the machinery): `ELEMENTWISE`, `LEAFWISE`,
   `PRECONDITIONER` (the common ones), `combine_traits`, `traits_of`.
 - **What each state field is** (`Role`): `declare_roles`, `declare_optional`, `state_roles`,
@@ -41,13 +42,14 @@ from .base import (ELEMENTWISE, LEAFWISE, PRECONDITIONER, HyperRole, Recipe, Rol
                    reduce_leaf_statistics, reduce_statistics, replace_state, state_roles,
                    stateless_with_extra_args, traits_of, zero_count)
 from .checks import check_nonnegative, check_number, check_positive, check_unit_interval
-from .skeleton import leafwise
+from .skeleton import as_tree, leafwise
+from .transforms.common import stateless_leafwise
 from .tree import Static, stats_like
 from .wrappers import hyperparameter_roles
 
 __all__ = [
     # the per-leaf skeleton
-    "leafwise", "stateless_with_extra_args",
+    "leafwise", "as_tree", "stateless_leafwise", "stateless_with_extra_args",
     # what a transform does: traits
     "Traits", "ELEMENTWISE", "LEAFWISE", "PRECONDITIONER", "combine_traits", "traits_of",
     # what each state field is: roles

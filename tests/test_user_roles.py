@@ -132,7 +132,7 @@ def test_quantized_my_adam_is_close_to_fp32_and_to_quantized_opttx_adam() -> Non
 def test_quantize_state_refuses_a_state_without_roles() -> None:
     params = tree()
     with pytest.raises(TypeError, match=r"MyBareAdamState\.exp_avg .*declares no roles.*"
-                                        r"__roles__ = opttx\.declare_roles"):
+                                        r"__roles__ = opttx\.extend\.declare_roles"):
         opttx.quantize_state(my_adam(MyBareAdamState)).init(params)
     # where no leaf is quantized the roles are not needed
     grads = gradient_stream(params, 3, seed=5)
