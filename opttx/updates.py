@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .core import GradientTransformation, Params, State, Updates, traits_of
-from .kernels import foreach, foreach_
+from .kernels import cast_like, foreach, foreach_
 from .tree import assert_same_structure, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = [
@@ -170,11 +170,12 @@ def add_leaves(p_leaves: list[torch.Tensor], u_leaves: list[torch.Tensor],
 def scaled_updates(u_leaves: list, scale: Any) -> tuple[list, float]:
     """The updates and the ``alpha`` of the fused add that writes ``x + scale·u``: a number
     goes into the add itself (one rounding, as torch.optim's ``add_(u, alpha=-lr)``); a
-    tensor scale (traced, scheduled) multiplies the updates first."""
+    tensor scale (traced, scheduled) multiplies the updates first, in one grouped kernel and
+    back in their dtypes, as `opttx.scale` would have."""
     if scale is None:
         return u_leaves, 1.0
     if isinstance(scale, torch.Tensor):
-        return [(u * scale).to(u.dtype) for u in u_leaves], 1.0
+        return cast_like(foreach("mul", list(u_leaves), scale), u_leaves), 1.0
     return u_leaves, float(scale)
 
 
