@@ -18,7 +18,7 @@ from .checkpoint_keys import keyed_state, param_paths
 from .placement import OffloadPlan
 
 __all__ = ["ChunkMap", "ChunkStates", "HOST", "count_positions", "flat_view", "init_on_meta",
-           "keyed_paths", "keyed_positions", "meta_like"]
+           "keyed_paths", "keyed_positions", "meta_like", "OnChunkStates"]
 
 HOST = torch.device("cpu")
 
@@ -364,3 +364,23 @@ class ChunkStates:
             leaves = tree_flatten(u)[0]
             for i, x in zip(c.leaves, leaves):
                 out[i] = x
+
+
+def _read_through(name: str) -> property:
+    return property(lambda self: getattr(self.states, name),
+                    doc=f"The chunks' `ChunkStates.{name}` (read through ``states``).")
+
+
+class OnChunkStates:
+    """The reads of the shared `ChunkStates` (``self.states``) that the offload engine's parts
+    (`Masters`, `Transfers`, `HostSteps`) make: its plan, layout, maps, placement and tree,
+    written once here instead of a forwarding property per part."""
+
+    states: ChunkStates
+    plan = _read_through("plan")
+    layout = _read_through("layout")
+    maps = _read_through("maps")
+    where = _read_through("where")
+    device = _read_through("device")
+    spec = _read_through("spec")
+    shapes = _read_through("shapes")

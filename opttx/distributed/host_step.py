@@ -16,7 +16,7 @@ from ..base import GradientTransformation, apply_updates, apply_updates_
 from ..combine import chain_links
 from ..kernels import CoefficientsFirst, donating, is_donating
 from ..tree import PyTree, tree_copy_, tree_flatten, tree_map
-from .chunk_state import ChunkStates
+from .chunk_state import ChunkStates, OnChunkStates
 from .masters import Masters
 from .staging import Transfers
 
@@ -78,7 +78,7 @@ def write_shared_once(items: list[tuple[Any, ...]], news: list[Any]) -> None:
         copy_leaves(item[1], new, item[-1])
 
 
-class HostSteps:
+class HostSteps(OnChunkStates):
     """The steps of one offloaded transform's chunks: ``tx`` after its ``head`` links (which
     run on the device over every leaf first), eager or, with ``compile``, compiled for the CPU
     per host chunk (or group of them); the chunks' states, staging buffers and master copies
@@ -97,21 +97,6 @@ class HostSteps:
         self.masters = masters
         self.stats = stats
         self._compiled: dict[tuple[Any, str], Callable] = {}   # (chunk(s), step) -> compiled
-
-    @property
-    def plan(self) -> Any:
-        """The chunks' `ChunkStates.plan`."""
-        return self.states.plan
-
-    @property
-    def layout(self) -> Any:
-        """The chunks' `ChunkStates.layout`."""
-        return self.states.layout
-
-    @property
-    def maps(self) -> Any:
-        """The chunks' `ChunkStates.maps`."""
-        return self.states.maps
 
     def run(self, grads: PyTree, state: Any, params: PyTree | None,
             extra: dict[str, Any]) -> tuple[PyTree, Any]:

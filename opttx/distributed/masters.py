@@ -12,7 +12,7 @@ import torch
 
 from ..base import Params, Role, State, declare_optional, declare_roles
 from ..tree import MaskedNode
-from .chunk_state import HOST, ChunkStates, flat_view
+from .chunk_state import HOST, ChunkStates, OnChunkStates, flat_view
 
 __all__ = ["Masters", "OffloadMasterState"]
 
@@ -44,7 +44,7 @@ class OffloadMasterState(NamedTuple):
 OffloadMasterState.__module__ = "opttx.distributed.offload"
 
 
-class Masters:
+class Masters(OnChunkStates):
     """The host chunks' master copies of one offloaded transform (``enabled``: with
     ``master_params``; else its state is the transform's alone): one flat buffer per host
     chunk, the leaves whose master restarts from the parameters (``stale``), and the views
@@ -59,31 +59,6 @@ class Masters:
         self._flag_views: tuple[torch.Tensor, tuple] | None = None  # started: buffer, views
         self.live_outer: Any = None           # the last state, with its master
         self.live_started: Any = None         # and its tree of flags (as `outer` made them)
-
-    @property
-    def plan(self) -> Any:
-        """The chunks' `ChunkStates.plan`."""
-        return self.states.plan
-
-    @property
-    def device(self) -> Any:
-        """The chunks' `ChunkStates.device`."""
-        return self.states.device
-
-    @property
-    def where(self) -> Any:
-        """The chunks' `ChunkStates.where`."""
-        return self.states.where
-
-    @property
-    def shapes(self) -> Any:
-        """The chunks' `ChunkStates.shapes`."""
-        return self.states.shapes
-
-    @property
-    def spec(self) -> Any:
-        """The chunks' `ChunkStates.spec`."""
-        return self.states.spec
 
     def new(self, k: int, zeros: bool = True) -> torch.Tensor:
         """A master buffer for host chunk ``k``: its parameters back to back, float32 for

@@ -12,12 +12,12 @@ import torch
 
 from ..kernels import is_donating
 from ..tree import PyTree, tree_flatten, tree_unflatten
-from .chunk_state import HOST, ChunkStates
+from .chunk_state import HOST, ChunkStates, OnChunkStates
 
 __all__ = ["Transfers"]
 
 
-class Transfers:
+class Transfers(OnChunkStates):
     """The staging buffers and copy streams of one offloaded transform's host chunks
     (``states``: their chunks and layout; ``stats``: an `OffloadStats` counting the bytes)."""
 
@@ -41,31 +41,6 @@ class Transfers:
         not); nothing when no copy ran on a side stream."""
         if self._streams is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._streams[1])
-
-    @property
-    def plan(self) -> Any:
-        """The chunks' `ChunkStates.plan`."""
-        return self.states.plan
-
-    @property
-    def device(self) -> Any:
-        """The chunks' `ChunkStates.device`."""
-        return self.states.device
-
-    @property
-    def where(self) -> Any:
-        """The chunks' `ChunkStates.where`."""
-        return self.states.where
-
-    @property
-    def layout(self) -> Any:
-        """The chunks' `ChunkStates.layout`."""
-        return self.states.layout
-
-    @property
-    def maps(self) -> Any:
-        """The chunks' `ChunkStates.maps`."""
-        return self.states.maps
 
     def updates_buffer(self, k: int, dtype: torch.dtype) -> torch.Tensor:
         """Host chunk ``k``'s staging buffer for its updates, once the last step's copy to
