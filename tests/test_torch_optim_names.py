@@ -56,27 +56,34 @@ def test_numbers_are_torchs(name: str) -> None:
         kwargs = optim_input.kwargs
         if kwargs.get("differentiable", False):
             continue
-        torch.manual_seed(0)
-        ps = [torch.nn.Parameter(torch.randn(s)) for s in _shapes(name)]
-        qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-        ours = getattr(opttx.optim, name)(ps, **copy.deepcopy(kwargs))
-        ref = getattr(torch.optim, name)(qs, **copy.deepcopy(kwargs))
+        ours, ref, ps, qs = _side_by_side(name, kwargs, steps=20, gamma=0.5)
         assert sorted(set(ours.param_groups[0]) - {"tx", "transform"}) == \
             sorted(ref.param_groups[0])
         assert ours.defaults.keys() == ref.defaults.keys()
-        scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.5)
-                  for o in (ours, ref)]
-        for _ in range(20):
-            for p, q in zip(ps, qs):
-                g = torch.randn_like(p)
-                p.grad, q.grad = g.clone(), g.clone()
-            ours.step()
-            ref.step()
-            for s in scheds:
-                s.step()
         for p, q in zip(ps, qs):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6,
                                        msg=lambda m, k=kwargs: f"{name} {k}: {m}")
+
+
+def _side_by_side(name: str, kwargs: dict, steps: int, gamma: float) -> tuple:
+    """``opttx.optim.<name>`` and ``torch.optim.<name>`` built with ``kwargs`` on the same
+    parameters, stepped ``steps`` times on the same gradients with a StepLR(4, ``gamma``)
+    each: (ours, theirs, our params, their params)."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in _shapes(name)]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    ours = getattr(opttx.optim, name)(ps, **copy.deepcopy(kwargs))
+    ref = getattr(torch.optim, name)(qs, **copy.deepcopy(kwargs))
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=gamma) for o in (ours, ref)]
+    for _ in range(steps):
+        for p, q in zip(ps, qs):
+            g = torch.randn_like(p)
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+        for s in scheds:
+            s.step()
+    return ours, ref, ps, qs
 
 
 def test_sgd_is_torchs_bit_for_bit() -> None:
@@ -91,21 +98,7 @@ def test_sgd_is_torchs_bit_for_bit() -> None:
                for nesterov in (False, True)]
     inputs += [{"lr": 3e-4, "momentum": 0.999, "dampening": 0.3, "maximize": True}]
     for kwargs in inputs:
-        torch.manual_seed(0)
-        ps = [torch.nn.Parameter(torch.randn(s)) for s in _shapes("SGD")]
-        qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-        ours = opttx.optim.SGD(ps, **copy.deepcopy(kwargs))
-        ref = torch.optim.SGD(qs, **copy.deepcopy(kwargs))
-        scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.7)
-                  for o in (ours, ref)]
-        for _ in range(30):
-            for p, q in zip(ps, qs):
-                g = torch.randn_like(p)
-                p.grad, q.grad = g.clone(), g.clone()
-            ours.step()
-            ref.step()
-            for s in scheds:
-                s.step()
+        _, _, ps, qs = _side_by_side("SGD", kwargs, steps=30, gamma=0.7)
         for p, q in zip(ps, qs):
             torch.testing.assert_close(p, q, rtol=0, atol=0,
                                        msg=lambda m, k=kwargs: f"SGD {k}: {m}")
