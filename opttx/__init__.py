@@ -48,6 +48,7 @@ from .aliases import __all__ as _aliases_all
 # the torch.optim.Optimizer runners
 from .backward import FusedBackward
 from .optim import Optimizer
+from .optim.weight_ema import swap_ema
 
 __version__ = "0.1.0"
 
@@ -74,6 +75,7 @@ __all__ = [
     *_aliases_all,
     # the torch.optim.Optimizer runners
     "Optimizer", "FusedBackward",
+    "swap_ema",
 ]
 
 # opttx's state NamedTuples load with torch.load(weights_only=True) (see register_safe_globals)

@@ -384,6 +384,10 @@ CASES: list[Case] = [
     built("MultiSteps", lambda: opttx.MultiSteps(opttx.adam(LR), 2).gradient_transformation(),
           nonfinite="at_boundary"),
     built("flatten", lambda: opttx.flatten(opttx.adamw(LR, weight_decay=0.1))),
+    case("ema_params", opttx.ema_params, inner=opttx.adamw(LR, weight_decay=0.1), decay=0.9,
+         warmup=True, update_after_step=1, min_decay=0.2),
+    case("ema_params/every", opttx.ema_params, inner=opttx.sgd(LR, momentum=0.9), decay=0.8,
+         every=2, offload=True),
     # declarations: a user's declared factory, and a built chain with its hyperparameters
     # injected from the declarations
     case("declare", declared_momentum, learning_rate=LR, decay=0.8, nesterov=True),

@@ -46,6 +46,7 @@ from .schedule_free import (ScheduleFreeState, schedule_free, schedule_free_eval
 from .shampoo import ShampooState, precondition_shampoo
 from .soap import (EigenvalueCorrectedState, merge_dims_heavyball, merge_dims_soap,
                    precondition_eigenvalue_corrected)
+from .weight_ema import EmaParamsState, ema_decay, ema_eval_params, ema_params
 
 __all__ = [
     # scaling: constant factors, learning rates, schedules, weight decay, sign
@@ -90,4 +91,6 @@ __all__ = [
     "QuantizedTensor", "CorrectedTensor", "StateLayout", "LeafSlot", "QuantizationMap",
     "quantization_map", "dynamic_map", "linear_map", "quantize_blockwise",
     "dequantize_blockwise",
+    # weight EMA: an average of the parameters in the optimizer state
+    "ema_params", "EmaParamsState", "ema_decay", "ema_eval_params",
 ]
