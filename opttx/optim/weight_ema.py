@@ -77,11 +77,15 @@ def swap_ema(target: Any, params: Any = None) -> Iterator[None]:
 
     Example:
       >>> opt = opttx.Optimizer(model.parameters(), opttx.ema_params(opttx.adamw(1e-3), 0.999))
-      >>> ...   # training steps
-      >>> model.eval()
-      >>> with opttx.swap_ema(opt), torch.no_grad():
-      ...     val_loss = loss_fn(model(x_val), y_val)
-      >>> model.train()
+      >>> for x, y in data:
+      ...     opt.zero_grad()
+      ...     loss_fn(model(x), y).backward()
+      ...     opt.step()
+      >>> with opttx.swap_ema(opt), torch.no_grad():        # evaluate the average
+      ...     val_loss = loss_fn(model(x), y)
+      >>> state = opttx.ema_params(opttx.sgd(0.1)).init(dict(model.named_parameters()))
+      >>> with opttx.swap_ema(state, model):                # a functional state, its module
+      ...     pass
     """
     if isinstance(target, Optimizer):
         if params is not None:

@@ -162,8 +162,9 @@ def ema_params(inner: GradientTransformation, decay: float | Schedule = 0.9999, 
       >>> params = opttx.apply_updates(params, updates)
       >>> averaged = opttx.ema_eval_params(state, params)      # a new tree
       >>> opt = opttx.Optimizer(model.parameters(), tx)
-      >>> with opttx.swap_ema(opt):                             # the model holds the average
-      ...     evaluate(model)
+      >>> x, y = data[0]
+      >>> with opttx.swap_ema(opt), torch.no_grad():           # the model holds the average
+      ...     out = model(x)
 
     References:
       Polyak and Juditsky, Acceleration of stochastic approximation by averaging (SIAM J.
