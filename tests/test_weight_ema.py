@@ -353,8 +353,10 @@ def test_dcp_round_trip_resumes_the_average_bitwise(tmp_path: Path) -> None:
 
 def _distributed_worker(rank: int, world: int, root: str) -> dict[str, str]:
     """On 2 ranks: the average of ``sharded`` (dim 0 and dim 1 shards, a replicated leaf) is
-    this rank's piece of the single-device average, that of ``zero`` the owned leaves'; a
-    DCP checkpoint of the sharded state (DTensors) reloads into a ``zero`` state."""
+    this rank's piece of the single-device average (and `swap_ema` puts it into the shards),
+    that of ``zero`` the owned leaves' (and `opttx.distributed.ema_eval_params` gives every
+    rank all of it); a DCP checkpoint of the sharded state (DTensors) reloads into a
+    ``zero`` state."""
     from opttx.distributed import (Replicated, Shard, load_checkpoint, load_state_dict,
                                    local_shard, sharded, state_dict, zero)
     errors: dict[str, str] = {}
@@ -387,6 +389,17 @@ def _distributed_worker(rank: int, world: int, root: str) -> dict[str, str]:
     for k in owned:
         if not torch.equal(zema.ema[k], want.ema[k]):
             errors[f"zero/{k}"] = "the average differs from the single-device one"
+
+    # every leaf's average on every rank, from its owner
+    gathered = opttx.distributed.ema_eval_params(zstate, params)
+    for k in start:
+        if not torch.equal(gathered[k], want.ema[k]):
+            errors[f"zero/gathered/{k}"] = "the average sent by its owner differs"
+    # swapped into this rank's shards under sharded
+    with opttx.swap_ema(state, local):
+        for k in start:
+            if not torch.equal(local[k], local_shard(want.ema[k], specs[k])):
+                errors[f"sharded/swapped/{k}"] = "the swapped-in shard differs"
 
     # the sharded checkpoint (DTensors) into a fresh zero state: whole leaves per owner
     fresh = ztx.init(start)

@@ -17,6 +17,7 @@ from .checkpoint import (check_checkpoint, load_checkpoint, load_state_dict, par
 from .consistency import consistency_checks, set_consistency_checks
 from .data_parallel import all_reduce_gradients, plan_buckets
 from .eval_params import schedule_free_eval_params
+from .eval_params import ema_eval_params
 from .launch import init_process_group_for_restarts
 from .overlap import BackwardLaunches, no_sync
 from .owners import OwnerPlan, default_cost, on_owners, plan_owners
@@ -69,6 +70,7 @@ __all__ = [
     "shard_groups",
     "save_checkpoint",
     "schedule_free_eval_params",
+    "ema_eval_params",
     "set_consistency_checks",
     "sharded",
     "specs_from_dtensors",

@@ -271,8 +271,9 @@ def ema_leaves_for(ema_state: EmaParamsState, params: Params, name: str
     part under ``zero`` or ``on_owners``) or of other shapes."""
     if find_instances(ema_state.ema, MaskedNode) and not find_instances(params, MaskedNode):
         raise ValueError(f"{name}: this state holds the average of some parameters only (a "
-                         "rank's part under opttx.distributed.zero or on_owners); read it "
-                         "where the state is whole (sharded local shards, one device).")
+                         "rank's part under opttx.distributed.zero or on_owners): call "
+                         "opttx.distributed.ema_eval_params on every rank instead, which "
+                         "gathers the average from the owners.")
     spec, p, ema = flatten_matching(params, ema_state.ema, what="params and the average")
     for path, x, e in zip(tree_paths(params), p, ema):
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(e.shape):
