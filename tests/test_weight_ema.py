@@ -85,19 +85,21 @@ def test_equals_averaged_model_with_ema_multi_avg_fn(decay: float) -> None:
     _functional_run(tx, 8, model, check)
     assert int(averaged.n_averaged) == 8
 
-    # the in-place path: opttx.Optimizer on a module, against the same reference
-    trained = _model()
-    opt = opttx.Optimizer(trained.parameters(), tx)
-    reference2 = _model()
-    averaged2 = AveragedModel(reference2, multi_avg_fn=get_ema_multi_avg_fn(decay))
-    for x, y in _batches(8):
-        opt.zero_grad()
-        (trained(x) - y).square().mean().backward()
-        opt.step()
-        averaged2.update_parameters(trained)
-    with opttx.swap_ema(opt):
-        for p, want in zip(trained.parameters(), averaged2.module.parameters()):
-            assert torch.equal(p.detach(), want.detach())
+    # the in-place path: opttx.Optimizer on a module, against the same reference; and with
+    # the learning rate folded into the write (p.add_(u, alpha=-lr)), the sum it averages
+    for fold in (False, True):
+        trained = _model()
+        opt = opttx.Optimizer(trained.parameters(), tx, fold_learning_rate=fold)
+        reference2 = _model()
+        averaged2 = AveragedModel(reference2, multi_avg_fn=get_ema_multi_avg_fn(decay))
+        for x, y in _batches(8):
+            opt.zero_grad()
+            (trained(x) - y).square().mean().backward()
+            opt.step()
+            averaged2.update_parameters(trained)
+        with opttx.swap_ema(opt):
+            for p, want in zip(trained.parameters(), averaged2.module.parameters()):
+                assert torch.equal(p.detach(), want.detach()), fold
 
 
 def _timm_decay(step: int, decay: float, update_after_step: int, use_warmup: bool,

@@ -19,14 +19,15 @@ from typing import Any, NamedTuple
 import torch
 
 from .._checks import check_nonnegative, check_number, check_positive, check_unit_interval
-from ..base import (GradientTransformation, Params, Role, State, Updates, check_init_params,
-                    check_state_type, combine_traits, declare, declare_roles, replace_state,
-                    require_params, safe_increment, zero_count)
+from ..base import (DEFERRED_SCALE, GradientTransformation, Params, Role, State, Updates,
+                    check_init_params, check_state_type, combine_traits, declare,
+                    declare_roles, replace_state, require_params, safe_increment, traits_of,
+                    zero_count)
 from ..kernels import Scalar, cast_like, foreach_ema
 from ..schedules import Schedule
 from ..tree import (MaskedNode, PyTree, Static, find_instances, flatten_matching, tree_cond,
                     tree_map, tree_paths, tree_unflatten)
-from ..updates import add_leaves
+from ..updates import add_leaves, scaled_updates
 
 __all__ = [
     "EmaParamsState",
@@ -126,11 +127,13 @@ def ema_params(inner: GradientTransformation, decay: float | Schedule = 0.9999, 
 
     ``ema_params`` must be the outermost transform whose updates are the ones written to the
     parameters (around the whole chain, learning rate included): it reads
-    :math:`\theta_{t-1} + u_t` from its own updates. Its traits are ``inner``'s without
-    `opttx.extend.Traits.final_scale`, so `opttx.Optimizer` and `opttx.update_deferring_scale`
-    do not fold ``inner``'s learning rate into the write (the parameters it averages are
-    then exactly those written). Parameters written with stochastic rounding differ from
-    :math:`\theta_{t-1} + u_t` by that rounding; the average is of the round-to-nearest sum.
+    :math:`\theta_{t-1} + u_t` from its own updates. Its traits are ``inner``'s, final scale
+    included: asked for the final scale (`opttx.update_deferring_scale`,
+    ``opttx.Optimizer(fold_learning_rate=True)``) it asks ``inner`` for it, reports it, and
+    averages :math:`\theta_{t-1} + s\,u_t` written as the caller writes it (one fused add),
+    so the parameters it averages are exactly those written. Parameters written with
+    stochastic rounding differ from that sum by the rounding; the average is of the
+    round-to-nearest sum.
 
     Args:
       inner: the transform whose updates move the parameters.
@@ -191,6 +194,7 @@ def ema_params(inner: GradientTransformation, decay: float | Schedule = 0.9999, 
         raise TypeError(f"warmup must be a bool, got {type(warmup).__name__}.")
     if not isinstance(offload, bool):
         raise TypeError(f"offload must be a bool, got {type(offload).__name__}.")
+    folds = traits_of(inner).final_scale
     schedule = dict(decay=decay, update_after_step=update_after_step, warmup=warmup,
                     warmup_gamma=warmup_gamma, warmup_power=warmup_power, min_decay=min_decay)
 
@@ -217,7 +221,20 @@ def ema_params(inner: GradientTransformation, decay: float | Schedule = 0.9999, 
         params = require_params(params, "ema_params")
         check_state_type(state, EmaParamsState, "ema_params")
         count = safe_increment(state.count)
-        out, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+        sink = extra_args.get(DEFERRED_SCALE) if folds else None
+        args = {k: v for k, v in extra_args.items() if k != DEFERRED_SCALE}
+        scale = None
+        if sink is None:
+            out, inner_state = inner.update(updates, state.inner_state, params, **args)
+        else:      # inner leaves its final scale s to the caller, who writes theta + s u
+            asked: list[Any] = []
+            out, inner_state = inner.update(updates, state.inner_state, params, **args,
+                                            **{DEFERRED_SCALE: asked})
+            if len(asked) != 1:
+                raise RuntimeError(f"ema_params: the inner transform declares a final scale "
+                                   f"but reported {len(asked)} scalars.")
+            scale = asked[0]
+            sink.append(scale)
         spec, u, ema, p = flatten_matching(out, state.ema, params,
                                            what="updates, the average and params")
         d = ema_decay(count, **schedule)
@@ -225,8 +242,10 @@ def ema_params(inner: GradientTransformation, decay: float | Schedule = 0.9999, 
         def averaged(old: list[torch.Tensor]) -> list[torch.Tensor]:
             if not old:
                 return []
-            # theta_t = theta_{t-1} + u_t, as apply_updates writes it
-            new = add_leaves(list(p), [x.to(q.dtype) for x, q in zip(u, p)], inplace=False)
+            # theta_t = theta_{t-1} + s u_t, as apply_updates (scale=s) writes it
+            su, alpha = scaled_updates(list(u), scale)
+            new = add_leaves(list(p), [x.to(q.dtype) for x, q in zip(su, p)], inplace=False,
+                             alpha=alpha)
             if offload:
                 new = [x.to(device=e.device) for x, e in zip(new, old)]
             return foreach_ema(old, cast_like(new, old), d.to(old[0].device))
@@ -239,8 +258,8 @@ def ema_params(inner: GradientTransformation, decay: float | Schedule = 0.9999, 
         return out, replace_state(state, count=count, ema=tree_unflatten(list(ema), spec),
                                   inner_state=inner_state)
 
-    # inner's traits, but never final_scale: the updates returned are the ones it averages
-    return GradientTransformation(init, update, combine_traits((inner,)))
+    # inner's traits, its final scale included (reported, and in the sum it averages)
+    return GradientTransformation(init, update, combine_traits((inner,), final_scale=folds))
 
 
 # ---------------------------------------------------------------------------------------------
