@@ -115,12 +115,12 @@ def _timm_decay(step: int, decay: float, update_after_step: int, use_warmup: boo
 
 
 TIMM_CASES = {
-    "plain": dict(decay=0.95, update_after_step=0, use_warmup=False, warmup_gamma=1.0,
-                  warmup_power=2 / 3, min_decay=0.0),
-    "warmup": dict(decay=0.9, update_after_step=2, use_warmup=True, warmup_gamma=3.0,
-                   warmup_power=0.75, min_decay=0.3),
-    "running_mean": dict(decay=1.0, update_after_step=0, use_warmup=True, warmup_gamma=1.0,
-                         warmup_power=1.0, min_decay=0.0),
+    "plain": {"decay": 0.95, "update_after_step": 0, "use_warmup": False, "warmup_gamma": 1.0,
+              "warmup_power": 2 / 3, "min_decay": 0.0},
+    "warmup": {"decay": 0.9, "update_after_step": 2, "use_warmup": True, "warmup_gamma": 3.0,
+               "warmup_power": 0.75, "min_decay": 0.3},
+    "running_mean": {"decay": 1.0, "update_after_step": 0, "use_warmup": True,
+                     "warmup_gamma": 1.0, "warmup_power": 1.0, "min_decay": 0.0},
 }
 
 
@@ -173,7 +173,7 @@ def test_a_decay_schedule_and_a_written_param_group_key() -> None:
     """``decay`` may be a schedule of the step (TensorFlow's min(d, (1+t)/(10+t))), and under
     `opttx.Optimizer` it is the group's ``"decay"`` key: writing 0 makes the next average the
     parameters."""
-    schedule = lambda t: torch.clamp((1 + t.double()) / (10 + t.double()), max=0.99)  # noqa
+    schedule = lambda t: torch.clamp((1 + t.double()) / (10 + t.double()), max=0.99)
     model = _model()
     ema = {k: p.detach().clone() for k, p in model.named_parameters()}
 

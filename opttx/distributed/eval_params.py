@@ -3,7 +3,8 @@ each rank holds the state of some leaves only (`from_owners`: each leaf from its
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

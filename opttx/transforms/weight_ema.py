@@ -195,8 +195,9 @@ def ema_params(inner: GradientTransformation, decay: float | Schedule = 0.9999, 
     if not isinstance(offload, bool):
         raise TypeError(f"offload must be a bool, got {type(offload).__name__}.")
     folds = traits_of(inner).final_scale
-    schedule = dict(decay=decay, update_after_step=update_after_step, warmup=warmup,
-                    warmup_gamma=warmup_gamma, warmup_power=warmup_power, min_decay=min_decay)
+    schedule = {"decay": decay, "update_after_step": update_after_step, "warmup": warmup,
+                "warmup_gamma": warmup_gamma, "warmup_power": warmup_power,
+                "min_decay": min_decay}
 
     def init(params: Params) -> EmaParamsState:
         check_init_params(params)
