@@ -125,6 +125,10 @@ def ema_params(inner: GradientTransformation, decay: float | Schedule = 0.9999, 
     `opttx.swap_ema` (in place, around an `opttx.Optimizer` or a state and its model) or
     `ema_eval_params` (a new tree).
 
+    The average is of the parameters the optimizer steps; a model's buffers (BatchNorm's
+    running statistics), which ``ModelEmaV3`` also averages unless ``exclude_buffers=True``,
+    are not part of it.
+
     ``ema_params`` must be the outermost transform whose updates are the ones written to the
     parameters (around the whole chain, learning rate included): it reads
     :math:`\theta_{t-1} + u_t` from its own updates. Its traits are ``inner``'s, final scale
