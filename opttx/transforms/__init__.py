@@ -44,6 +44,7 @@ from .scaling import (ScaleByScheduleState, add_decayed_weights, scale, scale_by
 from .schedule_free import (ScheduleFreeState, schedule_free, schedule_free_eval_params,
                             schedule_free_train_params)
 from .shampoo import ShampooState, precondition_shampoo
+from .lookahead import LookaheadState, lookahead, lookahead_slow_params
 from .soap import (EigenvalueCorrectedState, merge_dims_heavyball, merge_dims_soap,
                    precondition_eigenvalue_corrected)
 
@@ -90,4 +91,6 @@ __all__ = [
     "QuantizedTensor", "CorrectedTensor", "StateLayout", "LeafSlot", "QuantizationMap",
     "quantization_map", "dynamic_map", "linear_map", "quantize_blockwise",
     "dequantize_blockwise",
+    # outer optimizers: lookahead
+    "lookahead", "LookaheadState", "lookahead_slow_params",
 ]
