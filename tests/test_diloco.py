@@ -336,3 +336,20 @@ def test_bad_arguments_are_refused() -> None:
     tx = diloco(opttx.sgd(0.1), sync_every=2, fragments={"a": 0, "b": 2})
     with pytest.raises(ValueError, match="multiple"):
         tx.init({"a": torch.zeros(2), "b": torch.zeros(2)})
+
+
+def test_bench_row_is_diloco_around_adamw() -> None:
+    """The demo's ``diloco_adamw`` row: DiLoCo (one replica) around the adamw alias, the
+    sweep's learning rate reaching the inner AdamW."""
+    from opttx.bench.optimizers import DILOCO_SYNC_EVERY, build, split_available
+    assert split_available(["diloco_adamw"]) == (["diloco_adamw"], [])
+    tree = {"w": torch.randn(3, 2, dtype=torch.float64)}
+    grads = opttx.testing.gradient_stream(tree, 2 * DILOCO_SYNC_EVERY, seed=4)
+    mine = build("diloco_adamw", learning_rate=3e-3)
+    ref = diloco(opttx.adamw(3e-3), sync_every=DILOCO_SYNC_EVERY)
+    a, sa, b, sb = tree, mine.init(tree), tree, ref.init(tree)
+    for g in grads:
+        ua, sa = mine.update(g, sa, a)
+        ub, sb = ref.update(g, sb, b)
+        a, b = opttx.apply_updates(a, ua), opttx.apply_updates(b, ub)
+    assert torch.equal(a["w"], b["w"]) and not torch.equal(a["w"], tree["w"])
