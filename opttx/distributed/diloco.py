@@ -173,7 +173,9 @@ def diloco(inner: GradientTransformation, outer: GradientTransformation | None =
 
     Returns:
       A `GradientTransformation` that needs ``params`` in ``update``; its state is a
-      `DiLoCoState`, checkpointed like any other (`opttx.distributed.state_dict`): the global
+      `DiLoCoState` (``init`` checks, on every rank, that the ranks built the same
+      configuration and start from the same parameters: one all-reduce of a hash and one
+      all-gather of checksums), checkpointed like any other (`opttx.distributed.state_dict`): the global
       parameters, the step count, the inner and outer states. A replica's parameters and
       inner state are its own (they differ across replicas), so each replica saves and loads
       its own checkpoint over a process group of its own ranks (``dcp.save(...,
