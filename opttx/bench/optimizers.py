@@ -65,10 +65,23 @@ HYPERPARAMS: dict[str, dict[str, Any]] = {
 }
 FALLBACK_HYPERPARAMS: dict[str, Any] = {"learning_rate": 1e-3}
 
+# DiLoCo rows: `opttx.distributed.diloco` around the named alias (built with this row's
+# hyperparameters; its learning rate is the one the sweep moves), with DiLoCo's default outer
+# step (Nesterov SGD, 0.7, 0.9) every `DILOCO_SYNC_EVERY` steps. The bench trains one model in
+# one process, so the row is DiLoCo with a single replica: the inner steps and the outer step on
+# the replica's own pseudo-gradient (no all-reduce; not tried under torchrun, where the bench
+# wraps every row in its own data parallelism). What it shows is the outer optimizer's effect
+# on the loss; the communication saving is measured in benchmarks/diloco.py.
+DILOCO_ROWS: dict[str, str] = {"diloco_adamw": "adamw"}
+DILOCO_SYNC_EVERY = 10
+HYPERPARAMS["diloco_adamw"] = {"learning_rate": 1e-3}
+DEFAULT_OPTIMIZERS = DEFAULT_OPTIMIZERS + tuple(DILOCO_ROWS)
+
 
 def split_available(names: list[str]) -> tuple[list[str], list[str]]:
     """Partition ``names`` into those that ``opttx`` provides and those it lacks."""
-    present = [n for n in names if hasattr(opttx, n) or n in STATE_FORMAT_ROWS]
+    present = [n for n in names if hasattr(opttx, n) or n in STATE_FORMAT_ROWS
+               or n in DILOCO_ROWS]
     return present, [n for n in names if n not in present]
 
 
@@ -82,6 +95,9 @@ def build(name: str, **overrides: Any) -> opttx.GradientTransformation:
     """Build the ``opttx`` gradient transformation named ``name`` with `hyperparams`
     ``(name, **overrides)``."""
     hp = hyperparams(name, **overrides)
+    if name in DILOCO_ROWS:
+        return opttx.distributed.diloco(build(DILOCO_ROWS[name], **hp),
+                                        sync_every=DILOCO_SYNC_EVERY)
     if name in STATE_FORMAT_ROWS:
         return opttx.chain(
             opttx.quantize_state(opttx.scale_by_adam(), format=STATE_FORMAT_ROWS[name]),

@@ -16,6 +16,7 @@ from .checkpoint import (check_checkpoint, load_checkpoint, load_state_dict, par
                          read_metadata, save_checkpoint, state_dict, verify_checkpoint)
 from .consistency import consistency_checks, set_consistency_checks
 from .data_parallel import all_reduce_gradients, plan_buckets
+from .diloco import DiLoCoState, diloco, diloco_fragments, diloco_schedule
 from .eval_params import schedule_free_eval_params
 from .eval_params import ema_eval_params
 from .launch import init_process_group_for_restarts
@@ -79,4 +80,8 @@ __all__ = [
     "verify_checkpoint",
     "zero",
     "zero_plan",
+    "DiLoCoState",
+    "diloco",
+    "diloco_fragments",
+    "diloco_schedule",
 ]

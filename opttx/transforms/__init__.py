@@ -44,6 +44,7 @@ from .scaling import (ScaleByScheduleState, add_decayed_weights, scale, scale_by
 from .schedule_free import (ScheduleFreeState, schedule_free, schedule_free_eval_params,
                             schedule_free_train_params)
 from .shampoo import ShampooState, precondition_shampoo
+from .lookahead import LookaheadState, lookahead, lookahead_slow_params
 from .soap import (EigenvalueCorrectedState, merge_dims_heavyball, merge_dims_soap,
                    precondition_eigenvalue_corrected)
 from .weight_ema import EmaParamsState, ema_decay, ema_eval_params, ema_params
@@ -93,4 +94,6 @@ __all__ = [
     "dequantize_blockwise",
     # weight EMA: an average of the parameters in the optimizer state
     "ema_params", "EmaParamsState", "ema_decay", "ema_eval_params",
+    # outer optimizers: lookahead
+    "lookahead", "LookaheadState", "lookahead_slow_params",
 ]
