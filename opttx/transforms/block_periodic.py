@@ -81,6 +81,8 @@ def _is_grid(x: Any) -> bool:
 
 
 def _check_grid(grid: Any, where: str) -> None:
+    if grid is None:
+        return
     pair = (grid, 1) if _is_count(grid) else grid
     for along in pair:
         if _is_count(along) and along < 1:
@@ -444,8 +446,14 @@ def orthogonalize_block_periodic(full_every: int | None = 5, blocks: BlockGrid =
     def init(params: Params) -> OrthogonalizeBlockPeriodicState:
         check_init_params(params)
         axes = leaf_matrix_axes(params, matrix_axes, _NAME)
-        _leaf_grids(params, blocks, axes)
+        grids = _leaf_grids(params, blocks, axes)
         reducer = current_reducer()
+        known = getattr(reducer, "global_shapes_of", lambda t: None)(params)
+        shapes = known or [tuple(x.shape) for x in tree_flatten(params)[0]]
+        for grid, ax, shape, path in zip(grids, axes, shapes, tree_paths(params)):
+            if grid is not None:       # the sizes add up to the whole matrix's sides
+                for along, dim in zip(grid, ax):
+                    _sizes(along, shape[dim], f"{_NAME}, params{path}")
         if reducer is not None:          # the shards' offsets: one collective, here
             _offsets(reducer, params)
         return OrthogonalizeBlockPeriodicState(count=zero_count(params))
