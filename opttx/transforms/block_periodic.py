@@ -26,6 +26,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
+from .._tracing import is_tracing
 from .._checks import check_nonnegative, check_positive, check_positive_int
 from ..base import (GradientTransformation, Params, REDUCER_KEY, Role, Traits,
                     check_init_params, current_reducer, declare, declare_roles,
@@ -378,8 +379,13 @@ def orthogonalize_block_periodic(full_every: int | None = 5, blocks: BlockGrid =
             sizes = [b.shape[0] for b in batch]
             y = run(batch[0] if len(batch) == 1 else torch.cat(batch))
             y = y * factor(shape[0], shape[1], block)
-            for k, part in zip(members, y.split(sizes) if len(batch) > 1 else [y]):
-                out[k] = part
+            parts = y.split(sizes) if len(batch) > 1 else [y]
+            for j, (k, part) in enumerate(zip(members, parts)):
+                # a later piece of a batched result starts inside its storage; the branches
+                # of a torch.cond (compiled) must agree on storage offsets: its own copy
+                out[k] = (y.index_select(0, torch.arange(
+                    sum(sizes[:j]), sum(sizes[:j + 1]), device=y.device))
+                    if j and is_tracing() else part)
         return out
 
     def block_step(xs: list[torch.Tensor], plans: list[_Plan]) -> list[torch.Tensor]:
@@ -439,8 +445,10 @@ def orthogonalize_block_periodic(full_every: int | None = 5, blocks: BlockGrid =
         for x, w, y, plan in zip(xs, wholes, done, plans):
             y = _from_last_two(y.reshape(_to_last_two(w, plan.axes).shape), plan.axes)
             for d, off in plan.gathered.items():
-                y = y.narrow(d, off, x.shape[d])
-            out.append(_in_layout_of(y.contiguous() if plan.gathered else y, x))
+                # this rank's part, gathered into its own storage (not a view: the branches of
+                # a compiled torch.cond must agree on storage offsets)
+                y = y.index_select(d, torch.arange(off, off + x.shape[d], device=y.device))
+            out.append(_in_layout_of(y, x))
         return out
 
     def init(params: Params) -> OrthogonalizeBlockPeriodicState:
