@@ -1487,7 +1487,8 @@ def muon_bp(learning_rate: ScalarOrSchedule, full_every: int | None = 5,
 
     Example:
       >>> tx = opttx.muon_bp(0.02, full_every=5, blocks=(8, 1), weight_decay=0.01)
-      >>> tx = opttx.distributed.sharded(opttx.muon_bp(0.02), tp_specs)   # blocks: the shards
+      >>> tx = opttx.distributed.sharded(opttx.muon_bp(0.02),    # blocks: the shards
+      ...                                {"w": Shard(0), "b": Replicated()})
 
     References:
       Khaled, Ozkara, Yu, Hong and Park, MuonBP: Faster Muon via Block-Periodic

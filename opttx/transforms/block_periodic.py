@@ -24,7 +24,6 @@ import weakref
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from .._tracing import is_tracing
 from .._checks import check_nonnegative, check_positive, check_positive_int
@@ -195,8 +194,8 @@ def _plans(leaves: list[torch.Tensor], tree: PyTree, axes: list, grids: list,
     plans: list[Any] = []
     for x, ax, grid, shape, off, path in zip(leaves, axes, grids, shapes, offsets,
                                               tree_paths(tree)):
-        if ax is None or x.numel() == 0:
-            plans.append(None)
+        if ax is None or math.prod(shape) == 0:    # (decided on the whole shape: every rank
+            plans.append(None)                       # alike, an empty shard included)
             continue
         where = f"{_NAME}, updates{path}"
         r, c = ax
@@ -319,7 +318,8 @@ def orthogonalize_block_periodic(full_every: int | None = 5, blocks: BlockGrid =
       >>> tx = opttx.chain(opttx.ema(0.95, debias=False, nesterov=True),
       ...                  opttx.orthogonalize_block_periodic(full_every=5, blocks=(8, 1)),
       ...                  opttx.scale_by_learning_rate(0.02))
-      >>> tp = opttx.distributed.sharded(tx, {"w_in": Shard(0, tp), "w_out": Shard(1, tp)})
+      >>> tp = opttx.distributed.sharded(        # the blocks: each rank's shard
+      ...     opttx.orthogonalize_block_periodic(), {"w_in": Shard(0), "w_out": Shard(1)})
 
     References:
       Khaled, Ozkara, Yu, Hong and Park, MuonBP: Faster Muon via Block-Periodic
@@ -393,7 +393,7 @@ def orthogonalize_block_periodic(full_every: int | None = 5, blocks: BlockGrid =
         where: list[tuple[int, int]] = []       # per leaf: first piece, number of pieces
         for x, plan in zip(xs, plans):
             m = _to_last_two(x, plan.axes)
-            batch = m.reshape(-1, *m.shape[-2:])
+            batch = m.reshape(math.prod(m.shape[:-2]), *m.shape[-2:])
             start = len(pieces)
             if len(plan.local_rows) == 1 and len(plan.local_cols) == 1:
                 pieces.append(batch)
@@ -426,12 +426,15 @@ def orthogonalize_block_periodic(full_every: int | None = 5, blocks: BlockGrid =
             for i, x, plan in zip(present, xs, plans):
                 if not plan.gathered:
                     continue
-                pad = [0] * (2 * x.dim())
-                for d, off in plan.gathered.items():
+                padded = x
+                for d, off in sorted(plan.gathered.items()):
                     whole = plan.whole[plan.axes.index(d)]
-                    pad[2 * (x.dim() - 1 - d)] = off
-                    pad[2 * (x.dim() - 1 - d) + 1] = whole - off - x.shape[d]
-                partials[i] = F.pad(x, pad)
+                    shape = list(padded.shape)
+                    before, after = list(shape), list(shape)
+                    before[d], after[d] = off, whole - off - x.shape[d]
+                    padded = torch.cat([padded.new_zeros(before), padded,
+                                        padded.new_zeros(after)], dim=d)
+                partials[i] = padded
                 dims[i] = tuple(sorted(plan.gathered))
             reduced = _reduce(partials, dims, spec, extra_args)
             wholes = [reduced[i] if plan.gathered else x
@@ -439,7 +442,7 @@ def orthogonalize_block_periodic(full_every: int | None = 5, blocks: BlockGrid =
         pieces = []
         for w, plan in zip(wholes, plans):
             m = _to_last_two(w, plan.axes)
-            pieces.append(m.reshape(-1, *m.shape[-2:]))
+            pieces.append(m.reshape(math.prod(m.shape[:-2]), *m.shape[-2:]))
         done = orthogonalize_groups(pieces, block=False)
         out = []
         for x, w, y, plan in zip(xs, wholes, done, plans):
