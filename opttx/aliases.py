@@ -1483,7 +1483,9 @@ def muon_bp(learning_rate: ScalarOrSchedule, full_every: int | None = 5,
       consistent_rms: :math:`\gamma` of `scale_by_shape` for both kinds of step (None: the
         width scaling :math:`\sqrt{\max(1, m/n)}`).
       ns_coeffs, ns_steps, method, ns_dtype, beta, eps, weight_decay, weight_decay_mask,
-        mu_dtype, nesterov, bias_correction, matrix_axes, muon_mask, adam_*: as in `muon`.
+        mu_dtype, nesterov, bias_correction, matrix_axes, muon_mask: as in `muon`.
+      adam_b1, adam_b2, adam_eps_root, adam_weight_decay, adam_learning_rate: the AdamW of
+        the other leaves, as in `muon`.
 
     Example:
       >>> tx = opttx.muon_bp(0.02, full_every=5, blocks=(8, 1), weight_decay=0.01)
