@@ -213,6 +213,17 @@ def _sharded_worker(rank: int, world: int) -> dict:
             p = opttx.apply_updates(p, u)
         out[name] = {"diff": max(float((p[k] - v).abs().max()) for k, v in mine(want).items()),
                      "counts": per_step}
+    # zero with split_above_mb: row segments of w (3 + 4 rows) and v (3 + 3) per rank
+    from opttx.distributed import zero
+    two = {k: params[k] for k in ("w", "v")}
+    two_grads = [{k: g[k] for k in ("w", "v")} for g in grads]
+    segments = {"w": ((3, 4), 1), "v": (2, 1)}
+    want, _ = _run(_chain(lambda p: {k: segments[k] for k in p}), two, two_grads)
+    for name, grid in (("zero_grid", segments), ("zero_shards", None)):
+        tx = zero(_chain(grid if grid is None else (lambda p, g=grid: {k: g[k] for k in p})),
+                  split_above_mb=1e-6)
+        got, _ = _run(tx, two, two_grads)
+        out[name] = max(float((got[k] - want[k]).abs().max()) for k in want)
     # a grid whose blocks straddle the two shards is refused
     bad = sharded(_chain((3, 1)), {"w": Shard(0)})
     try:
@@ -234,10 +245,13 @@ def test_sharded_equals_one_device(sharded_results) -> None:
     """Rows split 4 + 3 (TP column-parallel), columns 5 + 4 (row-parallel) and an expert
     stack split on its batch axis: with the shards as blocks (given as a grid, or as
     blocks=None) and with a finer grid, every rank holds its piece of the single-device
-    result after block and full steps (float64; bitwise here, asserted to rounding)."""
+    result after block and full steps; `zero` with ``split_above_mb`` (row segments per rank)
+    gives every rank the whole of it (float64; bitwise here, asserted to rounding)."""
     for rank, res in enumerate(sharded_results):
         for name in ("grid", "shards", "fine"):
             assert res[name]["diff"] < 1e-12, (rank, name, res[name]["diff"])
+        for name in ("zero_grid", "zero_shards"):
+            assert res[name] < 1e-12, (rank, name, res[name])
 
 
 @pytest.mark.timeout(300)
