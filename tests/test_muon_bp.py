@@ -13,7 +13,7 @@ import opttx
 from opttx.transforms.block_periodic import block_sizes
 from opttx.transforms.orthogonalize import NS_COEFFS
 
-MATRICES = lambda p: {k: v.ndim >= 2 for k, v in p.items()}  # noqa: E731
+MATRICES = lambda p: {k: v.ndim >= 2 for k, v in p.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,7 +80,7 @@ def _problem(dtype=torch.float64, seed=0, steps=7):
               "t": torch.randn(2, 4, 6, generator=gen, dtype=torch.float64)}
     grads = [{k: torch.randn(v.shape, generator=gen, dtype=torch.float64)
               for k, v in params.items()} for _ in range(steps)]
-    cast = lambda tree: {k: v.to(dtype) for k, v in tree.items()}  # noqa: E731
+    cast = lambda tree: {k: v.to(dtype) for k, v in tree.items()}
     return cast(params), [cast(g) for g in grads]
 
 
@@ -106,7 +106,7 @@ def test_muon_bp_equals_the_papers_algorithm_in_float64() -> None:
     tx = opttx.muon_bp(lr, full_every=3, blocks=lambda p: {k: GRIDS[k] for k in p},
                        block_scale=rho, beta=mu, eps=0.0, weight_decay=wd, nesterov=False,
                        bias_correction=False, muon_mask=MATRICES)
-    got, state = _run(tx, params, grads)
+    got, _ = _run(tx, params, grads)
     want = _reference(params, grads, GRIDS, lr, rho * lr, wd, mu, period=3)
     for k in params:
         torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-12, msg=k)
@@ -191,7 +191,7 @@ def _sharded_worker(rank: int, world: int) -> dict:
     specs = {"w": Shard(0), "v": Shard(1), "e": Shard(0)}
     local = {k: local_shard(v, specs[k]) for k, v in params.items()}
     local_grads = [{k: local_shard(v, specs[k]) for k, v in g.items()} for g in grads]
-    mine = lambda tree: {k: local_shard(v, specs[k]) for k, v in tree.items()}  # noqa: E731
+    mine = lambda tree: {k: local_shard(v, specs[k]) for k, v in tree.items()}
     out: dict = {}
     # the shards as blocks: a grid that one device runs too, and blocks=None (each shard)
     shard_grid = {"w": (2, 1), "v": (1, 2), "e": None}

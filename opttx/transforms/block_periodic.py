@@ -1,5 +1,5 @@
-"""MuonBP's orthogonalization: each block of a matrix on its own every step, the whole matrix
-every ``full_every`` steps (`orthogonalize_block_periodic`).
+"""MuonBP's orthogonalization: each block of a matrix on its own on most steps, the whole
+matrix every ``full_every`` steps (`orthogonalize_block_periodic`).
 
 Under tensor parallelism or FSDP a matrix is cut into shards, one per rank. Orthogonalizing
 each shard on its own needs no communication; orthogonalizing the matrix needs it whole.
@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
-from .._tracing import is_tracing
 from .._checks import check_nonnegative, check_positive, check_positive_int
-from ..base import (GradientTransformation, Params, REDUCER_KEY, Role, Traits,
+from .._tracing import is_tracing
+from ..base import (REDUCER_KEY, GradientTransformation, Params, Role, Traits,
                     check_init_params, current_reducer, declare, declare_roles,
                     reduce_statistics, zero_count)
 from ..kernels import mark_scratch
@@ -143,7 +144,7 @@ def _sizes(grid_axis: Any, size: int, where: str) -> tuple[int, ...]:
 
 # this rank's first index along each sharded dim of each leaf, per reducer and tree structure
 # (one all_gather of the local sizes at init: `ShardedReducer.local_offsets`)
-_OFFSETS: "weakref.WeakKeyDictionary[Any, dict[str, list[dict[int, int]]]]" = \
+_OFFSETS: weakref.WeakKeyDictionary[Any, dict[str, list[dict[int, int]]]] = \
     weakref.WeakKeyDictionary()
 
 
@@ -275,8 +276,9 @@ def orthogonalize_block_periodic(full_every: int | None = 5, blocks: BlockGrid =
 
     **Blocks.** ``blocks`` gives each leaf's grid (`BlockGrid`): an int ``r`` is ``r`` row
     blocks, a pair ``(rows, cols)`` a grid, each entry a number of blocks (sizes as
-    ``torch.tensor_split`` cuts the axis, the larger first: the shards of that many ranks,
-    as `opttx.distributed.local_shard` and FSDP cut them) or a tuple of sizes; None: each
+    ``torch.tensor_split`` cuts the axis, the larger first: the shards of that many ranks as
+    `opttx.distributed.local_shard` cuts them; FSDP2's uneven ``torch.chunk`` shards may
+    differ, give their sizes or None) or a tuple of sizes; None: each
     rank's shard is one block (on one device, the whole matrix: every step full). A grid may
     be finer than the shards (several blocks per rank) but no block may straddle two ranks.
     Leaves of more than two dims are batches of matrices over ``matrix_axes``, each cut alike.
@@ -487,8 +489,8 @@ def orthogonalize_block_periodic(full_every: int | None = 5, blocks: BlockGrid =
         xs = [g[i] for i in present]
         ps = [plans[i] for i in present]
         # both branches take and return a tree shaped like the operands, (leaves,)
-        block = lambda leaves: (block_step(leaves, ps),)  # noqa: E731
-        full = lambda leaves: (full_step(leaves, ps, spec, present, len(g),  # noqa: E731
+        block = lambda leaves: (block_step(leaves, ps),)
+        full = lambda leaves: (full_step(leaves, ps, spec, present, len(g),
                                          extra_args),)
         if full_every is None:
             ys = block(xs)[0]
