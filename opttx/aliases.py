@@ -19,6 +19,7 @@ from .schedules import Schedule
 from .transforms.ademamix import scale_by_ademamix
 from .transforms.adopt import scale_by_adopt
 from .transforms.blocking import block_by_dims
+from .transforms.block_periodic import BlockGrid, orthogonalize_block_periodic
 from .transforms.dion import scale_by_dion, scale_by_dion2
 from .transforms.factored import (FactorAxes, add_step_scaled_decayed_weights, clip_by_rms,
                                   clip_by_rms_and_scale_by_param_rms, relative_step_schedule,
@@ -59,6 +60,7 @@ __all__ = [
     "shampoo", "soap", "kron",
     # the Muon family
     "muon", "muon_hidden_matrices", "normuon", "adamuon", "dion", "dion2", "muon_clip",
+    "muon_bp",
     # learning-rate free and schedule-free
     "prodigy", "schedule_free_adamw", "schedule_free_sgd",
 ]
@@ -1417,6 +1419,94 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS, ns_steps: 
         orthogonalize(ns_steps, ns_coeffs, eps, method, matrix_axes, ns_dtype=ns_dtype,
                       split=split),
         scale_by_shape(consistent_rms, matrix_axes, split=split),
+        add_decayed_weights(weight_decay, weight_decay_mask),
+        scale_by_learning_rate(learning_rate))
+    adam_group = adamw(learning_rate if adam_learning_rate is None else adam_learning_rate,
+                       adam_b1, adam_b2, eps, adam_eps_root, mu_dtype, adam_weight_decay,
+                       nesterov=nesterov)
+    return partition({"muon": muon_group, "adam": adam_group}, labels)
+
+
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "beta": HyperRole.MOMENTUM,
+                      "eps": HyperRole.EPS, "weight_decay": HyperRole.WEIGHT_DECAY,
+                      "block_scale": None, "consistent_rms": None, "adam_b1": HyperRole.B1,
+                      "adam_b2": HyperRole.B2, "adam_eps_root": None,
+                      "adam_weight_decay": HyperRole.WEIGHT_DECAY,
+                      "adam_learning_rate": HyperRole.LEARNING_RATE},
+         runtime=("ns_steps", "ns_coeffs"))
+def muon_bp(learning_rate: ScalarOrSchedule, full_every: int | None = 5,
+            blocks: BlockGrid = None, block_scale: float = 1.0, ns_coeffs: Any = NS_COEFFS,
+            ns_steps: int = 5, beta: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.0,
+            weight_decay_mask: Mask = None, mu_dtype: torch.dtype | None = None, *,
+            nesterov: bool = True, bias_correction: bool = True,
+            ns_dtype: torch.dtype | None = None, method: Method = "newton_schulz",
+            consistent_rms: float | None = 0.2, matrix_axes: MatrixAxes = (-2, -1),
+            muon_mask: Mask = None, adam_b1: float = 0.9, adam_b2: float = 0.999,
+            adam_eps_root: float = 0.0, adam_weight_decay: float = 0.0,
+            adam_learning_rate: ScalarOrSchedule | None = None) -> GradientTransformation:
+    r"""MuonBP: `muon` whose orthogonalization is block-wise on most steps and of the whole
+    matrix every ``full_every`` steps (`orthogonalize_block_periodic`).
+
+    .. math::
+        m_t = \beta m_{t-1} + (1-\beta) g_t, \qquad
+        x_{t+1} = x_t - \eta \left(D_t + \lambda x_t\right), \qquad
+        D_t = \begin{cases} s(m, n)\, \mathrm{Orth}(\tilde m_t) & t \bmod P = 0 \\
+        \rho\, s(m_i, n_j)\, \mathrm{Orth}(\tilde m_{t, ij}) \text{ per block} &
+        \text{otherwise} \end{cases}
+
+    on the leaves ``muon_mask`` selects (step :math:`t` from 0; :math:`\tilde m_t` the
+    Nesterov momentum as in `muon`), composed as ``chain(ema(beta, bias_correction, mu_dtype,
+    nesterov=nesterov), orthogonalize_block_periodic(full_every, blocks, consistent_rms,
+    block_scale, ...), add_decayed_weights(weight_decay, weight_decay_mask),
+    scale_by_learning_rate(learning_rate))``; AdamW on the other leaves, as in `muon`.
+
+    MuonBP's two step sizes: ``learning_rate`` is :math:`\eta_{full}`, and a block step moves
+    by :math:`\eta_{block} = \rho\,\eta_{full}` with :math:`\rho` = ``block_scale``;
+    each kind of step is scaled by the shape of what it orthogonalized (the whole matrix, or
+    the block), :math:`s(m, n) = 0.2\sqrt{\max(m, n)}` by default (``consistent_rms=0.2``:
+    the RMS matching to AdamW the paper uses, so AdamW's learning rate carries over). The
+    decoupled weight decay is :math:`\eta_{full}\lambda` on every step.
+
+    ``blocks`` are the blocks of the block step (`BlockGrid`): for tensor-parallel or FSDP
+    shards, the shards (``blocks=None`` under `opttx.distributed.sharded`: each rank's
+    shard; ``(k, 1)`` or ``(1, k)``: ``k`` row or column blocks cut as the shards of ``k``
+    ranks, which one device runs too). Under `opttx.distributed.sharded` the block steps
+    need no collective and the full steps equal one device (see
+    `orthogonalize_block_periodic`). ``full_every=1`` is `muon` with this scaling;
+    ``None`` never takes a full step.
+
+    Args:
+      learning_rate: :math:`\eta_{full}`, a number or a schedule.
+      full_every: :math:`P` (the paper's experiments: 5), or None.
+      blocks: the block grid of each matrix (above).
+      block_scale: :math:`\rho = \eta_{block} / \eta_{full}`.
+      consistent_rms: :math:`\gamma` of `scale_by_shape` for both kinds of step (None: the
+        width scaling :math:`\sqrt{\max(1, m/n)}`).
+      ns_coeffs, ns_steps, method, ns_dtype, beta, eps, weight_decay, weight_decay_mask,
+        mu_dtype, nesterov, bias_correction, matrix_axes, muon_mask: as in `muon`.
+      adam_b1, adam_b2, adam_eps_root, adam_weight_decay, adam_learning_rate: the AdamW of
+        the other leaves, as in `muon`.
+
+    Example:
+      >>> tx = opttx.muon_bp(0.02, full_every=5, blocks=(8, 1), weight_decay=0.01)
+      >>> tx = opttx.distributed.sharded(opttx.muon_bp(0.02),    # blocks: the shards
+      ...                                {"w": Shard(0), "b": Replicated()})
+
+    References:
+      Khaled, Ozkara, Yu, Hong and Park, MuonBP: Faster Muon via Block-Periodic
+      Orthogonalization (arXiv 2510.16981).
+    """
+    selected = muon_hidden_matrices if muon_mask is None else muon_mask
+
+    def labels(params: PyTree) -> PyTree:
+        spec = tree_flatten(params)[1]
+        return tree_unflatten(["muon" if keep else "adam"
+                               for keep in mask_leaves(selected, params)], spec)
+
+    muon_group = chain(
+        ema(beta, debias=bias_correction, accumulator_dtype=mu_dtype, nesterov=nesterov),
+        orthogonalize_block_periodic(full_every, blocks, consistent_rms, block_scale, ns_steps,
+                                     ns_coeffs, eps, method, matrix_axes, ns_dtype=ns_dtype),
         add_decayed_weights(weight_decay, weight_decay_mask),
         scale_by_learning_rate(learning_rate))
     adam_group = adamw(learning_rate if adam_learning_rate is None else adam_learning_rate,

@@ -265,6 +265,10 @@ CASES: list[Case] = [
     case("dion2", opttx.dion2, learning_rate=LR, fraction=Fraction(1, 2), weight_decay=0.01),
     built("muon_clip", lambda: _with_logits(opttx.muon_clip(LR, _qk_roles,
                                                             muon_mask=_is_2d))),
+    # blocks (2, 2): the conformance specs' shards (rows of w and t, columns of v) hold whole
+    # blocks of this grid, so sharded runs it too
+    case("muon_bp", opttx.muon_bp, learning_rate=LR, full_every=2, blocks=(2, 2),
+         block_scale=0.5, weight_decay=0.01),
     case("kron", opttx.kron, learning_rate=LR, weight_decay=0.01, max_size_triangular=5,
          memory_save_mode="smart_one_diag"),
     # --- transforms -----------------------------------------------------------------------
@@ -288,6 +292,9 @@ CASES: list[Case] = [
         method="gram_newton_schulz", split=lambda p: opttx.tree.tree_map(
             lambda x: (2, x.shape[-2] - 2) if x.ndim == 2 and x.shape[-2] > 2 else None, p)),
         matrices_only=True),
+    case("orthogonalize_block_periodic", opttx.orthogonalize_block_periodic, full_every=2,
+         blocks=(2, 2), block_scale=0.5, matrices_only=True,
+         covers=("OrthogonalizeBlockPeriodicState",)),
     case("scale_by_neuron_rms", opttx.scale_by_neuron_rms, b2=0.9, matrices_only=True),
     case("scale_to_orthogonal_norm", opttx.scale_to_orthogonal_norm, matrices_only=True),
     built("scale_by_dion", lambda: opttx.masked(opttx.scale_by_dion(0.5), _is_2d)),

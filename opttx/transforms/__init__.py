@@ -8,6 +8,8 @@ exported by adding them below, one import and one ``__all__`` group per family.
 from .ademamix import ScaleByAdemamixState, scale_by_ademamix
 from .adopt import ScaleByAdoptState, scale_by_adopt
 from .blocking import block_by_dims, block_shapes, merge_small_dims
+from .block_periodic import (OrthogonalizeBlockPeriodicState, block_sizes,
+                             orthogonalize_block_periodic)
 from .cautious import cautious
 from .clipping import (ZeroNansState, clip, clip_by_block_rms, clip_by_global_norm, global_norm,
                        zero_nans)
@@ -96,4 +98,6 @@ __all__ = [
     "ema_params", "EmaParamsState", "ema_decay", "ema_eval_params",
     # outer optimizers: lookahead
     "lookahead", "LookaheadState", "lookahead_slow_params",
+    # MuonBP: block-wise orthogonalization, the whole matrix every few steps
+    "orthogonalize_block_periodic", "OrthogonalizeBlockPeriodicState", "block_sizes",
 ]
