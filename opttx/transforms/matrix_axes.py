@@ -169,12 +169,16 @@ def _global_shapes(updates: PyTree, extra_args: dict[str, Any]) -> list[tuple[in
 
 def stateless_matrix_transform(name: str, fn: Callable[..., list[torch.Tensor]],
                                matrix_axes: MatrixAxes, split: Split, whole: bool = True,
-                               batched: bool = False) -> GradientTransformation:
+                               batched: bool = False, on_shards: bool = False
+                               ) -> GradientTransformation:
     """A stateless matrix transform from ``fn(leaves, axes, splits, shapes) -> leaves``
     (``shapes``: the whole shapes of the leaves); the leaves are checked (dims, axes, splits)
     at init and at every update (while tracing, in a compiled step). ``whole``: it needs
     whole matrices (refused on leaves sharded over a matrix axis); else it runs on local
-    shards, reading the whole shapes (row blocks of a ``split`` still need whole rows)."""
+    shards, reading the whole shapes (row blocks of a ``split`` still need whole rows).
+    ``on_shards``: ``fn`` checks the shards itself and runs on them (`opttx.orthogonalize`'s
+    Gram mode): it is called as ``fn(leaves, axes, splits, shapes, extra_args=...,
+    spec=...)`` with the ``extra_args`` of the update and the spec of the updates' tree."""
 
     def init(params: Params) -> EmptyState:
         check_init_params(params)
@@ -189,6 +193,10 @@ def stateless_matrix_transform(name: str, fn: Callable[..., list[torch.Tensor]],
             return updates, state
         axes = leaf_matrix_axes(updates, matrix_axes, name)
         splits = leaf_row_blocks(updates, split, axes, name)
+        if on_shards:
+            shapes = _global_shapes(updates, extra_args)
+            out = fn(leaves, axes, splits, shapes, extra_args=extra_args, spec=spec)
+            return tree_unflatten(out, spec), state
         if whole:
             require_whole_matrices(updates, extra_args, axes, name)
         elif any(b is not None for b in splits):
@@ -198,6 +206,6 @@ def stateless_matrix_transform(name: str, fn: Callable[..., list[torch.Tensor]],
         shapes = _global_shapes(updates, extra_args)
         return tree_unflatten(fn(leaves, axes, splits, shapes), spec), state
 
-    traits = _WHOLE_MATRICES if whole else Traits(per_leaf=True)
+    traits = _WHOLE_MATRICES if whole and not on_shards else Traits(per_leaf=True)
     return GradientTransformation(init, update,
                                   dataclasses.replace(traits, batched_across_leaves=batched))
