@@ -23,7 +23,7 @@ from ..tree import PyTree, leaf_labels, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = ["MatrixAxes", "Split", "check_axes_argument", "check_split_argument",
            "leaf_matrix_axes", "leaf_row_blocks", "require_whole_matrices",
-           "stateless_matrix_transform"]
+           "sharded_matrix_dims", "stateless_matrix_transform"]
 
 MatrixAxes = tuple[int, int] | PyTree | Callable[[Params], PyTree]
 Split = int | tuple[int, ...] | PyTree | Callable[[Params], PyTree] | None
@@ -156,6 +156,27 @@ def require_whole_matrices(updates: PyTree, extra_args: dict[str, Any], axes: li
                 f"axes {ax} here ({specs[i]}); orthogonalizing the local block would be "
                 "another optimizer. Run it on owner ranks: opttx.distributed.sharded(tx, "
                 "specs, on_owners=True), or shard such leaves over a batch axis (experts).")
+
+
+def sharded_matrix_dims(leaves: list[torch.Tensor], spec: Any, axes: list,
+                         extra_args: dict[str, Any]) -> list[tuple[int, ...]]:
+    """Per leaf of ``leaves`` (of a tree of spec ``spec``), the matrix axes (of ``axes``) it is
+    sharded over here, sorted (empty: whole matrices, or a leaf ``axes`` leaves alone); from
+    the reducer of `opttx.distributed` in ``extra_args`` (none on one device). Static."""
+    reducer = extra_args.get(REDUCER_KEY)
+    none: list[tuple[int, ...]] = [()] * len(leaves)
+    if reducer is None or getattr(reducer, "flat_specs", None) is None:
+        return none
+    try:
+        flat = reducer.treespec.flatten_up_to(tree_unflatten(list(leaves), spec))
+    except (ValueError, TypeError, AttributeError):
+        return none
+    present = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    out = []
+    for i, x, ax in zip(present, leaves, axes):
+        dims = sorted({s.dim % x.dim() for s in reducer.flat_specs[i]} & set(ax or ()))
+        out.append(tuple(dims))
+    return out
 
 
 def _global_shapes(updates: PyTree, extra_args: dict[str, Any]) -> list[tuple[int, ...]]:

@@ -24,11 +24,11 @@ from typing import Any, Literal, Sequence
 import torch
 
 from .._checks import check_nonnegative, check_positive, check_positive_int
-from ..base import REDUCER_KEY, GradientTransformation, declare, reduce_statistics
+from ..base import GradientTransformation, declare, reduce_statistics
 from ..kernels import foreach, mark_scratch
 from ..tree import MaskedNode, tree_unflatten
 from .matrix_axes import (MatrixAxes, Split, check_axes_argument, check_split_argument,
-                          stateless_matrix_transform)
+                          sharded_matrix_dims, stateless_matrix_transform)
 
 __all__ = [
     "NS_COEFFS",
@@ -336,26 +336,6 @@ def _assemble(x: torch.Tensor, axes: tuple[int, int], blocks: tuple[int, ...] | 
     return _in_layout_of(_from_last_two(y.reshape(m_shape), axes), x)
 
 
-def _sharded_matrix_dims(leaves: list[torch.Tensor], spec: Any, axes: list,
-                         extra_args: dict[str, Any]) -> list[tuple[int, ...]]:
-    """Per leaf, the matrix axes it is sharded over here (empty: whole matrices); from the
-    reducer of `opttx.distributed` in ``extra_args`` (none on one device)."""
-    reducer = extra_args.get(REDUCER_KEY)
-    none: list[tuple[int, ...]] = [()] * len(leaves)
-    if reducer is None or getattr(reducer, "flat_specs", None) is None:
-        return none
-    try:
-        flat = reducer.treespec.flatten_up_to(tree_unflatten(list(leaves), spec))
-    except (ValueError, TypeError, AttributeError):
-        return none
-    present = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
-    out = []
-    for i, x, ax in zip(present, leaves, axes):
-        dims = sorted({s.dim % x.dim() for s in reducer.flat_specs[i]} & set(ax or ()))
-        out.append(tuple(dims))
-    return out
-
-
 def _refuse_shards(i: int, ax: tuple[int, int], dims: tuple[int, ...], why: str) -> None:
     raise ValueError(
         f"orthogonalize needs whole matrices here, but leaf {i} is sharded over its matrix "
@@ -397,7 +377,7 @@ def _orthogonalize_shards(leaves: dict[int, torch.Tensor], axes: list, splits: l
                           segments: list[tuple[int, int]], gram_form: bool, eps: float,
                           norm_scale: float, dtype: torch.dtype | None
                           ) -> dict[int, torch.Tensor]:
-    """`orthogonalize` of row- or column-sharded leaves on their local shards (Gram mode).
+    r"""`orthogonalize` of row- or column-sharded leaves on their local shards (Gram mode).
 
     A leaf sharded over rows (``dims[i]`` its row axis) iterates on the Gram matrix of the
     columns, :math:`X^\top X = \sum_r X_r^\top X_r`, and a leaf sharded over columns on that
@@ -625,8 +605,8 @@ def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: f
            extra_args: dict[str, Any] | None = None, spec: Any = None) -> list[torch.Tensor]:
         on_shards: dict[int, int] = {}     # leaf -> its sharded matrix axis (Gram mode)
         if extra_args is not None:
-            for i, (ax, d) in enumerate(zip(axes, _sharded_matrix_dims(leaves, spec, axes,
-                                                                      extra_args))):
+            for i, (ax, d) in enumerate(zip(axes, sharded_matrix_dims(leaves, spec, axes,
+                                                                     extra_args))):
                 if ax is not None and d and math.prod(shapes[i]) > 0 and _gram_choice(
                         sharded_mode, method, i, ax, d, shapes[i], splits[i]):
                     on_shards[i] = d[0]
