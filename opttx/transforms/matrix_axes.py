@@ -22,7 +22,8 @@ from ..base import (REDUCER_KEY, EmptyState, GradientTransformation, Params, Tra
 from ..tree import PyTree, leaf_labels, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = ["MatrixAxes", "Split", "check_axes_argument", "check_split_argument",
-           "leaf_matrix_axes", "leaf_row_blocks", "require_whole_matrices",
+           "global_matrix_shapes", "leaf_matrix_axes", "leaf_row_blocks",
+           "require_whole_matrices",
            "sharded_matrix_dims", "stateless_matrix_transform"]
 
 MatrixAxes = tuple[int, int] | PyTree | Callable[[Params], PyTree]
@@ -186,6 +187,13 @@ def _global_shapes(updates: PyTree, extra_args: dict[str, Any]) -> list[tuple[in
     if known is not None:
         return [tuple(s) for s in known]
     return [tuple(x.shape) for x in tree_flatten(updates)[0]]
+
+
+def global_matrix_shapes(leaves: list[torch.Tensor], spec: Any, extra_args: dict[str, Any]
+                         ) -> list[tuple[int, ...]]:
+    """The whole shapes of ``leaves`` (of a tree of spec ``spec``): under `opttx.distributed`
+    those of the sharded tensors, on one device their own."""
+    return _global_shapes(tree_unflatten(list(leaves), spec), extra_args)
 
 
 def stateless_matrix_transform(name: str, fn: Callable[..., list[torch.Tensor]],

@@ -24,8 +24,8 @@ from ..kernels import mark_scratch
 from ..tree import MaskedNode, Static, state_dtype, tree_flatten, tree_paths, tree_unflatten
 from .matrix_axes import (MatrixAxes, Split, check_axes_argument, check_split_argument,
                           leaf_matrix_axes, leaf_row_blocks, require_whole_matrices,
-                          sharded_matrix_dims, stateless_matrix_transform)
-from .matrix_axes import _global_shapes
+                          global_matrix_shapes, sharded_matrix_dims,
+                          stateless_matrix_transform)
 
 __all__ = ["ScaleByNeuronRmsState", "scale_by_neuron_rms", "scale_to_orthogonal_norm"]
 
@@ -156,7 +156,7 @@ def scale_by_neuron_rms(b2: float = 0.95, eps: float = 1e-8,
                    if axes[i][1] in sharded[i]}
         by_cols = _reduce_some(by_cols, {i: (axes[i][1],) for i in by_cols}, len(g), spec,
                                extra_args)
-        shapes = _global_shapes(updates, extra_args)
+        shapes = global_matrix_shapes(g, spec, extra_args)
         normalized, new_nu = {}, list(nus)
         for i, w in ws.items():
             c = axes[i][1]
