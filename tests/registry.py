@@ -288,6 +288,15 @@ CASES: list[Case] = [
         method="gram_newton_schulz", split=lambda p: opttx.tree.tree_map(
             lambda x: (2, x.shape[-2] - 2) if x.ndim == 2 and x.shape[-2] > 2 else None, p)),
         matrices_only=True),
+    # row- and column-sharded leaves orthogonalized on their shards, the Gram matrix all-reduced
+    case("orthogonalize/gram_sharded", opttx.orthogonalize, sharded_mode="gram",
+         matrices_only=True),
+    built("muon/gram_sharded", lambda: opttx.muon(LR, method="gram_newton_schulz",
+                                                  muon_mask=_is_matrix, sharded_mode="gram")),
+    built("normuon/gram_sharded", lambda: opttx.normuon(LR, muon_mask=_is_matrix,
+                                                        sharded_mode="gram")),
+    built("adamuon/gram_sharded", lambda: opttx.adamuon(LR, muon_mask=_is_matrix,
+                                                        sharded_mode="gram")),
     case("scale_by_neuron_rms", opttx.scale_by_neuron_rms, b2=0.9, matrices_only=True),
     case("scale_to_orthogonal_norm", opttx.scale_to_orthogonal_norm, matrices_only=True),
     built("scale_by_dion", lambda: opttx.masked(opttx.scale_by_dion(0.5), _is_2d)),
