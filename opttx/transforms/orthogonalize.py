@@ -318,11 +318,11 @@ def _pieces(x: torch.Tensor, axes: tuple[int, int], blocks: tuple[int, ...] | No
     """The matrices of leaf ``x`` as 3-D batches: one per distinct block (all, when
     ``blocks`` is None or equal blocks)."""
     m = _to_last_two(x, axes)
-    batch = m.reshape(-1, *m.shape[-2:])
+    batch = m.reshape(math.prod(m.shape[:-2]), *m.shape[-2:])   # explicit: a shard may be empty
     if blocks is None:
         return [batch]
     if len(set(blocks)) == 1:        # equal blocks: one batch of heads
-        return [batch.reshape(-1, blocks[0], batch.shape[-1])]
+        return [batch.reshape(batch.shape[0] * len(blocks), blocks[0], batch.shape[-1])]
     return list(batch.split(list(blocks), dim=1))
 
 
@@ -439,7 +439,8 @@ def _orthogonalize_shards(leaves: dict[int, torch.Tensor], axes: list, splits: l
     # the Gram matrices of the scaled matrices and their squared norms, in one exchange
     first = exchange({key: torch.cat([
         torch.linalg.vector_norm(y, dim=(-2, -1)).to(stat_dtype(y)).square().reshape(-1, 1),
-        _gram_of(y.to(stat_dtype(y)), key[3]).reshape(y.shape[0], -1)], dim=1)
+        _gram_of(y.to(stat_dtype(y)), key[3]).reshape(y.shape[0], -1 if y.shape[0] else 0)],
+        dim=1)
         for key, y in scaled.items()}, "sum")
     ys, grams = {}, {}
     for key, y in scaled.items():
@@ -447,7 +448,7 @@ def _orthogonalize_shards(leaves: dict[int, torch.Tensor], axes: list, splits: l
         denom = norm_scale * first[key][:, :1].sqrt().reshape(-1, 1, 1).to(p.dtype) + eps / p
         ys[key] = y / denom.to(y.dtype)
         k = y.shape[-2] if key[3] else y.shape[-1]
-        g = first[key][:, 1:].reshape(-1, k, k)
+        g = first[key][:, 1:].reshape(y.shape[0], k, k)
         grams[key] = (g / denom.to(g.dtype).square()).to(y.dtype)
     for s, (start, end) in enumerate(segments):
         if s:
