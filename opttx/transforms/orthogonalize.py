@@ -5,11 +5,13 @@ Each leaf is read as a matrix over two axes (``matrix_axes``, default the last t
 batch of matrices over its other axes (convolutions, stacked experts), optionally cut into
 row blocks (``split``: the heads of an attention projection, the Q, K and V of a fused one).
 All matrices of one shape and dtype, across leaves, blocks and batch axes, go through one
-batched product per iteration step. Both transforms are stateless and need whole matrices:
-under `opttx.distributed.sharded` run them with ``on_owners=True``, which gathers each matrix
-to one rank (an orthogonalization of the local block would not be the orthogonalization of
-the matrix, so a leaf sharded over its matrix axes is refused; one sharded over a batch axis
-only, an expert stack under expert parallelism, runs where it is: see `orthogonalize`).
+batched product per iteration step. Both transforms are stateless. `orthogonalize` needs whole
+matrices by default: under `opttx.distributed.sharded` run it with ``on_owners=True``, which
+gathers each matrix to one rank (an orthogonalization of the local block would not be the
+orthogonalization of the matrix, so a leaf sharded over its matrix axes is refused; one
+sharded over a batch axis only, an expert stack under expert parallelism, runs where it is),
+or with ``sharded_mode="gram"``/``"auto"``, which runs row- or column-sharded matrices on
+their shards with the Gram matrix of the unsharded side all-reduced: see `orthogonalize`.
 
 The alias `opttx.muon` composes them: Nesterov momentum (`opttx.ema`), `orthogonalize`,
 `scale_by_shape`, decoupled weight decay and the learning rate on hidden matrices, AdamW on
@@ -513,10 +515,47 @@ def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: f
     for the blocks' own step-size factors.
 
     Leaves with fewer than two dims are refused (the alias `opttx.muon` sends them to
-    AdamW). Stateless (`EmptyState`); it needs whole matrices (``Traits.whole_leaves``). Under
-    `opttx.distributed.sharded` a leaf sharded over a batch axis only (an expert stack sharded
-    on its expert axis: expert parallelism) is orthogonalized on each rank, its own experts,
-    with no collective; a leaf sharded over a matrix axis is refused (use ``on_owners``).
+    AdamW). Stateless (`EmptyState`). Under `opttx.distributed.sharded` a leaf sharded over a
+    batch axis only (an expert stack sharded on its expert axis: expert parallelism) is
+    orthogonalized on each rank, its own experts, with no collective. A leaf sharded over a
+    matrix axis (tensor parallel ``Shard``, FSDP2's DTensor ``Shard(0)``/``Shard(1)``, the row
+    segments of `opttx.distributed.zero`'s ``split_above_mb``) is taken per ``sharded_mode``:
+
+    * ``"owners"`` (default): refused, it needs whole matrices (``Traits.whole_leaves``): run
+      it under ``on_owners``;
+    * ``"gram"``: orthogonalized on its shards. Sharded over rows, the iteration runs on the
+      Gram matrix of the columns,
+
+      .. math::
+          X^\top X = \textstyle\sum_r X_r^\top X_r, \qquad
+          X_{k+1, r} = a_k X_{k,r} + X_{k,r} (b_k A_k + c_k A_k^2)
+
+      (sharded over columns, on :math:`X X^\top = \sum_r X_r X_r^\top` and
+      :math:`a_k X + (b_k A_k + c_k A_k^2) X`): each rank computes its partial Gram matrix,
+      the reduction hook all-reduces it, the polynomial runs on every rank and each rank
+      multiplies its own shard; no gather. The normalization is the whole matrix's: the max
+      of :math:`|X|` is all-reduced (the exact power-of-two scaling of
+      `normalize_frobenius`), the squared Frobenius norm is summed with the first Gram
+      matrix. The exchanges are batched over every leaf and shape group (one hook call each,
+      so one all-reduce per process group): per step 1 + ``ns_steps`` for
+      ``"newton_schulz"`` and ``"polar_express"`` (the Gram matrix of every iterate, the
+      iteration of `newton_schulz` in the orientation of the unsharded side), 2 + the
+      restarts for ``"gram_newton_schulz"`` (the iteration of `gram_newton_schulz`, its
+      restarts recomputing the Gram matrix from the iterate). Equal to the single-device
+      result to rounding, not bit for bit: the Gram matrix is summed over the shards in
+      another order than one device's product (float64: 1e-15 relative; float32: about
+      1e-6); every rank gets the same all-reduced Gram matrix, so the ranks agree bit for
+      bit. Refused: a leaf sharded over both matrix axes, row blocks of ``split`` on a
+      row-sharded leaf (blocks of a column-sharded one run), ``method="svd"``;
+    * ``"auto"``: ``"gram"`` where the Gram matrix is no larger than the matrix, i.e. its
+      side :math:`k` (the unsharded dimension; a row block's rows with ``split``) is at most
+      the sharded dimension (:math:`k^2 \le k \cdot s`: then the all-reduced Gram matrix
+      is no more data than the matrix), else ``"owners"``'s refusal (route those leaves to
+      `opttx.distributed.on_owners`, e.g. with `opttx.partition`).
+
+    In Gram mode the transform runs on shards (``Traits.whole_leaves`` is off): a chain
+    of it runs under plain ``sharded``, its other links taking exact statistics through the
+    hook (`opttx.muon`, `opttx.normuon`, `opttx.adamuon`, `opttx.dion2` pass the option on).
 
     Args:
       ns_steps: the number of steps :math:`K` (>= 1) when ``ns_coeffs`` is one triple.
@@ -534,7 +573,10 @@ def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: f
       split: row blocks orthogonalized separately (see above).
       norm_scale: :math:`s` (default 1.02 for ``"polar_express"``, else 1).
       gram_restarts: the restart steps of ``"gram_newton_schulz"``.
-      batched: one batched product per shape group (default) or one matrix at a time.
+      batched: one batched product per shape group (default) or one matrix at a time
+        (whole matrices; shards are always batched).
+      sharded_mode: ``"owners"``, ``"gram"`` or ``"auto"``: how a leaf sharded over a
+        matrix axis is taken (see above).
 
     Returns:
       A `GradientTransformation`.
@@ -545,6 +587,9 @@ def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: f
       ...                  opttx.orthogonalize(method="polar_express", split=heads),
       ...                  opttx.scale_by_shape(split=heads),
       ...                  opttx.scale_by_learning_rate(0.02))
+      >>> from opttx.distributed import Shard, sharded
+      >>> tp = sharded(opttx.orthogonalize(sharded_mode="gram"),   # row- and column-shards
+      ...              {"w_in": Shard(0), "w_out": Shard(1)})
 
     References:
       Jordan et al., Muon: An optimizer for hidden layers in neural networks (2024),
