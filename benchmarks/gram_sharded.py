@@ -18,7 +18,8 @@ ends with a barrier), eager, 1 thread per rank (the ranks share the machine's co
 are what each rank puts into its collectives per step (the payload; a ring all-reduce moves
 about twice its payload, an all-gather or all-to-all about its payload): for gram, the
 reducer's count; for gathered, the whole matrix less the own shard; for owners, the shards
-sent to the owner and back (its all-to-all buffers, the own part included). Each gram result is checked against the gathered one (max abs).
+sent to the owner and back (its all-to-all buffers, the own part included). Each gram
+result is checked against the gathered one (max abs).
 
 Example:
   PYTHONPATH=$PWD python benchmarks/gram_sharded.py                 # world 2 and 4
@@ -142,7 +143,8 @@ def main() -> None:
         for i, row in enumerate(ranks[0]):
             t = {k: max(r[i]["times"][k] for r in ranks) * 1e3 for k in row["times"]}
             one = ranks[1][i]
-            print(f"{'x'.join(map(str, row['shape'])):>11} {'rows' if row['dim'] == 0 else 'cols':>5} "
+            side = "rows" if row["dim"] == 0 else "cols"
+            print(f"{'x'.join(map(str, row['shape'])):>11} {side:>5} "
                   f"{row['method']:<19} {t['gram']:8.1f} {t['gathered']:9.1f} "
                   f"{t['owners']:8.1f} {t['gathered'] / t['gram']:9.2f} "
                   f"{t['owners'] / t['gram']:8.2f} {one['gram_bytes'] / 1024:9.1f} "

@@ -22,15 +22,15 @@ import json
 import traceback
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from test_distributed import _finish, _init, _spawn
 
 import opttx
 from opttx.distributed import CollectiveStats, Shard, local_shard, sharded, zero
-from test_distributed import _finish, _init, _spawn
 
 STEPS = 3
 RTOL = 1e-10
@@ -135,7 +135,7 @@ class _CountCollectives:
         import torch.distributed._functional_collectives as funcol
         self.funcol, self.all_reduces, self.gathers, self.saved = funcol, 0, 0, {}
 
-    def __enter__(self) -> "_CountCollectives":
+    def __enter__(self) -> _CountCollectives:
         def wrap(module, name, field):
             original = getattr(module, name)
 
@@ -152,7 +152,7 @@ class _CountCollectives:
             wrap(dist, name, "gathers")
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for (module, name), original in self.saved.items():
             setattr(module, name, original)
 
