@@ -307,3 +307,20 @@ def test_auto_refuses_a_gram_larger_than_the_matrix_and_compiles(results) -> Non
         assert "on_owners" in res["auto_refused"] and "auto" in res["auto_refused"]
         assert res["auto_error"] <= RTOL
         assert res["compiled_error"] <= 1e-6
+
+
+@pytest.mark.timeout(60)
+def test_sharded_mode_is_checked_and_changes_nothing_on_one_device() -> None:
+    """A mode other than the three is refused at construction; on one device (no reducer)
+    every mode gives the default's numbers bit for bit, and only "owners" claims whole
+    leaves."""
+    with pytest.raises(ValueError, match="sharded_mode"):
+        opttx.orthogonalize(sharded_mode="gather")
+    params, grads = _problem({"w": (5, 3), "t": (2, 3, 4), "v": (4,)}, 1)
+    for name, make in OPTIMIZERS.items():
+        want = _run(make("owners"), params, grads)
+        for mode in ("gram", "auto"):
+            got = _run(make(mode), params, grads)
+            assert all(torch.equal(got[k], want[k]) for k in want), (name, mode)
+        assert opttx.base.traits_of(make("owners")).whole_leaves
+        assert not opttx.base.traits_of(make("gram")).whole_leaves
