@@ -34,7 +34,8 @@ from .transforms.moments import (debias_factor, ema, scale_by_adam, scale_by_ada
                                  scale_by_rms, scale_by_rss, scale_by_stddev, trace)
 from .transforms.muon_clip import clip_qk
 from .transforms.normuon import scale_by_neuron_rms, scale_to_orthogonal_norm
-from .transforms.orthogonalize import NS_COEFFS, Method, orthogonalize, scale_by_shape
+from .transforms.orthogonalize import (NS_COEFFS, Method, ShardedMode, orthogonalize,
+                                      scale_by_shape)
 from .transforms.prodigy import scale_by_prodigy
 from .transforms.quantized import quantize_state
 from .transforms.schedule_free import schedule_free
@@ -1338,7 +1339,8 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS, ns_steps: 
          muon_mask: Mask = None, adam_b1: float = 0.9, adam_b2: float = 0.999,
          adam_eps_root: float = 0.0, adam_weight_decay: float = 0.0,
          adam_learning_rate: ScalarOrSchedule | None = None,
-         split: Any = None, momentum_8bit: bool = False) -> GradientTransformation:
+         split: Any = None, momentum_8bit: bool = False,
+         sharded_mode: ShardedMode = "owners") -> GradientTransformation:
     r"""Muon: momentum orthogonalized by Newton–Schulz on hidden matrices, AdamW elsewhere.
 
     .. math::
@@ -1392,6 +1394,9 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS, ns_steps: 
         (``quantize_state(ema(...))``, blocks of 256, leaves of 4096 elements or more):
         1.016 bytes per parameter instead of 4 (benchmarks/RESULTS.md); the AdamW group is
         unchanged.
+      sharded_mode: how `orthogonalize` takes matrices sharded over a matrix axis under
+        `opttx.distributed.sharded` (``"owners"``: refused, run on owners; ``"gram"`` or
+        ``"auto"``: on the shards, the Gram matrix all-reduced): see `orthogonalize`.
       adam_b1, adam_b2, adam_eps_root, adam_weight_decay, adam_learning_rate: the AdamW of
         the other leaves (its learning rate defaults to ``learning_rate``).
 
@@ -1417,7 +1422,7 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS, ns_steps: 
     muon_group = chain(
         quantize_state(momentum) if momentum_8bit else momentum,
         orthogonalize(ns_steps, ns_coeffs, eps, method, matrix_axes, ns_dtype=ns_dtype,
-                      split=split),
+                      split=split, sharded_mode=sharded_mode),
         scale_by_shape(consistent_rms, matrix_axes, split=split),
         add_decayed_weights(weight_decay, weight_decay_mask),
         scale_by_learning_rate(learning_rate))
@@ -1817,7 +1822,8 @@ def normuon(learning_rate: ScalarOrSchedule = 0.01, momentum: float = 0.95, b2: 
             adjust_lr: AdjustLr = "spectral_norm", split: Any = None,
             matrix_axes: MatrixAxes = (-2, -1), muon_mask: Mask = None, adam_b1: float = 0.9,
             adam_b2: float = 0.95, adam_weight_decay: float | None = None,
-            adam_learning_rate: ScalarOrSchedule | None = None) -> GradientTransformation:
+            adam_learning_rate: ScalarOrSchedule | None = None,
+            sharded_mode: ShardedMode = "owners") -> GradientTransformation:
     r"""NorMuon: Muon with a neuron-wise second moment of the orthogonalized update.
 
     .. math::
@@ -1837,6 +1843,9 @@ def normuon(learning_rate: ScalarOrSchedule = 0.01, momentum: float = 0.95, b2: 
     bfloat16: ``ns_dtype=torch.bfloat16`` for that (tests/test_muon_family.py compares in
     float64 with the bfloat16 casts of the reference undone, <= 1e-8).
 
+    ``sharded_mode`` as in `muon` (the neuron statistics and norms are summed over the
+    shards through the reduction hook).
+
     Example:
       >>> tx = opttx.normuon(0.01, weight_decay=0.01, adam_learning_rate=3e-4)
 
@@ -1845,7 +1854,7 @@ def normuon(learning_rate: ScalarOrSchedule = 0.01, momentum: float = 0.95, b2: 
     """
     group = chain(trace(momentum, nesterov=nesterov),
                   orthogonalize(5, NS_COEFFS, eps, method, matrix_axes, ns_dtype=ns_dtype,
-                                split=split),
+                                split=split, sharded_mode=sharded_mode),
                   scale_by_neuron_rms(b2, eps, matrix_axes, split=split),
                   _shape_scaling(adjust_lr, matrix_axes, split),
                   add_decayed_weights(weight_decay),
@@ -1867,7 +1876,8 @@ def adamuon(learning_rate: ScalarOrSchedule = 0.02, b1: float = 0.9, b2: float =
             ns_dtype: torch.dtype | None = None, consistent_rms: float | None = 0.2,
             matrix_axes: MatrixAxes = (-2, -1), muon_mask: Mask = None,
             adam_learning_rate: ScalarOrSchedule = 3e-4, adam_b1: float = 0.9,
-            adam_b2: float = 0.999, adam_weight_decay: float = 0.0) -> GradientTransformation:
+            adam_b2: float = 0.999, adam_weight_decay: float = 0.0,
+            sharded_mode: ShardedMode = "owners") -> GradientTransformation:
     r"""AdaMuon: an element-wise second moment of Muon's orthogonalized update, rescaled to
     Adam's update RMS.
 
@@ -1892,6 +1902,7 @@ def adamuon(learning_rate: ScalarOrSchedule = 0.02, b1: float = 0.9, b2: float =
     no sign before the orthogonalization. The paper's later versions add that
     "sign-stabilized" step: ``sign=True``. The reference flattens leaves of more than two
     dims to (rows, rest); here they are batches of matrices over ``matrix_axes``.
+    ``sharded_mode`` as in `muon`.
 
     Example:
       >>> tx = opttx.adamuon(0.02, weight_decay=0.1, sign=True)
@@ -1903,7 +1914,7 @@ def adamuon(learning_rate: ScalarOrSchedule = 0.02, b1: float = 0.9, b2: float =
     if sign:
         links.append(scale_by_sign())
     links += [orthogonalize(ns_steps, ns_coeffs, ns_eps, "newton_schulz", matrix_axes,
-                            ns_dtype=ns_dtype),
+                            ns_dtype=ns_dtype, sharded_mode=sharded_mode),
               scale_by_rms(b2, eps, eps_in_sqrt=False, bias_correction=True),
               scale_to_orthogonal_norm(eps, matrix_axes),
               scale_by_shape(consistent_rms, matrix_axes),
@@ -1967,7 +1978,8 @@ def dion2(learning_rate: ScalarOrSchedule = 0.01, fraction: float = 0.25,
           method: Method = "polar_express", ns_dtype: torch.dtype | None = None,
           adjust_lr: AdjustLr = "spectral_norm", muon_mask: Mask = None,
           adam_b1: float = 0.9, adam_b2: float = 0.95, adam_weight_decay: float | None = None,
-          adam_learning_rate: ScalarOrSchedule | None = None) -> GradientTransformation:
+          adam_learning_rate: ScalarOrSchedule | None = None,
+          sharded_mode: ShardedMode = "owners") -> GradientTransformation:
     r"""Dion2: Muon on the top ``fraction`` of each matrix's rows or columns, with error
     feedback (`scale_by_dion2`), AdamW elsewhere.
 
@@ -1977,6 +1989,8 @@ def dion2(learning_rate: ScalarOrSchedule = 0.01, fraction: float = 0.25,
     ``adamw(adam_learning_rate or learning_rate, adam_b1, adam_b2, eps,
     weight_decay=adam_weight_decay or weight_decay)``. Defaults and numbers of the ``dion``
     package's ``Dion2`` (its Polar Express in bfloat16: ``ns_dtype=torch.bfloat16``).
+    ``sharded_mode``: see `scale_by_dion2` (matrices sharded over the side not selected run
+    on their shards).
 
     Example:
       >>> tx = opttx.dion2(0.01, fraction=0.25)
@@ -1984,7 +1998,8 @@ def dion2(learning_rate: ScalarOrSchedule = 0.01, fraction: float = 0.25,
     References:
       Ahn et al., Dion2 (2026); Microsoft's ``dion`` package.
     """
-    group = chain(scale_by_dion2(fraction, ef_decay, eps, method=method, ns_dtype=ns_dtype),
+    group = chain(scale_by_dion2(fraction, ef_decay, eps, method=method, ns_dtype=ns_dtype,
+                                 sharded_mode=sharded_mode),
                   _shape_scaling(adjust_lr, (-2, -1)),
                   add_decayed_weights(weight_decay),
                   scale_by_learning_rate(learning_rate))

@@ -19,15 +19,18 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from .._checks import check_nonnegative, check_positive_int, check_unit_interval
-from ..base import (EmptyState, GradientTransformation, HyperRole, LEAFWISE, Params,
+from ..base import (LEAF_SPEC_KEY, EmptyState, GradientTransformation, HyperRole, LEAFWISE,
+                    Params,
                     REDUCER_KEY, Role, Traits, Updates, check_init_params, current_reducer,
                     declare, declare_roles, reduce_statistics, replace_state,
                     require_whole_leaves, traits_of, zero_count)
 from ..skeleton import leafwise
 from ..kernels import mark_scratch
-from ..tree import PyTree, Static, state_dtype, tree_flatten, tree_paths, tree_unflatten
+from ..tree import (MaskedNode, PyTree, Static, state_dtype, tree_flatten, tree_paths,
+                    tree_unflatten)
 from .counter_hash import hash32
-from .orthogonalize import NS_COEFFS, Method, orthogonalize
+from .matrix_axes import global_matrix_shapes, sharded_matrix_dims
+from .orthogonalize import NS_COEFFS, Method, ShardedMode, orthogonalize
 
 __all__ = ["ScaleByDionState", "ScaleByDion2State", "dion_rank", "scale_by_dion",
            "scale_by_dion2"]
@@ -308,7 +311,8 @@ class ScaleByDion2State(NamedTuple):
 def scale_by_dion2(fraction: float = 0.25, ef_decay: float = 0.95, eps: float = 1e-8, *,
                    method: Method = "polar_express", ns_coeffs: Any = NS_COEFFS,
                    ns_steps: int = 5, ns_dtype: torch.dtype | None = None,
-                   momentum_dtype: torch.dtype | None = None) -> GradientTransformation:
+                   momentum_dtype: torch.dtype | None = None,
+                   sharded_mode: ShardedMode = "owners") -> GradientTransformation:
     r"""Dion2's update: orthogonalize only the rows (or columns) of the momentum with the
     largest :math:`\ell_1` norms, and decay those in the momentum (error feedback).
 
@@ -325,13 +329,22 @@ def scale_by_dion2(fraction: float = 0.25, ef_decay: float = 0.95, eps: float = 
     ``method`` of `orthogonalize` (Polar Express by default, as the ``dion`` package; its
     ``epsilon`` 1e-8 added to the norm). The submatrices of all leaves go through one
     batched `orthogonalize` per shape. Needs whole matrices (the top-:math:`k` is over the
-    whole matrix: the ``dion`` package's ``selection_scope="global"``).
+    whole matrix: the ``dion`` package's ``selection_scope="global"``), unless
+    ``sharded_mode`` is ``"gram"`` or ``"auto"``: then a matrix sharded over the side it is
+    not selected on (the columns of a wide matrix, the rows of a tall one: its rows or
+    columns are selected whole) runs on its shards, the :math:`\ell_1` norms summed over
+    them through the reduction hook and the selected slices orthogonalized with the Gram
+    matrix of the selected side all-reduced (`orthogonalize`'s Gram mode; never larger
+    than the selection); one sharded over the selected side is refused (its top-:math:`k`
+    is across shards: run it on owners).
 
     Args:
       fraction: the selected fraction of rows or columns, in (0, 1].
       ef_decay: the factor on the selected slices of the momentum, in [0, 1].
       eps, method, ns_coeffs, ns_steps, ns_dtype: of the orthogonalization.
       momentum_dtype: dtype of :math:`M` (default: the parameter's, float32 for 16-bit).
+      sharded_mode: ``"owners"`` (whole matrices only), ``"gram"`` or ``"auto"`` (the
+        same here: shards of the unselected side), as in `orthogonalize`.
 
     Example:
       >>> tx = opttx.chain(opttx.scale_by_dion2(0.25), opttx.scale_by_shape(
@@ -343,7 +356,10 @@ def scale_by_dion2(fraction: float = 0.25, ef_decay: float = 0.95, eps: float = 
     _check_static_fraction("fraction", fraction)
     fraction = float(fraction)
     check_unit_interval("ef_decay", ef_decay, closed_right=True)
-    ortho = orthogonalize(ns_steps, ns_coeffs, eps, method, ns_dtype=ns_dtype)
+    on_shards = sharded_mode != "owners"
+    # the selection is the smaller side, so its Gram matrix never exceeds it: "gram"
+    ortho = orthogonalize(ns_steps, ns_coeffs, eps, method, ns_dtype=ns_dtype,
+                          sharded_mode="gram" if on_shards else "owners")
 
     def check(tree: PyTree) -> None:
         for x, path in zip(tree_flatten(tree)[0], tree_paths(tree)):
@@ -362,20 +378,49 @@ def scale_by_dion2(fraction: float = 0.25, ef_decay: float = 0.95, eps: float = 
 
     def step(g, state, params, extra_args):
         M = [m + u.to(m.dtype) for m, u in zip(state.momentum, g)]
-        selected, index, dims = {}, {}, {}
+        spec = extra_args.get(LEAF_SPEC_KEY)
+        shapes = [x.shape for x in M]
+        sharded: list[tuple[int, ...]] = [()] * len(M)
+        if on_shards and spec is not None:
+            axes = [(m.dim() - 2, m.dim() - 1) for m in M]
+            sharded = sharded_matrix_dims(M, spec, axes, extra_args)
+            shapes = global_matrix_shapes(M, spec, extra_args)
+        selected, index, dims, partial = {}, {}, {}, {}
         for i, m in enumerate(M):
-            if m.numel() == 0:      # an empty matrix: an empty update (below), nothing kept
+            if math.prod(shapes[i]) == 0:   # an empty matrix: an empty update (below)
                 continue
-            rows, cols = m.shape[-2:]
+            rows, cols = shapes[i][-2:]
             dim = -2 if rows <= cols else -1
-            k = max(1, math.ceil(fraction * m.shape[dim]))
-            norms = m.abs().sum(dim=-1 if dim == -2 else -2)
+            if sharded[i] and m.dim() + dim in sharded[i]:
+                raise ValueError(
+                    f"scale_by_dion2: leaf {i} is sharded over the side its top-k selects "
+                    f"({'rows' if dim == -2 else 'columns'} of a {rows} x {cols} matrix): the "
+                    "selection is across the shards. Shard it over the other side, or run it "
+                    "on owner ranks (opttx.distributed.sharded(tx, specs, on_owners=True)).")
+            partial[i] = m.abs().sum(dim=-1 if dim == -2 else -2)
+            dims[i] = dim
+        if any(sharded):
+            reduced = reduce_statistics(
+                tree_unflatten([partial.get(i, MaskedNode()) for i in range(len(M))], spec),
+                extra_args, "sum",
+                tree_unflatten([(M[i].dim() + (-1 if dims[i] == -2 else -2),)
+                                if i in partial else None for i in range(len(M))], spec))
+            partial = {i: x for i, x in enumerate(spec.flatten_up_to(reduced)) if i in partial}
+        for i, norms in partial.items():
+            m, dim = M[i], dims[i]
+            rows, cols = m.shape[-2:]
+            k = max(1, math.ceil(fraction * shapes[i][dim]))
             idx = torch.topk(norms, k, dim=-1, sorted=False).indices
             idx = idx.unsqueeze(-1).expand(*idx.shape, cols) if dim == -2 else \
                 idx.unsqueeze(-2).expand(*idx.shape[:-1], rows, k)
             selected[i] = torch.gather(m, dim, idx)
-            index[i], dims[i] = idx, dim
-        orth = ortho.update(selected, EmptyState())[0]
+            index[i] = idx
+        if any(sharded):        # the selections as a tree like the updates, for the hook
+            tree = tree_unflatten([selected.get(i, MaskedNode()) for i in range(len(M))], spec)
+            orth = dict(zip(selected, tree_flatten(ortho.update(
+                tree, EmptyState(), **extra_args)[0])[0]))
+        else:
+            orth = ortho.update(selected, EmptyState())[0]
         out, new_m = [], []
         for i, (m, u) in enumerate(zip(M, g)):
             if i not in selected:
@@ -392,10 +437,11 @@ def scale_by_dion2(fraction: float = 0.25, ef_decay: float = 0.95, eps: float = 
     def update(updates: Updates, state: ScaleByDion2State, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, ScaleByDion2State]:
         check(updates)
-        require_whole_leaves(updates, extra_args, "scale_by_dion2")
+        if not on_shards:
+            require_whole_leaves(updates, extra_args, "scale_by_dion2")
         return inner(updates, state, params, **extra_args)
 
     # rows of one shape orthogonalized in one batched product, as `orthogonalize`'s
     return GradientTransformation(init, update, Traits(
-        per_leaf=True, whole_leaves=True,
+        per_leaf=True, whole_leaves=not on_shards,
         batched_across_leaves=traits_of(ortho).batched_across_leaves))

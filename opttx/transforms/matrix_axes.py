@@ -22,8 +22,9 @@ from ..base import (REDUCER_KEY, EmptyState, GradientTransformation, Params, Tra
 from ..tree import PyTree, leaf_labels, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = ["MatrixAxes", "Split", "check_axes_argument", "check_split_argument",
-           "leaf_matrix_axes", "leaf_row_blocks", "require_whole_matrices",
-           "stateless_matrix_transform"]
+           "global_matrix_shapes", "leaf_matrix_axes", "leaf_row_blocks",
+           "require_whole_matrices",
+           "sharded_matrix_dims", "stateless_matrix_transform"]
 
 MatrixAxes = tuple[int, int] | PyTree | Callable[[Params], PyTree]
 Split = int | tuple[int, ...] | PyTree | Callable[[Params], PyTree] | None
@@ -158,6 +159,27 @@ def require_whole_matrices(updates: PyTree, extra_args: dict[str, Any], axes: li
                 "specs, on_owners=True), or shard such leaves over a batch axis (experts).")
 
 
+def sharded_matrix_dims(leaves: list[torch.Tensor], spec: Any, axes: list,
+                         extra_args: dict[str, Any]) -> list[tuple[int, ...]]:
+    """Per leaf of ``leaves`` (of a tree of spec ``spec``), the matrix axes (of ``axes``) it is
+    sharded over here, sorted (empty: whole matrices, or a leaf ``axes`` leaves alone); from
+    the reducer of `opttx.distributed` in ``extra_args`` (none on one device). Static."""
+    reducer = extra_args.get(REDUCER_KEY)
+    none: list[tuple[int, ...]] = [()] * len(leaves)
+    if reducer is None or getattr(reducer, "flat_specs", None) is None:
+        return none
+    try:
+        flat = reducer.treespec.flatten_up_to(tree_unflatten(list(leaves), spec))
+    except (ValueError, TypeError, AttributeError):
+        return none
+    present = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    out = []
+    for i, x, ax in zip(present, leaves, axes):
+        dims = sorted({s.dim % x.dim() for s in reducer.flat_specs[i]} & set(ax or ()))
+        out.append(tuple(dims))
+    return out
+
+
 def _global_shapes(updates: PyTree, extra_args: dict[str, Any]) -> list[tuple[int, ...]]:
     """The whole shapes of the leaves present in ``updates`` (local shapes on one device)."""
     reducer = extra_args.get(REDUCER_KEY)
@@ -167,14 +189,25 @@ def _global_shapes(updates: PyTree, extra_args: dict[str, Any]) -> list[tuple[in
     return [tuple(x.shape) for x in tree_flatten(updates)[0]]
 
 
+def global_matrix_shapes(leaves: list[torch.Tensor], spec: Any, extra_args: dict[str, Any]
+                         ) -> list[tuple[int, ...]]:
+    """The whole shapes of ``leaves`` (of a tree of spec ``spec``): under `opttx.distributed`
+    those of the sharded tensors, on one device their own."""
+    return _global_shapes(tree_unflatten(list(leaves), spec), extra_args)
+
+
 def stateless_matrix_transform(name: str, fn: Callable[..., list[torch.Tensor]],
                                matrix_axes: MatrixAxes, split: Split, whole: bool = True,
-                               batched: bool = False) -> GradientTransformation:
+                               batched: bool = False, on_shards: bool = False
+                               ) -> GradientTransformation:
     """A stateless matrix transform from ``fn(leaves, axes, splits, shapes) -> leaves``
     (``shapes``: the whole shapes of the leaves); the leaves are checked (dims, axes, splits)
     at init and at every update (while tracing, in a compiled step). ``whole``: it needs
     whole matrices (refused on leaves sharded over a matrix axis); else it runs on local
-    shards, reading the whole shapes (row blocks of a ``split`` still need whole rows)."""
+    shards, reading the whole shapes (row blocks of a ``split`` still need whole rows).
+    ``on_shards``: ``fn`` checks the shards itself and runs on them (`opttx.orthogonalize`'s
+    Gram mode): it is called as ``fn(leaves, axes, splits, shapes, extra_args=...,
+    spec=...)`` with the ``extra_args`` of the update and the spec of the updates' tree."""
 
     def init(params: Params) -> EmptyState:
         check_init_params(params)
@@ -189,6 +222,10 @@ def stateless_matrix_transform(name: str, fn: Callable[..., list[torch.Tensor]],
             return updates, state
         axes = leaf_matrix_axes(updates, matrix_axes, name)
         splits = leaf_row_blocks(updates, split, axes, name)
+        if on_shards:
+            shapes = _global_shapes(updates, extra_args)
+            out = fn(leaves, axes, splits, shapes, extra_args=extra_args, spec=spec)
+            return tree_unflatten(out, spec), state
         if whole:
             require_whole_matrices(updates, extra_args, axes, name)
         elif any(b is not None for b in splits):
@@ -198,6 +235,6 @@ def stateless_matrix_transform(name: str, fn: Callable[..., list[torch.Tensor]],
         shapes = _global_shapes(updates, extra_args)
         return tree_unflatten(fn(leaves, axes, splits, shapes), spec), state
 
-    traits = _WHOLE_MATRICES if whole else Traits(per_leaf=True)
+    traits = _WHOLE_MATRICES if whole and not on_shards else Traits(per_leaf=True)
     return GradientTransformation(init, update,
                                   dataclasses.replace(traits, batched_across_leaves=batched))

@@ -2,9 +2,10 @@
 and AdaMuon's rescaling to the norm of an orthogonal matrix (`scale_to_orthogonal_norm`).
 
 Both follow `opttx.orthogonalize` in a chain (the aliases `opttx.normuon` and
-`opttx.adamuon`); both read whole matrices (a row statistic, a Frobenius norm of each
-matrix), so under `opttx.distributed` they run where `orthogonalize` runs: on owner ranks, or
-on each rank's own experts of an expert stack.
+`opttx.adamuon`); they read statistics of whole matrices (a row mean square, a Frobenius
+norm of each matrix), taken through the reduction hook, so under `opttx.distributed` they
+run where `orthogonalize` runs: on owner ranks, on each rank's own experts of an expert
+stack, or on row- or column-shards (`orthogonalize`'s ``sharded_mode="gram"``), exactly.
 """
 
 from __future__ import annotations
@@ -16,17 +17,39 @@ import torch
 
 from .._checks import check_nonnegative, check_unit_interval
 from ..base import (GradientTransformation, HyperRole, Params, Role, Traits, Updates,
-                    check_init_params, declare, declare_roles, replace_state, zero_count)
+                    check_init_params, declare, declare_roles, reduce_statistics,
+                    replace_state, zero_count)
 from ..skeleton import leafwise
 from ..kernels import mark_scratch
-from ..tree import Static, state_dtype, tree_flatten, tree_paths, tree_unflatten
+from ..tree import MaskedNode, Static, state_dtype, tree_flatten, tree_paths, tree_unflatten
 from .matrix_axes import (MatrixAxes, Split, check_axes_argument, check_split_argument,
                           leaf_matrix_axes, leaf_row_blocks, require_whole_matrices,
+                          global_matrix_shapes, sharded_matrix_dims,
                           stateless_matrix_transform)
 
 __all__ = ["ScaleByNeuronRmsState", "scale_by_neuron_rms", "scale_to_orthogonal_norm"]
 
-_WHOLE_MATRICES = Traits(per_leaf=True, whole_leaves=True)
+
+def _reduce_some(values: dict[int, Any], dims: dict[int, tuple[int, ...]], n: int, spec: Any,
+                 extra_args: dict[str, Any]) -> dict[int, Any]:
+    """Sum the partial statistics ``values`` (leaf -> a tensor, or a tuple of tensors reduced
+    together) over the groups sharding ``dims[leaf]``: one hook call for all of them."""
+    if not values:
+        return values
+    width = max(len(v) if isinstance(v, tuple) else 1 for v in values.values())
+    trees, dim_trees = [], []
+    for k in range(width):
+        parts: list[Any] = [MaskedNode()] * n
+        where: list[Any] = [None] * n
+        for i, v in values.items():
+            parts[i] = v[k] if isinstance(v, tuple) else v
+            where[i] = dims[i]
+        trees.append(tree_unflatten(parts, spec))
+        dim_trees.append(tree_unflatten(where, spec))
+    out = reduce_statistics(tuple(trees), extra_args, "sum", tuple(dim_trees))
+    flat = [spec.flatten_up_to(t) for t in out]
+    return {i: (tuple(f[i] for f in flat) if isinstance(v, tuple) else flat[0][i])
+            for i, v in values.items()}
 
 
 class ScaleByNeuronRmsState(NamedTuple):
@@ -36,6 +59,18 @@ class ScaleByNeuronRmsState(NamedTuple):
     #                       leaves): EMA of the mean square of each row (neuron)
     made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, nu=Role.FACTORED_MOMENT)
+
+
+def _block_sums(x: torch.Tensor, axes: tuple[int, int], blocks: tuple[int, ...] | None
+                ) -> torch.Tensor:
+    """The local sum of squares of each matrix of ``x`` (each row block with ``blocks``),
+    kept over the matrix axes (the row axis of the size of the number of blocks)."""
+    sq = x * x
+    if blocks is None:
+        return sq.sum(dim=axes, keepdim=True)
+    return torch.cat([b.sum(dim=axes, keepdim=True) for b in sq.split(list(blocks),
+                                                                         dim=axes[0])],
+                     dim=axes[0])
 
 
 def _row_stat_shape(shape: torch.Size, axes: tuple[int, int]) -> list[int]:
@@ -96,8 +131,13 @@ def scale_by_neuron_rms(b2: float = 0.95, eps: float = 1e-8,
         spec = extra_args["_spec"]
         updates = tree_unflatten(g, spec)
         axes = leaf_matrix_axes(updates, matrix_axes, "scale_by_neuron_rms")
-        require_whole_matrices(updates, extra_args, axes, "scale_by_neuron_rms")
         splits = leaf_row_blocks(updates, split, axes, "scale_by_neuron_rms")
+        sharded = sharded_matrix_dims(g, spec, axes, extra_args)
+        # row blocks need whole rows; otherwise the statistics are summed over the shards
+        require_whole_matrices(updates, extra_args,
+                               [ax if b is not None and ax[0] in d else None
+                                for ax, b, d in zip(axes, splits, sharded)],
+                               "scale_by_neuron_rms")
         nus = tree_flatten(state.nu)[0]
         paths = tree_paths(updates)
         if len(nus) != len(g):
@@ -109,31 +149,51 @@ def scale_by_neuron_rms(b2: float = 0.95, eps: float = 1e-8,
                                  f"{tuple(u.shape)}, but the state was made for rows of shape "
                                  f"{tuple(v.shape)}: pass the state made by init for these "
                                  "params.")
-        out, new_nu = [], []
-        for u, v, ax, blocks in zip(g, nus, axes, splits):
-            if ax is None:
-                out.append(u)
-                new_nu.append(v)
-                continue
-            r, c = ax
-            w = u.to(v.dtype)
-            neuron = (w * w).mean(dim=c, keepdim=True)
-            v = torch.lerp(v, neuron, 1 - b2)
-            normalized = w / (v.sqrt() + eps)
-            if blocks is None:
+        ws = {i: u.to(v.dtype) for i, (u, v, ax) in enumerate(zip(g, nus, axes))
+              if ax is not None}
+        # the mean square of each row: summed over the column shards where split there
+        by_cols = {i: (ws[i] * ws[i]).sum(dim=axes[i][1], keepdim=True) for i in ws
+                   if axes[i][1] in sharded[i]}
+        by_cols = _reduce_some(by_cols, {i: (axes[i][1],) for i in by_cols}, len(g), spec,
+                               extra_args)
+        shapes = global_matrix_shapes(g, spec, extra_args)
+        normalized, new_nu = {}, list(nus)
+        for i, w in ws.items():
+            c = axes[i][1]
+            neuron = (by_cols[i] / shapes[i][c] if i in by_cols
+                      else (w * w).mean(dim=c, keepdim=True))
+            new_nu[i] = torch.lerp(nus[i], neuron, 1 - b2)
+            normalized[i] = w / (new_nu[i].sqrt() + eps)
+        # the Frobenius norms of each matrix (or row block), before and after
+        norms = {i: (_block_sums(ws[i], axes[i], splits[i]),
+                     _block_sums(normalized[i], axes[i], splits[i]))
+                 for i in ws if sharded[i]}
+        norms = _reduce_some(norms, {i: axes[i] for i in norms}, len(g), spec, extra_args)
+        out = list(g)
+        for i, w in ws.items():
+            ax, blocks, n = axes[i], splits[i], normalized[i]
+            if i in norms:
+                sw, sn = norms[i]
+                ratio = sw.sqrt() / sn.sqrt().clamp(min=eps)
+                if blocks is not None:
+                    ratio = ratio.repeat_interleave(
+                        torch.tensor(blocks, device=ratio.device), dim=ax[0],
+                        output_size=sum(blocks))
+                n = n * ratio
+            elif blocks is None:
                 ratio = (torch.linalg.vector_norm(w, dim=ax, keepdim=True)
-                         / torch.linalg.vector_norm(normalized, dim=ax,
-                                                    keepdim=True).clamp(min=eps))
-                normalized = normalized * ratio
+                         / torch.linalg.vector_norm(n, dim=ax, keepdim=True).clamp(min=eps))
+                n = n * ratio
             else:
-                parts = [n * (torch.linalg.vector_norm(o, dim=ax, keepdim=True)
-                              / torch.linalg.vector_norm(n, dim=ax, keepdim=True).clamp(min=eps))
-                         for o, n in zip(w.split(list(blocks), dim=r),
-                                         normalized.split(list(blocks), dim=r))]
-                normalized = torch.cat(parts, dim=r)
-            out.append(normalized.to(u.dtype))
-            new_nu.append(v)
-        mark_scratch([y for y, ax in zip(out, axes) if ax is not None])
+                r = ax[0]
+                parts = [nb * (torch.linalg.vector_norm(o, dim=ax, keepdim=True)
+                               / torch.linalg.vector_norm(nb, dim=ax, keepdim=True).clamp(
+                                   min=eps))
+                         for o, nb in zip(w.split(list(blocks), dim=r),
+                                          n.split(list(blocks), dim=r))]
+                n = torch.cat(parts, dim=r)
+            out[i] = n.to(g[i].dtype)
+        mark_scratch([out[i] for i in ws])
         return out, replace_state(state, nu=tree_unflatten(new_nu, tree_flatten(state.nu)[1]))
 
     inner = leafwise(ScaleByNeuronRmsState, step)
@@ -142,7 +202,7 @@ def scale_by_neuron_rms(b2: float = 0.95, eps: float = 1e-8,
                **extra_args: Any) -> tuple[Updates, ScaleByNeuronRmsState]:
         return inner(updates, state, params, **extra_args, _spec=tree_flatten(updates)[1])
 
-    return GradientTransformation(init, update, _WHOLE_MATRICES)
+    return GradientTransformation(init, update, Traits(per_leaf=True))
 
 
 @declare(hyperparams={"eps": HyperRole.EPS})
@@ -158,7 +218,8 @@ def scale_to_orthogonal_norm(eps: float = 1e-10, matrix_axes: MatrixAxes = (-2, 
     of the orthogonalized update (AdaMuon) it restores Muon's scale; followed by
     ``scale_by_shape(consistent_rms=0.2)`` it is AdaMuon's RMS alignment
     :math:`0.2 \sqrt{mn}\, u / \lVert u \rVert_F` (an update RMS of 0.2, like Adam's).
-    Stateless; needs whole matrices.
+    Stateless; on row- or column-shards (`opttx.distributed.sharded`) the norm is summed
+    over the shards through the reduction hook.
 
     Args:
       eps: :math:`\epsilon` (``pytorch_optimizer.AdaMuon``'s default 1e-10).
@@ -170,15 +231,23 @@ def scale_to_orthogonal_norm(eps: float = 1e-10, matrix_axes: MatrixAxes = (-2, 
     check_nonnegative("eps", eps)
     check_axes_argument(matrix_axes, "scale_to_orthogonal_norm")
 
-    def fn(leaves: list[torch.Tensor], axes: list, splits: list, shapes: list
-           ) -> list[torch.Tensor]:
+    def fn(leaves: list[torch.Tensor], axes: list, splits: list, shapes: list,
+           extra_args: dict[str, Any] | None = None, spec: Any = None) -> list[torch.Tensor]:
+        sharded = sharded_matrix_dims(leaves, spec, axes, extra_args or {})
+        sums = _reduce_some({i: (x * x).sum(dim=axes[i], keepdim=True)
+                             for i, (x, d) in enumerate(zip(leaves, sharded)) if d},
+                            {i: axes[i] for i, d in enumerate(sharded) if d}, len(leaves), spec,
+                            extra_args or {})
         out = list(leaves)
         for i, (x, ax) in enumerate(zip(leaves, axes)):
             if ax is None:
                 continue
-            k = math.sqrt(min(x.shape[ax[0]], x.shape[ax[1]]))
-            out[i] = x * (k / (torch.linalg.vector_norm(x, dim=ax, keepdim=True) + eps))
+            k = math.sqrt(min(shapes[i][ax[0]], shapes[i][ax[1]]))
+            norm = (sums[i].sqrt() if i in sums else
+                    torch.linalg.vector_norm(x, dim=ax, keepdim=True))
+            out[i] = x * (k / (norm + eps))
         mark_scratch([out[i] for i, ax in enumerate(axes) if ax is not None])
         return out
 
-    return stateless_matrix_transform("scale_to_orthogonal_norm", fn, matrix_axes, None)
+    return stateless_matrix_transform("scale_to_orthogonal_norm", fn, matrix_axes, None,
+                                      on_shards=True)

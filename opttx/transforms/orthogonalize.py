@@ -5,11 +5,13 @@ Each leaf is read as a matrix over two axes (``matrix_axes``, default the last t
 batch of matrices over its other axes (convolutions, stacked experts), optionally cut into
 row blocks (``split``: the heads of an attention projection, the Q, K and V of a fused one).
 All matrices of one shape and dtype, across leaves, blocks and batch axes, go through one
-batched product per iteration step. Both transforms are stateless and need whole matrices:
-under `opttx.distributed.sharded` run them with ``on_owners=True``, which gathers each matrix
-to one rank (an orthogonalization of the local block would not be the orthogonalization of
-the matrix, so a leaf sharded over its matrix axes is refused; one sharded over a batch axis
-only, an expert stack under expert parallelism, runs where it is: see `orthogonalize`).
+batched product per iteration step. Both transforms are stateless. `orthogonalize` needs whole
+matrices by default: under `opttx.distributed.sharded` run it with ``on_owners=True``, which
+gathers each matrix to one rank (an orthogonalization of the local block would not be the
+orthogonalization of the matrix, so a leaf sharded over its matrix axes is refused; one
+sharded over a batch axis only, an expert stack under expert parallelism, runs where it is),
+or with ``sharded_mode="gram"``/``"auto"``, which runs row- or column-sharded matrices on
+their shards with the Gram matrix of the unsharded side all-reduced: see `orthogonalize`.
 
 The alias `opttx.muon` composes them: Nesterov momentum (`opttx.ema`), `orthogonalize`,
 `scale_by_shape`, decoupled weight decay and the learning rate on hidden matrices, AdamW on
@@ -24,10 +26,11 @@ from typing import Any, Literal, Sequence
 import torch
 
 from .._checks import check_nonnegative, check_positive, check_positive_int
-from ..base import GradientTransformation, declare
+from ..base import GradientTransformation, declare, reduce_statistics
 from ..kernels import foreach, mark_scratch
+from ..tree import MaskedNode, tree_unflatten
 from .matrix_axes import (MatrixAxes, Split, check_axes_argument, check_split_argument,
-                          stateless_matrix_transform)
+                          sharded_matrix_dims, stateless_matrix_transform)
 
 __all__ = [
     "NS_COEFFS",
@@ -63,6 +66,8 @@ POLAR_EXPRESS_SAFETY = 1.02
 
 Method = Literal["newton_schulz", "polar_express", "gram_newton_schulz", "svd"]
 _METHODS = ("newton_schulz", "polar_express", "gram_newton_schulz", "svd")
+ShardedMode = Literal["owners", "gram", "auto"]
+_SHARDED_MODES = ("owners", "gram", "auto")
 Coefficients = tuple[float, float, float] | Sequence[tuple[float, float, float]]
 
 
@@ -156,16 +161,52 @@ def _polynomial(gram: torch.Tensor, b: float, c: float) -> torch.Tensor:
     return torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
 
 
+def _gram_of(y: torch.Tensor, wide: bool) -> torch.Tensor:
+    """:math:`Y Y^\\top` (``wide``: the Gram matrix of the rows) or :math:`Y^\\top Y`."""
+    return y @ y.mT if wide else y.mT @ y
+
+
+def _ns_step(y: torch.Tensor, gram: torch.Tensor, coefficient: tuple[float, ...], wide: bool
+             ) -> torch.Tensor:
+    """One Newton–Schulz step from the iterate ``y`` and its Gram matrix (of the rows when
+    ``wide``, else of the columns): :math:`a Y + (bA + cA^2) Y` or :math:`a Y + Y (bA + cA^2)`."""
+    a, b, c = coefficient
+    poly = _polynomial(gram, b, c)
+    mm = torch.addmm if y.dim() == 2 else torch.baddbmm
+    return mm(y, poly, y, beta=a) if wide else mm(y, y, poly, beta=a)
+
+
+def _gram_segment(y: torch.Tensor, gram: torch.Tensor,
+                  coefficients: Sequence[tuple[float, float, float]], wide: bool
+                  ) -> torch.Tensor:
+    """Gram Newton–Schulz steps from the iterate ``y`` and its Gram matrix, up to the next
+    restart: with :math:`Z_k = a_k I + b_k A_k + c_k A_k^2`, :math:`Q = Z_{K-1} \\cdots Z_0`
+    and :math:`A_{k+1} = Z_k A_k Z_k` on the small Gram matrix, then :math:`Q Y` (``wide``) or
+    :math:`Y Q` once on the long side."""
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    q = None
+    last = len(coefficients) - 1
+    for i, (a, b, c) in enumerate(coefficients):
+        z = _polynomial(gram, b, c) + a * eye
+        q = z if q is None else (z @ q if wide else q @ z)
+        if i < last:
+            gram = z @ gram @ z
+    return q @ y if wide else y @ q
+
+
+def _segments(n: int, restarts: Sequence[int]) -> list[tuple[int, int]]:
+    """The step ranges between restarts (a restart at step 0 or past the end does nothing)."""
+    starts = [0] + sorted({r for r in restarts if 0 < r < n})
+    return list(zip(starts, starts[1:] + [n]))
+
+
 def _ns_steps(y: torch.Tensor, coefficients: Sequence[tuple[float, float, float]]
               ) -> torch.Tensor:
     """The Newton–Schulz steps on normalized matrices (2-D or 3-D), on the Gram matrix of
     the smaller side, keeping the input's orientation (no transposed views)."""
     wide = y.shape[-2] <= y.shape[-1]
-    mm = torch.addmm if y.dim() == 2 else torch.baddbmm
-    for a, b, c in coefficients:
-        gram = y @ y.mT if wide else y.mT @ y
-        poly = _polynomial(gram, b, c)
-        y = mm(y, poly, y, beta=a) if wide else mm(y, y, poly, beta=a)
+    for coefficient in coefficients:
+        y = _ns_step(y, _gram_of(y, wide), coefficient, wide)
     return y
 
 
@@ -178,23 +219,9 @@ def _gram_steps(y: torch.Tensor, coefficients: Sequence[tuple[float, float, floa
     the Gram matrix recomputed from the iterate (rounding in the products of small matrices
     accumulates otherwise)."""
     wide = y.shape[-2] <= y.shape[-1]
-    k = y.shape[-2] if wide else y.shape[-1]
-    eye = torch.eye(k, dtype=y.dtype, device=y.device)
-    x0, q = y, None
-    gram = x0 @ x0.mT if wide else x0.mT @ x0
-    last = len(coefficients) - 1
-    for i, (a, b, c) in enumerate(coefficients):
-        if i in restarts and q is not None:
-            x0 = q @ x0 if wide else x0 @ q
-            gram = x0 @ x0.mT if wide else x0.mT @ x0
-            q = None
-        z = _polynomial(gram, b, c) + a * eye
-        q = z if q is None else (z @ q if wide else q @ z)
-        if i < last:
-            gram = z @ gram @ z
-    if q is None:
-        return x0
-    return q @ x0 if wide else x0 @ q
+    for start, end in _segments(len(coefficients), restarts):
+        y = _gram_segment(y, _gram_of(y, wide), coefficients[start:end], wide)
+    return y
 
 
 def _flat_batch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
@@ -293,11 +320,11 @@ def _pieces(x: torch.Tensor, axes: tuple[int, int], blocks: tuple[int, ...] | No
     """The matrices of leaf ``x`` as 3-D batches: one per distinct block (all, when
     ``blocks`` is None or equal blocks)."""
     m = _to_last_two(x, axes)
-    batch = m.reshape(-1, *m.shape[-2:])
+    batch = m.reshape(math.prod(m.shape[:-2]), *m.shape[-2:])   # explicit: a shard may be empty
     if blocks is None:
         return [batch]
     if len(set(blocks)) == 1:        # equal blocks: one batch of heads
-        return [batch.reshape(-1, blocks[0], batch.shape[-1])]
+        return [batch.reshape(batch.shape[0] * len(blocks), blocks[0], batch.shape[-1])]
     return list(batch.split(list(blocks), dim=1))
 
 
@@ -311,12 +338,146 @@ def _assemble(x: torch.Tensor, axes: tuple[int, int], blocks: tuple[int, ...] | 
     return _in_layout_of(_from_last_two(y.reshape(m_shape), axes), x)
 
 
+def _refuse_shards(i: int, ax: tuple[int, int], dims: tuple[int, ...], why: str) -> None:
+    raise ValueError(
+        f"orthogonalize needs whole matrices here, but leaf {i} is sharded over its matrix "
+        f"axis {dims[0] if len(dims) == 1 else dims} of {ax}: {why} Run it on owner ranks "
+        "(opttx.distributed.sharded(tx, specs, on_owners=True), or on_owners(tx) for these "
+        "leaves inside opttx.partition), or shard such leaves over a batch axis (experts).")
+
+
+def _gram_choice(mode: str, method: str, i: int, ax: tuple[int, int],
+                 dims: tuple[int, ...], shape: tuple[int, ...],
+                 blocks: tuple[int, ...] | None) -> bool:
+    """Whether leaf ``i``, sharded over the matrix axes ``dims``, is orthogonalized on its
+    shards with the Gram matrix all-reduced (else refused: see `orthogonalize`)."""
+    if mode == "owners":
+        _refuse_shards(i, ax, dims, "orthogonalizing the local block would be another "
+                       "optimizer (sharded_mode='gram' or 'auto' all-reduce its Gram matrix).")
+    if len(dims) == 2:
+        _refuse_shards(i, ax, dims, "it is sharded over both, so no Gram matrix is a sum "
+                       "over its shards.")
+    if method == "svd":
+        _refuse_shards(i, ax, dims, "method='svd' takes a whole matrix (the iterations run "
+                       "on shards).")
+    rows_sharded = dims[0] == ax[0]
+    if rows_sharded and blocks is not None:
+        _refuse_shards(i, ax, dims, "its split row blocks need whole rows.")
+    gram_side = shape[ax[1]] if rows_sharded else max(blocks or (shape[ax[0]],))
+    if mode == "auto" and gram_side > shape[dims[0]]:
+        _refuse_shards(i, ax, dims, f"sharded_mode='auto' leaves it to owners, its Gram "
+                       f"matrix ({gram_side} x {gram_side}, the unsharded side) being larger "
+                       f"than the matrix (sharded side {shape[dims[0]]}); "
+                       "sharded_mode='gram' would all-reduce it anyway.")
+    return True
+
+
+def _orthogonalize_shards(leaves: dict[int, torch.Tensor], axes: list, splits: list,
+                          dims: dict[int, int], n_leaves: int, spec: Any,
+                          extra_args: dict[str, Any],
+                          coefficients: Sequence[tuple[float, float, float]],
+                          segments: list[tuple[int, int]], gram_form: bool, eps: float,
+                          norm_scale: float, dtype: torch.dtype | None
+                          ) -> dict[int, torch.Tensor]:
+    r"""`orthogonalize` of row- or column-sharded leaves on their local shards (Gram mode).
+
+    A leaf sharded over rows (``dims[i]`` its row axis) iterates on the Gram matrix of the
+    columns, :math:`X^\top X = \sum_r X_r^\top X_r`, and a leaf sharded over columns on that
+    of the rows: the local partial Gram matrices are all-reduced through the reduction hook
+    and each rank multiplies its own shard. All pieces of one local shape, side and dtype
+    are one batch; each exchange is one hook call for all of them (one all-reduce per
+    process group): the max of :math:`|X|` (the exact power-of-two scaling of
+    `normalize_frobenius`), then the Gram matrices with the squared Frobenius norms, then
+    one per segment after the first (``segments``: every step for the Newton–Schulz form,
+    the restarts for the Gram form)."""
+    members: dict[tuple, list[tuple[int, int]]] = {}
+    pieces: dict[int, list[torch.Tensor]] = {}
+    for i, x in leaves.items():
+        work = x if dtype is None or x.dtype == dtype else x.to(dtype)
+        pieces[i] = _pieces(work, axes[i], splits[i])
+        wide = dims[i] != axes[i][0]           # columns sharded: the Gram matrix of the rows
+        for j, p in enumerate(pieces[i]):
+            members.setdefault((tuple(p.shape[1:]), p.dtype, p.device, wide), []).append(
+                (i, j))
+    keys = list(members)
+    batch = {key: (pieces[ms[0][0]][ms[0][1]] if len(ms) == 1 else
+                   torch.cat([pieces[i][j] for i, j in ms])) for key, ms in members.items()}
+    sizes = {key: [pieces[i][j].shape[0] for i, j in ms] for key, ms in members.items()}
+
+    def exchange(values: dict[tuple, torch.Tensor], op: str) -> dict[tuple, torch.Tensor]:
+        """All-reduce one tensor per group (leading dim: the group's matrices) over the
+        groups sharding each leaf's matrix: one hook call."""
+        per_piece = {}
+        for key in keys:
+            for m, part in zip(members[key], values[key].split(sizes[key])):
+                per_piece[m] = part
+        partials: list[Any] = [MaskedNode()] * n_leaves
+        reduce_dims: list[Any] = [None] * n_leaves
+        for i in leaves:
+            parts = [per_piece[(i, j)].reshape(-1) for j in range(len(pieces[i]))]
+            partials[i] = parts[0] if len(parts) == 1 else torch.cat(parts)
+            reduce_dims[i] = (dims[i],)
+        reduced = reduce_statistics(tree_unflatten(partials, spec), extra_args, op,
+                                    tree_unflatten(reduce_dims, spec))
+        flat = spec.flatten_up_to(reduced)
+        back = {}
+        for i in leaves:
+            shapes = [per_piece[(i, j)].shape for j in range(len(pieces[i]))]
+            chunks = flat[i].split([math.prod(s) for s in shapes])
+            for j, (c, s) in enumerate(zip(chunks, shapes)):
+                back[(i, j)] = c.reshape(s)
+        return {key: (back[members[key][0]] if len(members[key]) == 1 else
+                      torch.cat([back[m] for m in members[key]])) for key in keys}
+
+    def stat_dtype(y: torch.Tensor) -> torch.dtype:
+        return torch.float32 if y.dtype in (torch.float16, torch.bfloat16) else y.dtype
+
+    # the exact power-of-two scale of the whole matrix (`normalize_frobenius`)
+    amax = exchange({key: (y.abs().amax(dim=(-2, -1)) if y.numel() else
+                           torch.zeros(y.shape[0], dtype=y.dtype, device=y.device))
+                     for key, y in batch.items()}, "max")
+    scale = {key: _power_of_two_floor(a).reshape(-1, 1, 1) for key, a in amax.items()}
+    scaled = {key: y / scale[key].to(y.dtype) for key, y in batch.items()}
+    # the Gram matrices of the scaled matrices and their squared norms, in one exchange
+    first = exchange({key: torch.cat([
+        torch.linalg.vector_norm(y, dim=(-2, -1)).to(stat_dtype(y)).square().reshape(-1, 1),
+        _gram_of(y.to(stat_dtype(y)), key[3]).reshape(y.shape[0], -1 if y.shape[0] else 0)],
+        dim=1)
+        for key, y in scaled.items()}, "sum")
+    ys, grams = {}, {}
+    for key, y in scaled.items():
+        p = scale[key]
+        denom = norm_scale * first[key][:, :1].sqrt().reshape(-1, 1, 1).to(p.dtype) + eps / p
+        ys[key] = y / denom.to(y.dtype)
+        k = y.shape[-2] if key[3] else y.shape[-1]
+        g = first[key][:, 1:].reshape(y.shape[0], k, k)
+        grams[key] = (g / denom.to(g.dtype).square()).to(y.dtype)
+    for s, (start, end) in enumerate(segments):
+        if s:
+            grams = {key: g.to(ys[key].dtype) for key, g in exchange(
+                {key: _gram_of(y.to(stat_dtype(y)), key[3]) for key, y in ys.items()},
+                "sum").items()}
+        for key in keys:
+            wide = key[3]
+            if gram_form:
+                ys[key] = _gram_segment(ys[key], grams[key], coefficients[start:end], wide)
+            else:
+                ys[key] = _ns_step(ys[key], grams[key], coefficients[start], wide)
+    results: dict[int, list[Any]] = {i: [None] * len(ps) for i, ps in pieces.items()}
+    for key in keys:
+        outs = ys[key].split(sizes[key]) if len(members[key]) > 1 else [ys[key]]
+        for (i, j), y in zip(members[key], outs):
+            results[i][j] = y.to(leaves[i].dtype)
+    return {i: _assemble(x, axes[i], splits[i], results[i]) for i, x in leaves.items()}
+
+
 @declare(hyperparams={"eps": None}, runtime=("ns_steps", "ns_coeffs"))
 def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: float = 1e-7,
                   method: Method = "newton_schulz", matrix_axes: MatrixAxes = (-2, -1), *,
                   ns_dtype: torch.dtype | None = None, split: Split = None,
                   norm_scale: float | None = None, gram_restarts: Sequence[int] = (2,),
-                  batched: bool = True) -> GradientTransformation:
+                  batched: bool = True, sharded_mode: ShardedMode = "owners"
+                  ) -> GradientTransformation:
     r"""Replace each matrix of the updates by (an approximation of) its orthogonal polar
     factor: Muon's step direction.
 
@@ -354,10 +515,47 @@ def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: f
     for the blocks' own step-size factors.
 
     Leaves with fewer than two dims are refused (the alias `opttx.muon` sends them to
-    AdamW). Stateless (`EmptyState`); it needs whole matrices (``Traits.whole_leaves``). Under
-    `opttx.distributed.sharded` a leaf sharded over a batch axis only (an expert stack sharded
-    on its expert axis: expert parallelism) is orthogonalized on each rank, its own experts,
-    with no collective; a leaf sharded over a matrix axis is refused (use ``on_owners``).
+    AdamW). Stateless (`EmptyState`). Under `opttx.distributed.sharded` a leaf sharded over a
+    batch axis only (an expert stack sharded on its expert axis: expert parallelism) is
+    orthogonalized on each rank, its own experts, with no collective. A leaf sharded over a
+    matrix axis (tensor parallel ``Shard``, FSDP2's DTensor ``Shard(0)``/``Shard(1)``, the row
+    segments of `opttx.distributed.zero`'s ``split_above_mb``) is taken per ``sharded_mode``:
+
+    * ``"owners"`` (default): refused, it needs whole matrices (``Traits.whole_leaves``): run
+      it under ``on_owners``;
+    * ``"gram"``: orthogonalized on its shards. Sharded over rows, the iteration runs on the
+      Gram matrix of the columns,
+
+      .. math::
+          X^\top X = \textstyle\sum_r X_r^\top X_r, \qquad
+          X_{k+1, r} = a_k X_{k,r} + X_{k,r} (b_k A_k + c_k A_k^2)
+
+      (sharded over columns, on :math:`X X^\top = \sum_r X_r X_r^\top` and
+      :math:`a_k X + (b_k A_k + c_k A_k^2) X`): each rank computes its partial Gram matrix,
+      the reduction hook all-reduces it, the polynomial runs on every rank and each rank
+      multiplies its own shard; no gather. The normalization is the whole matrix's: the max
+      of :math:`|X|` is all-reduced (the exact power-of-two scaling of
+      `normalize_frobenius`), the squared Frobenius norm is summed with the first Gram
+      matrix. The exchanges are batched over every leaf and shape group (one hook call each,
+      so one all-reduce per process group): per step 1 + ``ns_steps`` for
+      ``"newton_schulz"`` and ``"polar_express"`` (the Gram matrix of every iterate, the
+      iteration of `newton_schulz` in the orientation of the unsharded side), 2 + the
+      restarts for ``"gram_newton_schulz"`` (the iteration of `gram_newton_schulz`, its
+      restarts recomputing the Gram matrix from the iterate). Equal to the single-device
+      result to rounding, not bit for bit: the Gram matrix is summed over the shards in
+      another order than one device's product (float64: 1e-15 relative; float32: about
+      1e-6); every rank gets the same all-reduced Gram matrix, so the ranks agree bit for
+      bit. Refused: a leaf sharded over both matrix axes, row blocks of ``split`` on a
+      row-sharded leaf (blocks of a column-sharded one run), ``method="svd"``;
+    * ``"auto"``: ``"gram"`` where the Gram matrix is no larger than the matrix, i.e. its
+      side :math:`k` (the unsharded dimension; a row block's rows with ``split``) is at most
+      the sharded dimension (:math:`k^2 \le k \cdot s`: then the all-reduced Gram matrix
+      is no more data than the matrix), else ``"owners"``'s refusal (route those leaves to
+      `opttx.distributed.on_owners`, e.g. with `opttx.partition`).
+
+    In Gram mode the transform runs on shards (``Traits.whole_leaves`` is off): a chain
+    of it runs under plain ``sharded``, its other links taking exact statistics through the
+    hook (`opttx.muon`, `opttx.normuon`, `opttx.adamuon`, `opttx.dion2` pass the option on).
 
     Args:
       ns_steps: the number of steps :math:`K` (>= 1) when ``ns_coeffs`` is one triple.
@@ -375,7 +573,10 @@ def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: f
       split: row blocks orthogonalized separately (see above).
       norm_scale: :math:`s` (default 1.02 for ``"polar_express"``, else 1).
       gram_restarts: the restart steps of ``"gram_newton_schulz"``.
-      batched: one batched product per shape group (default) or one matrix at a time.
+      batched: one batched product per shape group (default) or one matrix at a time
+        (whole matrices; shards are always batched).
+      sharded_mode: ``"owners"``, ``"gram"`` or ``"auto"``: how a leaf sharded over a
+        matrix axis is taken (see above).
 
     Returns:
       A `GradientTransformation`.
@@ -386,6 +587,9 @@ def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: f
       ...                  opttx.orthogonalize(method="polar_express", split=heads),
       ...                  opttx.scale_by_shape(split=heads),
       ...                  opttx.scale_by_learning_rate(0.02))
+      >>> from opttx.distributed import Shard, sharded
+      >>> tp = sharded(opttx.orthogonalize(sharded_mode="gram"),   # row- and column-shards
+      ...              {"w_in": Shard(0), "w_out": Shard(1)})
 
     References:
       Jordan et al., Muon: An optimizer for hidden layers in neural networks (2024),
@@ -416,8 +620,14 @@ def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: f
                                      and ns_dtype.is_floating_point):
         raise ValueError(f"ns_dtype must be a floating-point torch.dtype or None, got "
                          f"{ns_dtype!r}.")
+    if sharded_mode not in _SHARDED_MODES:
+        raise ValueError(f"sharded_mode must be one of {', '.join(map(repr, _SHARDED_MODES))}, "
+                         f"got {sharded_mode!r}.")
     check_axes_argument(matrix_axes, "orthogonalize")
     check_split_argument(split, "orthogonalize")
+    gram_form = method == "gram_newton_schulz"
+    segments = (_segments(len(steps), restarts) if gram_form else
+                [(k, k + 1) for k in range(len(steps))])
 
     def run(batch: torch.Tensor) -> torch.Tensor:
         """Orthogonalize a 3-D batch (or one 2-D matrix)."""
@@ -437,13 +647,20 @@ def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: f
         out = run(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
         return list(out.split(sizes)) if len(pieces) > 1 else [out]
 
-    def fn(leaves: list[torch.Tensor], axes: list, splits: list, shapes: list
-           ) -> list[torch.Tensor]:
+    def fn(leaves: list[torch.Tensor], axes: list, splits: list, shapes: list,
+           extra_args: dict[str, Any] | None = None, spec: Any = None) -> list[torch.Tensor]:
+        on_shards: dict[int, int] = {}     # leaf -> its sharded matrix axis (Gram mode)
+        if extra_args is not None:
+            for i, (ax, d) in enumerate(zip(axes, sharded_matrix_dims(leaves, spec, axes,
+                                                                     extra_args))):
+                if ax is not None and d and math.prod(shapes[i]) > 0 and _gram_choice(
+                        sharded_mode, method, i, ax, d, shapes[i], splits[i]):
+                    on_shards[i] = d[0]
         groups: dict[tuple, list[tuple[int, int]]] = {}
         pieces: dict[int, list[torch.Tensor]] = {}
         for i, (x, ax, blocks) in enumerate(zip(leaves, axes, splits)):
-            if ax is None or x.numel() == 0:     # an empty matrix is its own polar factor
-                continue
+            if ax is None or x.numel() == 0 or i in on_shards:   # an empty matrix is its
+                continue                                          # own polar factor
             pieces[i] = _pieces(x, ax, blocks)
             for j, p in enumerate(pieces[i]):
                 key = (tuple(p.shape[1:]), p.dtype, p.device)
@@ -455,10 +672,17 @@ def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: f
         out = list(leaves)
         for i in pieces:
             out[i] = _assemble(leaves[i], axes[i], splits[i], results[i])
-        mark_scratch([out[i] for i in pieces])   # fresh tensors
+        if on_shards:
+            for i, y in _orthogonalize_shards(
+                    {i: leaves[i] for i in on_shards}, axes, splits, on_shards, len(leaves),
+                    spec, extra_args, steps, segments, gram_form, eps, scale,
+                    ns_dtype).items():
+                out[i] = y
+        mark_scratch([out[i] for i in [*pieces, *on_shards]])   # fresh tensors
         return out
 
-    return stateless_matrix_transform("orthogonalize", fn, matrix_axes, split, batched=batched)
+    return stateless_matrix_transform("orthogonalize", fn, matrix_axes, split, batched=batched,
+                                      on_shards=sharded_mode != "owners")
 # ---------------------------------------------------------------------------------------------
 # shape scaling
 # ---------------------------------------------------------------------------------------------
