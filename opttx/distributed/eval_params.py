@@ -174,24 +174,3 @@ def from_owners(held_tree: PyTree, params: Params, check: Callable, compute: Cal
                     out[i] = buf[start:start + n].view(y[i].shape).clone()
                 start += n
     return tree_unflatten(out, spec)
-    ranks = dist.get_process_group_ranks(group) if group is not None else \
-        list(range(dist.get_world_size()))
-    for r, source in enumerate(ranks):
-        leaves = [i for i, o in enumerate(owners) if o == r]
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i in leaves:
-            by_dtype.setdefault(y[i].dtype, []).append(i)
-        for dtype, idx in by_dtype.items():
-            if out[idx[0]] is not None:          # this rank owns them: send
-                buf = torch.cat([out[i].reshape(-1) for i in idx])
-            else:
-                buf = torch.empty(sum(y[i].numel() for i in idx), dtype=dtype,
-                                  device=y[idx[0]].device)
-            dist.broadcast(buf, src=source, group=group)
-            start = 0
-            for i in idx:
-                n = y[i].numel()
-                if out[i] is None:
-                    out[i] = buf[start:start + n].view(y[i].shape).clone()
-                start += n
-    return tree_unflatten(out, spec)
