@@ -12,6 +12,7 @@
 # Usage (on the GPU machine, in the repository root):
 #   bash benchmarks/gpu_session.sh [section ...]    # default: env tests update step state_copy
 # Sections: env tests update step state_copy gpu_step offload
+# (and, not in the default: orthogonalize refresh)
 #
 # Seen on an H100 with torch 2.11 (27 Nov): env + tests 40 s, update 131 s; step never finished
 # there (Inductor's assertion, now worked around, stopped it after 70 s; expect 3 compiles of
@@ -78,6 +79,11 @@ for s in $sections; do
         # sections; its limit is a guess: it has not run on a GPU yet).
         orthogonalize) run orthogonalize 240 python3 benchmarks/orthogonalize.py \
                            --device cuda --skip-bench --repeats 5 ;;
+        # The batched Shampoo/SOAP refresh (one eigh per size group) against one eigh per
+        # factor, a 12-layer d=768 model's matrices (not in the default sections; its limit
+        # is a guess: it has not run on a GPU yet).
+        refresh) run refresh 240 python3 benchmarks/batched_refresh.py --device cuda \
+                     --layers 12 --dim 768 --block 1024 --rounds 5 ;;
         *) echo "unknown section $s" ;;
     esac
 done
@@ -95,5 +101,6 @@ for s in $sections; do
         gpu_step) tail -n 40 "$OUT/$s.log" ;;
         offload) tail -n 16 "$OUT/$s.log" ;;
         orthogonalize) tail -n 36 "$OUT/$s.log" ;;
+        refresh) tail -n 6 "$OUT/$s.log" ;;
     esac
 done

@@ -1081,7 +1081,12 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
     ``kl_shampoo=True`` is KL-Shampoo (Meta's ``RootInvKLShampooPreconditionerConfig``, with
     ``preconditioner="eigendecomposed"`` its ``EigendecomposedKLShampooPreconditionerConfig``):
     each factor takes in the gradient preconditioned along the other dims by the roots in use
-    (see `precondition_shampoo`).
+    (see `precondition_shampoo`). With ``preconditioner="eigenvalue_corrected"`` it is
+    KL-SOAP: Meta's KL-Shampoo factor update in the eigenvalue-corrected form, the roots
+    formed from the eigendecompositions of the last refresh (``eigendecomposition`` ``"eigh"``
+    or ``"qr"``; see `precondition_eigenvalue_corrected`'s ``kl_shampoo``). Meta has no
+    eigenvalue-corrected KL config: ``tests/test_kl_soap.py`` checks it against a float64
+    derivation of the algorithm.
 
     Equal to ``DistributedShampoo`` with its default ``RootInvShampooPreconditionerConfig``
     on one device (``tests/test_shampoo_meta.py``: drawn trees and settings, float64 to 1e-8
@@ -1105,7 +1110,8 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
     magnitude = _grafted_magnitude(grafting, grafting_beta2, grafting_epsilon)
     _check_preconditioner_options(
         preconditioner, kl_shampoo, first_moment_in_eigenbasis, root_method, root_max_iterations,
-        root_tolerance, root_rel_epsilon, root_abs_epsilon, use_symmetric_packing)
+        root_tolerance, root_rel_epsilon, root_abs_epsilon, use_symmetric_packing,
+        eigendecomposition)
     if preconditioner == "eigenvalue_corrected":
         direction = _eigenvalue_corrected_direction(
             beta1, beta2, epsilon, precondition_frequency, start, beta3=beta3,
@@ -1117,7 +1123,7 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-2, betas: tuple[float, float] =
             inverse_exponent_override=inverse_exponent_override,
             ignored_basis_change_dims=ignored_basis_change_dims,
             drop_weighting_factor_on_gsquare=drop_weighting_factor_on_gsquare,
-            first_moment_in_eigenbasis=first_moment_in_eigenbasis)
+            first_moment_in_eigenbasis=first_moment_in_eigenbasis, kl_shampoo=kl_shampoo)
         # without grafting, Meta runs its (identity-basis) direction from the first step
         graft_start = start if grafting is not None else 0
         graft_beta1 = 0.0 if first_moment_in_eigenbasis and grafting is None else beta1
@@ -1154,15 +1160,16 @@ def _check_preconditioner_options(
         preconditioner: str, kl_shampoo: bool, first_moment_in_eigenbasis: bool,
         root_method: str, root_max_iterations: int | None, root_tolerance: float | None,
         root_rel_epsilon: float | None, root_abs_epsilon: float | None,
-        use_symmetric_packing: bool) -> None:
+        use_symmetric_packing: bool, eigendecomposition: str = "eigh") -> None:
     """`shampoo`'s ``preconditioner`` is one it knows, given only the options it takes."""
     if preconditioner not in ("root_inverse", "eigendecomposed", "eigenvalue_corrected"):
         raise ValueError("preconditioner must be 'root_inverse', 'eigendecomposed' or "
                          f"'eigenvalue_corrected', got {preconditioner!r}.")
     if preconditioner == "eigenvalue_corrected":
-        if kl_shampoo:
-            raise ValueError("kl_shampoo is a setting of the root-inverse and eigendecomposed "
-                             "preconditioners (Meta has no eigenvalue-corrected KL-Shampoo).")
+        if kl_shampoo and eigendecomposition not in ("eigh", "qr"):
+            raise ValueError("kl_shampoo with the eigenvalue-corrected preconditioner (KL-SOAP) "
+                             "takes eigendecomposition 'eigh' or 'qr', got "
+                             f"{eigendecomposition!r}.")
         if root_method != "eigh" or root_max_iterations is not None \
                 or root_tolerance is not None or root_rel_epsilon is not None \
                 or root_abs_epsilon is not None or use_symmetric_packing:
@@ -1224,9 +1231,10 @@ def _eigenvalue_corrected_direction(
         use_bias_correction: bool, inverse_exponent_override: dict | None,
         ignored_basis_change_dims: dict | None, drop_weighting_factor_on_gsquare: bool,
         rank_deficient: str, use_trace_scaling: bool, trace_scaling_exponent: float,
-        beta3: float | None, first_moment_in_eigenbasis: bool) -> GradientTransformation:
+        beta3: float | None, first_moment_in_eigenbasis: bool,
+        kl_shampoo: bool = False) -> GradientTransformation:
     """`shampoo`'s direction for ``preconditioner="eigenvalue_corrected"`` (SOAP in Meta's
-    form), from `shampoo`'s arguments."""
+    form; KL-SOAP with ``kl_shampoo``), from `shampoo`'s arguments."""
     # (keywords spelled out: Dynamo of torch 2.11 cannot trace locals(), and
     # inject_hyperparams calls this factory inside a compiled step)
     return precondition_eigenvalue_corrected(
@@ -1247,7 +1255,7 @@ def _eigenvalue_corrected_direction(
         # method, so none without grafting
         beta1=beta1 if first_moment_in_eigenbasis else 0.0,
         beta3=beta3 if first_moment_in_eigenbasis else None,
-        first_moment_in_eigenbasis=first_moment_in_eigenbasis)
+        first_moment_in_eigenbasis=first_moment_in_eigenbasis, kl_shampoo=kl_shampoo)
 
 
 def _root_inverse_direction(
@@ -1745,6 +1753,19 @@ def soap(learning_rate: ScalarOrSchedule = 3e-3, b1: float = 0.95, b2: float = 0
 
     Example:
       >>> tx = opttx.soap(3e-3, precondition_frequency=10)
+
+    SOAP's direction then Muon's orthogonalization (the "SOAP -> Muon" of the modded-nanogpt
+    speedrun records) is a chain: the direction of the eigenvalue-corrected preconditioner
+    with the SOAP schedule, each matrix replaced by its orthogonal polar factor, then the
+    step size (``tests/test_kl_soap.py`` checks it against a float64 derivation):
+
+      >>> tx = opttx.chain(
+      ...     opttx.precondition_eigenvalue_corrected(0.95, 1e-8, 10, beta1=0.9,
+      ...                                             schedule="soap",
+      ...                                             eigendecomposition="eigh"),
+      ...     opttx.orthogonalize(), opttx.scale_by_learning_rate(0.02))
+
+    With ``kl_shampoo=True`` (and ``schedule="meta"``) the direction is KL-SOAP's.
 
     References:
       Vyas et al., SOAP: Improving and Stabilizing Shampoo using Adam (arXiv 2409.11321).

@@ -421,6 +421,14 @@ CASES: list[Case] = [
          guide()["scale_to_global_rms"], {"rms": 2.0}, covers=("stateless_with_extra_args",)),
     Case("guide/scale_by_adan", lambda: guide()["scale_by_adan"](b1=0.9),
          guide()["scale_by_adan"], {"b1": 0.9}),
+    # KL-SOAP: Meta's KL-Shampoo factor update in the eigenvalue-corrected form (a large
+    # epsilon, as the eigenvalue-corrected case above)
+    case("shampoo/kl_soap", opttx.shampoo, learning_rate=LR, max_preconditioner_dim=4,
+         preconditioner="eigenvalue_corrected", kl_shampoo=True, epsilon=1.0,
+         precondition_frequency=2),
+    built("precondition_eigenvalue_corrected/kl", lambda: opttx.block_by_dims(
+        opttx.precondition_eigenvalue_corrected(epsilon=1.0, precondition_frequency=2,
+                                                kl_shampoo=True), 4)),
 ]
 
 BY_NAME: dict[str, Case] = {c.name: c for c in CASES}

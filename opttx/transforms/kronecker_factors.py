@@ -6,7 +6,8 @@ r"""The Kronecker factors of Shampoo (`precondition_shampoo`) and SOAP
 * their storage: the upper triangle counts (`from_upper`), optionally packed
   (`pack_symmetric`, `unpack_symmetric`, Meta's symmetric packing);
 * the matrix Meta decomposes for a factor (`prepared_factor`: bias-corrected, trace-scaled)
-  and its eigendecomposition with the fallback to the previous one (`decompose_factor`);
+  and its eigendecomposition with the fallback to the previous one (`decompose_factor`; for
+  many factors at once, same-size ones batched, `decompose_factors`);
 * the mode products of a block with one matrix per dim (`apply_roots`).
 """
 
@@ -19,12 +20,13 @@ import torch
 
 from .._tracing import is_tracing
 from ..tree import state_dtype
-from .matrix_functions import add_ridge, matrix_eigendecomposition
+from .matrix_functions import add_ridge, grouped_eigendecomposition, matrix_eigendecomposition
 
 __all__ = [
     "apply_roots",
     "contract_factor",
     "decompose_factor",
+    "decompose_factors",
     "from_upper",
     "pack_symmetric",
     "prepared_factor",
@@ -158,6 +160,36 @@ def decompose_factor(a: torch.Tensor, finite: torch.Tensor, vectors: torch.Tenso
     eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
     v, q = matrix_eigendecomposition(add_ridge(a, epsilon, eye) if perturb_before else a,
                                      vectors.to(a.dtype), method, qr_iterations, tolerance)
+    return _kept_decomposition(v, q, finite, vectors, values)
+
+
+def decompose_factors(factors: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                              torch.Tensor | None]],
+                      perturb_before: bool, epsilon: Any, method: str, qr_iterations: int,
+                      tolerance: Any, batched: bool = True
+                      ) -> list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]]:
+    """`decompose_factor` of many factors, each given as ``(a, finite, vectors, values)``,
+    with the ``eigh`` (or QR) calls of same-size factors batched into one call per size
+    group (`grouped_eigendecomposition`): the same numbers as one `decompose_factor` per
+    factor (bitwise on CPU), and each factor still judged on its own (a factor whose input or
+    result is not finite keeps its previous decomposition; the others are not affected).
+    ``batched=False``: one `decompose_factor` per factor."""
+    if not batched:
+        return [decompose_factor(a, finite, q, v, perturb_before, epsilon, method,
+                                 qr_iterations, tolerance) for a, finite, q, v in factors]
+    matrices = [add_ridge(a, epsilon, torch.eye(a.shape[0], dtype=a.dtype, device=a.device))
+                if perturb_before else a for a, _, _, _ in factors]
+    decs = grouped_eigendecomposition(matrices, [q.to(a.dtype) for a, _, q, _ in factors],
+                                      method, qr_iterations, tolerance)
+    return [_kept_decomposition(v, q, finite, vectors, values)
+            for (v, q), (_, finite, vectors, values) in zip(decs, factors)]
+
+
+def _kept_decomposition(v: torch.Tensor, q: torch.Tensor, finite: torch.Tensor,
+                        vectors: torch.Tensor, values: torch.Tensor | None
+                        ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """A fresh decomposition cast to the old dtypes and contiguous, or the old one where the
+    input or the result is not finite (`decompose_factor`'s rule)."""
     q = q.to(vectors.dtype).contiguous()
     good = finite & torch.isfinite(q).all() & torch.isfinite(v).all()
     v = None if values is None else torch.where(good, v.to(values.dtype), values)

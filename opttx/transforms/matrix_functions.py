@@ -9,20 +9,26 @@ Distributed Shampoo computes them (its ``matrix_functions``), for `precondition_
   algorithm from a previous estimate, skipped while the estimate still diagonalises the
   matrix (`off_diagonal_small`).
 * `add_ridge`: :math:`A + \epsilon I` formed as Meta forms it.
+* `grouped_eigh`, `grouped_qr`: ``eigh`` / ``qr`` of a list of matrices, one batched call per
+  (shape, dtype, device) group (the batched refresh of Shampoo and SOAP).
 """
 
 from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 
-from ..tree import tree_cond, tree_while
+from .._tracing import is_tracing
+from ..tree import _is_batched, tree_cond, tree_while
 
 __all__ = [
     "add_ridge",
+    "grouped_eigendecomposition",
+    "grouped_eigh",
+    "grouped_qr",
     "inverse_root_from_eigendecomposition",
     "matrix_eigendecomposition",
     "matrix_inverse_root",
@@ -186,6 +192,127 @@ def matrix_eigendecomposition(a: torch.Tensor, estimate: torch.Tensor | None = N
     b = estimate.T @ a @ estimate
     return tree_cond(off_diagonal_small(b, tolerance), lambda v, q: (v, q),
                      lambda v, q: _eigh_like(a, q), (b.diag(), estimate))
+
+
+def size_groups(matrices: Sequence[torch.Tensor]) -> list[list[int]]:
+    """The indices of ``matrices`` grouped by (shape, dtype, device), in order of first
+    appearance (each group one batched call); on CPU a matrix that is not a multiple of 64
+    bytes is a group of its own (see `grouped_eigh`)."""
+    groups: dict = {}
+    for i, m in enumerate(matrices):
+        aligned = m.device.type != "cpu" or (m.numel() * m.element_size()) % 64 == 0
+        groups.setdefault((tuple(m.shape), m.dtype, m.device) if aligned else i, []).append(i)
+    return list(groups.values())
+
+
+def grouped_eigh(matrices: Sequence[torch.Tensor], batched: bool = True
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    r"""``torch.linalg.eigh`` of every matrix, one batched call per (shape, dtype, device)
+    group: the same-size matrices are stacked, decomposed by one call and unstacked.
+
+    Each result is ``(eigenvalues, eigenvectors)`` of one matrix, the eigenvectors
+    column-major as a single call returns them (a slice of the batched result has the same
+    strides). On CPU the batched kernel runs LAPACK matrix by matrix, and the numbers are
+    those of one call per matrix, bit for bit (``benchmarks/batched_eigh.py``), provided every
+    matrix of the batch starts as a single call's copy does, on a 64-byte boundary: MKL's
+    result depends on the alignment of the matrix (measured: a 7 x 7 or 33 x 33 float32
+    matrix at a 4-byte offset decomposes to other bits). So on CPU a group whose matrices
+    are not a multiple of 64 bytes (a size not divisible by 4 in float32 and float64) is
+    decomposed matrix by matrix; on CUDA every group is batched, and the batched solver may
+    round differently from one call. A matrix that makes LAPACK fail makes its whole group
+    fail (as it would fail alone): callers pass finite matrices and judge each result on its
+    own. ``batched=False``: one call per matrix (the per-factor path, for debugging).
+
+    Example:
+      >>> a = torch.eye(3) * torch.tensor([1.0, 2.0, 3.0])
+      >>> [v for v, _ in grouped_eigh([a, 2 * a, torch.ones(2, 2)])][1]
+      tensor([2., 4., 6.])
+    """
+    if not batched:
+        return [torch.linalg.eigh(m) for m in matrices]
+    out: list = [None] * len(matrices)
+    for group in size_groups(matrices):
+        if len(group) == 1:
+            out[group[0]] = torch.linalg.eigh(matrices[group[0]])
+            continue
+        values, vectors = torch.linalg.eigh(torch.stack([matrices[i] for i in group]))
+        for k, i in enumerate(group):
+            out[i] = (values[k], vectors[k])
+    return out
+
+
+def grouped_qr(matrices: Sequence[torch.Tensor], batched: bool = True
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``torch.linalg.qr`` of every matrix, one batched call per (shape, dtype, device) group,
+    with `grouped_eigh`'s rule for CPU alignment (measured bitwise equal to one call per
+    matrix on CPU for aligned sizes); ``batched=False``: one call per matrix."""
+    if not batched:
+        return [torch.linalg.qr(m) for m in matrices]
+    out: list = [None] * len(matrices)
+    for group in size_groups(matrices):
+        if len(group) == 1:
+            out[group[0]] = torch.linalg.qr(matrices[group[0]])
+            continue
+        qs, rs = torch.linalg.qr(torch.stack([matrices[i] for i in group]))
+        for k, i in enumerate(group):
+            out[i] = (qs[k], rs[k])
+    return out
+
+
+def grouped_eigendecomposition(matrices: Sequence[torch.Tensor],
+                               estimates: Sequence[torch.Tensor | None],
+                               method: Literal["eigh", "qr"] = "eigh", qr_iterations: int = 1,
+                               tolerance: float = 0.0, batched: bool = True
+                               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`matrix_eigendecomposition` of every matrix (from its estimate), with the ``eigh`` and
+    ``qr`` calls of same-size matrices batched (`grouped_eigh`, `grouped_qr`): the same
+    numbers as one `matrix_eigendecomposition` per matrix. Where the tolerance criterion
+    skips a matrix, eager mode leaves it out of the batch (one device sync per test, as the
+    per-matrix path); compiled, the batch takes every matrix and ``torch.where`` keeps the
+    skipped ones' previous values (no ``torch.cond`` per matrix). ``batched=False``: one
+    `matrix_eigendecomposition` per matrix."""
+    if not batched:
+        return [matrix_eigendecomposition(m, e, method, qr_iterations, tolerance)
+                for m, e in zip(matrices, estimates)]
+    if method not in ("eigh", "qr"):
+        raise ValueError(f"method must be 'eigh' or 'qr', got {method!r}.")
+    if method == "eigh" and not (isinstance(tolerance, torch.Tensor) or tolerance):
+        return grouped_eigh(matrices)
+    if any(e is None for e in estimates):
+        raise ValueError("matrix_eigendecomposition: the QR algorithm and a tolerance need an "
+                         "estimate.")
+    bs = [e.T @ m @ e for m, e in zip(matrices, estimates)]
+    if method == "eigh":
+        small = [off_diagonal_small(b, tolerance) for b in bs]
+        todo, select = _not_skipped(small)
+        out = [(b.diag(), e) for b, e in zip(bs, estimates)]
+        for i, (v, q) in zip(todo, grouped_eigh([matrices[i] for i in todo])):
+            q = q.contiguous() if estimates[i].is_contiguous() else q
+            out[i] = (torch.where(small[i], bs[i].diag(), v),
+                      torch.where(small[i], estimates[i], q)) if select else (v, q)
+        return out
+    qs = list(estimates)
+    for _ in range(qr_iterations):
+        small = [off_diagonal_small(b, tolerance) for b in bs]
+        todo, select = _not_skipped(small)
+        for i, (qq, r) in zip(todo, grouped_qr([bs[i] for i in todo])):
+            b, q = r @ qq, qs[i] @ qq
+            bs[i], qs[i] = (torch.where(small[i], bs[i], b),
+                            torch.where(small[i], qs[i], q)) if select else (b, q)
+    out = []
+    for b, q in zip(bs, qs):
+        values, order = b.diag().sort(stable=True)
+        out.append((values, q[:, order]))
+    return out
+
+
+def _not_skipped(small: list[torch.Tensor]) -> tuple[list[int], bool]:
+    """The matrices a tolerance test did not skip, and whether the results must be selected
+    with ``torch.where``: in eager mode those whose test is false (read back, as the
+    per-matrix path's branch), compiled or under ``vmap`` every one (then selected)."""
+    if is_tracing() or any(_is_batched(s) for s in small):
+        return list(range(len(small))), True
+    return [i for i, s in enumerate(small) if not bool(s)], False
 
 
 def _eigh_like(a: torch.Tensor, estimate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

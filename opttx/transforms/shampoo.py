@@ -73,10 +73,10 @@ from ..tree import (PyTree, Static, flatten_matching, tree_cond, tree_flatten, t
 from .blocking import block_by_dims, block_shapes, chunks, merge_small_dims
 from .grafting import (DiagonalGraftState, GraftState, graft, meta_bias_correction,
                        scale_by_grafted_diagonal)
-from .kronecker_factors import (apply_roots, decompose_factor, from_upper, pack_symmetric,
+from .kronecker_factors import (apply_roots, decompose_factors, from_upper, pack_symmetric,
                                 prepared_factor, unpack_symmetric, update_factors)
-from .matrix_functions import (inverse_root_from_eigendecomposition, matrix_eigendecomposition,
-                               matrix_inverse_root, off_diagonal_small)
+from .matrix_functions import (add_ridge, grouped_eigh, inverse_root_from_eigendecomposition,
+                               matrix_eigendecomposition, matrix_inverse_root, off_diagonal_small)
 
 __all__ = [
     "DiagonalGraftState",
@@ -143,7 +143,8 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
                          use_symmetric_packing: bool = False, eigendecomposed: bool = False,
                          eigendecomposition: Literal["eigh", "qr"] = "eigh",
                          qr_iterations: int = 1, eigendecomposition_tolerance: float = 0.0,
-                         kl_shampoo: bool = False) -> GradientTransformation:
+                         kl_shampoo: bool = False,
+                         batched_refresh: bool = True) -> GradientTransformation:
     r"""Shampoo's Kronecker-factored preconditioner, applied to every leaf (block) as a whole.
 
     For a block :math:`G` of order :math:`k` and each dim :math:`i`,
@@ -243,6 +244,15 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
         gradient preconditioned along every *other* dim by the roots in use before this
         step's recomputation, :math:`L_i \leftarrow \beta_2 L_i + w\,(G \times_{j \ne i}
         R_j) \otimes_i (G \times_{j \ne i} R_j)`, formed in the roots' dtype.
+      batched_refresh: the refresh decomposes all factors of the step together, the
+        same-size ones (across leaves and blocks, and across the leaves a rank owns under
+        `opttx.distributed.on_owners`) stacked into one batched ``eigh`` (or QR) call per size
+        group (`opttx.transforms.matrix_functions.grouped_eigh`); the roots are then formed
+        factor by factor, each factor judged on its own (the float64 retry and the fallback to
+        the previous root are per factor, as before). The same numbers as one call per factor,
+        bit for bit on CPU; on CUDA the batched solver's rounding. ``False``: one call per
+        factor (for debugging). The iterative root methods (``"newton"``,
+        ``"higher_order"``) run factor by factor either way.
 
     Example:
       >>> tx = opttx.block_by_dims(opttx.precondition_shampoo(epsilon=1e-12), 1024)
@@ -266,7 +276,7 @@ def precondition_shampoo(beta2: float = 1.0, epsilon: float = 1e-12,
         root_abs_epsilon=root_abs_epsilon, symmetric_packing=use_symmetric_packing,
         eigendecomposed=eigendecomposed, eigendecomposition=eigendecomposition,
         qr_iterations=qr_iterations, eigendecomposition_tolerance=eigendecomposition_tolerance,
-        kl_shampoo=kl_shampoo)
+        kl_shampoo=kl_shampoo, batched_refresh=batched_refresh)
 
     def init(params: Params) -> ShampooState:
         check_init_params(params)
@@ -304,6 +314,7 @@ class _ShampooConfig:
     eigen_options: dict | None          # eigendecomposed caching: matrix_eigendecomposition's
                                         # method/qr_iterations/tolerance (None: roots cached)
     kl_shampoo: bool = False            # factors take in G preconditioned along the other dims
+    batched: bool = True                # same-size factors decomposed by one batched call
 
 
 def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int,
@@ -320,7 +331,7 @@ def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int
                     symmetric_packing: bool = False, eigendecomposed: bool = False,
                     eigendecomposition: str = "eigh", qr_iterations: int = 1,
                     eigendecomposition_tolerance: float = 0.0,
-                    kl_shampoo: bool = False) -> _ShampooConfig:
+                    kl_shampoo: bool = False, batched_refresh: bool = True) -> _ShampooConfig:
     """Validate `precondition_shampoo`'s arguments and resolve them into a `_ShampooConfig`."""
     check_unit_interval("beta2", beta2, closed_right=True)
     check_nonnegative("epsilon", epsilon)
@@ -370,7 +381,7 @@ def _shampoo_config(*, beta2: float, epsilon: float, precondition_frequency: int
         and root_abs_epsilon is not None else epsilon, symmetric_packing=symmetric_packing,
         eigen_options=dict(method=eigendecomposition, qr_iterations=qr_iterations,
                            tolerance=eigendecomposition_tolerance) if eigendecomposed else None,
-        kl_shampoo=bool(kl_shampoo))
+        kl_shampoo=bool(kl_shampoo), batched=bool(batched_refresh))
 
 
 def _check_inverse_exponent_override(inverse_exponent_override: float | dict | None) -> None:
@@ -534,35 +545,53 @@ def _root_of(a: torch.Tensor, p: float, dtype: torch.dtype, cfg: _ShampooConfig
     return pack_symmetric(root) if cfg.symmetric_packing else from_upper(root)
 
 
+def _roots_of(matrices: list[torch.Tensor], exps: list[float], dtype: torch.dtype,
+              cfg: _ShampooConfig) -> list[torch.Tensor]:
+    """`_root_of` of every matrix; with ``eigh`` roots the decompositions of same-size
+    matrices are one batched call per size group (`grouped_eigh`), then each root is formed
+    from its decomposition as `matrix_inverse_root` forms it (the same numbers)."""
+    if cfg.root_method != "eigh" or not cfg.batched:
+        return [_root_of(a, p, dtype, cfg) for a, p in zip(matrices, exps)]
+    before = cfg.rank_options["rank_deficient"] == "perturb_before"
+    todo = [i for i, a in enumerate(matrices) if a.shape[-1]]     # (0, 0): nothing to invert
+    decs = grouped_eigh([add_ridge(matrices[i], cfg.root_epsilon, torch.eye(
+        matrices[i].shape[-1], dtype=matrices[i].dtype, device=matrices[i].device))
+        if before else matrices[i] for i in todo])
+    out = [_root_of(a, p, dtype, cfg) if not a.shape[-1] else None
+           for a, p in zip(matrices, exps)]
+    for i, (values, vectors) in zip(todo, decs):
+        root = inverse_root_from_eigendecomposition(values, vectors, exps[i], cfg.root_epsilon,
+                                                    **cfg.rank_options).to(dtype)
+        out[i] = pack_symmetric(root) if cfg.symmetric_packing else from_upper(root)
+    return out
+
+
 def _retry_in_float64(inputs: list[tuple[torch.Tensor, torch.Tensor]], exps: list[float],
                       roots: list[torch.Tensor], oks: list[torch.Tensor],
                       cfg: _ShampooConfig) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The roots with each failed one (``oks`` false) recomputed in float64, and which are
-    finite now; in eager mode only the failed ones are recomputed."""
-    out_r, out_ok = [], []
-    for (a, finite_in), p, r, good in zip(inputs, exps, roots, oks):
-        if not is_tracing() and bool(good):
-            out_r.append(r)
-            out_ok.append(good)
-            continue
-        r64 = _root_of(a.double(), p, r.dtype, cfg)
-        good64 = finite_in & torch.isfinite(r64).all()
-        out_r.append(torch.where(good, r, r64))
-        out_ok.append(good | good64)
+    finite now; in eager mode only the failed ones are recomputed (same-size ones batched)."""
+    todo = [i for i, good in enumerate(oks) if is_tracing() or not bool(good)]
+    out_r, out_ok = list(roots), list(oks)
+    redone = _roots_of([inputs[i][0].double() for i in todo], [exps[i] for i in todo],
+                       roots[0].dtype if roots else cfg.root_dtype, cfg)
+    for i, r64 in zip(todo, redone):
+        r64 = r64.to(roots[i].dtype)
+        good64 = inputs[i][1] & torch.isfinite(r64).all()
+        out_r[i] = torch.where(oks[i], roots[i], r64)
+        out_ok[i] = oks[i] | good64
     return out_r, out_ok
 
 
 def _compute_roots(factors: list[tuple], old_roots: list[tuple], count: torch.Tensor,
                    cfg: _ShampooConfig) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
-    """New roots of every factor; a factor whose root is not finite in
-    ``preconditioner_dtype`` is retried in float64, and keeps its old root when that fails
-    too. Returns the roots (per block) and whether any factor kept its old root."""
+    """New roots of every factor (same-size ones decomposed together, `_roots_of`); a factor
+    whose root is not finite in ``preconditioner_dtype`` is retried in float64, and keeps its
+    old root when that fails too. Returns the roots (per block) and whether any factor kept
+    its old root."""
     inputs, exps = _root_inputs(factors, count, cfg)
-    fresh, ok = [], []
-    for (a, finite_in), p in zip(inputs, exps):
-        r = _root_of(a, p, cfg.root_dtype, cfg)
-        fresh.append(r)
-        ok.append(finite_in & torch.isfinite(r).all())
+    fresh = _roots_of([a for a, _ in inputs], exps, cfg.root_dtype, cfg)
+    ok = [finite_in & torch.isfinite(r).all() for (_, finite_in), r in zip(inputs, fresh)]
     flat_old = [r for rs in old_roots for r in rs]
     if cfg.preconditioner_dtype != torch.float64 and fresh and cfg.root_method == "eigh":
         # float64 retry of the failed factors only (Meta's retry_double_precision of its
@@ -594,17 +623,14 @@ def _recompute_eigen(factors: list[tuple], vectors: list[tuple], values: list[tu
     inputs, _ = _root_inputs(factors, count, cfg)
     flat_q = [q for qs in vectors for q in qs]
     flat_v = [v for vs in values for v in vs]
-    new_q, new_v, oks = [], [], []
+    new_q, new_v = list(flat_q), list(flat_v)     # a dim not preconditioned keeps its (0, 0)
+    todo = [i for i, q in enumerate(flat_q) if q.shape[0]]
     before = cfg.rank_options.get("rank_deficient", "perturb_before") == "perturb_before"
-    for (a, finite_in), q_old, v_old in zip(inputs, flat_q, flat_v):
-        if q_old.shape[0] == 0:                  # a dim not preconditioned
-            new_q.append(q_old)
-            new_v.append(v_old)
-            continue
-        v, q, good = decompose_factor(a, finite_in, q_old, v_old, before, cfg.epsilon,
-                                      **cfg.eigen_options)
-        new_q.append(q)
-        new_v.append(v)
+    decs = decompose_factors([(*inputs[i], flat_q[i], flat_v[i]) for i in todo], before,
+                             cfg.epsilon, **cfg.eigen_options, batched=cfg.batched)
+    oks = []
+    for i, (v, q, good) in zip(todo, decs):
+        new_q[i], new_v[i] = q, v
         oks.append(good)
     failed = ~torch.stack(oks).all() if oks else torch.zeros((), dtype=torch.bool)
     failures = _count_failures(failed, failures, cfg, "eigendecomposition")

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -73,8 +74,9 @@ from ..tree import (PyTree, Static, flatten_matching, state_dtype, stats_like, t
                     tree_flatten, tree_map, tree_structure, tree_unflatten)
 from .blocking import chunks
 from .grafting import filtered_gradient, meta_bias_correction
-from .kronecker_factors import (contract_factor, decompose_factor, from_upper, prepared_factor,
-                                update_factors)
+from .kronecker_factors import (_by_other_roots, contract_factor, decompose_factors, from_upper,
+                                prepared_factor, update_factors)
+from .matrix_functions import grouped_qr, inverse_root_from_eigendecomposition
 
 __all__ = ["EigenvalueCorrectedState", "merge_dims_heavyball", "merge_dims_soap",
            "precondition_eigenvalue_corrected"]
@@ -94,6 +96,9 @@ class EigenvalueCorrectedState(NamedTuple):
     nu: Updates             # like params: EMA (or sum) of the squared gradient rotated into
                             # the bases (Meta's "corrected eigenvalues"); with merge_dims
                             # the rotated (merged) tensor kept in the leaf's shape
+    eigenvalues: PyTree = ()  # KL-SOAP (kl_shampoo): per leaf, tuple of (d_k,) eigenvalues
+                              # of the factors from the last refresh (ones at first, (0,)
+                              # where not rotated); () otherwise
     made_by: Static = Static()  # the transform and configuration that made it
     __roles__ = declare_roles(count=Role.COUNT, factors=Role.FACTOR_MATRIX,
                               bases=Role.PROJECTION, mu=Role.FIRST_MOMENT,
@@ -135,6 +140,9 @@ class _ECConfig:
     perturb_before: bool
     use_trace_scaling: bool
     trace_scaling_exponent: float
+    batched: bool = True          # same-size factors decomposed by one batched call
+    kl: bool = False              # KL-SOAP: factors take in G times the other dims' roots
+    kl_exponent: Any = None       # the roots' inverse exponent (None: 1 / (2 k), Meta's)
 
 
 @declare(hyperparams={"beta2": HyperRole.B2, "epsilon": HyperRole.EPS, "beta1": HyperRole.B1,
@@ -157,8 +165,9 @@ def precondition_eigenvalue_corrected(
         drop_weighting_factor_on_gsquare: bool = False,
         rank_deficient: Literal["perturb_before", "perturb_after"] = "perturb_before",
         use_trace_scaling: bool = False, trace_scaling_exponent: float = 0.5,
-        merge_dims: Callable[[tuple[int, ...]], Sequence[int]] | None = None
-) -> GradientTransformation:
+        merge_dims: Callable[[tuple[int, ...]], Sequence[int]] | None = None,
+        batched_refresh: bool = True, kl_shampoo: bool = False,
+        kl_exponent: float | None = None) -> GradientTransformation:
     r"""Eigenvalue-corrected Shampoo (SOAP): Adam's second moment kept in the eigenbasis of
     Shampoo's factors.
 
@@ -235,6 +244,31 @@ def precondition_eigenvalue_corrected(
         given: 1-D leaves stay in the standard basis while a matrix merged into one dim is
         rotated, as the SOAP reference code does. (Meta's merging is `block_by_dims`
         around this transform.)
+      batched_refresh: a refresh decomposes the factors of all leaves together, the
+        same-size ones (across leaves and blocks, and across the leaves a rank owns under
+        `opttx.distributed.on_owners`) stacked into one batched ``eigh`` or ``qr`` call per
+        size group (`opttx.transforms.matrix_functions.grouped_eigh`); each factor still
+        keeps its previous basis on its own when its result is not finite. The same numbers
+        as one call per factor, bit for bit on CPU; on CUDA the batched solver's rounding.
+        ``False``: one call per factor (for debugging).
+      kl_shampoo: KL-SOAP, Meta's KL-Shampoo (Lin et al., arXiv 2509.03378) in the
+        eigenvalue-corrected form (``schedule="meta"``, ``eigendecomposition`` ``"eigh"``
+        or ``"qr"``): factor :math:`i` takes in the gradient preconditioned along every
+        *other* dim by the inverse roots of those factors as of the last refresh,
+
+        .. math::
+            L_i \leftarrow \beta_s L_i + w_s\, (G \times_{j \ne i} R_j) \otimes_i
+            (G \times_{j \ne i} R_j), \qquad R_j = Q_j \Lambda_j'^{-e_K} Q_j^\top,
+
+        where :math:`(\Lambda_j, Q_j)` is the eigendecomposition of the refresh (of
+        :math:`L_j / b_t + \epsilon I`; identity and ones before the first refresh, so the
+        first factors are Shampoo's), :math:`\Lambda_j'` the eigenvalues made positive by
+        ``rank_deficient``'s rule (`inverse_root_from_eigendecomposition`) and
+        :math:`e_K = 1/(2K)` for a leaf of order :math:`K` (Meta's default inverse exponent;
+        ``kl_exponent`` replaces it: the paper's KL-Shampoo takes :math:`1/2` for matrices).
+        The state keeps the refresh's eigenvalues beside the bases (``eigenvalues``); the
+        second moment, the bases and the update are SOAP's as above. Formed in the bases'
+        dtype, as `precondition_shampoo`'s ``kl_shampoo`` forms it in the roots' dtype.
 
     Example:
       >>> tx = opttx.block_by_dims(opttx.precondition_eigenvalue_corrected(0.95, 1e-8, 10))
@@ -257,6 +291,14 @@ def precondition_eigenvalue_corrected(
         drop_weighting_factor_on_gsquare=drop_weighting_factor_on_gsquare,
         rank_deficient=rank_deficient, use_trace_scaling=use_trace_scaling,
         trace_scaling_exponent=trace_scaling_exponent, merge_dims=merge_dims)
+    cfg = dataclasses.replace(cfg, batched=bool(batched_refresh), kl=bool(kl_shampoo),
+                              kl_exponent=kl_exponent)
+    if cfg.kl and (cfg.schedule != "meta" or cfg.method not in ("eigh", "qr")):
+        raise ValueError("kl_shampoo (KL-SOAP) forms its roots from the eigendecompositions of "
+                         "Meta's schedule: it takes schedule='meta' and eigendecomposition "
+                         f"'eigh' or 'qr', got {cfg.schedule!r} and {cfg.method!r}.")
+    if kl_exponent is not None and not kl_exponent > 0:
+        raise ValueError(f"kl_exponent must be > 0, got {kl_exponent!r}.")
 
     def init(params: Params) -> EigenvalueCorrectedState:
         check_init_params(params)
@@ -266,7 +308,10 @@ def precondition_eigenvalue_corrected(
             bases=tree_map(lambda x: _empty_mats(x, cfg, cfg.basis_dtype, _eye), params),
             mu=(stats_like(params, cfg.basis_dtype) if cfg.eigenbasis_moment
                 else stats_like(params)) if _has(cfg.beta1) else (),
-            nu=stats_like(params, cfg.basis_dtype))
+            nu=stats_like(params, cfg.basis_dtype),
+            eigenvalues=tree_map(lambda x: tuple(
+                torch.ones(q.shape[0], dtype=q.dtype, device=q.device)
+                for q in _empty_mats(x, cfg, cfg.basis_dtype, _eye)), params) if cfg.kl else ())
 
     def update(updates: Updates, state: EigenvalueCorrectedState, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, EigenvalueCorrectedState]:
@@ -361,15 +406,28 @@ def _weight(beta: Any, drop: bool) -> Any:
     return torch.where(beta == 1, torch.ones_like(beta), 1 - beta)
 
 
-def _factors_after(g: torch.Tensor, fs: tuple, cfg: _ECConfig) -> tuple:
-    """Shampoo's factor update (`update_factors`); with an injected decay the same
+def _factors_after(g: torch.Tensor, fs: tuple, cfg: _ECConfig,
+                   kl_roots: tuple | None = None) -> tuple:
+    """Shampoo's factor update (`update_factors`; with ``kl_roots``, KL-Shampoo's: factor k
+    takes in ``g`` times the roots of the other dims); with an injected decay the same
     sum written for tensors."""
     if _number(cfg.factor.beta2):
-        return update_factors(g, fs, cfg.factor)
+        return update_factors(g, fs, cfg.factor, kl_roots)
     g = g.reshape(g.shape or (1,)).to(state_dtype(g))
     return tuple(f if f.shape[0] != g.shape[k] else
-                 (f * cfg.factor.beta2 + cfg.factor.weight * contract_factor(g, k)).to(f.dtype)
+                 (f * cfg.factor.beta2 + cfg.factor.weight * contract_factor(
+                     g if kl_roots is None else _by_other_roots(g, kl_roots, k), k)).to(f.dtype)
                  for k, f in enumerate(fs))
+
+
+def _kl_roots(bases: tuple, values: tuple, cfg: _ECConfig) -> tuple:
+    r"""KL-SOAP: one leaf's inverse roots :math:`Q \Lambda'^{-e} Q^T` from the refresh's
+    eigendecompositions (``(0, 0)`` for a dim not rotated)."""
+    root = 1 / cfg.kl_exponent if cfg.kl_exponent is not None else 2 * len(bases)
+    rule = "perturb_before" if cfg.perturb_before else "perturb_after"
+    return tuple(q if not q.shape[0] else
+                 inverse_root_from_eigendecomposition(v, q, root, cfg.epsilon, rule)
+                 for q, v in zip(bases, values))
 
 
 def _eye(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -469,44 +527,54 @@ def _rotate(x: torch.Tensor, bases: tuple, back: bool = False) -> torch.Tensor:
     return y.reshape(x.shape).to(x.dtype)
 
 
-def _new_basis(f: torch.Tensor, q_old: torch.Tensor, scale: torch.Tensor | None,
-               cfg: _ECConfig, method: str) -> torch.Tensor:
-    """The eigenbasis of one factor (``eigh`` or Meta's QR), computed as Meta computes it;
-    the old basis is kept when the factor or the result is not finite."""
-    a, finite = prepared_factor(f, scale, cfg)
-    return decompose_factor(a, finite, q_old, None, cfg.perturb_before, cfg.epsilon,
-                            "qr" if method == "qr" else "eigh", cfg.qr_iterations, cfg.tolerance)[1]
-
-
 def _refresh(factors: list[tuple], bases: list[tuple], scale: torch.Tensor | None,
-             cfg: _ECConfig, method: str) -> list[tuple]:
-    """New bases of every leaf's factors (dims not rotated keep their empty basis)."""
-    return [tuple(_new_basis(f, q, scale, cfg, method) if q.shape[0] else q
-                  for f, q in zip(fs, qs)) for fs, qs in zip(factors, bases)]
+             cfg: _ECConfig, method: str, values: list[tuple] | None = None):
+    """New bases of every leaf's factors, computed as Meta computes them (``eigh`` or Meta's
+    QR, `decompose_factors`: same-size factors of all leaves in one batched call); a factor
+    whose input or result is not finite keeps its old basis, dims not rotated keep their
+    empty one. With ``values`` (KL-SOAP) also the new eigenvalues: returns both."""
+    flat_f = [f for fs in factors for f in fs]
+    flat_q = [q for qs in bases for q in qs]
+    flat_v = [v for vs in values for v in vs] if values is not None else [None] * len(flat_q)
+    todo = [i for i, q in enumerate(flat_q) if q.shape[0]]
+    decs = decompose_factors([(*prepared_factor(flat_f[i], scale, cfg), flat_q[i], flat_v[i])
+                              for i in todo], cfg.perturb_before, cfg.epsilon,
+                             "qr" if method == "qr" else "eigh", cfg.qr_iterations,
+                             cfg.tolerance, batched=cfg.batched)
+    new, new_v = list(flat_q), list(flat_v)
+    for i, (v, q, _) in zip(todo, decs):
+        new[i], new_v[i] = q, v
+    counts = [len(qs) for qs in bases]
+    who = "precondition_eigenvalue_corrected"
+    out = [tuple(c) for c in chunks(new, counts, who)]
+    if values is None:
+        return out
+    return out, [tuple(c) for c in chunks(new_v, counts, who)]
 
 
-def _power_refresh(factors: list[tuple], bases: list[tuple], nu: list[torch.Tensor]
-                   ) -> tuple[list[tuple], list[torch.Tensor]]:
+def _power_refresh(factors: list[tuple], bases: list[tuple], nu: list[torch.Tensor],
+                   batched: bool = True) -> tuple[list[tuple], list[torch.Tensor]]:
     """SOAP's refresh: per rotated dim k, sort the columns of ``Q`` by descending
-    ``diag(Q^T L Q)``, permute ``nu`` along dim k the same way, ``Q <- qr(L Q_sorted)``."""
-    new_bases, new_nu = [], []
-    for fs, qs, v in zip(factors, bases, nu):
+    ``diag(Q^T L Q)``, permute ``nu`` along dim k the same way, ``Q <- qr(L Q_sorted)`` (the
+    ``qr`` of same-size products of all leaves in one batched call, `grouped_qr`)."""
+    products, slots, new_bases, new_nu = [], [], [], []
+    for j, (fs, qs, v) in enumerate(zip(factors, bases, nu)):
         # a new tensor (torch.cond refuses an output that is a view of an operand)
         v = v.reshape(v.shape or (1,)).clone()
-        out = []
         for k, (f, q) in enumerate(zip(fs, qs)):
             if not q.shape[0]:
-                out.append(q)
                 continue
             f = from_upper(f)
             product = f @ q.to(f.dtype)
             order = torch.argsort((q.to(f.dtype) * product).sum(dim=0), descending=True)
             v = v.index_select(k, order)
-            out.append(torch.linalg.qr(product.index_select(1, order))[0].to(q.dtype)
-                       .contiguous())
-        new_bases.append(tuple(out))
+            products.append(product.index_select(1, order))
+            slots.append((j, k))
+        new_bases.append(list(qs))
         new_nu.append(v)
-    return new_bases, [v.reshape(n.shape) for v, n in zip(new_nu, nu)]
+    for (j, k), (q, _) in zip(slots, grouped_qr(products, batched)):
+        new_bases[j][k] = q.to(bases[j][k].dtype).contiguous()
+    return [tuple(qs) for qs in new_bases], [v.reshape(n.shape) for v, n in zip(new_nu, nu)]
 
 
 def _eigen_scale(order: int, cfg: _ECConfig) -> float:
@@ -575,14 +643,31 @@ def _rebased(mu: list[torch.Tensor], old: list[tuple], new: list[tuple]) -> list
             for m, qo, qn in zip(mu, old, new)]
 
 
-def _meta_step(g, x, factors, bases, nu, mu, count, cfg):
-    """Meta's order: factors, refresh when due, second moment, precondition (new bases)."""
-    factors = [_factors_after(gi, fs, cfg) for gi, fs in zip(g, factors)]
+def _meta_step(g, x, factors, bases, nu, mu, count, cfg, values=None):
+    """Meta's order: factors, refresh when due, second moment, precondition (new bases).
+    KL-SOAP (``values``, the refresh's eigenvalues): the factors take in the gradient times
+    the other dims' roots of the last refresh, and the refresh renews the eigenvalues too."""
+    if cfg.kl:
+        factors = [_factors_after(gi, fs, cfg, _kl_roots(qs, vs, cfg))
+                   for gi, fs, qs, vs in zip(g, factors, bases, values)]
+    else:
+        factors = [_factors_after(gi, fs, cfg) for gi, fs in zip(g, factors)]
     due = ((count % cfg.frequency == 0) & (count > cfg.start)) | (count == cfg.start)
     fscale = meta_bias_correction(cfg.factor.beta2, count) \
         if cfg.bias_correction and (not _number(cfg.factor.beta2) or cfg.factor.beta2 < 1) \
         else None
-    if cfg.eigenbasis_moment:
+    if cfg.kl:
+        if cfg.eigenbasis_moment:
+            def refresh_kl(b, v, m):
+                new, new_v = _refresh(factors, b, fscale, cfg, cfg.method, v)
+                return new, new_v, _rebased(m, b, new)
+            bases, values, mu = tree_cond(due, refresh_kl, lambda b, v, m: (b, v, m),
+                                          (bases, values, mu))
+        else:
+            bases, values = tree_cond(
+                due, lambda b, v: _refresh(factors, b, fscale, cfg, cfg.method, v),
+                lambda b, v: (b, v), (bases, values))
+    elif cfg.eigenbasis_moment:
         def refresh(b, m):
             new = _refresh(factors, b, fscale, cfg, cfg.method)
             return new, _rebased(m, b, new)
@@ -599,7 +684,8 @@ def _meta_step(g, x, factors, bases, nu, mu, count, cfg):
         else:
             mu, x = _first_moment(g, mu, count, cfg)
     scale = meta_bias_correction(cfg.beta2, count) if cfg.bias_correction else None
-    return _adam_in_basis(x, bases, nu, scale, cfg, rotated), factors, bases, nu, mu
+    out = _adam_in_basis(x, bases, nu, scale, cfg, rotated), factors, bases, nu, mu
+    return out + (values,) if cfg.kl else out
 
 
 def _soap_step(g, x, factors, bases, nu, mu, count, cfg):
@@ -638,7 +724,7 @@ def _soap_step(g, x, factors, bases, nu, mu, count, cfg):
     def refresh(b, *rest):
         n, m = (rest[0] if power else None), (rest[-1] if eig else None)
         if power:
-            new, n = _power_refresh(factors, b, n)
+            new, n = _power_refresh(factors, b, n, cfg.batched)
         else:
             new = _refresh(factors, b, None, cfg, cfg.method)
         return (new,) + ((n,) if power else ()) + ((_rebased(m, b, new),) if eig else ())
@@ -675,7 +761,15 @@ def _update_ec(updates: Updates, state: EigenvalueCorrectedState, target: Update
     bases = [tuple(c) for c in chunks(tree_flatten(state.bases)[0], orders, who)]
     count = safe_increment(state.count)
     step = _meta_step if cfg.schedule == "meta" else _soap_step
-    out, factors, bases, nu, mu = step(g, x, factors, bases, nu, mu, count, cfg)
+    if cfg.kl:
+        values = [tuple(c) for c in chunks(tree_flatten(state.eigenvalues)[0], orders, who)]
+        out, factors, bases, nu, mu, values = _meta_step(g, x, factors, bases, nu, mu, count,
+                                                         cfg, values)
+        eigenvalues = tree_unflatten([v for vs in values for v in vs],
+                                     tree_structure(state.eigenvalues))
+    else:
+        out, factors, bases, nu, mu = step(g, x, factors, bases, nu, mu, count, cfg)
+        eigenvalues = ()
     mat_spec = tree_structure(state.factors)
     out = [o.to(gi.dtype) for o, gi in zip(out, g)]
     if cfg.merge is not None:
@@ -685,4 +779,4 @@ def _update_ec(updates: Updates, state: EigenvalueCorrectedState, target: Update
         factors=tree_unflatten([m for fs in factors for m in fs], mat_spec),
         bases=tree_unflatten([m for qs in bases for m in qs], mat_spec),
         mu=tree_unflatten(mu, spec) if _has(cfg.beta1) else (), nu=tree_unflatten(nu, spec),
-        made_by=state.made_by)
+        eigenvalues=eigenvalues, made_by=state.made_by)
