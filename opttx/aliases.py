@@ -2023,11 +2023,12 @@ def hyperball(tx: GradientTransformation, learning_rate: ScalarOrSchedule,
 def _hyperball_pairing(name: str, direction: GradientTransformation,
                        learning_rate: ScalarOrSchedule, radius: float | None, mask: Mask,
                        adam_learning_rate: Any, adam_b1: float, adam_b2: float, eps: float,
-                       adam_weight_decay: float) -> GradientTransformation:
+                       adam_weight_decay: float, nesterov: bool = False
+                       ) -> GradientTransformation:
     """``direction`` on the hyperball for the leaves ``mask`` selects (default
     `muon_hidden_matrices`: the projection matrices), AdamW for the others."""
     adam = adamw(learning_rate if adam_learning_rate is None else adam_learning_rate,
-                 adam_b1, adam_b2, eps, weight_decay=adam_weight_decay)
+                 adam_b1, adam_b2, eps, weight_decay=adam_weight_decay, nesterov=nesterov)
     return _matrices_and_adamw(name, hyperball(direction, learning_rate, radius), mask, adam)
 
 
@@ -2060,8 +2061,8 @@ def hyperball_muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS,
 
     (no shape scaling and no weight decay: the norms are fixed); the other leaves run
     ``adamw(adam_learning_rate or learning_rate, adam_b1, adam_b2, eps,
-    weight_decay=adam_weight_decay)``, as the paper keeps Adam for embeddings, the output
-    head and vectors. ``learning_rate`` is the angular step (:math:`\lVert W_{t+1} - W_t
+    weight_decay=adam_weight_decay, nesterov=nesterov)`` (as `muon`'s), as the paper keeps
+    Adam for embeddings, the output head and vectors. ``learning_rate`` is the angular step (:math:`\lVert W_{t+1} - W_t
     \rVert_F \approx \eta_t R`), not Muon's.
 
     Example:
@@ -2075,7 +2076,8 @@ def hyperball_muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS,
                       orthogonalize(ns_steps, ns_coeffs, eps, method, matrix_axes,
                                     ns_dtype=ns_dtype, split=split))
     return _hyperball_pairing("hyperball_muon", direction, learning_rate, radius, muon_mask,
-                              adam_learning_rate, adam_b1, adam_b2, eps, adam_weight_decay)
+                              adam_learning_rate, adam_b1, adam_b2, eps, adam_weight_decay,
+                              nesterov)
 
 
 @declare(hyperparams={**_PAIRING_HYPERPARAMS, "b1": HyperRole.B1, "b2": HyperRole.B2,

@@ -204,7 +204,7 @@ def test_hyperball_muon_equals_muonh_float64() -> None:
     grads = _grads(params, STEPS, seed=9)
     lr, alr, beta = 0.05, 1e-2, 0.95
     ours = _run(opttx.hyperball_muon(lr, beta=beta, adam_learning_rate=alr), params, grads)
-    adam = _run(opttx.adamw(alr, eps=1e-8, weight_decay=0.0),
+    adam = _run(opttx.adamw(alr, eps=1e-8, weight_decay=0.0, nesterov=True),
                 {k: params[k] for k in ("embed.weight", "norm.scale")},
                 [{k: g[k] for k in ("embed.weight", "norm.scale")} for g in grads])
     w = params["layers.0.fc.weight"]

@@ -65,6 +65,12 @@ HYPERPARAMS: dict[str, dict[str, Any]] = {
 }
 FALLBACK_HYPERPARAMS: dict[str, Any] = {"learning_rate": 1e-3}
 
+# Hyperball-Muon (MuonH): Muon's direction on the hidden matrices with their weight and update
+# norms fixed (no weight decay); its rate is the angular step per update (||dW|| = lr·||W0||),
+# AdamW at adamw's rate elsewhere
+DEFAULT_OPTIMIZERS += ("hyperball_muon",)
+HYPERPARAMS["hyperball_muon"] = {"learning_rate": 0.02, "adam_learning_rate": 1e-3}
+
 
 def split_available(names: list[str]) -> tuple[list[str], list[str]]:
     """Partition ``names`` into those that ``opttx`` provides and those it lacks."""
