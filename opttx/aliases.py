@@ -26,6 +26,7 @@ from .transforms.factored import (FactorAxes, add_step_scaled_decayed_weights, c
                                   scale_by_came, scale_by_factored_rms, scale_by_param_block_rms,
                                   scale_by_trust_ratio)
 from .transforms.grafting import graft, scale_by_grafted_diagonal
+from .transforms.hyperball import hyperball_step
 from .transforms.kron import MemorySaveMode, scale_by_kron
 from .transforms.lowrank import MatrixAxes, ProjType, project_lowrank
 from .transforms.mars import scale_by_mars
@@ -64,6 +65,8 @@ __all__ = [
     "muon_bp",
     # learning-rate free and schedule-free
     "prodigy", "schedule_free_adamw", "schedule_free_sgd",
+    # Hyperball: weight and update norms held fixed (MuonH, AdamH, NorMuonH, SOAP-H)
+    "hyperball", "hyperball_muon", "hyperball_adamw", "hyperball_normuon", "hyperball_soap",
 ]
 
 ScalarOrSchedule = float | torch.Tensor | Schedule
@@ -137,7 +140,7 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: torch.dtype | None = None,
           weight_decay: float = 1e-4, mask: Mask = None, *,
           nesterov: bool = False, nu_dtype: torch.dtype | None = None,
-          amsgrad: bool = False) -> GradientTransformation:
+          amsgrad: bool = False, cautious_weight_decay: bool = False) -> GradientTransformation:
     r"""Adam with decoupled weight decay.
 
     .. math::
@@ -155,6 +158,8 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
       weight_decay: :math:`\lambda`.
       mask: where to apply the decay (tree of booleans or a function of the params).
       amsgrad: AMSGrad, as ``torch.optim.AdamW(amsgrad=True)`` (see `scale_by_adam`).
+      cautious_weight_decay: decay only where the update and the parameter agree in sign
+        (`add_decayed_weights` with ``cautious=True``; Chen et al., arXiv 2510.12402).
 
     Example:
       >>> tx = opttx.adamw(3e-4, weight_decay=0.1,
@@ -165,7 +170,7 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
     """
     return chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
                                nu_dtype=nu_dtype, amsgrad=amsgrad),
-                 add_decayed_weights(weight_decay, mask),
+                 add_decayed_weights(weight_decay, mask, cautious=cautious_weight_decay),
                  scale_by_learning_rate(learning_rate))
 
 
@@ -441,7 +446,7 @@ def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9, eps: float = 1e
                       "b2": HyperRole.B2, "weight_decay": HyperRole.WEIGHT_DECAY})
 def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
          mu_dtype: torch.dtype | None = None, weight_decay: float = 1e-3,
-         mask: Mask = None) -> GradientTransformation:
+         mask: Mask = None, *, cautious_weight_decay: bool = False) -> GradientTransformation:
     r"""Lion: the sign of an interpolated momentum, with decoupled weight decay.
 
     .. math::
@@ -449,11 +454,14 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
         + \lambda x_t\right), \quad m_t = \beta_2 m_{t-1} + (1-\beta_2) g_t
 
     Use a learning rate 3–10× smaller than AdamW's and a larger weight decay.
+    ``cautious_weight_decay=True`` decays only where the sign and the parameter agree
+    (`add_decayed_weights` with ``cautious=True``; Chen et al., arXiv 2510.12402).
 
     References:
       Chen et al., Symbolic Discovery of Optimization Algorithms (arXiv 2302.06675).
     """
-    return chain(scale_by_lion(b1, b2, mu_dtype), add_decayed_weights(weight_decay, mask),
+    return chain(scale_by_lion(b1, b2, mu_dtype),
+                 add_decayed_weights(weight_decay, mask, cautious=cautious_weight_decay),
                  scale_by_learning_rate(learning_rate))
 
 
@@ -1348,7 +1356,8 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS, ns_steps: 
          adam_eps_root: float = 0.0, adam_weight_decay: float = 0.0,
          adam_learning_rate: ScalarOrSchedule | None = None,
          split: Any = None, momentum_8bit: bool = False,
-         sharded_mode: ShardedMode = "owners") -> GradientTransformation:
+         sharded_mode: ShardedMode = "owners",
+         cautious_weight_decay: bool = False) -> GradientTransformation:
     r"""Muon: momentum orthogonalized by Newton–Schulz on hidden matrices, AdamW elsewhere.
 
     .. math::
@@ -1407,6 +1416,9 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS, ns_steps: 
         ``"auto"``: on the shards, the Gram matrix all-reduced): see `orthogonalize`.
       adam_b1, adam_b2, adam_eps_root, adam_weight_decay, adam_learning_rate: the AdamW of
         the other leaves (its learning rate defaults to ``learning_rate``).
+      cautious_weight_decay: both groups decay only where the update (Muon's scaled
+        orthogonalized momentum, Adam's direction) and the parameter agree in sign
+        (`add_decayed_weights` with ``cautious=True``; Chen et al., arXiv 2510.12402).
 
     Example:
       >>> tx = opttx.muon(0.02, weight_decay=0.01, adam_learning_rate=3e-4)
@@ -1432,11 +1444,11 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS, ns_steps: 
         orthogonalize(ns_steps, ns_coeffs, eps, method, matrix_axes, ns_dtype=ns_dtype,
                       split=split, sharded_mode=sharded_mode),
         scale_by_shape(consistent_rms, matrix_axes, split=split),
-        add_decayed_weights(weight_decay, weight_decay_mask),
+        add_decayed_weights(weight_decay, weight_decay_mask, cautious=cautious_weight_decay),
         scale_by_learning_rate(learning_rate))
     adam_group = adamw(learning_rate if adam_learning_rate is None else adam_learning_rate,
                        adam_b1, adam_b2, eps, adam_eps_root, mu_dtype, adam_weight_decay,
-                       nesterov=nesterov)
+                       nesterov=nesterov, cautious_weight_decay=cautious_weight_decay)
     return partition({"muon": muon_group, "adam": adam_group}, labels)
 
 
@@ -1844,7 +1856,8 @@ def normuon(learning_rate: ScalarOrSchedule = 0.01, momentum: float = 0.95, b2: 
             matrix_axes: MatrixAxes = (-2, -1), muon_mask: Mask = None, adam_b1: float = 0.9,
             adam_b2: float = 0.95, adam_weight_decay: float | None = None,
             adam_learning_rate: ScalarOrSchedule | None = None,
-            sharded_mode: ShardedMode = "owners") -> GradientTransformation:
+            sharded_mode: ShardedMode = "owners",
+            cautious_weight_decay: bool = False) -> GradientTransformation:
     r"""NorMuon: Muon with a neuron-wise second moment of the orthogonalized update.
 
     .. math::
@@ -1863,6 +1876,8 @@ def normuon(learning_rate: ScalarOrSchedule = 0.01, momentum: float = 0.95, b2: 
     weight_decay, epsilon, nesterov, adjust_lr``, Polar Express), whose iteration runs in
     bfloat16: ``ns_dtype=torch.bfloat16`` for that (tests/test_muon_family.py compares in
     float64 with the bfloat16 casts of the reference undone, <= 1e-8).
+    ``cautious_weight_decay=True``: the matrices decay only where their update and the
+    parameter agree in sign (`add_decayed_weights` with ``cautious=True``, arXiv 2510.12402).
 
     ``sharded_mode`` as in `muon` (the neuron statistics and norms are summed over the
     shards through the reduction hook).
@@ -1878,7 +1893,7 @@ def normuon(learning_rate: ScalarOrSchedule = 0.01, momentum: float = 0.95, b2: 
                                 split=split, sharded_mode=sharded_mode),
                   scale_by_neuron_rms(b2, eps, matrix_axes, split=split),
                   _shape_scaling(adjust_lr, matrix_axes, split),
-                  add_decayed_weights(weight_decay),
+                  add_decayed_weights(weight_decay, cautious=cautious_weight_decay),
                   scale_by_learning_rate(learning_rate))
     adam = _adam_group(learning_rate, adam_learning_rate, adam_b1, adam_b2, eps, weight_decay,
                        adam_weight_decay)
@@ -2095,3 +2110,202 @@ def kron(learning_rate: ScalarOrSchedule = 3e-4, b1: float = 0.9, weight_decay: 
                  add_decayed_weights(weight_decay,
                                      lambda p: tree_map(lambda x: x.ndim >= 2, p)),
                  scale_by_learning_rate(learning_rate))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hyperball: weight and update norms held fixed in place of weight decay
+# ---------------------------------------------------------------------------------------------
+
+
+@declare(hyperparams={"learning_rate": HyperRole.LEARNING_RATE, "eps": HyperRole.EPS})
+def hyperball(tx: GradientTransformation, learning_rate: ScalarOrSchedule,
+              radius: float | None = None, eps: float = 1e-12) -> GradientTransformation:
+    r"""Any direction ``tx`` on the hyperball: ``chain(tx, hyperball_step(learning_rate,
+    radius, eps))``.
+
+    .. math::
+        W_{t+1} = R\, \mathrm{Normalize}\big(W_t - \eta_t R\, \mathrm{Normalize}(u_t)\big)
+
+    per leaf, :math:`u_t` the updates of ``tx`` (a direction without learning rate or weight
+    decay: `scale_by_adam`, Muon's orthogonalized momentum), :math:`R` the leaf's Frobenius
+    norm at the first step (or ``radius``), :math:`\mathrm{Normalize}(x) = x / \lVert x
+    \rVert_F` (see `hyperball_step`). Every leaf given is projected: route vectors and
+    embeddings to another optimizer with `partition`, as `hyperball_muon` and the other
+    pairings do.
+
+    Example:
+      >>> tx = opttx.hyperball(opttx.scale_by_lion(), 0.01)
+
+    References:
+      Wen, Dang, Lyu, Ma and Liang, Fantastic Pretraining Optimizers and Where to Find Them
+      II: Hyperball Optimization (arXiv 2606.16899).
+    """
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"hyperball: tx must be a GradientTransformation, got "
+                        f"{type(tx).__name__}.")
+    return chain(tx, hyperball_step(learning_rate, radius, eps))
+
+
+def _hyperball_pairing(name: str, direction: GradientTransformation,
+                       learning_rate: ScalarOrSchedule, radius: float | None, mask: Mask,
+                       adam_learning_rate: Any, adam_b1: float, adam_b2: float, eps: float,
+                       adam_weight_decay: float, nesterov: bool = False
+                       ) -> GradientTransformation:
+    """``direction`` on the hyperball for the leaves ``mask`` selects (default
+    `muon_hidden_matrices`: the projection matrices), AdamW for the others."""
+    adam = adamw(learning_rate if adam_learning_rate is None else adam_learning_rate,
+                 adam_b1, adam_b2, eps, weight_decay=adam_weight_decay, nesterov=nesterov)
+    return _matrices_and_adamw(name, hyperball(direction, learning_rate, radius), mask, adam)
+
+
+_PAIRING_HYPERPARAMS = {"learning_rate": HyperRole.LEARNING_RATE,
+                        "adam_learning_rate": HyperRole.LEARNING_RATE,
+                        "adam_b1": HyperRole.B1, "adam_b2": HyperRole.B2,
+                        "adam_weight_decay": HyperRole.WEIGHT_DECAY}
+
+
+@declare(hyperparams={**_PAIRING_HYPERPARAMS, "beta": HyperRole.MOMENTUM, "eps": HyperRole.EPS},
+         runtime=("ns_steps", "ns_coeffs"))
+def hyperball_muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = NS_COEFFS,
+                   ns_steps: int = 5, beta: float = 0.95, eps: float = 1e-8,
+                   radius: float | None = None, mu_dtype: torch.dtype | None = None, *,
+                   nesterov: bool = True, bias_correction: bool = True,
+                   ns_dtype: torch.dtype | None = None, method: Method = "newton_schulz",
+                   matrix_axes: MatrixAxes = (-2, -1), split: Any = None,
+                   muon_mask: Mask = None, adam_learning_rate: ScalarOrSchedule | None = None,
+                   adam_b1: float = 0.9, adam_b2: float = 0.999,
+                   adam_weight_decay: float = 0.0) -> GradientTransformation:
+    r"""MuonH: Muon's orthogonalized momentum on the hyperball, AdamW elsewhere.
+
+    On the leaves ``muon_mask`` selects (default `muon_hidden_matrices`)
+    ``hyperball(chain(ema(beta, bias_correction, mu_dtype, nesterov=nesterov),
+    orthogonalize(ns_steps, ns_coeffs, eps, method, matrix_axes)), learning_rate, radius)``:
+
+    .. math::
+        O_t = \mathrm{NS}_K(\tilde m_t), \qquad
+        W_{t+1} = R\, \mathrm{Normalize}\big(W_t - \eta_t R\, O_t / \lVert O_t \rVert_F\big)
+
+    (no shape scaling and no weight decay: the norms are fixed); the other leaves run
+    ``adamw(adam_learning_rate or learning_rate, adam_b1, adam_b2, eps,
+    weight_decay=adam_weight_decay, nesterov=nesterov)`` (as `muon`'s), as the paper keeps
+    Adam for embeddings, the output head and vectors. ``learning_rate`` is the angular step (:math:`\lVert W_{t+1} - W_t
+    \rVert_F \approx \eta_t R`), not Muon's.
+
+    Example:
+      >>> tx = opttx.hyperball_muon(0.02, adam_learning_rate=3e-3)
+
+    References:
+      Wen et al., Hyperball Optimization (arXiv 2606.16899); Jordan et al., Muon (2024).
+    """
+    direction = chain(ema(beta, debias=bias_correction, accumulator_dtype=mu_dtype,
+                          nesterov=nesterov),
+                      orthogonalize(ns_steps, ns_coeffs, eps, method, matrix_axes,
+                                    ns_dtype=ns_dtype, split=split))
+    return _hyperball_pairing("hyperball_muon", direction, learning_rate, radius, muon_mask,
+                              adam_learning_rate, adam_b1, adam_b2, eps, adam_weight_decay,
+                              nesterov)
+
+
+@declare(hyperparams={**_PAIRING_HYPERPARAMS, "b1": HyperRole.B1, "b2": HyperRole.B2,
+                      "eps": HyperRole.EPS})
+def hyperball_adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
+                    eps: float = 1e-8, radius: float | None = None,
+                    mu_dtype: torch.dtype | None = None, *, mask: Mask = None,
+                    adam_learning_rate: ScalarOrSchedule | None = None,
+                    adam_b1: float | None = None, adam_b2: float | None = None,
+                    adam_weight_decay: float = 0.0) -> GradientTransformation:
+    r"""AdamH: Adam's direction on the hyperball for the matrices, AdamW elsewhere.
+
+    ``hyperball(scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype), learning_rate, radius)`` on
+    the leaves ``mask`` selects (default `muon_hidden_matrices`), ``adamw(adam_learning_rate
+    or learning_rate, adam_b1 or b1, adam_b2 or b2, eps, weight_decay=adam_weight_decay)``
+    on the others.
+
+    .. math::
+        W_{t+1} = R\, \mathrm{Normalize}\Big(W_t - \eta_t R\, \mathrm{Normalize}\big(
+        \hat m_t / (\sqrt{\hat v_t} + \epsilon)\big)\Big)
+
+    heavyball's ``HyperBallAdamW`` keeps no first moment (its direction is
+    :math:`g_t / \max(\sqrt{\hat v_t}, \epsilon)`, RMSprop's) and routes every leaf of two or
+    more dims to the hyperball: ``hyperball(scale_by_rms(b2, eps, eps_in_sqrt=False,
+    bias_correction=True), lr)`` beside ``rmsprop``'s step, tested in tests/test_hyperball.py.
+
+    Example:
+      >>> tx = opttx.hyperball_adamw(0.01, adam_learning_rate=3e-3)
+
+    References:
+      Wen et al., Hyperball Optimization (arXiv 2606.16899).
+    """
+    direction = scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype)
+    return _hyperball_pairing("hyperball_adamw", direction, learning_rate, radius, mask,
+                              adam_learning_rate, b1 if adam_b1 is None else adam_b1,
+                              b2 if adam_b2 is None else adam_b2, eps, adam_weight_decay)
+
+
+@declare(hyperparams={**_PAIRING_HYPERPARAMS, "momentum": HyperRole.MOMENTUM,
+                      "b2": HyperRole.B2, "eps": HyperRole.EPS})
+def hyperball_normuon(learning_rate: ScalarOrSchedule, momentum: float = 0.95,
+                      b2: float = 0.95, eps: float = 1e-8, radius: float | None = None, *,
+                      nesterov: bool = False, method: Method = "polar_express",
+                      ns_dtype: torch.dtype | None = None, split: Any = None,
+                      matrix_axes: MatrixAxes = (-2, -1), muon_mask: Mask = None,
+                      adam_learning_rate: ScalarOrSchedule | None = None,
+                      adam_b1: float = 0.9, adam_b2: float = 0.95,
+                      adam_weight_decay: float = 0.0) -> GradientTransformation:
+    r"""NorMuonH: NorMuon's direction on the hyperball, AdamW elsewhere.
+
+    ``hyperball(chain(trace(momentum, nesterov), orthogonalize(method=method, eps=eps),
+    scale_by_neuron_rms(b2, eps)), learning_rate, radius)`` on the leaves ``muon_mask``
+    selects (default `muon_hidden_matrices`); `normuon`'s shape scaling and weight decay are
+    left out (the norms are fixed). Other leaves: ``adamw(adam_learning_rate or
+    learning_rate, adam_b1, adam_b2, eps, weight_decay=adam_weight_decay)``.
+
+    Example:
+      >>> tx = opttx.hyperball_normuon(0.02, adam_learning_rate=3e-3)
+
+    References:
+      Wen et al., Hyperball Optimization (arXiv 2606.16899); Li et al., NorMuon
+      (arXiv 2510.05491).
+    """
+    direction = chain(trace(momentum, nesterov=nesterov),
+                      orthogonalize(5, NS_COEFFS, eps, method, matrix_axes, ns_dtype=ns_dtype,
+                                    split=split),
+                      scale_by_neuron_rms(b2, eps, matrix_axes, split=split))
+    return _hyperball_pairing("hyperball_normuon", direction, learning_rate, radius,
+                              muon_mask, adam_learning_rate, adam_b1, adam_b2, eps,
+                              adam_weight_decay)
+
+
+@declare(hyperparams={**_PAIRING_HYPERPARAMS, "b1": HyperRole.B1, "b2": HyperRole.B2,
+                      "shampoo_beta": None, "eps": HyperRole.EPS},
+         runtime=("precondition_frequency",))
+def hyperball_soap(learning_rate: ScalarOrSchedule, b1: float = 0.95, b2: float = 0.95,
+                   shampoo_beta: float | None = None, eps: float = 1e-8,
+                   radius: float | None = None, precondition_frequency: int = 10,
+                   max_precond_dim: int = 10000, *, mask: Mask = None,
+                   adam_learning_rate: ScalarOrSchedule | None = None,
+                   adam_b1: float | None = None, adam_b2: float | None = None,
+                   adam_weight_decay: float = 0.0) -> GradientTransformation:
+    r"""SOAP-H: SOAP's direction on the hyperball for the matrices, AdamW elsewhere.
+
+    ``hyperball(precondition_eigenvalue_corrected(b2, eps, precondition_frequency, beta1=b1,
+    shampoo_beta=shampoo_beta, schedule="soap", eigendecomposition="power",
+    max_basis_dim=max_precond_dim), learning_rate, radius)`` (`soap`'s direction, without its
+    weight decay and learning rate) on the leaves ``mask`` selects (default
+    `muon_hidden_matrices`); ``adamw(adam_learning_rate or learning_rate, adam_b1 or b1,
+    adam_b2 or b2, eps, weight_decay=adam_weight_decay)`` on the others. SOAP's first update
+    is zero (it only sets up the bases): the hyperball leaves those weights where they are.
+
+    Example:
+      >>> tx = opttx.hyperball_soap(0.01, adam_learning_rate=3e-3)
+
+    References:
+      Wen et al., Hyperball Optimization (arXiv 2606.16899); Vyas et al., SOAP
+      (arXiv 2409.11321).
+    """
+    direction = precondition_eigenvalue_corrected(
+        b2, eps, precondition_frequency, beta1=b1, shampoo_beta=shampoo_beta,
+        eigendecomposition="power", schedule="soap", max_basis_dim=max_precond_dim)
+    return _hyperball_pairing("hyperball_soap", direction, learning_rate, radius, mask,
+                              adam_learning_rate, b1 if adam_b1 is None else adam_b1,
+                              b2 if adam_b2 is None else adam_b2, eps, adam_weight_decay)

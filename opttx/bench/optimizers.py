@@ -76,6 +76,11 @@ DILOCO_ROWS: dict[str, str] = {"diloco_adamw": "adamw"}
 DILOCO_SYNC_EVERY = 10
 HYPERPARAMS["diloco_adamw"] = {"learning_rate": 1e-3}
 DEFAULT_OPTIMIZERS = DEFAULT_OPTIMIZERS + tuple(DILOCO_ROWS)
+# Hyperball-Muon (MuonH): Muon's direction on the hidden matrices with their weight and update
+# norms fixed (no weight decay); its rate is the angular step per update (||dW|| = lr·||W0||),
+# AdamW at adamw's rate elsewhere
+DEFAULT_OPTIMIZERS += ("hyperball_muon",)
+HYPERPARAMS["hyperball_muon"] = {"learning_rate": 0.02, "adam_learning_rate": 1e-3}
 
 
 def split_available(names: list[str]) -> tuple[list[str], list[str]]:

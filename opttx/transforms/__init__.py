@@ -21,6 +21,7 @@ from .factored import (FactoredState, ScaleByCameState, add_step_scaled_decayed_
                        scale_by_param_block_rms, scale_by_trust_ratio)
 from .grafting import (DiagonalGraftState, GraftState, graft, meta_bias_correction,
                        scale_by_grafted_diagonal)
+from .hyperball import HyperballState, hyperball_step
 from .kron import ScaleByKronState, scale_by_kron
 from .kronecker_factors import pack_symmetric, unpack_symmetric
 from .lowrank import ProjectLowrankState, project_lowrank
@@ -100,4 +101,6 @@ __all__ = [
     "lookahead", "LookaheadState", "lookahead_slow_params",
     # MuonBP: block-wise orthogonalization, the whole matrix every few steps
     "orthogonalize_block_periodic", "OrthogonalizeBlockPeriodicState", "block_sizes",
+    # Hyperball: weight and update norms held fixed in place of weight decay
+    "hyperball_step", "HyperballState",
 ]

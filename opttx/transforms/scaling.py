@@ -122,8 +122,8 @@ def scale_by_learning_rate(learning_rate: float | Schedule,
 
 @declare(hyperparams={"weight_decay": HyperRole.WEIGHT_DECAY})
 def add_decayed_weights(weight_decay: float = 0.0,
-                        mask: PyTree | Callable[[Params], PyTree] | None = None
-                        ) -> GradientTransformation:
+                        mask: PyTree | Callable[[Params], PyTree] | None = None,
+                        *, cautious: bool = False) -> GradientTransformation:
     r"""Add the parameters times ``weight_decay`` to the updates: :math:`u_t = g_t + \lambda x_t`.
 
     Placed before `scale_by_learning_rate` (as in `opttx.adamw`) this is decoupled weight decay
@@ -135,11 +135,26 @@ def add_decayed_weights(weight_decay: float = 0.0,
       weight_decay: :math:`\lambda` >= 0.
       mask: a tree of booleans like the params (or a function of the params returning one);
         ``True`` where decay applies. Biases and norm scales are commonly excluded.
+      cautious: cautious weight decay (Chen et al.): decay only the entries where the
+        update and the parameter agree in sign,
+        :math:`u_t = g_t + \lambda\, \mathbb{1}[g_t \odot x_t \ge 0] \odot x_t`, with
+        :math:`g_t` the updates this transform is given: the optimizer's direction before the
+        learning rate when it sits where `opttx.adamw` puts it (the paper's :math:`u_t`:
+        Adam's :math:`\hat m_t / (\sqrt{\hat v_t} + \epsilon)`, Lion's sign, Muon's
+        orthogonalized momentum). An entry whose update is 0 is decayed (the paper's
+        :math:`\ge`); heavyball's ``cautious_weight_decay`` compares sign bits instead, so
+        there a zero update decays only the parameters of its sign bit.
 
     Example:
       >>> mask = lambda p: {k: v.ndim > 1 for k, v in p.items()}
       >>> tx = opttx.chain(opttx.scale_by_adam(), opttx.add_decayed_weights(1e-2, mask),
       ...                  opttx.scale_by_learning_rate(1e-3))
+      >>> tx = opttx.chain(opttx.scale_by_adam(), opttx.add_decayed_weights(0.1, cautious=True),
+      ...                  opttx.scale_by_learning_rate(1e-3))            # AdamW with CWD
+
+    References:
+      Chen, Li, Liang, Su, Xie, Pierse, Liang, Lao and Liu, Cautious Weight Decay
+      (arXiv 2510.12402).
     """
     check_nonnegative("weight_decay", weight_decay)
 
@@ -156,8 +171,14 @@ def add_decayed_weights(weight_decay: float = 0.0,
         idx = [i for i, keep in enumerate(selected) if keep]
         if not idx:
             return g, state
-        decayed = foreach_axpy(weight_decay, cast_like([p[i] for i in idx], [g[i] for i in idx]),
-                               [g[i] for i in idx])
+        decay = cast_like([p[i] for i in idx], [g[i] for i in idx])
+        if cautious:
+            # the paper's mask 1[u·x >= 0] (a NaN update decays nothing and stays NaN); torch
+            # has no grouped comparison, so the test and the select are per leaf
+            products = foreach("mul", [g[i] for i in idx], decay)
+            decay = [torch.where(q >= 0, x, torch.zeros_like(x))
+                     for q, x in zip(products, decay)]
+        decayed = foreach_axpy(weight_decay, decay, [g[i] for i in idx])
         out = list(g)
         for i, d in zip(idx, decayed):
             out[i] = d
