@@ -1521,13 +1521,6 @@ def muon_bp(learning_rate: ScalarOrSchedule, full_every: int | None = 5,
       Khaled, Ozkara, Yu, Hong and Park, MuonBP: Faster Muon via Block-Periodic
       Orthogonalization (arXiv 2510.16981).
     """
-    selected = muon_hidden_matrices if muon_mask is None else muon_mask
-
-    def labels(params: PyTree) -> PyTree:
-        spec = tree_flatten(params)[1]
-        return tree_unflatten(["muon" if keep else "adam"
-                               for keep in mask_leaves(selected, params)], spec)
-
     muon_group = chain(
         ema(beta, debias=bias_correction, accumulator_dtype=mu_dtype, nesterov=nesterov),
         orthogonalize_block_periodic(full_every, blocks, consistent_rms, block_scale, ns_steps,
@@ -1537,7 +1530,7 @@ def muon_bp(learning_rate: ScalarOrSchedule, full_every: int | None = 5,
     adam_group = adamw(learning_rate if adam_learning_rate is None else adam_learning_rate,
                        adam_b1, adam_b2, eps, adam_eps_root, mu_dtype, adam_weight_decay,
                        nesterov=nesterov)
-    return partition({"muon": muon_group, "adam": adam_group}, labels)
+    return _matrices_and_adamw("muon", muon_group, muon_mask, adam_group)
 
 
 # ---------------------------------------------------------------------------------------------
