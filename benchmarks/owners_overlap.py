@@ -1,6 +1,7 @@
-"""`on_owners` plain against in buckets (``on_owners(tx, bucket_mb=...)``), side by side.
+"""`on_owners` plain against in buckets (``on_owners(tx, buckets=...)``), side by side.
 
-A GPT's block matrices (per layer: q, k, v, out d x d; MLP up 4d x d, down d x 4d),
+Configurations: the plain path, ``buckets=2, 4, 8`` and ``bucket_mb=0.1``. A GPT's block
+matrices (per layer: q, k, v, out d x d; MLP up 4d x d, down d x 4d),
 tensor-parallel over all ranks (q, k, v, up Shard(0); out, down Shard(1)), run as
 ``sharded(on_owners(tx, ...), specs)`` with gloo on CPU, world 2 and 4 (one process per rank,
 one intra-op thread each, `opttx.testing.spawn_ranks`). Per row: the median wall time of an
@@ -46,16 +47,16 @@ def model(layers: int, dim: int) -> tuple[dict, dict]:
 
 
 def worker(rank: int, world: int, name: str, layers: int, dim: int, steps: int,
-           sizes: list[float | None]) -> list[dict]:
+           configs: list[tuple[int | None, float | None]]) -> list[dict]:
     full, specs = model(layers, dim)
     local = {k: local_shard(v, specs[k]) for k, v in full.items()}
     gen = torch.Generator().manual_seed(1 + rank)
     grads = [{k: torch.randn(v.shape, generator=gen) for k, v in local.items()}
              for _ in range(steps + 1)]
     txs, states, times, first = [], [], [], []
-    for mb in sizes:
+    for buckets, mb in configs:
         stats = CollectiveStats()
-        tx = sharded(on_owners(TXS[name](), bucket_mb=mb), specs, stats=stats)
+        tx = sharded(on_owners(TXS[name](), buckets=buckets, bucket_mb=mb), specs, stats=stats)
         txs.append((tx, stats))
         states.append(tx.init(local))
         times.append([])
@@ -71,9 +72,9 @@ def worker(rank: int, world: int, name: str, layers: int, dim: int, steps: int,
             if j == 0:
                 first[c] = u
     rows = []
-    for c, mb in enumerate(sizes):
+    for c, (buckets, mb) in enumerate(configs):
         same = all(torch.equal(first[c][k], first[0][k]) for k in full)
-        rows.append({"mb": mb, "ms": 1e3 * statistics.median(times[c][1:]),
+        rows.append({"buckets": buckets, "mb": mb, "ms": 1e3 * statistics.median(times[c][1:]),
                      "min": 1e3 * min(times[c][1:]), "collectives": txs[c][1].collectives,
                      "same": same})
     return rows
@@ -86,23 +87,27 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--steps", type=int, default=7)
-    ap.add_argument("--sizes", default="0.1,0.5,2,16", help="bucket_mb values (MiB)")
+    ap.add_argument("--buckets", default="2,4,8", help="numbers of buckets")
+    ap.add_argument("--sizes", default="0.1", help="bucket_mb values (MiB)")
     args = ap.parse_args()
-    sizes: list[float | None] = [None] + [float(s) for s in args.sizes.split(",")]
+    configs: list[tuple[int | None, float | None]] = [(None, None)]
+    configs += [(int(b), None) for b in args.buckets.split(",") if b]
+    configs += [(None, float(s)) for s in args.sizes.split(",") if s]
     full, _ = model(args.layers, args.dim)
     total = sum(v.numel() * 4 for v in full.values()) / 2**20
     print(f"# {args.layers} layers, d={args.dim}: {len(full)} matrices, {total:.1f} MiB "
           f"float32; median of {args.steps} eager steps, rank 0, gloo on CPU, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads here, 1 per rank")
-    print(f"{'world':>5} {'tx':>8} {'bucket_mb':>9} {'colls':>5} {'median ms':>9} "
+    print(f"{'world':>5} {'tx':>8} {'buckets':>9} {'colls':>5} {'median ms':>9} "
           f"{'vs plain':>8} {'min ms':>9} {'vs plain':>8} {'bitwise':>7}")
     for world in (int(w) for w in args.worlds.split(",")):
         for name in args.tx.split(","):
             rows = spawn_ranks(worker, world, args=(name, args.layers, args.dim, args.steps,
-                                                    sizes), timeout=1800)[0]
+                                                    configs), timeout=1800)[0]
             plain, low = rows[0]["ms"], rows[0]["min"]
             for r in rows:
-                mb = "plain" if r["mb"] is None else f"{r['mb']:g}"
+                mb = ("plain" if r["mb"] is None and r["buckets"] is None
+                      else f"{r['buckets']}" if r["buckets"] is not None else f"{r['mb']:g} MiB")
                 print(f"{world:>5} {name:>8} {mb:>9} {r['collectives']:>5} {r['ms']:>9.1f} "
                       f"{r['ms'] / plain:>8.2f} {r['min']:>9.1f} {r['min'] / low:>8.2f} "
                       f"{str(r['same']):>7}", flush=True)

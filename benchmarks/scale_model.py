@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
     ap.add_argument("--tflops", type=float, default=d.tflops)
     ap.add_argument("--itemsize", type=int, default=4, help="bytes per element on the wire")
-    ap.add_argument("--bucket-mb", type=float, default=16.0)
+    ap.add_argument("--buckets", type=int, default=4, help="on_owners buckets (overlap)")
     ap.add_argument("--muonbp-every", type=int, default=5)
     ap.add_argument("--dion-rank-fraction", type=float, default=0.25)
     ap.add_argument("--block", type=int, default=1024, help="Shampoo/SOAP block size")
@@ -69,7 +69,7 @@ def main() -> None:
                        args.ib_latency_us, args.gpus_per_node, args.tflops)
     print(f"# {net}")
     for w in (int(x) for x in args.worlds.split(",")):
-        print(table(args.model, w, net, itemsize=args.itemsize, bucket_mb=args.bucket_mb,
+        print(table(args.model, w, net, itemsize=args.itemsize, buckets=args.buckets,
                     muonbp_every=args.muonbp_every,
                     dion_rank_fraction=args.dion_rank_fraction, block=args.block,
                     frequency=args.frequency))

@@ -311,7 +311,7 @@ def _scaled(t: RankTraffic, f: float) -> RankTraffic:
 
 
 def step_costs(leaves: list[Leaf], world: int, net: Interconnect | None = None, *,
-               itemsize: int = 4, bucket_mb: float = 16.0, muonbp_every: int = 5,
+               itemsize: int = 4, buckets: int = 4, muonbp_every: int = 5,
                dion_rank_fraction: float = 0.25, block: int = 1024, frequency: int = 10,
                chunk_mb: float = 32.0, gram_restarts: int = 1) -> list[ModeCost]:
     """Every mode's row for ``leaves`` over ``world`` ranks (see the module docstring)."""
@@ -330,7 +330,7 @@ def step_costs(leaves: list[Leaf], world: int, net: Interconnect | None = None, 
     owners = owners_traffic(mats, dims, world, itemsize=itemsize)
     owner = owner_assignment(mats, world)
     muon_x = _loads(mats, owner, world, lambda s: ns_flops(*s)) + rest_flops
-    n_buckets = bucket_count(mats, itemsize, bucket_mb=bucket_mb, by_shape=True)
+    n_buckets = bucket_count(mats, itemsize, buckets=buckets, by_shape=True)
     rows.append(_row("muon_owners", owners, muon_x, world, net))
     rows.append(_row("muon_owners_overlap", _with_buckets(owners, n_buckets), muon_x, world,
                      net, overlap_buckets=n_buckets, note=f"{n_buckets} buckets"))

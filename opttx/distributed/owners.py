@@ -644,10 +644,11 @@ def on_owners(tx: GradientTransformation, owner_group: Any = None,
         state; two ``all_to_all`` per bucket. Only for transforms whose traits say each
         leaf's output depends on that leaf alone (``Traits.per_leaf``, not
         ``across_leaves``; others raise ``ValueError``), and not with ``split_above_mb``.
-        Buckets of ``bucket_mb`` MiB of whole leaves (default ``DEFAULT_BUCKET_MB``, measured
-        in benchmarks/owners_overlap.py), or ``buckets`` of about equal bytes; either implies
-        ``overlap``. Leaves of one shape stay in one bucket for a transform that batches
-        them (``Traits.batched_across_leaves``: Muon), so its batches are the plain path's.
+        ``buckets`` of about equal bytes (default 4, ``owners_overlap.DEFAULT_BUCKETS``,
+        measured in benchmarks/owners_overlap.py and modeled in benchmarks/scale_model.py), or
+        buckets of ``bucket_mb`` MiB of whole leaves; either implies ``overlap``. Leaves of
+        one shape stay in one bucket for a transform that batches them
+        (``Traits.batched_across_leaves``: Muon), so its batches are the plain path's.
       buckets: the number of buckets (about equal bytes, leaves in order).
       bucket_mb: the size of a bucket, MiB of whole leaves.
 
@@ -686,7 +687,7 @@ def on_owners(tx: GradientTransformation, owner_group: Any = None,
                          f"None, got {communication_dtype!r}.")
     bucketed = overlap or buckets is not None or bucket_mb is not None
     if bucketed:
-        from .owners_overlap import DEFAULT_BUCKET_MB, check_bucketable
+        from .owners_overlap import DEFAULT_BUCKETS, check_bucketable
         if buckets is not None and (not isinstance(buckets, int) or buckets < 1):
             raise ValueError(f"on_owners: buckets must be a positive int, got {buckets!r}.")
         if buckets is not None and bucket_mb is not None:
@@ -694,7 +695,7 @@ def on_owners(tx: GradientTransformation, owner_group: Any = None,
         if bucket_mb is not None:
             check_nonnegative("bucket_mb", bucket_mb)
         if buckets is None and bucket_mb is None:
-            bucket_mb = DEFAULT_BUCKET_MB
+            buckets = DEFAULT_BUCKETS
         if split_above_mb is not None:
             raise ValueError("on_owners: buckets (overlap) with split_above_mb is not "
                              "supported: the rows of a split leaf are reduced across the "

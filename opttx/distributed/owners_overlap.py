@@ -35,12 +35,16 @@ from .owners import (OwnerPlan, _Leaf, finish_gather, finish_scatter, start_gath
                      start_scatter, wire_dtype)
 from .reducer import CollectiveStats
 
-__all__ = ["DEFAULT_BUCKET_MB", "BucketPlan", "check_bucketable", "make_buckets",
+__all__ = ["DEFAULT_BUCKETS", "BucketPlan", "check_bucketable", "make_buckets",
            "overlapped_update"]
 
-DEFAULT_BUCKET_MB = 16.0
-"""The bucket size (MiB of whole leaves) of ``on_owners(tx, overlap=True)``: measured by
-benchmarks/owners_overlap.py (gloo, world 2 and 4 on CPU, see benchmarks/RESULTS.md)."""
+DEFAULT_BUCKETS = 4
+"""The number of buckets of ``on_owners(tx, overlap=True)``. A count rather than a size: every
+bucket adds two ``all_to_all``, whose latency grows with the ranks, and leaves of 16 MiB and
+more (a Llama-3 8B's) would each make a bucket of their own. Measured by
+benchmarks/owners_overlap.py (gloo on CPU, world 2 and 4: 2 to 8 buckets against the plain
+path) and modeled by benchmarks/scale_model.py (Llama-3 8B, 64 ranks: 4 buckets hide the most
+of the owners' computation behind the all_to_alls); see benchmarks/RESULTS.md."""
 
 
 def check_bucketable(tx: GradientTransformation) -> None:
