@@ -41,8 +41,8 @@ TXS = {
     "adafactor": lambda: opttx.adafactor(1e-2, min_dim_size_to_factor=1, factor_axes="largest"),
     "adamw": lambda: opttx.adamw(1e-2, weight_decay=0.01),
 }
-# (buckets, bucket_mb): one bucket, three, one leaf (or shape group) per bucket
-BUCKETS = ((1, None), (3, None), (None, 0.0))
+# (buckets, bucket_mb): three, one leaf (or shape group) per bucket; overlap=True (4) below
+BUCKETS = ((3, None), (None, 0.0))
 
 
 def model(world: int) -> tuple[dict, dict]:

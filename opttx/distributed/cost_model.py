@@ -42,8 +42,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-__all__ = ["Interconnect", "Leaf", "ModeCost", "MODELS", "RankTraffic", "model_shapes",
-           "bucket_count", "owners_traffic", "step_costs", "zero_traffic"]
+__all__ = ["Interconnect", "Leaf", "MODELS", "ModeCost", "RankTraffic", "bucket_count",
+           "model_shapes", "owners_traffic", "step_costs", "zero_traffic"]
 
 Shape = tuple[int, ...]
 
@@ -379,7 +379,7 @@ def step_costs(leaves: list[Leaf], world: int, net: Interconnect | None = None, 
     blocked = owners_traffic(mats, dims, world, itemsize=itemsize, block_rows=block)
     bowner = owner_assignment(mats, world, block)
     for name, fl in (("shampoo", shampoo_flops), ("soap", soap_flops)):
-        x = _loads(mats, bowner, world, lambda s: fl(s, block, frequency)) + rest_flops
+        x = _loads(mats, bowner, world, lambda s, fl=fl: fl(s, block, frequency)) + rest_flops
         rows.append(_row(f"{name}_owners", blocked, x, world, net,
                          note=f"blocks {block}, refresh every {frequency}"))
     return rows

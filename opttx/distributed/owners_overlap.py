@@ -145,7 +145,7 @@ def bucket_plan(tx: GradientTransformation, plan: OwnerPlan, treespec: Any,
         keep = set(members)
         tree = treespec.unflatten([meta(i) if i in keep else MaskedNode() for i in range(n)])
         with reducer_during_init(None):          # whole leaves, as the owners see them
-            template = init_on_meta(tx, tree, lambda: treespec.unflatten(
+            template = init_on_meta(tx, tree, lambda keep=keep: treespec.unflatten(
                 [torch.zeros(meta(i).shape, dtype=meta(i).dtype) if i in keep else MaskedNode()
                  for i in range(n)]))
         tkeys, tleaves, tspec = keyed_positions(template, meta_tree,
