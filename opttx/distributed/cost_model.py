@@ -33,7 +33,9 @@ the busiest rank sends or receives, :math:`\ell` the latency hops: :math:`W-1` f
 all_to_all, all_gather and reduce_scatter, :math:`2(W-1)` for a ring all_reduce), with
 NVLink's :math:`(\alpha, \beta)` up to ``gpus_per_node`` ranks and the inter-node network's
 beyond; computation :math:`F / R` at the busiest rank (``R`` the sustained flop rate).
-Estimates, not measurements: they say which term dominates where.
+Estimates, not measurements: they say which term dominates where. Steps are steady-state ones
+(the first eager step of an owners plan adds one all-reduce of an int64, the ranks' agreement
+on their pieces).
 """
 
 from __future__ import annotations

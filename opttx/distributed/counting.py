@@ -77,6 +77,8 @@ def _group(name: Any) -> tuple[int, int]:
     """``(size, rank)`` of the process group named ``name`` (an op's group argument)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
     pg = _resolve_process_group(name) if isinstance(name, str) else name
+    if not hasattr(pg, "size"):                 # a c10d op's ScriptObject
+        pg = torch.distributed.ProcessGroup.unbox(pg)
     return pg.size(), pg.rank()
 
 
@@ -88,7 +90,9 @@ def _record(op: Any, args: tuple, counts: CollectiveCounts) -> None:
     """Append the record of one collective op call (others ignored)."""
     ns = op.namespace
     name = op._opname
-    if ns == "_c10d_functional":
+    if ns == "c10d":
+        _record_c10d(name, args, counts)
+    elif ns == "_c10d_functional":
         if name in ("all_reduce", "all_reduce_"):
             w, _ = _group(args[2])
             n = _nbytes(args[0])
@@ -123,6 +127,39 @@ def _record(op: Any, args: tuple, counts: CollectiveCounts) -> None:
             n = _nbytes(args[0])
             counts.records.append(("broadcast", w, n if rank == args[1] else 0,
                                    0 if rank == args[1] else n))
+
+
+def _record_c10d(name: str, args: tuple, counts: CollectiveCounts) -> None:
+    """The ops behind ``torch.distributed.all_reduce`` and friends (their process group is an
+    argument)."""
+    if name == "allreduce_":
+        w, _ = _group(args[1])
+        n = sum(_nbytes(x) for x in args[0])
+        b = 2 * (w - 1) * n // w
+        counts.records.append(("all_reduce", w, b, b))
+    elif name == "_allgather_base_":
+        w, _ = _group(args[2])
+        b = (w - 1) * _nbytes(args[1])
+        counts.records.append(("all_gather", w, b, b))
+    elif name == "_reduce_scatter_base_":
+        w, _ = _group(args[2])
+        b = (w - 1) * _nbytes(args[1]) // w
+        counts.records.append(("reduce_scatter", w, b, b))
+    elif name == "alltoall_base_":
+        out, x, group, out_splits, in_splits = args[:5]
+        w, rank = _group(group)
+        rows = math.prod(x.shape[1:])
+        ins = list(in_splits) if in_splits else [x.shape[0] // w] * w
+        outs = list(out_splits) if out_splits else [out.shape[0] // w] * w
+        item = x.element_size()
+        counts.records.append(("all_to_all", w, (sum(ins) - ins[rank]) * rows * item,
+                               (sum(outs) - outs[rank]) * rows * item))
+    elif name == "broadcast_":
+        w, rank = _group(args[1])
+        n = sum(_nbytes(x) for x in args[0])
+        root = args[2]
+        counts.records.append(("broadcast", w, n if rank == root else 0,
+                               0 if rank == root else n))
 
 
 class _Counting(TorchDispatchMode):
