@@ -30,6 +30,7 @@ from .specs import (LeafSpec, Replicated, Shard, flatten_specs, local_shard, sha
 from .zero import ZeroChunk, ZeroPlan, state_costs, zero, zero_plan
 from .offload import (OffloadChunk, OffloadMasterState, OffloadPlan, OffloadStats,
                       check_offloadable, offload, offload_plan, place_chunks)
+from .counting import CollectiveCounts, count_collectives
 
 __all__ = [
     "BackwardLaunches",
@@ -84,4 +85,6 @@ __all__ = [
     "diloco",
     "diloco_fragments",
     "diloco_schedule",
+    "CollectiveCounts",
+    "count_collectives",
 ]

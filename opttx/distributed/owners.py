@@ -371,13 +371,28 @@ def _all_to_all(chunks: list[list[torch.Tensor]], recv_sizes: list[int], group: 
                 stats: CollectiveStats | None) -> list[torch.Tensor]:
     """Send ``chunks[r]`` (a list of tensors) to owner-group rank ``r``; return what every rank
     sent to this one, as one flat tensor per source rank."""
+    return _finish_all_to_all(_start_all_to_all(chunks, recv_sizes, group, dtype, device,
+                                                stats))
+
+
+def _start_all_to_all(chunks: list[list[torch.Tensor]], recv_sizes: list[int], group: Any,
+                      dtype: torch.dtype, device: torch.device,
+                      stats: CollectiveStats | None) -> tuple[torch.Tensor, list[int]]:
+    """Issue the ``all_to_all`` of `_all_to_all` without waiting for it (a functional
+    collective: in eager mode it runs in the background until `_finish_all_to_all`, and
+    ``torch.compile`` traces it, and its wait, without a graph break)."""
     flat = [x.reshape(-1).to(dtype) for chunk in chunks for x in chunk]
     send = torch.cat(flat) if flat else torch.zeros(0, dtype=dtype, device=device)
     send_sizes = [sum(x.numel() for x in chunk) for chunk in chunks]
     if stats is not None:
         stats.record(group, send)
-    got = funcol.wait_tensor(funcol.all_to_all_single(send, recv_sizes, send_sizes, group))
-    return list(torch.split(got, recv_sizes))
+    return funcol.all_to_all_single(send, recv_sizes, send_sizes, group), recv_sizes
+
+
+def _finish_all_to_all(pending: tuple[torch.Tensor, list[int]]) -> list[torch.Tensor]:
+    """Wait for an ``all_to_all`` `_start_all_to_all` issued; one flat tensor per source."""
+    got, recv_sizes = pending
+    return list(torch.split(funcol.wait_tensor(got), recv_sizes))
 
 
 def _dtype_device(tensors: list[torch.Tensor]) -> tuple[torch.dtype, torch.device]:
@@ -392,10 +407,19 @@ def gather_to_owners(plan: OwnerPlan, trees: list[list[torch.Tensor | None]],
     """Bring the leaves of every tree in ``trees`` (per param leaf, this rank's piece, None
     where absent) whole to their owners, in one ``all_to_all``; per tree, the whole leaves this
     rank owns (None elsewhere)."""
-    routes = plan.routes()
+    return finish_gather(start_gather(plan, trees, stats))
+
+
+def start_gather(plan: OwnerPlan, trees: list[list[torch.Tensor | None]],
+                 stats: CollectiveStats | None = None, routes: list[_Leaf] | None = None,
+                 dtype: torch.dtype | None = None) -> tuple:
+    """Issue the ``all_to_all`` of `gather_to_owners` for ``routes`` (default: all of the
+    plan's), on the wire in ``dtype`` (default: the promoted dtype of the routes' pieces),
+    without waiting; `finish_gather` waits and reassembles."""
+    routes = plan.routes() if routes is None else routes
     if not routes:
-        return [[None] * len(plan.leaves) for _ in trees]
-    dtype, device = _dtype_device([tree[leaf.index] for tree in trees for leaf in routes])
+        return plan, trees, routes, None
+    wire, device = _dtype_device([tree[leaf.index] for tree in trees for leaf in routes])
     chunks: list[list[torch.Tensor]] = [[] for _ in range(plan.world)]
     for leaf in routes:
         if leaf.shards:
@@ -404,8 +428,18 @@ def gather_to_owners(plan: OwnerPlan, trees: list[list[torch.Tensor | None]],
     recv_sizes = [sum(leaf.piece_numel(src) for leaf in routes
                       if leaf.shards and leaf.owner == plan.rank) * len(trees)
                   for src in range(plan.world)]
-    got = _all_to_all(chunks, recv_sizes, plan.group, dtype, device, stats)
+    pending = _start_all_to_all(chunks, recv_sizes, plan.group, dtype or wire, device, stats)
+    return plan, trees, routes, pending
+
+
+def finish_gather(started: tuple) -> list[list[torch.Tensor | None]]:
+    """The whole leaves this rank owns among the routes of a `start_gather`, per tree (None
+    elsewhere)."""
+    plan, trees, routes, pending = started
     out: list[list[torch.Tensor | None]] = [[None] * len(plan.leaves) for _ in trees]
+    if not routes:
+        return out
+    got = _finish_all_to_all(pending)
     offsets = [0] * plan.world
     for leaf in routes:
         if leaf.owner != plan.rank:
@@ -442,12 +476,29 @@ def scatter_from_owners(plan: OwnerPlan, whole: list[torch.Tensor | None],
     param leaf, the owned update, None elsewhere), in one ``all_to_all`` (in
     ``communication_dtype`` when given); per param leaf, this rank's piece, in the dtype of
     ``like`` (this rank's gradient piece)."""
-    routes = plan.routes()
-    if not routes:
-        return [None] * len(plan.leaves)
-    dtype, device = _dtype_device([like[leaf.index] for leaf in routes])
+    return finish_scatter(start_scatter(plan, whole, like, stats, communication_dtype))
+
+
+def wire_dtype(plan: OwnerPlan, like: list[torch.Tensor | None], routes: list[_Leaf],
+               communication_dtype: torch.dtype | None = None) -> torch.dtype | None:
+    """The dtype updates travel back in: ``communication_dtype``, else the promoted dtype of
+    the routes' pieces (None without routes)."""
     if communication_dtype is not None:
-        dtype = communication_dtype
+        return communication_dtype
+    return _dtype_device([like[leaf.index] for leaf in routes])[0] if routes else None
+
+
+def start_scatter(plan: OwnerPlan, whole: list[torch.Tensor | None],
+                  like: list[torch.Tensor | None], stats: CollectiveStats | None = None,
+                  communication_dtype: torch.dtype | None = None,
+                  routes: list[_Leaf] | None = None) -> tuple:
+    """Issue the ``all_to_all`` of `scatter_from_owners` for ``routes`` (default: all of the
+    plan's) without waiting; `finish_scatter` waits and cuts the pieces out."""
+    routes = plan.routes() if routes is None else routes
+    if not routes:
+        return plan, whole, like, routes, None, None
+    device = like[routes[0].index].device
+    dtype = wire_dtype(plan, like, routes, communication_dtype)
     chunks: list[list[torch.Tensor]] = [[] for _ in range(plan.world)]
     for leaf in routes:
         if leaf.owner != plan.rank:
@@ -465,8 +516,20 @@ def scatter_from_owners(plan: OwnerPlan, whole: list[torch.Tensor | None],
             continue
         recv_sizes[leaf.owner] += (leaf.piece_numel(plan.rank) if leaf.shards
                                    else leaf.numel())
-    got = _all_to_all(chunks, recv_sizes, plan.group, dtype, device, stats)
-    out: list[torch.Tensor | None] = [None] * len(plan.leaves)
+    pending = _start_all_to_all(chunks, recv_sizes, plan.group, dtype, device, stats)
+    return plan, whole, like, routes, dtype, pending
+
+
+def finish_scatter(started: tuple, out: list[torch.Tensor | None] | None = None
+                   ) -> list[torch.Tensor | None]:
+    """This rank's pieces of the updates of a `start_scatter`'s routes, per param leaf (None
+    elsewhere), written into ``out`` when given."""
+    plan, whole, like, routes, dtype, pending = started
+    if out is None:
+        out = [None] * len(plan.leaves)
+    if not routes:
+        return out
+    got = _finish_all_to_all(pending)
     rows: dict[int, list[torch.Tensor]] = {}        # the parts of split leaves, in row order
     offsets = [0] * plan.world
     for leaf in routes:
@@ -523,7 +586,9 @@ def on_owners(tx: GradientTransformation, owner_group: Any = None,
               cost: Callable[[Sequence[int]], float] | str = default_cost,
               stats: CollectiveStats | None = None,
               split_above_mb: float | None = None,
-              communication_dtype: torch.dtype | None = None) -> GradientTransformation:
+              communication_dtype: torch.dtype | None = None,
+              overlap: bool = False, buckets: int | None = None,
+              bucket_mb: float | None = None) -> GradientTransformation:
     r"""Run ``tx`` on whole leaves, each at one owner rank; a link of a `sharded` chain.
 
     For a leaf split over the groups :math:`G_1, \dots, G_k` into pieces :math:`x^{(r)}`,
@@ -572,6 +637,20 @@ def on_owners(tx: GradientTransformation, owner_group: Any = None,
         owners compute exactly; each rank's update piece is rounded to that dtype (relative
         error at most :math:`2^{-8}` for bf16), the same rounding on every rank that holds a
         copy of a replicated leaf.
+      overlap: send the leaves in buckets and overlap one bucket's ``all_to_all`` with the
+        owners' computation of another (`opttx.distributed.owners_overlap`): the next
+        bucket's gather is issued before the current bucket is computed, and each bucket's
+        updates travel back while the next computes. Bitwise the plain path's result and
+        state; two ``all_to_all`` per bucket. Only for transforms whose traits say each
+        leaf's output depends on that leaf alone (``Traits.per_leaf``, not
+        ``across_leaves``; others raise ``ValueError``), and not with ``split_above_mb``.
+        ``buckets`` of about equal bytes (default 4, ``owners_overlap.DEFAULT_BUCKETS``,
+        measured in benchmarks/owners_overlap.py and modeled in benchmarks/scale_model.py), or
+        buckets of ``bucket_mb`` MiB of whole leaves; either implies ``overlap``. Leaves of
+        one shape stay in one bucket for a transform that batches them
+        (``Traits.batched_across_leaves``: Muon), so its batches are the plain path's.
+      buckets: the number of buckets (about equal bytes, leaves in order).
+      bucket_mb: the size of a bucket, MiB of whole leaves.
 
     Inside `opttx.distributed.sharded` (which knows the specs) it does the above;
     ``sharded(tx, specs, on_owners=True)`` is ``sharded(on_owners(tx), specs)``. Outside any
@@ -606,9 +685,27 @@ def on_owners(tx: GradientTransformation, owner_group: Any = None,
                                             or not communication_dtype.is_floating_point):
         raise ValueError("on_owners: communication_dtype must be a floating torch.dtype or "
                          f"None, got {communication_dtype!r}.")
-    cfg = _OwnersConfig(tx, owner_group, cost, stats, split_above_mb, communication_dtype)
+    bucketed = overlap or buckets is not None or bucket_mb is not None
+    if bucketed:
+        from .owners_overlap import DEFAULT_BUCKETS, check_bucketable
+        if buckets is not None and (not isinstance(buckets, int) or buckets < 1):
+            raise ValueError(f"on_owners: buckets must be a positive int, got {buckets!r}.")
+        if buckets is not None and bucket_mb is not None:
+            raise ValueError("on_owners: give buckets or bucket_mb, not both.")
+        if bucket_mb is not None:
+            check_nonnegative("bucket_mb", bucket_mb)
+        if buckets is None and bucket_mb is None:
+            buckets = DEFAULT_BUCKETS
+        if split_above_mb is not None:
+            raise ValueError("on_owners: buckets (overlap) with split_above_mb is not "
+                             "supported: the rows of a split leaf are reduced across the "
+                             "owners inside tx; use one or the other.")
+        check_bucketable(tx)
+    cfg = _OwnersConfig(tx, owner_group, cost, stats, split_above_mb, communication_dtype,
+                        bucketed, buckets, bucket_mb)
     plans: dict[tuple[bool, ...], OwnerPlan] = {}     # by which leaves are present
     checked: set[int] = set()                         # plans whose pieces the ranks agreed on
+    bucket_plans: dict[int, Any] = {}                 # overlap: per plan, its BucketPlan
 
     def init(params: Params) -> State:
         if current_reducer(None) is None:      # one device: the leaves are whole already
@@ -619,13 +716,17 @@ def on_owners(tx: GradientTransformation, owner_group: Any = None,
         whole = gather_to_owners(plan, [local], cfg.stats or reducer.stats)[0]
         # tx sees whole leaves (and the rows of split ones), as in update
         with reducer_during_init(_segments_reducer(reducer, plan, cfg.stats or reducer.stats)):
-            return cfg.tx.init(_masked(reducer, whole, plan.owned()))
+            state = cfg.tx.init(_masked(reducer, whole, plan.owned()))
+        if cfg.bucketed:                       # each bucket's part of the state, mapped once
+            _bucket_plan_for(cfg, plan, reducer, local, state, bucket_plans)
+        return state
 
     def update(updates: Updates, state: State, params: Params | None = None,
                **extra_args: Any) -> tuple[Updates, State]:
         if current_reducer(extra_args) is None:   # one device: tx itself
             return cfg.tx.update(updates, state, params, **extra_args)
-        return _on_owners_update(updates, state, params, extra_args, cfg, plans, checked)
+        return _on_owners_update(updates, state, params, extra_args, cfg, plans, checked,
+                                 bucket_plans)
 
     return GradientTransformation(init, update)
 
@@ -639,6 +740,9 @@ class _OwnersConfig:
     stats: CollectiveStats | None
     split_above_mb: float | None = None       # leaves cut into row segments above this
     communication_dtype: torch.dtype | None = None   # of the updates on the wire
+    bucketed: bool = False                    # overlap: leaves travel and compute in buckets
+    buckets: int | None = None                # the number of buckets (or None: by size)
+    bucket_mb: float | None = None            # the size of a bucket, MiB of whole leaves
 
 
 def _split_tree(reducer: ShardedReducer, tree: PyTree) -> list[torch.Tensor | None]:
@@ -748,9 +852,25 @@ def _agree_on_pieces(plan: OwnerPlan, trees: list, updates: PyTree, checked: set
         raise error
 
 
+def _bucket_plan_for(cfg: _OwnersConfig, plan: OwnerPlan, reducer: ShardedReducer,
+                     local: list[torch.Tensor | None], state: State,
+                     bucket_plans: dict[int, Any]) -> Any:
+    """The `owners_overlap.BucketPlan` of ``plan``, made once (at init, eagerly) from the
+    whole state ``state``."""
+    if id(plan) not in bucket_plans:
+        if is_tracing():
+            raise ValueError("on_owners: the buckets are mapped at init (or the first eager "
+                             "update); run one eagerly before compiling the update.")
+        from .owners_overlap import bucket_plan
+        bucket_plans[id(plan)] = bucket_plan(cfg.tx, plan, reducer.treespec, local, state,
+                                             cfg.buckets, cfg.bucket_mb)
+    return bucket_plans[id(plan)]
+
+
 def _on_owners_update(updates: Updates, state: State, params: Params | None,
                       extra_args: dict[str, Any], cfg: _OwnersConfig,
-                      plans: dict[tuple[bool, ...], OwnerPlan], checked: set[int]
+                      plans: dict[tuple[bool, ...], OwnerPlan], checked: set[int],
+                      bucket_plans: dict[int, Any] | None = None
                       ) -> tuple[Updates, State]:
     """One step of `on_owners`: pieces to the owners, ``tx`` on whole leaves, pieces back."""
     reducer = _reducer_of("update", extra_args)
@@ -762,10 +882,18 @@ def _on_owners_update(updates: Updates, state: State, params: Params | None,
         local_params = _split_tree(reducer, params)
         trees.append([p if g is not None else None for g, p in zip(grads, local_params)])
     _agree_on_pieces(plan, trees, updates, checked)
-    whole = gather_to_owners(plan, trees, counter)
     keep = plan.owned()
     inner_extra = {k: v for k, v in extra_args.items() if k != REDUCER_KEY}
     inner_extra[TOTALS_KEY] = _totals(plan, counter, extra_args.get(TOTALS_KEY))
+    if cfg.bucketed and plan.routes():          # buckets: gathers, computes, returns overlapped
+        from .owners_overlap import overlapped_update
+        bplan = _bucket_plan_for(cfg, plan, reducer, grads, state, bucket_plans)
+        mine, new_state = overlapped_update(cfg.tx, bplan, plan, trees, state, inner_extra,
+                                            counter, cfg.communication_dtype)
+        flat = reducer.treespec.flatten_up_to(updates)
+        return reducer.treespec.unflatten(
+            [m if m is not None else x for m, x in zip(mine, flat)]), new_state
+    whole = gather_to_owners(plan, trees, counter)
     segments_reducer = _segments_reducer(reducer, plan, counter)
     if segments_reducer is not None:            # rows of split leaves: reduced over the owners
         inner_extra[REDUCER_KEY] = segments_reducer
