@@ -13,8 +13,9 @@ import torch
 
 import opttx
 from opttx.distributed import Replicated, Shard, local_shard, on_owners, sharded, zero
-from opttx.distributed.cost_model import (bucket_count, model_shapes, owners_traffic,
-                                          step_costs, zero_traffic)
+from opttx.distributed.cost_model import (bucket_count, gram_traffic, model_shapes,
+                                          muonbp_full_traffic, owners_traffic, step_costs,
+                                          zero_traffic)
 from opttx.distributed.counting import count_collectives
 from opttx.testing import spawn_ranks
 
@@ -53,6 +54,20 @@ def worker(rank: int, world: int) -> dict:
     out["muon", "buckets"] = _records(sharded(on_owners(TXS["muon"](), buckets=3), specs),
                                       local, local)
     out["adamw", "zero2"] = _records(zero(opttx.adamw(1e-2), stage=2), full, full)
+    # on the shards: Gram-space orthogonalization and MuonBP (row- and column-sharded matrices)
+    mats = {k: v for k, v in local.items() if DIMS[k] is not None}
+    mat_specs = {k: specs[k] for k in mats}
+    for method in ("newton_schulz", "gram_newton_schulz"):
+        out["gram", method] = _records(sharded(opttx.orthogonalize(
+            method=method, sharded_mode="gram"), mat_specs), mats, mats)
+    tx = sharded(opttx.orthogonalize_block_periodic(full_every=2), mat_specs)
+    state = tx.init(mats)
+    steps = []
+    for _ in range(3):                       # full, block, full
+        with count_collectives() as counts:
+            _, state = tx.update(mats, state, mats)
+        steps.append(counts.records)
+    out["muonbp"] = steps
     return out
 
 
@@ -104,3 +119,20 @@ def test_model_rows_for_a_named_model() -> None:
     over, plain = rows["muon_owners_overlap"], rows["muon_owners"]
     assert (over.sent, over.received) == (plain.sent, plain.received)
     assert over.time_s < over.comm_s + over.compute_s
+
+
+def test_shard_modes_match_the_model(measured) -> None:
+    """Gram-space orthogonalization (Newton–Schulz: the Gram of every iterate, 5 exchanges;
+    Gram Newton–Schulz: 1 + one restart) and MuonBP's full step, counted on gloo."""
+    world, ranks = measured
+    mats = [(k, s) for k, s in SHAPES.items() if DIMS[k] is not None]
+    shapes, dims = [s for _, s in mats], [DIMS[k] for k, _ in mats]
+    for method, exchanges in (("newton_schulz", 5), ("gram_newton_schulz", 2)):
+        model = gram_traffic(shapes, dims, world, exchanges)
+        assert model.calls == 1 + exchanges
+        _check([r["gram", method] for r in ranks], model, "all_reduce")
+    full = muonbp_full_traffic(shapes, world)
+    for r in ranks:
+        assert r["muonbp"][1] == []                       # a block step sends nothing
+    for step in (0, 2):
+        _check([r["muonbp"][step] for r in ranks], full, "all_reduce")

@@ -14,13 +14,20 @@ split as ``torch.tensor_split`` splits it), and counts only what the optimizer i
   pieces back; ``owners_overlap`` the same bytes in :math:`2B` collectives (B buckets,
   `owners_overlap.make_buckets`), time :math:`\max(C, X) + \min(C, X)/B` instead of
   :math:`C + X` (communication :math:`C`, computation :math:`X`).
-* ``gram`` (modeled from the definition of Gram Newton–Schulz on row shards,
-  :math:`X^\top X = \sum_i X_i^\top X_i`): per shape group one ``all_reduce`` of the
-  :math:`K \times K` Grams (:math:`K` the unsharded dim) per Newton–Schulz iteration
-  (``gram_iter``), or once plus once per restart (``gram_once``); a leaf whose Gram would be
-  larger than the matrix (:math:`K^2 > mn`) goes to owners instead.
-* ``muonbp`` (MuonBP, block steps on the local shard, a full owners step every ``P``):
-  per-step averages, :math:`(P-1)/P` of the block step plus :math:`1/P` of the full one.
+* ``gram`` (`orthogonalize` with ``sharded_mode="gram"`` on row or column shards,
+  :math:`X^\top X = \sum_i X_i^\top X_i`; `gram_traffic`): per step one ``all_reduce`` of
+  every matrix's max (the exact power-of-two scale), one of its squared norm and
+  :math:`K \times K` Gram matrix (:math:`K` the unsharded dim), then one of the Grams per
+  further exchange: :math:`1 + E` all-reduces for all leaves together, :math:`E` the
+  Newton–Schulz steps (``gram_iter``: the Gram of every iterate) or one plus the restarts
+  of Gram Newton–Schulz (``gram_once``); a leaf whose Gram would be larger than the matrix
+  (:math:`K` above the sharded dim: ``sharded_mode="auto"`` refuses it) goes to owners.
+* ``muonbp`` (`orthogonalize_block_periodic`: block steps on the local shard, no collective;
+  the full step every ``P`` sums the zero-padded shards in one ``all_reduce`` of the whole
+  matrices, `muonbp_full_traffic`): per-step averages, :math:`(P-1)/P` of the block step
+  plus :math:`1/P` of the full one (every rank orthogonalizes every whole matrix there);
+  ``muonbp_owners_full`` models the full step on owners instead (the paper's layout; not
+  what opttx runs today).
 * ``dion``: the rank-:math:`r` factors reduced over the row shards (modeled: one batched
   ``all_reduce`` per hook call, 6 per step as opttx's Dion makes, carrying :math:`nr` and
   :math:`2r^2` per matrix).
@@ -45,7 +52,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 __all__ = ["Interconnect", "Leaf", "MODELS", "ModeCost", "RankTraffic", "bucket_count",
-           "model_shapes", "owners_traffic", "step_costs", "zero_traffic"]
+           "gram_traffic", "model_shapes", "muonbp_full_traffic", "owners_traffic",
+           "step_costs", "zero_traffic"]
 
 Shape = tuple[int, ...]
 
@@ -217,6 +225,36 @@ def zero_traffic(shapes: Sequence[Shape], world: int, *, itemsize: int = 4,
                        {"reduce_scatter": calls // 2, "all_gather": calls // 2})
 
 
+def _all_reduces(payloads: Sequence[int], world: int) -> RankTraffic:
+    """Ring all-reduces of these payloads (bytes), as `count_collectives` counts them."""
+    b = sum(2 * (world - 1) * n // world for n in payloads)
+    return RankTraffic([b] * world, [b] * world, len(payloads), {"all_reduce": len(payloads)})
+
+
+def gram_traffic(shapes: Sequence[Shape], dims: Sequence[int], world: int, exchanges: int, *,
+                 itemsize: int = 4, counters: int = 0) -> RankTraffic:
+    """`orthogonalize(sharded_mode="gram")`'s traffic for matrices (``shapes``, each sharded
+    over ``dims``: 0 its rows, 1 its columns): the max of each matrix, then its squared norm
+    with its Gram matrix (:math:`K^2`, :math:`K` the unsharded dim), then ``exchanges - 1``
+    more all-reduces of the Gram matrices (``exchanges``: the Newton–Schulz steps, or one
+    plus the restarts of Gram Newton–Schulz). ``counters``: step counters the eager
+    `sharded` update carries with its first all-reduce (two values each; 0 for the stateless
+    `orthogonalize`)."""
+    grams = sum(s[1 - d] ** 2 for s, d in zip(shapes, dims))
+    m = len(shapes)
+    payloads = [(m + 2 * counters) * itemsize, (m + grams) * itemsize]
+    payloads += [grams * itemsize] * (exchanges - 1)
+    return _all_reduces(payloads, world)
+
+
+def muonbp_full_traffic(shapes: Sequence[Shape], world: int, *, itemsize: int = 4,
+                        counters: int = 1) -> RankTraffic:
+    """The full step of `orthogonalize_block_periodic` on shards: one all-reduce of every
+    matrix whole (each rank's shard in place, zeros elsewhere), carrying ``counters`` step
+    counters (two values each) in an eager `sharded` update; block steps send nothing."""
+    return _all_reduces([(sum(map(_numel, shapes)) + 2 * counters) * itemsize], world)
+
+
 def ideal_zero_traffic(numel: int, world: int, itemsize: int, chunk_mb: float) -> RankTraffic:
     """ZeRO-2 at scale without the whole-leaf layout's padding (leaves split over ranks):
     ``numel`` elements in chunks of ``chunk_mb`` MiB."""
@@ -339,14 +377,11 @@ def step_costs(leaves: list[Leaf], world: int, net: Interconnect | None = None, 
     rows.append(_row("normuon_owners", owners, muon_x + 6.0 * sum(map(_numel, mats)) / world,
                      world, net))
     # Gram: the unsharded dim is K; a Gram larger than the matrix goes to owners
+    grams = [s for s in mats if s[1] <= s[0]]
+    fallback = [s for s in mats if s[1] > s[0]]
     for variant in ("iter", "once"):
-        grams = [s for s in mats if s[1] * s[1] <= _numel(s)]
-        fallback = [s for s in mats if s[1] * s[1] > _numel(s)]
-        groups = len(set(grams))
-        per_shape = NS_STEPS if variant == "iter" else 1 + gram_restarts
-        b = sum(2 * (world - 1) * s[1] * s[1] * itemsize // world for s in grams) * per_shape
-        t = RankTraffic([b] * world, [b] * world, groups * per_shape,
-                        {"all_reduce": groups * per_shape})
+        exchanges = NS_STEPS if variant == "iter" else 1 + gram_restarts
+        t = gram_traffic(grams, [0] * len(grams), world, exchanges, itemsize=itemsize)
         x = rest_flops
         for m, k in grams:
             ml = math.ceil(m / world)
@@ -363,12 +398,18 @@ def step_costs(leaves: list[Leaf], world: int, net: Interconnect | None = None, 
                             {**t.kinds, "all_to_all": fb.calls})
         rows.append(_row(f"muon_gram_{variant}", t, x, world, net,
                          note=f"{len(fallback)} leaves to owners" if fallback else ""))
-    # MuonBP: block steps on the local shard, the full step (owners) every P
+    # MuonBP: block steps on the local shard, the full step (one all-reduce of the whole
+    # matrices) every P
     p = muonbp_every
     block_x = sum(ns_flops(math.ceil(m / world), n) for m, n in mats) + rest_flops
-    t = _scaled(owners, 1.0 / p)
-    rows.append(_row("muonbp", t, (p - 1) / p * block_x + muon_x / p, world, net,
+    full_x = sum(ns_flops(m, n) for m, n in mats) + rest_flops   # every rank, every matrix
+    t = _scaled(muonbp_full_traffic(mats, world, itemsize=itemsize, counters=0), 1.0 / p)
+    rows.append(_row("muonbp", t, (p - 1) / p * block_x + full_x / p, world, net,
                      note=f"full every {p}: averages"))
+    # the paper's layout of the full step, not what opttx runs: whole matrices on owners
+    rows.append(_row("muonbp_owners_full", _scaled(owners, 1.0 / p),
+                     (p - 1) / p * block_x + muon_x / p, world, net,
+                     note=f"full step on owners every {p} (not built)"))
     # Dion: rank-r factors reduced over the row shards
     b, x = 0, rest_flops
     for m, n in mats:
