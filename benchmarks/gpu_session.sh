@@ -12,7 +12,7 @@
 # Usage (on the GPU machine, in the repository root):
 #   bash benchmarks/gpu_session.sh [section ...]    # default: env tests update step state_copy
 # Sections: env tests update step state_copy gpu_step offload
-# (and, not in the default: orthogonalize refresh)
+# (and, not in the default: orthogonalize refresh gram)
 #
 # Seen on an H100 with torch 2.11 (27 Nov): env + tests 40 s, update 131 s; step never finished
 # there (Inductor's assertion, now worked around, stopped it after 70 s; expect 3 compiles of
@@ -84,6 +84,11 @@ for s in $sections; do
         # is a guess: it has not run on a GPU yet).
         refresh) run refresh 240 python3 benchmarks/batched_refresh.py --device cuda \
                      --layers 12 --dim 768 --block 1024 --rounds 5 ;;
+        # Newton-Schulz against Gram Newton-Schulz per shape (Llama-3 8B's matrices whole and
+        # as 8-way tensor-parallel slices): the local work of the sharded Gram mode (not in
+        # the default sections; its limit is a guess: it has not run on a GPU yet).
+        gram) run gram 180 python3 benchmarks/gram_ns_shapes.py --device cuda --batch 4 \
+                  --rounds 5 ;;
         *) echo "unknown section $s" ;;
     esac
 done
@@ -102,5 +107,6 @@ for s in $sections; do
         offload) tail -n 16 "$OUT/$s.log" ;;
         orthogonalize) tail -n 36 "$OUT/$s.log" ;;
         refresh) tail -n 6 "$OUT/$s.log" ;;
+        gram) tail -n 11 "$OUT/$s.log" ;;
     esac
 done
