@@ -78,9 +78,10 @@ HYPERPARAMS["diloco_adamw"] = {"learning_rate": 1e-3}
 DEFAULT_OPTIMIZERS = DEFAULT_OPTIMIZERS + tuple(DILOCO_ROWS)
 # Hyperball-Muon (MuonH): Muon's direction on the hidden matrices with their weight and update
 # norms fixed (no weight decay); its rate is the angular step per update (||dW|| = lr·||W0||),
-# AdamW at adamw's rate elsewhere
+# AdamW at adamw's rate elsewhere. Centred at 0.06: with 0.02 at the centre the sweep chose
+# its top edge (0.06); the sweep now tries 0.02, 0.06 and 0.18
 DEFAULT_OPTIMIZERS += ("hyperball_muon",)
-HYPERPARAMS["hyperball_muon"] = {"learning_rate": 0.02, "adam_learning_rate": 1e-3}
+HYPERPARAMS["hyperball_muon"] = {"learning_rate": 0.06, "adam_learning_rate": 1e-3}
 
 
 def split_available(names: list[str]) -> tuple[list[str], list[str]]:
