@@ -225,7 +225,8 @@ def grouped_eigh(matrices: Sequence[torch.Tensor], batched: bool = True
 
     Example:
       >>> a = torch.eye(3) * torch.tensor([1.0, 2.0, 3.0])
-      >>> [v for v, _ in grouped_eigh([a, 2 * a, torch.ones(2, 2)])][1]
+      >>> values = [v for v, _ in grouped_eigh([a, 2 * a, torch.ones(2, 2)])]
+      >>> values[1]
       tensor([2., 4., 6.])
     """
     if not batched:
