@@ -210,8 +210,11 @@ def test_iterative_roots_refuse_what_they_cannot_compute() -> None:
         with pytest.raises(ValueError, match="not an integer"):
             opttx.shampoo(root_method="newton", inverse_exponent_override=override)
     opttx.shampoo(root_method="newton", inverse_exponent_override={2: {0: 0.25, 1: 0}})
+    # KL-SOAP takes its roots from Meta's schedule's eigendecompositions: the power refresh
+    # of the other schedule is refused (tests/test_kl_soap.py has its numbers)
+    opttx.shampoo(kl_shampoo=True, preconditioner="eigenvalue_corrected")
     with pytest.raises(ValueError, match="kl_shampoo"):
-        opttx.shampoo(kl_shampoo=True, preconditioner="eigenvalue_corrected")
+        opttx.precondition_eigenvalue_corrected(kl_shampoo=True, schedule="soap")
     with pytest.raises(ValueError, match="eigenvalue-corrected"):
         opttx.shampoo(preconditioner="eigenvalue_corrected", root_method="newton")
     # a singular matrix without epsilon: the higher-order method's accuracy check rejects it
