@@ -38,8 +38,8 @@ from ..tree import (PyTree, Static, flatten_matching, leaf_labels, tree_cond, tr
 from .matrix_axes import MatrixAxes, check_axes_argument, leaf_matrix_axes
 from .orthogonalize import (NS_COEFFS, POLAR_EXPRESS_COEFFS, POLAR_EXPRESS_SAFETY, Coefficients,
                             Method, ShapeConvention, _coefficient_steps, _from_last_two,
-                            _in_layout_of, _to_last_two, gram_newton_schulz, newton_schulz,
-                            polar_factor, shape_factor)
+                            _in_layout_of, _to_last_two, orthogonalizer,
+                            shape_factor)
 
 __all__ = ["BlockGrid", "OrthogonalizeBlockPeriodicState", "block_sizes",
            "orthogonalize_block_periodic"]
@@ -220,17 +220,6 @@ def _plans(leaves: list[torch.Tensor], tree: PyTree, axes: list, grids: list,
 # ---------------------------------------------------------------------------------------------
 
 
-def _runner(method: str, steps: Sequence[tuple[float, float, float]], eps: Any,
-            ns_dtype: torch.dtype | None, scale: float, restarts: tuple[int, ...]
-            ) -> Callable[[torch.Tensor], torch.Tensor]:
-    def run(batch: torch.Tensor) -> torch.Tensor:
-        if method == "svd":
-            return polar_factor(batch)
-        if method == "gram_newton_schulz":
-            return gram_newton_schulz(batch, steps, eps, ns_dtype, norm_scale=scale,
-                                      restarts=restarts)
-        return newton_schulz(batch, steps, eps, ns_dtype, norm_scale=scale)
-    return run
 
 
 @declare(hyperparams={"eps": None, "consistent_rms": None, "block_scale": None},
@@ -358,7 +347,7 @@ def orthogonalize_block_periodic(full_every: int | None = 5, blocks: BlockGrid =
         raise ValueError(f"ns_dtype must be a floating-point torch.dtype or None, got "
                          f"{ns_dtype!r}.")
     check_axes_argument(matrix_axes, _NAME)
-    run = _runner(method, steps, eps, ns_dtype, scale, restarts)
+    run = orthogonalizer(method, steps, eps, ns_dtype, scale, restarts)
     static_rms = consistent_rms is None or isinstance(consistent_rms, (int, float))
 
     def factor(rows: int, cols: int, block: bool) -> Any:

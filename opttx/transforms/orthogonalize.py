@@ -21,7 +21,7 @@ the rest.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 
@@ -471,6 +471,21 @@ def _orthogonalize_shards(leaves: dict[int, torch.Tensor], axes: list, splits: l
     return {i: _assemble(x, axes[i], splits[i], results[i]) for i, x in leaves.items()}
 
 
+def orthogonalizer(method: str, steps: Sequence[tuple[float, float, float]], eps: Any,
+                   ns_dtype: torch.dtype | None, scale: float, restarts: Sequence[int]
+                   ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The function that orthogonalizes a 3-D batch (or one 2-D matrix) by ``method``
+    (`orthogonalize`'s methods); shared with `orthogonalize_block_periodic`."""
+    def run(batch: torch.Tensor) -> torch.Tensor:
+        if method == "svd":
+            return polar_factor(batch)
+        if method == "gram_newton_schulz":
+            return gram_newton_schulz(batch, steps, eps, ns_dtype, norm_scale=scale,
+                                      restarts=restarts)
+        return newton_schulz(batch, steps, eps, ns_dtype, norm_scale=scale)
+    return run
+
+
 @declare(hyperparams={"eps": None}, runtime=("ns_steps", "ns_coeffs"))
 def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: float = 1e-7,
                   method: Method = "newton_schulz", matrix_axes: MatrixAxes = (-2, -1), *,
@@ -629,14 +644,7 @@ def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: f
     segments = (_segments(len(steps), restarts) if gram_form else
                 [(k, k + 1) for k in range(len(steps))])
 
-    def run(batch: torch.Tensor) -> torch.Tensor:
-        """Orthogonalize a 3-D batch (or one 2-D matrix)."""
-        if method == "svd":
-            return polar_factor(batch)
-        if method == "gram_newton_schulz":
-            return gram_newton_schulz(batch, steps, eps, ns_dtype, norm_scale=scale,
-                                      restarts=restarts)
-        return newton_schulz(batch, steps, eps, ns_dtype, norm_scale=scale)
+    run = orthogonalizer(method, steps, eps, ns_dtype, scale, restarts)
 
     def run_group(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         sizes = [p.shape[0] for p in pieces]
