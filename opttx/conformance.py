@@ -275,7 +275,11 @@ def check_stacked(make: Make, params: PyTree | None = None, refused: bool = Fals
         raise AssertionError(f"{name}: stacked ran a transform said to be refused")
     per_leaf, _ = _run(make(), params, grads)
     buffers, _ = _run(stacked(make()), stack.buffers, [stack.stack(g) for g in grads])
-    _close(stack.unstack(buffers), per_leaf, 1e-6, name, atol=1e-7)
+    # vmap runs one batched kernel over the stack (a batched eigh, a batched matmul) where
+    # the per-leaf run calls it per matrix, and the slices of a stack are not aligned as a
+    # matrix of its own is: CPU LAPACK rounds them differently, and an eigenbasis
+    # preconditioner carries that to 1.5e-6 of the update after 6 steps (MKL on AVX2)
+    _close(stack.unstack(buffers), per_leaf, 1e-5, name, atol=1e-7)
 
 
 def _key_paths(tree: dict, prefix: tuple = ()) -> set[tuple]:

@@ -7,6 +7,7 @@ flat vector per field, and the whole state's tensors are views of it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -93,28 +94,40 @@ def init_on_meta(tx: GradientTransformation, tree: PyTree, fallback: Callable[[]
         return tx.init(fallback())
 
 
-def flat_view(parts: list[torch.Tensor], numel: int) -> torch.Tensor:
-    """One flat tensor of ``parts`` (tensors laid back to back): a view of their storage when
-    they are already contiguous there (the state of the flat layout), else a concatenation."""
-    nonempty = [x for x in parts if x.numel() > 0]
-    if nonempty:
-        first = nonempty[0]
-        esize, pos, ok = first.element_size(), first.data_ptr(), True
+def flat_view(parts: list[torch.Tensor], numel: int,
+              offsets: Sequence[int] | None = None) -> torch.Tensor:
+    """One flat tensor of ``numel`` elements holding ``parts`` at ``offsets`` (default: back
+    to back): a view of their storage when they already lie so there (the state of the flat
+    layout, a master copy), else a new buffer (a concatenation, or zeros with the parts
+    copied in where there are gaps)."""
+    if offsets is None:
+        offsets, pos = [], 0
         for x in parts:
-            if x.numel() == 0:
-                continue
+            offsets.append(pos)
+            pos += x.numel()
+    nonempty = [(x, o) for x, o in zip(parts, offsets) if x.numel() > 0]
+    if nonempty:
+        first, first_offset = nonempty[0]
+        esize, ok = first.element_size(), True
+        base = first.data_ptr() - first_offset * esize
+        for x, o in nonempty:
             if (not x.is_contiguous() or x.dtype != first.dtype or x.device != first.device
                     or x.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                    or x.data_ptr() != pos):
+                    or x.data_ptr() != base + o * esize):
                 ok = False
                 break
-            pos += x.numel() * esize
-        if ok and first.storage_offset() * esize + numel * esize \
-                <= first.untyped_storage().nbytes():
-            return first.as_strided((numel,), (1,), first.storage_offset())
+        start = first.storage_offset() - first_offset
+        if ok and start >= 0 and (start + numel) * esize <= first.untyped_storage().nbytes():
+            return first.as_strided((numel,), (1,), start)
     if not parts:
         return torch.empty(0)
-    return torch.cat([x.reshape(-1) for x in parts])
+    if all(o == p for o, p in zip(offsets, itertools.accumulate(
+            [0] + [x.numel() for x in parts]))) and sum(x.numel() for x in parts) == numel:
+        return torch.cat([x.reshape(-1) for x in parts])
+    out = parts[0].new_zeros(numel)
+    for x, o in zip(parts, offsets):
+        out[o:o + x.numel()].copy_(x.reshape(-1))
+    return out
 
 
 @dataclass

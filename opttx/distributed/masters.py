@@ -189,7 +189,7 @@ class Masters(OnChunkStates):
                         raise ValueError(
                             f"{self.where}(master_params=True): the state's master copy "
                             f"of chunk {k} is not {dtype} shaped like its parameters.")
-                    buf = flat_view(parts, c.numel)
+                    buf = flat_view(parts, c.numel, c.offsets)
                     if buf.device != HOST or (self.device.type == "cuda"
                                               and not buf.is_pinned()):
                         buf = self.states.host_memory(buf)

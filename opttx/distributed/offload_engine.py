@@ -25,7 +25,8 @@ from .chunk_state import HOST, ChunkStates, flat_view
 from .chunkable import check_offloadable, why_not_chunkable
 from .host_step import HostSteps
 from .masters import Masters, OffloadMasterState
-from .placement import OffloadPlan, chunks_of, host_groups, place_chunks, place_plan
+from .placement import (LEAF_ALIGNMENT_BYTES, OffloadPlan, chunks_of, host_groups,
+                        place_chunks, place_plan)
 from .scheduling import BackgroundSteps
 from .staging import Transfers
 
@@ -45,6 +46,9 @@ class OffloadStats:
       host_chunk_steps, device_chunk_steps: chunk updates run on the host and the device.
       bytes_to_host: bytes of gradients and parameters copied into host staging buffers.
       bytes_to_device: bytes of host chunks' updates sent back to the device.
+
+    Both count the leaves' bytes: the gaps that align each leaf in a chunk's buffers (under
+    64 bytes a leaf, `LEAF_ALIGNMENT_BYTES`) ride along with a buffer's copy uncounted.
       host_seconds: wall time of the host chunks' updates (the CPU's part of a step, without
         the copies).
       started_in_backward: host chunk steps started from backward (``overlap=True``).
@@ -146,7 +150,8 @@ class Offloader:
         leaves = tree_flatten(tree)[0]
         if members is None:
             members = [c.leaves for c in zero_plan(tree, 1, **kwargs).chunks]
-        chunks = chunks_of(leaves, members, costs)
+        chunks = chunks_of(leaves, members, costs,
+                           LEAF_ALIGNMENT_BYTES if self.layout == "leaves" else 0)
         plan = OffloadPlan(tuple(chunks), tuple(tree_paths(tree)), None)
         return place_plan(plan, self.fraction, self.budget_mb)
 

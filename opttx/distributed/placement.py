@@ -19,12 +19,18 @@ from ..base import GradientTransformation, Params
 from ..tree import tree_flatten, tree_paths
 from .chunk_plan import state_costs, zero_plan
 
-__all__ = ["DEFAULT_CHUNK_MB", "MIB", "OffloadChunk", "OffloadPlan", "check_chunk_size_mb",
-           "check_host_group_mb", "chunks_of", "host_groups", "offload_plan", "place_chunks",
-           "place_plan", "validated_fraction"]
+__all__ = ["DEFAULT_CHUNK_MB", "LEAF_ALIGNMENT_BYTES", "MIB", "OffloadChunk", "OffloadPlan",
+           "check_chunk_size_mb", "check_host_group_mb", "chunks_of", "host_groups",
+           "offload_plan", "place_chunks", "place_plan", "validated_fraction"]
 
 MIB = 1 << 20            # bytes in a MiB
 DEFAULT_CHUNK_MB = 32.0  # parameters per chunk: fine placement, host steps starting early
+# Where each leaf starts in a host chunk's buffers (staging, master copy) when the transform
+# sees the chunk leaf by leaf: at a multiple of 64 bytes, as a tensor of its own starts (the
+# CPU allocator's alignment). CPU BLAS and LAPACK (MKL on AVX2, measured) round a matmul or an
+# eigendecomposition of the same values differently at another alignment, so a leaf packed
+# back to back after a 6-element one got other bits than the transform without offload.
+LEAF_ALIGNMENT_BYTES = 64
 
 
 @dataclass(frozen=True)
@@ -34,24 +40,29 @@ class OffloadChunk:
     ``leaves`` index the leaves of the tree the plan was made for (flattening order), in their
     order in the chunk; ``sizes`` are their elements; ``state_bytes`` the optimizer state they
     hold (measured on meta tensors with `opttx.distributed.state_costs`; the parameters' bytes
-    when the transform cannot be initialised there or none was given)."""
+    when the transform cannot be initialised there or none was given). ``alignment``: each
+    leaf starts at a multiple of this many elements of its chunk's buffers (1: back to back;
+    `offload`'s per-leaf layout aligns them to 64 bytes, see `LEAF_ALIGNMENT_BYTES`)."""
 
     leaves: tuple[int, ...]
     sizes: tuple[int, ...]
     dtype: torch.dtype
     state_bytes: int
     on_host: bool
+    alignment: int = 1
 
     @property
     def numel(self) -> int:
-        """Elements of the chunk."""
-        return sum(self.sizes)
+        """Elements of the chunk's buffers: its leaves and the gaps that align them."""
+        offsets = self.offsets
+        return offsets[-1] + self.sizes[-1] if self.sizes else 0
 
     @property
     def offsets(self) -> tuple[int, ...]:
         """Element offset of each leaf in the chunk."""
-        out, pos = [], 0
+        out, pos, a = [], 0, self.alignment
         for n in self.sizes:
+            pos = -(-pos // a) * a
             out.append(pos)
             pos += n
         return tuple(out)
@@ -155,8 +166,9 @@ def place_chunks(state_bytes: Sequence[int], fraction: float | None = None,
 
 
 def chunks_of(leaves: list[torch.Tensor], members: Sequence[Sequence[int]],
-              costs: Sequence[float] | None) -> list[OffloadChunk]:
-    """Chunks (all on the device) of the given member lists."""
+              costs: Sequence[float] | None, alignment_bytes: int = 0) -> list[OffloadChunk]:
+    """Chunks (all on the device) of the given member lists, each leaf starting at a multiple
+    of ``alignment_bytes`` in the chunk's buffers (0: back to back)."""
     out = []
     for m in members:
         m = tuple(m)
@@ -167,7 +179,9 @@ def chunks_of(leaves: list[torch.Tensor], members: Sequence[Sequence[int]],
             state = sum(leaves[i].numel() * leaves[i].element_size() for i in m)
         else:
             state = int(sum(costs[i] for i in m))
-        out.append(OffloadChunk(m, sizes, leaves[m[0]].dtype, state, False))
+        dtype = leaves[m[0]].dtype
+        alignment = max(1, alignment_bytes // dtype.itemsize)
+        out.append(OffloadChunk(m, sizes, dtype, state, False, alignment))
     return out
 
 

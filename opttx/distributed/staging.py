@@ -106,7 +106,7 @@ class Transfers(OnChunkStates):
               ) -> torch.Tensor:
         c = self.plan.chunks[k]
         buf = self.buffer(k, what, xs[0].dtype if xs else c.dtype)
-        self.stats.bytes_to_host += buf.numel() * buf.element_size()
+        self.stats.bytes_to_host += sum(c.sizes) * buf.element_size()
         for x, off, n in zip(xs, c.offsets, c.sizes):
             buf[off:off + n].copy_(x.detach().reshape(-1), non_blocking=non_blocking)
         return buf
@@ -154,7 +154,7 @@ class Transfers(OnChunkStates):
         """Host chunk ``k``'s flat buffer (new parameter values, or updates) on the device: on
         CUDA from pinned memory on the update stream (the caller's stream waits for it), else
         as it is."""
-        self.stats.bytes_to_device += flat.numel() * flat.element_size()
+        self.stats.bytes_to_device += sum(self.plan.chunks[k].sizes) * flat.element_size()
         if self.device.type != "cuda":
             return flat
         _, up = self.cuda_streams()
