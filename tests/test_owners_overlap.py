@@ -181,11 +181,10 @@ def test_buckets_refuse_statistics_across_leaves() -> None:
 
 
 def test_make_buckets_keep_shapes_together_for_batched_transforms() -> None:
-    from opttx.distributed.owners import OwnerPlan, _Leaf
+    from opttx.distributed.owners import OwnerPlan
     from opttx.distributed.owners_overlap import make_buckets
     shapes = [(4, 4), (4, 8), (4, 4), (2,), (4, 8)]
-    leaves = tuple(_Leaf(i, (), ((( ), s),), s, 0) for i, s in enumerate(shapes))
-    plan = OwnerPlan(None, 0, 1, leaves, (0.0,))
+    plan = OwnerPlan.of_whole_leaves(shapes)
     nbytes = [4 * torch.Size(s).numel() for s in shapes]
     # leaf by leaf: a bucket closes at 100 bytes (64, 128 | 64, 8 | 128)
     assert make_buckets(plan, nbytes, None, 100 / 2**20, False) == [[0], [1], [2, 3], [4]]

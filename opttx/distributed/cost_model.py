@@ -161,8 +161,8 @@ def owner_assignment(shapes: Sequence[Shape], world: int, block_rows: int | None
                      ) -> list[int]:
     """The owner of each leaf as `make_plan` assigns it (greedy by `default_cost`, summed over
     Shampoo's blocks for a blocked transform: largest first, to the least loaded rank)."""
-    from .owners import _blocked_cost, default_cost
-    cost = _blocked_cost(default_cost, block_rows)
+    from .owners import blocked_cost, default_cost
+    cost = blocked_cost(default_cost, block_rows)
     costs = [cost(s) for s in shapes]
     loads = [0.0] * world
     owner = [0] * len(shapes)
@@ -432,10 +432,9 @@ def bucket_count(shapes: Sequence[Shape], itemsize: int, buckets: int | None = N
                  bucket_mb: float | None = None, by_shape: bool = False) -> int:
     """The number of buckets `on_owners` makes of these leaves (`owners_overlap.make_buckets`;
     ``by_shape`` for a transform that batches leaves of one shape, Muon)."""
-    from .owners import OwnerPlan, _Leaf
+    from .owners import OwnerPlan
     from .owners_overlap import make_buckets
-    leaves = tuple(_Leaf(i, (), (((), tuple(s)),), tuple(s), 0) for i, s in enumerate(shapes))
-    plan = OwnerPlan(None, 0, 1, leaves, (0.0,))
+    plan = OwnerPlan.of_whole_leaves(shapes)
     return len(make_buckets(plan, [_numel(s) * itemsize for s in shapes], buckets, bucket_mb,
                             by_shape))
 

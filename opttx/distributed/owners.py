@@ -53,7 +53,7 @@ Coords = tuple[int, ...]
 
 
 @dataclass(frozen=True)
-class _Leaf:
+class LeafRoute:
     """How one leaf travels: its shards, every owner-group rank's piece, its owner."""
     index: int                         # position among the param leaves
     shards: tuple[Shard, ...]          # () replicated
@@ -63,7 +63,7 @@ class _Leaf:
     rows: tuple[int, int] | None = None           # a segment: rows [a, b) of the whole leaf
     row_slices: tuple[tuple[int, int], ...] = ()   # a segment: per owner-group rank, the rows
                                                    # of its local piece that fall in it
-    segments: tuple[_Leaf, ...] = ()               # a split leaf: segment r, owned by rank r
+    segments: tuple[LeafRoute, ...] = ()           # a split leaf: segment r, owned by rank r
 
     def piece_numel(self, rank: int) -> int:
         n = 1
@@ -122,7 +122,7 @@ class _Leaf:
                               for c in range(coords[level]))
         return offset
 
-    def segment(self, owner: int, start: int, stop: int) -> _Leaf:
+    def segment(self, owner: int, start: int, stop: int) -> LeafRoute:
         """The route of rows ``[start, stop)`` of this leaf to ``owner``: every piece cut to
         the rows it holds of them (none, for a piece elsewhere along dim 0)."""
         pieces, slices = [], []
@@ -132,7 +132,7 @@ class _Leaf:
             hi = max(hi, lo)
             pieces.append((coords, (hi - lo, *shape[1:])))
             slices.append((lo - first, hi - first))
-        return _Leaf(self.index, self.shards, tuple(pieces), (stop - start, *self.shape[1:]),
+        return LeafRoute(self.index, self.shards, tuple(pieces), (stop - start, *self.shape[1:]),
                      owner, rows=(start, stop), row_slices=tuple(slices))
 
     def assemble(self, by_rank: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -178,8 +178,16 @@ class OwnerPlan:
     group: Any
     rank: int
     world: int
-    leaves: tuple[_Leaf | None, ...]
+    leaves: tuple[LeafRoute | None, ...]
     loads: tuple[float, ...]
+
+    @classmethod
+    def of_whole_leaves(cls, shapes: Sequence[Sequence[int]]) -> OwnerPlan:
+        """The plan of one rank owning whole replicated leaves of these shapes (what the
+        bucketing and the cost model read: each leaf's route, in order)."""
+        leaves = tuple(LeafRoute(i, (), (((), tuple(s)),), tuple(s), 0)
+                       for i, s in enumerate(shapes))
+        return cls(None, 0, 1, leaves, (0.0,))
 
     def owned(self) -> list[bool]:
         """Per param leaf, whether this rank computes it (or a row segment of it)."""
@@ -195,9 +203,9 @@ class OwnerPlan:
         """Per param leaf, whether it is split into row segments over the owners."""
         return [leaf is not None and len(leaf.segments) > 0 for leaf in self.leaves]
 
-    def routes(self) -> list[_Leaf]:
+    def routes(self) -> list[LeafRoute]:
         """The routes in a fixed order: whole leaves, and the segments of split ones."""
-        out: list[_Leaf] = []
+        out: list[LeafRoute] = []
         for leaf in self.leaves:
             if leaf is not None:
                 out.extend(leaf.segments or (leaf,))
@@ -248,7 +256,7 @@ def make_plan(reducer: ShardedReducer, present: list[torch.Tensor | None], group
         mine.append((coords, tuple(x.shape)))
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
-    leaves: list[_Leaf | None] = []
+    leaves: list[LeafRoute | None] = []
     for i, x in enumerate(present):
         if error is not None or x is None:
             leaves.append(None)
@@ -271,7 +279,7 @@ def make_plan(reducer: ShardedReducer, present: list[torch.Tensor | None], group
                     "exactly the owner group (pass owner_group= the group that shards it, "
                     "or one on-owners transform per group).")
                 continue
-            leaf = _Leaf(i, shards, tuple(pieces), (), -1)
+            leaf = LeafRoute(i, shards, tuple(pieces), (), -1)
             shape = tuple(leaf.extent((), d) for d in range(x.ndim))
         else:
             shapes = {s for _, s in pieces}
@@ -280,7 +288,7 @@ def make_plan(reducer: ShardedReducer, present: list[torch.Tensor | None], group
                                    f"between ranks: {sorted(shapes)}.")
                 continue
             shape = pieces[0][1]
-        leaves.append(_Leaf(i, shards, tuple(pieces), shape, -1))
+        leaves.append(LeafRoute(i, shards, tuple(pieces), shape, -1))
     raise_on_every_rank(error, group)
     loads = [0.0] * world
     leaves = _split_leaves(leaves, present, world, split_above_mb, block_rows, cost, loads)
@@ -292,13 +300,13 @@ def make_plan(reducer: ShardedReducer, present: list[torch.Tensor | None], group
         r = min(range(world), key=lambda k: (loads[k], k))
         owners[i] = r
         loads[r] += cost(leaves[i].shape)
-    final = tuple(None if leaf is None else leaf if leaf.segments else _Leaf(
+    final = tuple(None if leaf is None else leaf if leaf.segments else LeafRoute(
         leaf.index, leaf.shards, leaf.pieces, leaf.shape, owners[i])
         for i, leaf in enumerate(leaves))
     return OwnerPlan(group, rank, world, final, tuple(loads))
 
 
-def _blocked_cost(cost: Callable[[Sequence[int]], float], block_rows: int | None
+def blocked_cost(cost: Callable[[Sequence[int]], float], block_rows: int | None
                   ) -> Callable[[Sequence[int]], float]:
     r"""``cost`` summed over the blocks a blocked transform (`Traits.block_rows`: Shampoo's
     ``max_preconditioner_dim``) cuts a leaf into: a 50k x 4096 embedding costs its blocks'
@@ -309,10 +317,10 @@ def _blocked_cost(cost: Callable[[Sequence[int]], float], block_rows: int | None
     return lambda shape: sum(cost(b) for b in block_shapes(shape, block_rows))
 
 
-def _split_leaves(leaves: list[_Leaf | None], present: list[torch.Tensor | None], world: int,
+def _split_leaves(leaves: list[LeafRoute | None], present: list[torch.Tensor | None], world: int,
                   split_above_mb: float | None, block_rows: int | None,
                   cost: Callable[[Sequence[int]], float], loads: list[float]
-                  ) -> list[_Leaf | None]:
+                  ) -> list[LeafRoute | None]:
     """``leaves`` with those above ``split_above_mb`` cut into one row segment per rank
     (segment r to rank r, its cost added to ``loads[r]``)."""
     if split_above_mb is None or world < 2:
@@ -331,7 +339,7 @@ def _split_leaves(leaves: list[_Leaf | None], present: list[torch.Tensor | None]
             segments.append(leaf.segment(r, start, start + rows))
             loads[r] += cost(segments[-1].shape)
             start += rows
-        out[i] = _Leaf(leaf.index, leaf.shards, leaf.pieces, leaf.shape, -1,
+        out[i] = LeafRoute(leaf.index, leaf.shards, leaf.pieces, leaf.shape, -1,
                        segments=tuple(segments))
     return out
 
@@ -411,7 +419,7 @@ def gather_to_owners(plan: OwnerPlan, trees: list[list[torch.Tensor | None]],
 
 
 def start_gather(plan: OwnerPlan, trees: list[list[torch.Tensor | None]],
-                 stats: CollectiveStats | None = None, routes: list[_Leaf] | None = None,
+                 stats: CollectiveStats | None = None, routes: list[LeafRoute] | None = None,
                  dtype: torch.dtype | None = None) -> tuple:
     """Issue the ``all_to_all`` of `gather_to_owners` for ``routes`` (default: all of the
     plan's), on the wire in ``dtype`` (default: the promoted dtype of the routes' pieces),
@@ -458,7 +466,7 @@ def finish_gather(started: tuple) -> list[list[torch.Tensor | None]]:
     return out
 
 
-def _rows_of(leaf: _Leaf, piece: torch.Tensor, rank: int) -> torch.Tensor:
+def _rows_of(leaf: LeafRoute, piece: torch.Tensor, rank: int) -> torch.Tensor:
     """The rows of this rank's ``piece`` that travel on route ``leaf`` (all of them for a
     whole leaf)."""
     if leaf.rows is None:
@@ -479,7 +487,7 @@ def scatter_from_owners(plan: OwnerPlan, whole: list[torch.Tensor | None],
     return finish_scatter(start_scatter(plan, whole, like, stats, communication_dtype))
 
 
-def wire_dtype(plan: OwnerPlan, like: list[torch.Tensor | None], routes: list[_Leaf],
+def wire_dtype(plan: OwnerPlan, like: list[torch.Tensor | None], routes: list[LeafRoute],
                communication_dtype: torch.dtype | None = None) -> torch.dtype | None:
     """The dtype updates travel back in: ``communication_dtype``, else the promoted dtype of
     the routes' pieces (None without routes)."""
@@ -491,7 +499,7 @@ def wire_dtype(plan: OwnerPlan, like: list[torch.Tensor | None], routes: list[_L
 def start_scatter(plan: OwnerPlan, whole: list[torch.Tensor | None],
                   like: list[torch.Tensor | None], stats: CollectiveStats | None = None,
                   communication_dtype: torch.dtype | None = None,
-                  routes: list[_Leaf] | None = None) -> tuple:
+                  routes: list[LeafRoute] | None = None) -> tuple:
     """Issue the ``all_to_all`` of `scatter_from_owners` for ``routes`` (default: all of the
     plan's) without waiting; `finish_scatter` waits and cuts the pieces out."""
     routes = plan.routes() if routes is None else routes
@@ -778,7 +786,7 @@ def _plan_cost(tx: GradientTransformation | None, cost: Callable[[Sequence[int]]
     if cost == "state":
         dtype = next((x.dtype for x in present if x is not None), torch.float32)
         return _state_cost(tx, dtype), block_rows
-    return _blocked_cost(cost, block_rows), block_rows
+    return blocked_cost(cost, block_rows), block_rows
 
 
 def _state_cost(tx: GradientTransformation, dtype: torch.dtype

@@ -31,7 +31,7 @@ import torch
 from ..base import GradientTransformation, reducer_during_init, traits_of
 from ..tree import MaskedNode, tree_flatten, tree_unflatten
 from .chunk_state import init_on_meta, keyed_positions
-from .owners import (OwnerPlan, _Leaf, finish_gather, finish_scatter, start_gather,
+from .owners import (OwnerPlan, LeafRoute, finish_gather, finish_scatter, start_gather,
                      start_scatter, wire_dtype)
 from .reducer import CollectiveStats
 
@@ -107,7 +107,7 @@ class _BucketMap:
 class BucketPlan:
     """The buckets of one owner plan and, for this rank, each bucket's state map."""
     buckets: list[list[int]]            # param leaf indices per bucket, the same on every rank
-    routes: list[list[_Leaf]]           # per bucket, its routes in the plan's order
+    routes: list[list[LeafRoute]]           # per bucket, its routes in the plan's order
     mine: list[list[int]]               # per bucket, the leaves this rank owns
     maps: list[_BucketMap | None]       # per bucket, None where this rank owns none of it
     state_spec: Any                     # the treespec of the whole state

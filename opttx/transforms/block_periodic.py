@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -35,10 +35,10 @@ from ..kernels import mark_scratch
 from ..skeleton import as_tree, leafwise
 from ..tree import (PyTree, Static, flatten_matching, leaf_labels, tree_cond, tree_flatten,
                     tree_paths, tree_unflatten)
-from .matrix_axes import MatrixAxes, check_axes_argument, leaf_matrix_axes
+from .matrix_axes import (MatrixAxes, check_axes_argument, from_last_two, in_layout_of,
+                          leaf_matrix_axes, to_last_two)
 from .orthogonalize import (NS_COEFFS, POLAR_EXPRESS_COEFFS, POLAR_EXPRESS_SAFETY, Coefficients,
-                            Method, ShapeConvention, _coefficient_steps, _from_last_two,
-                            _in_layout_of, _to_last_two, orthogonalizer,
+                            Method, ShapeConvention, coefficient_steps, orthogonalizer,
                             shape_factor)
 
 __all__ = ["BlockGrid", "OrthogonalizeBlockPeriodicState", "block_sizes",
@@ -330,7 +330,7 @@ def orthogonalize_block_periodic(full_every: int | None = 5, blocks: BlockGrid =
         steps = POLAR_EXPRESS_COEFFS
         scale = POLAR_EXPRESS_SAFETY if norm_scale is None else norm_scale
     else:
-        steps = _coefficient_steps(ns_coeffs, ns_steps)
+        steps = coefficient_steps(ns_coeffs, ns_steps)
         scale = 1.0 if norm_scale is None else norm_scale
     check_nonnegative("eps", eps)
     check_positive("norm_scale", scale)
@@ -383,7 +383,7 @@ def orthogonalize_block_periodic(full_every: int | None = 5, blocks: BlockGrid =
         pieces: list[torch.Tensor] = []
         where: list[tuple[int, int]] = []       # per leaf: first piece, number of pieces
         for x, plan in zip(xs, plans):
-            m = _to_last_two(x, plan.axes)
+            m = to_last_two(x, plan.axes)
             batch = m.reshape(math.prod(m.shape[:-2]), *m.shape[-2:])
             start = len(pieces)
             if len(plan.local_rows) == 1 and len(plan.local_cols) == 1:
@@ -402,8 +402,8 @@ def orthogonalize_block_periodic(full_every: int | None = 5, blocks: BlockGrid =
                 c = len(plan.local_cols)
                 y = torch.cat([torch.cat(parts[i:i + c], dim=2) for i in range(0, n, c)],
                               dim=1)
-            m_shape = _to_last_two(x, plan.axes).shape
-            out.append(_in_layout_of(_from_last_two(y.reshape(m_shape), plan.axes), x))
+            m_shape = to_last_two(x, plan.axes).shape
+            out.append(in_layout_of(from_last_two(y.reshape(m_shape), plan.axes), x))
         return out
 
     def full_step(xs: list[torch.Tensor], plans: list[_Plan], spec: Any, present: list[int],
@@ -432,17 +432,17 @@ def orthogonalize_block_periodic(full_every: int | None = 5, blocks: BlockGrid =
                       for i, x, plan in zip(present, xs, plans)]
         pieces = []
         for w, plan in zip(wholes, plans):
-            m = _to_last_two(w, plan.axes)
+            m = to_last_two(w, plan.axes)
             pieces.append(m.reshape(math.prod(m.shape[:-2]), *m.shape[-2:]))
         done = orthogonalize_groups(pieces, block=False)
         out = []
         for x, w, y, plan in zip(xs, wholes, done, plans):
-            y = _from_last_two(y.reshape(_to_last_two(w, plan.axes).shape), plan.axes)
+            y = from_last_two(y.reshape(to_last_two(w, plan.axes).shape), plan.axes)
             for d, off in plan.gathered.items():
                 # this rank's part, gathered into its own storage (not a view: the branches of
                 # a compiled torch.cond must agree on storage offsets)
                 y = y.index_select(d, torch.arange(off, off + x.shape[d], device=y.device))
-            out.append(_in_layout_of(y, x))
+            out.append(in_layout_of(y, x))
         return out
 
     def init(params: Params) -> OrthogonalizeBlockPeriodicState:

@@ -6,7 +6,8 @@ Each leaf is a matrix over two axes (``matrix_axes``, default the last two; more
 batch of matrices), optionally cut into row blocks (``split``). These helpers check those
 arguments at construction, resolve them per leaf from shapes alone (`leaf_matrix_axes`,
 `leaf_row_blocks`), refuse leaves sharded over a matrix axis (`require_whole_matrices`), and
-build a stateless transform on them (`stateless_matrix_transform`).
+build a stateless transform on them (`stateless_matrix_transform`), and move a leaf's
+matrix axes last and back (`to_last_two`, `from_last_two`, `in_layout_of`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from ..base import (REDUCER_KEY, EmptyState, GradientTransformation, Params, Tra
 from ..tree import PyTree, leaf_labels, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = ["MatrixAxes", "Split", "check_axes_argument", "check_split_argument",
-           "global_matrix_shapes", "leaf_matrix_axes", "leaf_row_blocks",
-           "require_whole_matrices",
-           "sharded_matrix_dims", "stateless_matrix_transform"]
+           "from_last_two", "global_matrix_shapes", "in_layout_of", "leaf_matrix_axes",
+           "leaf_row_blocks", "require_whole_matrices", "sharded_matrix_dims",
+           "stateless_matrix_transform", "to_last_two"]
 
 MatrixAxes = tuple[int, int] | PyTree | Callable[[Params], PyTree]
 Split = int | tuple[int, ...] | PyTree | Callable[[Params], PyTree] | None
@@ -238,3 +239,28 @@ def stateless_matrix_transform(name: str, fn: Callable[..., list[torch.Tensor]],
     traits = _WHOLE_MATRICES if whole and not on_shards else Traits(per_leaf=True)
     return GradientTransformation(init, update,
                                   dataclasses.replace(traits, batched_across_leaves=batched))
+
+
+def to_last_two(x: torch.Tensor, axes: tuple[int, int]) -> torch.Tensor:
+    """``x`` with its matrix axes ``axes`` moved last (a view; ``x`` itself when they are)."""
+    if axes == (x.dim() - 2, x.dim() - 1):
+        return x
+    return torch.movedim(x, axes, (-2, -1))
+
+
+def from_last_two(y: torch.Tensor, axes: tuple[int, int]) -> torch.Tensor:
+    """The inverse of `to_last_two`: the last two axes of ``y`` moved back to ``axes``."""
+    if axes == (y.dim() - 2, y.dim() - 1):
+        return y
+    return torch.movedim(y, (-2, -1), axes)
+
+
+def in_layout_of(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``y`` (shaped like ``x``) with ``x``'s strides: a contiguous input gives a contiguous
+    output (a transposed view would differ from the other branch of a `torch.cond` in
+    `opttx.MultiSteps` and `opttx.apply_if_finite`)."""
+    if y.stride() == x.stride():
+        return y
+    if x.is_contiguous():
+        return y.contiguous()
+    return torch.empty_like(x, dtype=y.dtype).copy_(y)

@@ -30,7 +30,8 @@ from ..base import GradientTransformation, declare, reduce_statistics
 from ..kernels import foreach, mark_scratch
 from ..tree import MaskedNode, tree_unflatten
 from .matrix_axes import (MatrixAxes, Split, check_axes_argument, check_split_argument,
-                          sharded_matrix_dims, stateless_matrix_transform)
+                          from_last_two, in_layout_of, sharded_matrix_dims,
+                          stateless_matrix_transform, to_last_two)
 
 __all__ = [
     "NS_COEFFS",
@@ -76,35 +77,12 @@ Coefficients = tuple[float, float, float] | Sequence[tuple[float, float, float]]
 # ---------------------------------------------------------------------------------------------
 
 
-def _to_last_two(x: torch.Tensor, axes: tuple[int, int]) -> torch.Tensor:
-    if axes == (x.dim() - 2, x.dim() - 1):
-        return x
-    return torch.movedim(x, axes, (-2, -1))
-
-
-def _from_last_two(y: torch.Tensor, axes: tuple[int, int]) -> torch.Tensor:
-    if axes == (y.dim() - 2, y.dim() - 1):
-        return y
-    return torch.movedim(y, (-2, -1), axes)
-
-
-def _in_layout_of(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``y`` (shaped like ``x``) with ``x``'s strides: a contiguous input gives a contiguous
-    output (a transposed view would differ from the other branch of a `torch.cond` in
-    `opttx.MultiSteps` and `opttx.apply_if_finite`)."""
-    if y.stride() == x.stride():
-        return y
-    if x.is_contiguous():
-        return y.contiguous()
-    return torch.empty_like(x, dtype=y.dtype).copy_(y)
-
-
 # ---------------------------------------------------------------------------------------------
 # the iterations
 # ---------------------------------------------------------------------------------------------
 
 
-def _coefficient_steps(ns_coeffs: Coefficients, ns_steps: int) -> tuple[tuple[float, ...], ...]:
+def coefficient_steps(ns_coeffs: Coefficients, ns_steps: int) -> tuple[tuple[float, ...], ...]:
     """One (a, b, c) per Newton–Schulz step."""
     def triple(x: Any) -> bool:
         return (isinstance(x, (tuple, list)) and len(x) == 3
@@ -319,7 +297,7 @@ def _pieces(x: torch.Tensor, axes: tuple[int, int], blocks: tuple[int, ...] | No
             ) -> list[torch.Tensor]:
     """The matrices of leaf ``x`` as 3-D batches: one per distinct block (all, when
     ``blocks`` is None or equal blocks)."""
-    m = _to_last_two(x, axes)
+    m = to_last_two(x, axes)
     batch = m.reshape(math.prod(m.shape[:-2]), *m.shape[-2:])   # explicit: a shard may be empty
     if blocks is None:
         return [batch]
@@ -330,12 +308,12 @@ def _pieces(x: torch.Tensor, axes: tuple[int, int], blocks: tuple[int, ...] | No
 
 def _assemble(x: torch.Tensor, axes: tuple[int, int], blocks: tuple[int, ...] | None,
               outs: list[torch.Tensor]) -> torch.Tensor:
-    m_shape = _to_last_two(x, axes).shape
+    m_shape = to_last_two(x, axes).shape
     if blocks is None or len(set(blocks)) == 1:
         y = outs[0]
     else:
         y = torch.cat(outs, dim=1)
-    return _in_layout_of(_from_last_two(y.reshape(m_shape), axes), x)
+    return in_layout_of(from_last_two(y.reshape(m_shape), axes), x)
 
 
 def _refuse_shards(i: int, ax: tuple[int, int], dims: tuple[int, ...], why: str) -> None:
@@ -624,7 +602,7 @@ def orthogonalize(ns_steps: int = 5, ns_coeffs: Coefficients = NS_COEFFS, eps: f
         steps = POLAR_EXPRESS_COEFFS
         scale = POLAR_EXPRESS_SAFETY if norm_scale is None else norm_scale
     else:
-        steps = _coefficient_steps(ns_coeffs, ns_steps)
+        steps = coefficient_steps(ns_coeffs, ns_steps)
         scale = 1.0 if norm_scale is None else norm_scale
     check_nonnegative("eps", eps)
     check_positive("norm_scale", scale)
