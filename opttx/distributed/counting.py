@@ -86,80 +86,82 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
+def _all_reduce(w: int, n: int) -> tuple:
+    b = 2 * (w - 1) * n // w                    # ring: reduce-scatter, then all-gather
+    return ("all_reduce", w, b, b)
+
+
+def _all_to_all(x: torch.Tensor, out_rows: int, w: int, rank: int, in_splits: Any,
+                out_splits: Any) -> tuple:
+    """``x`` split along dim 0 by ``in_splits`` (even: None or empty) to the ``w`` ranks, and
+    ``out_rows`` rows received split by ``out_splits``; the rank's own split stays."""
+    rows = math.prod(x.shape[1:])                # elements per split unit (1: flat)
+    ins = list(in_splits) if in_splits else [x.shape[0] // w] * w
+    outs = list(out_splits) if out_splits else [out_rows // w] * w
+    item = x.element_size()
+    return ("all_to_all", w, (sum(ins) - ins[rank]) * rows * item,
+            (sum(outs) - outs[rank]) * rows * item)
+
+
+def _broadcast(w: int, rank: int, root: int, n: int) -> tuple:
+    return ("broadcast", w, n if rank == root else 0, 0 if rank == root else n)
+
+
 def _record(op: Any, args: tuple, counts: CollectiveCounts) -> None:
     """Append the record of one collective op call (others ignored)."""
-    ns = op.namespace
-    name = op._opname
-    if ns == "c10d":
-        _record_c10d(name, args, counts)
-    elif ns == "_c10d_functional":
-        if name in ("all_reduce", "all_reduce_"):
-            w, _ = _group(args[2])
-            n = _nbytes(args[0])
-            b = 2 * (w - 1) * n // w
-            counts.records.append(("all_reduce", w, b, b))
-        elif name == "all_reduce_coalesced":
-            w, _ = _group(args[2])
-            n = sum(_nbytes(x) for x in args[0])
-            b = 2 * (w - 1) * n // w
-            counts.records.append(("all_reduce", w, b, b))
-        elif name == "all_to_all_single":
-            x, out_splits, in_splits, group = args[:4]
-            w, rank = _group(group)
-            item = x.element_size()
-            rows = math.prod(x.shape[1:])         # elements per split unit (1: flat)
-            ins = list(in_splits) if in_splits else [x.shape[0] // w] * w
-            outs = list(out_splits) if out_splits else [x.shape[0] // w] * w
-            sent = (sum(ins) - ins[rank]) * rows * item
-            received = (sum(outs) - outs[rank]) * rows * item
-            counts.records.append(("all_to_all", w, sent, received))
-        elif name == "reduce_scatter_tensor":
-            w = args[2]
-            n = _nbytes(args[0])
-            b = (w - 1) * n // w
-            counts.records.append(("reduce_scatter", w, b, b))
-        elif name == "all_gather_into_tensor":
-            w = args[1]
-            b = (w - 1) * _nbytes(args[0])
-            counts.records.append(("all_gather", w, b, b))
-        elif name == "broadcast":
-            w, rank = _group(args[2])
-            n = _nbytes(args[0])
-            counts.records.append(("broadcast", w, n if rank == args[1] else 0,
-                                   0 if rank == args[1] else n))
+    record = (_c10d_record if op.namespace == "c10d" else
+              _functional_record if op.namespace == "_c10d_functional" else None)
+    out = record(op._opname, args) if record is not None else None
+    if out is not None:
+        counts.records.append(out)
 
 
-def _record_c10d(name: str, args: tuple, counts: CollectiveCounts) -> None:
+def _functional_record(name: str, args: tuple) -> tuple | None:
+    """The functional collectives (``torch.distributed._functional_collectives``): the ops
+    traced code issues, their group a name or a group."""
+    if name in ("all_reduce", "all_reduce_"):
+        return _all_reduce(_group(args[2])[0], _nbytes(args[0]))
+    if name == "all_reduce_coalesced":
+        return _all_reduce(_group(args[2])[0], sum(_nbytes(x) for x in args[0]))
+    if name == "all_to_all_single":
+        x, out_splits, in_splits, group = args[:4]
+        w, rank = _group(group)
+        return _all_to_all(x, x.shape[0], w, rank, in_splits, out_splits)
+    if name == "reduce_scatter_tensor":
+        w = args[2]
+        b = (w - 1) * _nbytes(args[0]) // w
+        return ("reduce_scatter", w, b, b)
+    if name == "all_gather_into_tensor":
+        w = args[1]
+        b = (w - 1) * _nbytes(args[0])
+        return ("all_gather", w, b, b)
+    if name == "broadcast":
+        w, rank = _group(args[2])
+        return _broadcast(w, rank, args[1], _nbytes(args[0]))
+    return None
+
+
+def _c10d_record(name: str, args: tuple) -> tuple | None:
     """The ops behind ``torch.distributed.all_reduce`` and friends (their process group is an
     argument)."""
     if name == "allreduce_":
-        w, _ = _group(args[1])
-        n = sum(_nbytes(x) for x in args[0])
-        b = 2 * (w - 1) * n // w
-        counts.records.append(("all_reduce", w, b, b))
-    elif name == "_allgather_base_":
+        return _all_reduce(_group(args[1])[0], sum(_nbytes(x) for x in args[0]))
+    if name == "_allgather_base_":
         w, _ = _group(args[2])
         b = (w - 1) * _nbytes(args[1])
-        counts.records.append(("all_gather", w, b, b))
-    elif name == "_reduce_scatter_base_":
+        return ("all_gather", w, b, b)
+    if name == "_reduce_scatter_base_":
         w, _ = _group(args[2])
         b = (w - 1) * _nbytes(args[1]) // w
-        counts.records.append(("reduce_scatter", w, b, b))
-    elif name == "alltoall_base_":
+        return ("reduce_scatter", w, b, b)
+    if name == "alltoall_base_":
         out, x, group, out_splits, in_splits = args[:5]
         w, rank = _group(group)
-        rows = math.prod(x.shape[1:])
-        ins = list(in_splits) if in_splits else [x.shape[0] // w] * w
-        outs = list(out_splits) if out_splits else [out.shape[0] // w] * w
-        item = x.element_size()
-        counts.records.append(("all_to_all", w, (sum(ins) - ins[rank]) * rows * item,
-                               (sum(outs) - outs[rank]) * rows * item))
-    elif name == "broadcast_":
+        return _all_to_all(x, out.shape[0], w, rank, in_splits, out_splits)
+    if name == "broadcast_":
         w, rank = _group(args[1])
-        n = sum(_nbytes(x) for x in args[0])
-        root = args[2]
-        counts.records.append(("broadcast", w, n if rank == root else 0,
-                               0 if rank == root else n))
+        return _broadcast(w, rank, args[2], sum(_nbytes(x) for x in args[0]))
+    return None
 
 
 class _Counting(TorchDispatchMode):
