@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 
@@ -205,6 +205,24 @@ def size_groups(matrices: Sequence[torch.Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
+def _grouped(decompose: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+             matrices: Sequence[torch.Tensor], batched: bool
+             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``decompose`` (a batched linalg call returning two tensors) of every matrix: one call
+    per `size_groups` group, its results unstacked; one call per matrix unless ``batched``."""
+    if not batched:
+        return [decompose(m) for m in matrices]
+    out: list = [None] * len(matrices)
+    for group in size_groups(matrices):
+        if len(group) == 1:
+            out[group[0]] = decompose(matrices[group[0]])
+            continue
+        first, second = decompose(torch.stack([matrices[i] for i in group]))
+        for k, i in enumerate(group):
+            out[i] = (first[k], second[k])
+    return out
+
+
 def grouped_eigh(matrices: Sequence[torch.Tensor], batched: bool = True
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     r"""``torch.linalg.eigh`` of every matrix, one batched call per (shape, dtype, device)
@@ -229,17 +247,7 @@ def grouped_eigh(matrices: Sequence[torch.Tensor], batched: bool = True
       >>> values[1]
       tensor([2., 4., 6.])
     """
-    if not batched:
-        return [torch.linalg.eigh(m) for m in matrices]
-    out: list = [None] * len(matrices)
-    for group in size_groups(matrices):
-        if len(group) == 1:
-            out[group[0]] = torch.linalg.eigh(matrices[group[0]])
-            continue
-        values, vectors = torch.linalg.eigh(torch.stack([matrices[i] for i in group]))
-        for k, i in enumerate(group):
-            out[i] = (values[k], vectors[k])
-    return out
+    return _grouped(torch.linalg.eigh, matrices, batched)
 
 
 def grouped_qr(matrices: Sequence[torch.Tensor], batched: bool = True
@@ -247,17 +255,7 @@ def grouped_qr(matrices: Sequence[torch.Tensor], batched: bool = True
     """``torch.linalg.qr`` of every matrix, one batched call per (shape, dtype, device) group,
     with `grouped_eigh`'s rule for CPU alignment (measured bitwise equal to one call per
     matrix on CPU for aligned sizes); ``batched=False``: one call per matrix."""
-    if not batched:
-        return [torch.linalg.qr(m) for m in matrices]
-    out: list = [None] * len(matrices)
-    for group in size_groups(matrices):
-        if len(group) == 1:
-            out[group[0]] = torch.linalg.qr(matrices[group[0]])
-            continue
-        qs, rs = torch.linalg.qr(torch.stack([matrices[i] for i in group]))
-        for k, i in enumerate(group):
-            out[i] = (qs[k], rs[k])
-    return out
+    return _grouped(torch.linalg.qr, matrices, batched)
 
 
 def grouped_eigendecomposition(matrices: Sequence[torch.Tensor],
