@@ -3,8 +3,10 @@ as a DCP checkpoint that moves from world 4 to world 2 to one device, and under
 `opttx.distributed.on_owners` (each whole leaf's state on its owner) from world 2 to one
 device (docs/design.md, section 7).
 
-All the entries run at once, as one `opttx.partition` with a label per entry over a tree with
-a subtree per entry, so each world size makes one plan, one checkpoint and one load: saved at
+The entries run in groups of `GROUP_SIZE`, each group one `opttx.partition` with a label per
+entry over a tree with a subtree per entry, so each world size makes one plan, one checkpoint
+and one load a group (a partition's inner transforms each walk the whole tree: one partition
+of all ~150 entries spent five minutes in tree flattening alone): saved at
 the first world after K steps; loaded at world 2 (through `check_checkpoint` and
 `load_checkpoint`) and saved again; loaded on one device into the plain transforms (a zero
 checkpoint has the keys of the single-device state), which train N more steps: each entry's
@@ -12,8 +14,7 @@ parameters are those of its single-device run (rtol 1e-5: the keys are the same 
 size and each whole leaf is computed by one owner; statistics across leaves are summed over the
 owners in another order).
 
-on_owners starts at world 2, not 4 (the suite's time: each world of all the entries costs about
-a minute on two cores): its checkpoint keys are the single-device ones whatever the world, so
+on_owners starts at world 2, not 4 (the suite's time): its checkpoint keys are the single-device ones whatever the world, so
 the move from 2 ranks to one device is the resharding it needs; zero's own plans differ with
 the world, so it also moves from 4 ranks to 2.
 
@@ -83,19 +84,25 @@ def _label(case: Any) -> str:
     return case.name.replace("/", ":").replace(".", "_")
 
 
-def _params() -> dict[str, dict[str, torch.Tensor]]:
-    """One subtree per entry (matrices only where the entry takes matrices only)."""
-    return {_label(c): standard_params(seed=21 + i, matrices_only=c.matrices_only)
-            for i, c in enumerate(ENTRIES)}
+GROUP_SIZE = 16
+GROUPS = [ENTRIES[i:i + GROUP_SIZE] for i in range(0, len(ENTRIES), GROUP_SIZE)]
+
+
+def _params(group: list) -> dict[str, dict[str, torch.Tensor]]:
+    """One subtree per entry of the group (matrices only where the entry takes matrices
+    only)."""
+    return {_label(c): standard_params(seed=21 + ENTRIES.index(c), matrices_only=c.matrices_only)
+            for c in group}
 
 
 def _grads(params: dict) -> list:
     return gradient_stream(params, K + N, seed=22)
 
 
-def _everything() -> opttx.GradientTransformation:
-    """Every entry on its own subtree: a partition labelled by the subtree's key."""
-    return opttx.partition({_label(c): c.make() for c in ENTRIES},
+def _everything(group: list) -> opttx.GradientTransformation:
+    """Every entry of the group on its own subtree: a partition labelled by the subtree's
+    key."""
+    return opttx.partition({_label(c): c.make() for c in group},
                            lambda tree: {k: opttx.tree.tree_map(lambda _, k=k: k, v)
                                          for k, v in tree.items()})
 
@@ -116,18 +123,19 @@ def _owned(params: dict, mode: str) -> Any:
     return None
 
 
-def _distributed(mode: str) -> opttx.GradientTransformation:
+def _distributed(mode: str, group: list) -> opttx.GradientTransformation:
     if mode == "on_owners":
-        return sharded(on_owners(_everything()))       # whole (replicated) leaves on owners
-    return zero(_everything(), chunk_size_mb=CHUNK, stage=int(mode[-1]))
+        return sharded(on_owners(_everything(group)))  # whole (replicated) leaves on owners
+    return zero(_everything(group), chunk_size_mb=CHUNK, stage=int(mode[-1]))
 
 
-def _run_world(root: Path, world: int, mode: str) -> tuple[dict, Any]:
+def _run_world(root: Path, world: int, mode: str, g: int) -> tuple[dict, Any]:
     """World 4: K steps and a checkpoint; world 2 and one device: the previous world's
     checkpoint checked, loaded and (at world 2) saved again. Returns (params, state)."""
-    params = _params()
-    tx = _everything() if world == 1 else _distributed(mode)
-    where = root / mode
+    group = GROUPS[g]
+    params = _params(group)
+    tx = _everything(group) if world == 1 else _distributed(mode, group)
+    where = root / mode / f"group{g}"
     if world == FIRST_WORLD[mode]:
         params, state = _train(tx, params, tx.init(params), _grads(params)[:K])
         dcp.save({"params": params,
@@ -151,8 +159,9 @@ def _run_world(root: Path, world: int, mode: str) -> tuple[dict, Any]:
 def _worker(rank: int, world: int, root: str) -> bool:
     for mode in MODES:
         if world <= FIRST_WORLD[mode]:
-            _run_world(Path(root), world, mode)
-            dist.barrier()
+            for g in range(len(GROUPS)):
+                _run_world(Path(root), world, mode, g)
+                dist.barrier()
     return True
 
 
@@ -163,10 +172,13 @@ def resumed() -> dict[int, dict]:
     root = Path(tempfile.mkdtemp(prefix="opttx_registry_ckpt_"))
     spawn_ranks(_worker, world_size=4, args=(str(root),), timeout=600)
     spawn_ranks(_worker, world_size=2, args=(str(root),), timeout=600)
-    out = {}
+    out: dict[str, dict] = {}
     for mode in MODES:
-        params, state = _run_world(root, 1, mode)
-        out[mode] = _train(_everything(), params, state, _grads(_params())[K:])[0]
+        out[mode] = {}
+        for g, group in enumerate(GROUPS):
+            params, state = _run_world(root, 1, mode, g)
+            out[mode].update(_train(_everything(group), params, state,
+                                    _grads(_params(group))[K:])[0])
     return out
 
 
@@ -179,9 +191,10 @@ def test_every_distributed_entry_takes_part() -> None:
 @functools.cache
 def _single_device(name: str) -> dict:
     """The entry's parameters after K + N steps on one device, never interrupted."""
-    case = next(c for c in ENTRIES if c.name == name)
-    params = _params()[_label(case)]
-    grads = [g[_label(case)] for g in _grads(_params())]
+    group = next(group for group in GROUPS if any(c.name == name for c in group))
+    case = next(c for c in group if c.name == name)
+    params = _params(group)[_label(case)]
+    grads = [g[_label(case)] for g in _grads(_params(group))]
     tx = case.make()
     return _train(tx, params, tx.init(params), grads)[0]
 
