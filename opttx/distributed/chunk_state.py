@@ -100,11 +100,9 @@ def flat_view(parts: list[torch.Tensor], numel: int,
     to back): a view of their storage when they already lie so there (the state of the flat
     layout, a master copy), else a new buffer (a concatenation, or zeros with the parts
     copied in where there are gaps)."""
+    packed = list(itertools.accumulate([x.numel() for x in parts][:-1], initial=0))
     if offsets is None:
-        offsets, pos = [], 0
-        for x in parts:
-            offsets.append(pos)
-            pos += x.numel()
+        offsets = packed
     nonempty = [(x, o) for x, o in zip(parts, offsets) if x.numel() > 0]
     if nonempty:
         first, first_offset = nonempty[0]
@@ -121,8 +119,7 @@ def flat_view(parts: list[torch.Tensor], numel: int,
             return first.as_strided((numel,), (1,), start)
     if not parts:
         return torch.empty(0)
-    if all(o == p for o, p in zip(offsets, itertools.accumulate(
-            [0] + [x.numel() for x in parts]))) and sum(x.numel() for x in parts) == numel:
+    if list(offsets) == packed and sum(x.numel() for x in parts) == numel:
         return torch.cat([x.reshape(-1) for x in parts])
     out = parts[0].new_zeros(numel)
     for x, o in zip(parts, offsets):

@@ -8,6 +8,7 @@ which `opttx.distributed.zero`'s offload shares.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -51,13 +52,14 @@ class OffloadChunk:
     on_host: bool
     alignment: int = 1
 
-    @property
+    # both read on every step (staging copies, views of the buffers): computed once
+    @functools.cached_property
     def numel(self) -> int:
         """Elements of the chunk's buffers: its leaves and the gaps that align them."""
         offsets = self.offsets
         return offsets[-1] + self.sizes[-1] if self.sizes else 0
 
-    @property
+    @functools.cached_property
     def offsets(self) -> tuple[int, ...]:
         """Element offset of each leaf in the chunk."""
         out, pos, a = [], 0, self.alignment

@@ -381,8 +381,8 @@ def orthogonalize_block_periodic(full_every: int | None = 5, blocks: BlockGrid =
 
     def block_step(xs: list[torch.Tensor], plans: list[_Plan]) -> list[torch.Tensor]:
         pieces: list[torch.Tensor] = []
-        where: list[tuple[int, int]] = []       # per leaf: first piece, number of pieces
-        for x, plan in zip(xs, plans):
+        where: list[tuple[int, int, torch.Size]] = []   # per leaf: first piece, number of
+        for x, plan in zip(xs, plans):                  # pieces, its matrix axes' shape
             m = to_last_two(x, plan.axes)
             batch = m.reshape(math.prod(m.shape[:-2]), *m.shape[-2:])
             start = len(pieces)
@@ -391,10 +391,10 @@ def orthogonalize_block_periodic(full_every: int | None = 5, blocks: BlockGrid =
             else:
                 for rows in batch.split(list(plan.local_rows), dim=1):
                     pieces.extend(rows.split(list(plan.local_cols), dim=2))
-            where.append((start, len(pieces) - start))
+            where.append((start, len(pieces) - start, m.shape))
         done = orthogonalize_groups(pieces, block=True)
         out = []
-        for x, plan, (start, n) in zip(xs, plans, where):
+        for x, plan, (start, n, m_shape) in zip(xs, plans, where):
             parts = done[start:start + n]
             if n == 1:
                 y = parts[0]
@@ -402,7 +402,6 @@ def orthogonalize_block_periodic(full_every: int | None = 5, blocks: BlockGrid =
                 c = len(plan.local_cols)
                 y = torch.cat([torch.cat(parts[i:i + c], dim=2) for i in range(0, n, c)],
                               dim=1)
-            m_shape = to_last_two(x, plan.axes).shape
             out.append(in_layout_of(from_last_two(y.reshape(m_shape), plan.axes), x))
         return out
 
@@ -430,14 +429,15 @@ def orthogonalize_block_periodic(full_every: int | None = 5, blocks: BlockGrid =
             reduced = _reduce(partials, dims, spec, extra_args)
             wholes = [reduced[i] if plan.gathered else x
                       for i, x, plan in zip(present, xs, plans)]
-        pieces = []
+        pieces, m_shapes = [], []
         for w, plan in zip(wholes, plans):
             m = to_last_two(w, plan.axes)
             pieces.append(m.reshape(math.prod(m.shape[:-2]), *m.shape[-2:]))
+            m_shapes.append(m.shape)
         done = orthogonalize_groups(pieces, block=False)
         out = []
-        for x, w, y, plan in zip(xs, wholes, done, plans):
-            y = from_last_two(y.reshape(to_last_two(w, plan.axes).shape), plan.axes)
+        for x, y, plan, m_shape in zip(xs, done, plans, m_shapes):
+            y = from_last_two(y.reshape(m_shape), plan.axes)
             for d, off in plan.gathered.items():
                 # this rank's part, gathered into its own storage (not a view: the branches of
                 # a compiled torch.cond must agree on storage offsets)
